@@ -1,0 +1,21 @@
+"""Drafters: one per file behind the small protocol in drafters.base.
+
+Specs: "ngram" or "ngram:N" (prompt lookup, longest n-gram N), "hf:PATH_OR_ID" (transformers).
+"""
+from __future__ import annotations
+
+from drafters.base import Drafter, Proposal, SparseQ
+
+
+def load_drafter(spec: str, q_support: int = 32) -> Drafter:
+    kind, _, arg = spec.partition(":")
+    if kind == "ngram":
+        from drafters.ngram import NgramDrafter
+        return NgramDrafter(max_ngram=int(arg)) if arg else NgramDrafter()
+    if kind == "hf" and arg:
+        from drafters.hf import HFDrafter
+        return HFDrafter.load(arg, q_support=q_support)
+    raise ValueError(f"unknown drafter spec {spec!r}: use ngram, ngram:N or hf:PATH_OR_ID")
+
+
+__all__ = ["Drafter", "Proposal", "SparseQ", "load_drafter"]

@@ -1,0 +1,1 @@
+"""The `sled` command line: serve, generate, bench, demo."""

@@ -1,0 +1,1 @@
+"""The shared verification server: sessions, scheduler, batched target forward, acceptance math."""

@@ -1,0 +1,80 @@
+"""Acceptance math: which draft tokens the target keeps, and the one token it adds.
+
+p is the target's distribution at each position, q the drafter's. Both functions take the target
+output at k + 1 positions: position j scores the token that follows context + draft[:j], so
+position k (after the whole draft) gives the bonus token.
+
+Example (greedy): draft = [5, 9, 4], argmax p = [5, 9, 7, 2]
+  -> draft[0], draft[1] match, draft[2] = 4 != 7: accepted = 2, emitted = [5, 9, 7].
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    accepted: int            # draft tokens kept: always a prefix of the draft
+    emitted: list[int]       # draft[:accepted] + [correction or bonus]
+
+
+@dataclass(frozen=True, slots=True)
+class SparseQ:
+    """The drafter's distribution at one position, zero outside `ids` (probs sum to 1)."""
+    ids: torch.Tensor        # [n] int64
+    probs: torch.Tensor      # [n] float64
+
+    def dense(self, vocab: int) -> torch.Tensor:  # [vocab]
+        q = torch.zeros(vocab, dtype=torch.float64)
+        q[self.ids] = self.probs
+        return q
+
+    def prob_of(self, token: int) -> float:
+        hit = (self.ids == token).nonzero()
+        return float(self.probs[hit[0, 0]]) if len(hit) else 0.0
+
+
+def verify_greedy(logits: torch.Tensor, draft: Sequence[int]) -> Outcome:
+    """logits: [k + 1, vocab]. Accept while draft[j] == argmax p_j, then emit argmax p."""
+    targets = logits.argmax(dim=-1).tolist()  # [k + 1]
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == targets[accepted]:
+        accepted += 1
+    return Outcome(accepted, list(draft[:accepted]) + [targets[accepted]])
+
+
+def verify_sampling(
+    p: torch.Tensor,                    # [k + 1, vocab] target probabilities (already warped)
+    draft: Sequence[int],               # [k]
+    q: Sequence[SparseQ] | None,        # k entries, or None for a deterministic drafter
+    generator: torch.Generator,
+) -> Outcome:
+    """Speculative rejection sampling (Leviathan et al. / Chen et al.), exact for any q.
+
+    Accept draft[j] with probability min(1, p(x)/q(x)); on the first rejection draw from
+    normalize(max(0, p - q)); if all k are accepted draw a bonus token from p at position k.
+    A deterministic drafter has q = one-hot(x), so acceptance is p(x) and the residual is p
+    with x removed. Draw order per round: one uniform per examined position, then one token.
+    """
+    p = p.to(torch.float64)
+    vocab = p.shape[-1]
+    for j, token in enumerate(draft):
+        q_token = 1.0 if q is None else q[j].prob_of(token)
+        p_token = float(p[j, token])
+        u = float(torch.rand((), generator=generator, dtype=torch.float64))
+        if u * q_token < p_token:  # u < p/q without dividing
+            continue
+        if q is None:
+            residual = p[j].clone()
+            residual[token] = 0.0
+        else:
+            residual = (p[j] - q[j].dense(vocab)).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: rejection had probability ~0
+            residual = p[j]
+        correction = int(torch.multinomial(residual, 1, generator=generator))
+        return Outcome(j, list(draft[:j]) + [correction])
+    bonus = int(torch.multinomial(p[len(draft)], 1, generator=generator))
+    return Outcome(len(draft), list(draft) + [bonus])

@@ -1,0 +1,43 @@
+"""Errors a session can end with: a gRPC status code, a message a person can act on, and a
+machine-readable reason (sent to the device as the stream's last message)."""
+from __future__ import annotations
+
+import grpc
+
+from sled.v1 import verifier_pb2 as pb
+
+Reason = pb.ErrorDetail.Reason
+
+
+class SessionError(Exception):
+    """A request the server refuses; the stream ends with `code`, other sessions carry on."""
+
+    def __init__(self, code: grpc.StatusCode, reason: int, message: str, round: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.round = round
+
+    def detail(self) -> pb.ErrorDetail:
+        return pb.ErrorDetail(reason=self.reason, message=self.message, round=self.round)
+
+    @property
+    def reason_name(self) -> str:
+        return Reason.Name(self.reason).removeprefix("REASON_").lower()
+
+
+def invalid(reason: int, message: str, round: int = 0) -> SessionError:
+    return SessionError(grpc.StatusCode.INVALID_ARGUMENT, reason, message, round)
+
+
+def precondition(reason: int, message: str, round: int = 0) -> SessionError:
+    return SessionError(grpc.StatusCode.FAILED_PRECONDITION, reason, message, round)
+
+
+def exhausted(reason: int, message: str) -> SessionError:
+    return SessionError(grpc.StatusCode.RESOURCE_EXHAUSTED, reason, message)
+
+
+def unavailable(reason: int, message: str) -> SessionError:
+    return SessionError(grpc.StatusCode.UNAVAILABLE, reason, message)

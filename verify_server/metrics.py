@@ -1,0 +1,34 @@
+"""Prometheus metrics of one server (its own registry, so several servers can share a process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.forward_passes = Counter("sled_forward_passes", "Batched target forward passes", registry=r)
+        self.draft_tokens = Counter("sled_draft_tokens", "Draft tokens verified", registry=r)
+        self.accepted_tokens = Counter("sled_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.emitted_tokens = Counter("sled_emitted_tokens", "Tokens committed to sessions", registry=r)
+        self.rounds = Counter("sled_rounds", "Verify rounds answered", registry=r)
+        self.sessions = Counter("sled_sessions", "Sessions opened", registry=r)
+        self.errors = Counter("sled_errors", "Sessions ended by an error", ["reason"], registry=r)
+        self.active_sessions = Gauge("sled_active_sessions", "Sessions open now", registry=r)
+        self.kv_tokens = Gauge("sled_kv_tokens", "Tokens held in session KV caches", registry=r)
+        self.batch_size = Histogram("sled_batch_size", "Sessions per forward pass",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.forward_seconds = Histogram("sled_forward_seconds", "Forward pass + acceptance time",
+                                         registry=r)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """Current value of a sample, e.g. value("sled_forward_passes_total")."""
+        found = self.registry.get_sample_value(name, labels or {})
+        return 0.0 if found is None else found
+
+    def serve_http(self, port: int, addr: str = "127.0.0.1"):
+        """Expose /metrics; returns the (server, thread) pair from prometheus_client."""
+        return start_http_server(port, addr=addr, registry=self.registry)

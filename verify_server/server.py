@@ -1,0 +1,82 @@
+"""Assemble and run the verify server: gRPC (aio) with health and reflection, plus metrics."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sled.v1 import verifier_pb2 as pb
+from sled.v1 import verifier_pb2_grpc as pb_grpc
+from verify_server.config import ServerConfig
+from verify_server.engine import Engine
+from verify_server.metrics import Metrics
+from verify_server.scheduler import Scheduler
+from verify_server.service import VerifierService
+from verify_server.target import Target
+
+log = logging.getLogger("sled.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    service: VerifierService
+    scheduler: Scheduler
+    metrics: Metrics
+    health: health.aio.HealthServicer
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        self.service.accepting = False
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.scheduler.stop()
+
+
+async def start_server(target: Target, config: ServerConfig | None = None, host: str = "127.0.0.1",
+                       port: int = 0, metrics: Metrics | None = None) -> RunningServer:
+    """Start serving `target`; port 0 picks a free port (see RunningServer.port)."""
+    config = config or ServerConfig()
+    metrics = metrics or Metrics()
+    scheduler = Scheduler(Engine(target.model), metrics, config.max_batch_sessions)
+    scheduler.start()
+    service = VerifierService(target, scheduler, config, metrics)
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", 64 << 20),
+    ])
+    pb_grpc.add_VerifierServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    await server.start()
+    log.info("serving %s on %s:%d", target.model_id, host, bound)
+    return RunningServer(server, bound, service, scheduler, metrics, health_servicer)
+
+
+async def serve_forever(target: Target, config: ServerConfig, host: str, port: int,
+                        metrics_port: int | None) -> None:
+    running = await start_server(target, config, host, port)
+    if metrics_port is not None:
+        running.metrics.serve_http(metrics_port, addr=host)
+        log.info("metrics on http://%s:%d/metrics", host, metrics_port)
+    try:
+        await running.server.wait_for_termination()
+    finally:
+        await running.stop()

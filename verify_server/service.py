@@ -1,0 +1,222 @@
+"""The Verifier gRPC service: validates what devices send and turns it into scheduled work."""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+import torch
+
+from sled.fingerprint import short
+from sled.sampling import Sampling
+from sled.v1 import verifier_pb2 as pb
+from sled.v1 import verifier_pb2_grpc as pb_grpc
+from verify_server import errors
+from verify_server.acceptance import SparseQ
+from verify_server.config import ServerConfig
+from verify_server.errors import Reason, SessionError
+from verify_server.metrics import Metrics
+from verify_server.scheduler import Scheduler, StepInfo
+from verify_server.session import Session
+from verify_server.target import Target
+
+log = logging.getLogger("sled.server")
+
+PROB_SUM_TOLERANCE = 1e-3
+
+
+def _timings(info: StepInfo) -> pb.ServerTimings:
+    return pb.ServerTimings(queue_ms=info.queue_ms, forward_ms=info.forward_ms,
+                            batch_size=info.batch_size)
+
+
+class VerifierService(pb_grpc.VerifierServicer):
+    def __init__(self, target: Target, scheduler: Scheduler, config: ServerConfig,
+                 metrics: Metrics) -> None:
+        self.target = target
+        self.scheduler = scheduler
+        self.config = config
+        self.metrics = metrics
+        self.context_length = min(target.context_length, config.context_length or 1 << 30)
+        self.sessions: dict[str, Session] = {}
+        self.accepting = True
+
+    # --- unary calls -------------------------------------------------------------------------
+
+    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        return pb.ModelInfo(
+            model_id=self.target.model_id,
+            vocab_size=self.target.vocab_size,
+            tokenizer_fingerprint=self.target.fingerprint,
+            eos_token_ids=self.target.eos_ids,
+            context_length=self.context_length,
+            limits=pb.ServerLimits(max_draft_tokens=self.config.max_draft_tokens,
+                                   max_sessions=self.config.max_sessions,
+                                   max_q_support=self.config.max_q_support),
+            sat_available=False,
+            dtype=self.target.dtype,
+            device=self.target.device,
+        )
+
+    async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
+        files = [pb.TokenizerFile(name=name, content=content)
+                 for name, content in self.target.tokenizer_files().items()]
+        return pb.TokenizerFiles(tokenizer_fingerprint=self.target.fingerprint, files=files)
+
+    # --- the session stream ------------------------------------------------------------------
+
+    async def Generate(self, requests: AsyncIterator[pb.DeviceMessage],
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ServerMessage]:
+        session: Session | None = None
+        try:
+            async for message in requests:
+                kind = message.WhichOneof("kind")
+                if kind == "open":
+                    if session is not None:
+                        raise errors.precondition(Reason.REASON_PROTOCOL,
+                                                  "this stream already has an open session; "
+                                                  "open a new stream for a new generation")
+                    session = self._open(message.open)
+                    info = await self.scheduler.prefill(session)
+                    yield pb.ServerMessage(opened=pb.Opened(
+                        session_id=session.id, prompt_tokens=len(session.prompt_ids),
+                        max_new_tokens=session.max_new_tokens, timings=_timings(info)))
+                elif kind == "draft":
+                    verdict = await self._verify(session, message.draft)
+                    yield pb.ServerMessage(verdict=verdict)
+                    if session.finished:
+                        self._end(session)
+                elif kind == "close":
+                    break
+                else:
+                    raise errors.invalid(Reason.REASON_PROTOCOL,
+                                         "empty DeviceMessage: set one of open, draft, close")
+        except SessionError as error:
+            self.metrics.errors.labels(error.reason_name).inc()
+            log.info("session %s refused: %s", session.id if session else "-", error.message)
+            yield pb.ServerMessage(error=error.detail())
+            await context.abort(error.code, error.message)
+        finally:
+            if session is not None:
+                self._end(session)
+                self.sessions.pop(session.id, None)
+                self.metrics.active_sessions.set(len(self.sessions))
+
+    def _end(self, session: Session) -> None:
+        """The session is done (finished, failed or disconnected): its KV goes now."""
+        self.scheduler.release(session)
+
+    def _open(self, request: pb.Open) -> Session:
+        if not self.accepting:
+            raise errors.unavailable(Reason.REASON_SHUTTING_DOWN,
+                                     "server is shutting down; retry on another server")
+        if request.tokenizer_fingerprint and request.tokenizer_fingerprint != self.target.fingerprint:
+            raise errors.precondition(
+                Reason.REASON_TOKENIZER_MISMATCH,
+                f"drafter tokenizer {short(request.tokenizer_fingerprint)} "
+                f"({request.drafter or 'unnamed drafter'}) does not match target "
+                f"{self.target.model_id} tokenizer {short(self.target.fingerprint)}: "
+                "draft with a model that shares the target's tokenizer")
+        prompt = list(request.prompt_ids)
+        if not prompt:
+            raise errors.invalid(Reason.REASON_PROTOCOL, "prompt_ids is empty: send at least one token")
+        self._check_ids(prompt, "prompt_ids")
+        self._check_ids(request.stop_ids, "stop_ids")
+        if request.max_new_tokens < 1:
+            raise errors.invalid(Reason.REASON_PROTOCOL, "max_new_tokens must be >= 1")
+        if len(prompt) + request.max_new_tokens > self.context_length:
+            raise errors.invalid(
+                Reason.REASON_CONTEXT_OVERFLOW,
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
+                f"exceeds the context length {self.context_length}: shorten one of them")
+        try:
+            sampling = Sampling.from_proto(request.sampling)
+        except ValueError as exc:
+            raise errors.invalid(Reason.REASON_BAD_SAMPLING, f"bad sampling params: {exc}") from None
+        if len(self.sessions) >= self.config.max_sessions:
+            raise errors.exhausted(Reason.REASON_TOO_MANY_SESSIONS,
+                                   f"server is at its limit of {self.config.max_sessions} sessions; "
+                                   "retry later or use another server")
+        stop = frozenset(request.stop_ids)
+        end = stop if request.ignore_eos else stop | frozenset(self.target.eos_ids)
+        session = Session(prompt_ids=prompt, sampling=sampling, max_new_tokens=request.max_new_tokens,
+                          end_ids=end, stop_ids=stop, drafter=request.drafter)
+        self.sessions[session.id] = session
+        self.metrics.sessions.inc()
+        self.metrics.active_sessions.set(len(self.sessions))
+        return session
+
+    async def _verify(self, session: Session | None, draft: pb.Draft) -> pb.Verdict:
+        if session is None:
+            raise errors.precondition(Reason.REASON_NO_SESSION,
+                                      "draft before open: send an open message first", draft.round)
+        if session.finished:
+            raise errors.precondition(
+                Reason.REASON_SESSION_FINISHED,
+                f"session {session.id} already finished ({pb.FinishReason.Name(session.finish)}) "
+                f"after {len(session.generated)} tokens", draft.round)
+        if draft.round != session.round:
+            raise errors.precondition(Reason.REASON_WRONG_ROUND,
+                                      f"draft is for round {draft.round}, session {session.id} "
+                                      f"expects round {session.round}", draft.round)
+        tokens = list(draft.token_ids)
+        if not tokens:
+            raise errors.invalid(Reason.REASON_EMPTY_DRAFT, "draft has no tokens: send k >= 1",
+                                 draft.round)
+        if len(tokens) > self.config.max_draft_tokens:
+            raise errors.invalid(Reason.REASON_DRAFT_TOO_LONG,
+                                 f"draft has {len(tokens)} tokens, the server verifies at most "
+                                 f"{self.config.max_draft_tokens} per round", draft.round)
+        self._check_ids(tokens, "draft.token_ids", draft.round)
+        q = self._draft_q(session, draft, tokens)
+        budget = session.verify_budget(len(tokens))
+        outcome, info = await self.scheduler.verify(session, tokens[:budget],
+                                                    q[:budget] if q is not None else None)
+        emitted, finish = session.commit(outcome)
+        self.metrics.rounds.inc()
+        self.metrics.draft_tokens.inc(budget)
+        self.metrics.accepted_tokens.inc(outcome.accepted)
+        self.metrics.emitted_tokens.inc(len(emitted))
+        return pb.Verdict(round=draft.round, accepted=outcome.accepted, emitted_ids=emitted,
+                          finish_reason=finish, timings=_timings(info), verified=budget)
+
+    def _draft_q(self, session: Session, draft: pb.Draft, tokens: list[int]) -> list[SparseQ] | None:
+        """The sparse q of a sampling draft; None means a deterministic drafter (one-hot q)."""
+        if session.sampling.greedy or not draft.q:
+            return None
+        if len(draft.q) != len(tokens):
+            raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
+                                 f"draft has {len(tokens)} tokens but {len(draft.q)} q entries: "
+                                 "send one per token or none", draft.round)
+        result = []
+        for j, (token, dist) in enumerate(zip(tokens, draft.q)):
+            where = f"q[{j}]"
+            if not dist.ids or len(dist.ids) != len(dist.probs):
+                raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
+                                     f"{where} needs ids and probs of equal, non-zero length", draft.round)
+            if len(dist.ids) > self.config.max_q_support:
+                raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
+                                     f"{where} has {len(dist.ids)} entries, at most "
+                                     f"{self.config.max_q_support} allowed", draft.round)
+            self._check_ids(dist.ids, f"{where}.ids", draft.round)
+            ids = torch.tensor(list(dist.ids), dtype=torch.long)
+            probs = torch.tensor(list(dist.probs), dtype=torch.float64)
+            if len(set(dist.ids)) != len(dist.ids) or not bool((probs > 0).all()):
+                raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
+                                     f"{where} must list distinct ids with probs > 0", draft.round)
+            if abs(float(probs.sum()) - 1.0) > PROB_SUM_TOLERANCE:
+                raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
+                                     f"{where} probs sum to {float(probs.sum()):.4f}, not 1", draft.round)
+            if token not in dist.ids:
+                raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
+                                     f"draft token {token} at position {j} is outside its q support "
+                                     "(q must be the distribution it was drawn from)", draft.round)
+            result.append(SparseQ(ids, probs / probs.sum()))
+        return result
+
+    def _check_ids(self, ids, field: str, round: int = 0) -> None:
+        bad = [t for t in ids if t >= self.target.vocab_size]
+        if bad:
+            raise errors.invalid(Reason.REASON_TOKEN_OUT_OF_RANGE,
+                                 f"{field} has id {bad[0]} outside the target vocabulary "
+                                 f"[0, {self.target.vocab_size})", round)

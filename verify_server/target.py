@@ -1,0 +1,75 @@
+"""The target model p: a transformers causal LM with its tokenizer, and what the wire says of it."""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sled.fingerprint import fingerprint_tokenizer
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class Target:
+    model: torch.nn.Module
+    tokenizer: object
+    model_id: str
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    context_length: int
+    fingerprint: str
+
+    @classmethod
+    def load(cls, model_id: str, dtype: str = "float32", device: str = "cpu",
+             trust_remote_code: bool = False, context_length: int | None = None) -> "Target":
+        """Load an AutoModelForCausalLM from safetensors (a local path or a hub id)."""
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_id, dtype=DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code,
+        ).to(device).eval()
+        return cls.from_model(model, tokenizer, model_id, context_length)
+
+    @classmethod
+    def from_model(cls, model, tokenizer, model_id: str,
+                   context_length: int | None = None) -> "Target":
+        config = model.config.get_text_config(decoder=True)
+        limit = getattr(config, "max_position_embeddings", None) or 2048
+        return cls(
+            model=model,
+            tokenizer=tokenizer,
+            model_id=model_id,
+            vocab_size=int(config.vocab_size),
+            eos_ids=eos_ids_of(model),
+            context_length=min(context_length or limit, limit),
+            fingerprint=fingerprint_tokenizer(tokenizer),
+        )
+
+    @property
+    def dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    @property
+    def device(self) -> str:
+        return str(next(self.model.parameters()).device)
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer as files a device can load with AutoTokenizer.from_pretrained(dir)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            self.tokenizer.save_pretrained(tmp)
+            return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+
+
+def eos_ids_of(model) -> tuple[int, ...]:
+    """EOS ids as generate() uses them: the generation config first, then the model config."""
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            return tuple(sorted({int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}))
+    return ()
