@@ -26,10 +26,11 @@ class Connection:
         self.stub = pb_grpc.VerifierStub(self.channel)
         self._info: pb.ModelInfo | None = None
 
-    async def model_info(self, timeout: float = 30.0) -> pb.ModelInfo:
+    async def model_info(self, timeout: float = 30.0, wait_for_ready: bool = True) -> pb.ModelInfo:
+        """wait_for_ready=False fails at once (UNAVAILABLE) when nothing listens at the address."""
         if self._info is None:
             self._info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout,
-                                                      wait_for_ready=True)
+                                                      wait_for_ready=wait_for_ready)
         return self._info
 
     async def tokenizer(self, timeout: float = 60.0):

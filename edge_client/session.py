@@ -30,6 +30,16 @@ class VerifyError(Exception):
         self.reason = reason
 
 
+@dataclass(frozen=True, slots=True)
+class RoundStat:
+    draft_ms: float          # drafting on this device
+    round_trip_ms: float     # draft sent -> verdict received
+    forward_ms: float        # the server's batched forward + acceptance
+    queue_ms: float          # waiting on the server for a place in a forward
+    verified: int
+    accepted: int
+
+
 @dataclass(slots=True)
 class GenerationResult:
     token_ids: list[int]
@@ -40,7 +50,7 @@ class GenerationResult:
     elapsed_s: float = 0.0
     server_forward_ms: float = 0.0
     text: str = ""
-    round_trip_ms: list[float] = field(default_factory=list)
+    round_stats: list[RoundStat] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -52,7 +62,7 @@ class GenerationResult:
 
     def summary(self) -> dict:
         out = asdict(self)
-        out.pop("round_trip_ms")
+        out.pop("round_stats")
         out.update(acceptance_rate=round(self.acceptance_rate, 4),
                    tokens_per_round=round(self.tokens_per_round, 4),
                    tokens_per_s=round(len(self.token_ids) / self.elapsed_s, 2) if self.elapsed_s else 0.0)
@@ -129,11 +139,14 @@ async def generate(
         context = list(prompt_ids)
         result = GenerationResult(token_ids=[], finish_reason="")
         while True:
+            drafting = time.perf_counter()
             proposal = await asyncio.to_thread(drafter.propose, context, draft_len, sampling, generator)
             sent = time.perf_counter()
             await call.write(draft_message(result.rounds, proposal))
             verdict = (await read_reply(call)).verdict
-            result.round_trip_ms.append((time.perf_counter() - sent) * 1e3)
+            result.round_stats.append(RoundStat(
+                (sent - drafting) * 1e3, (time.perf_counter() - sent) * 1e3, verdict.timings.forward_ms,
+                verdict.timings.queue_ms, verdict.verified, verdict.accepted))
             result.server_forward_ms += verdict.timings.forward_ms
             result.rounds += 1
             result.draft_tokens += verdict.verified

@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random targets (float64, so batched and unbatched arithmetic agree to
+far below any argmax gap), an in-process server, and the greedy oracle."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sled_cli.tiny import make_model, make_tokenizer, perturbed
+from verify_server.config import ServerConfig
+from verify_server.server import start_server
+from verify_server.target import Target
+
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PROMPT_TEXTS = [
+    "def add(a, b):",
+    "for i in range(10):",
+    "The server verifies",
+    "import math",
+    "class Session:",
+    "Small devices draft tokens",
+    "print(",
+    "x",
+]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer(text).input_ids for text in PROMPT_TEXTS]
+
+
+@pytest.fixture(scope="session")
+def models(tokenizer) -> dict[str, torch.nn.Module]:
+    """Tiny float64 targets by architecture."""
+    return {arch: make_model(arch, len(tokenizer), dtype=torch.float64) for arch in ("llama", "gemma3")}
+
+
+@pytest.fixture(scope="session")
+def drafter_models(models) -> dict[str, torch.nn.Module]:
+    """Each target with weight noise: agrees with it often, not always."""
+    return {arch: perturbed(model, 0.1) for arch, model in models.items()}
+
+
+def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: int | list[int] | None = None):
+    """The oracle: transformers generate(do_sample=False) of the target, generated part only."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=0, eos_token_id=eos)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture
+async def serve(tokenizer):
+    """serve(model, **config) -> a running in-process server; all stopped after the test."""
+    running = []
+
+    async def start(model, model_id: str = "tiny", **config):
+        server = await start_server(Target.from_model(model, tokenizer, model_id), ServerConfig(**config))
+        running.append(server)
+        return server
+
+    yield start
+    for server in running:
+        await server.stop(grace=0)

@@ -1,0 +1,53 @@
+"""Batching is real: concurrent sessions share forward passes, read from the /metrics endpoint."""
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import grpc
+
+from drafters.ngram import NgramDrafter
+from edge_client.session import generate
+from sled.v1 import verifier_pb2_grpc as pb_grpc
+from sled_cli.procs import free_port
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+async def run_sessions(server, prompts, count: int, max_new: int = 32):
+    stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(server.address))
+    return await asyncio.gather(*(
+        generate(stub, NgramDrafter(), prompts[i % len(prompts)], max_new_tokens=max_new, draft_len=4,
+                 ignore_eos=True) for i in range(count)))
+
+
+async def test_eight_sessions_share_forward_passes(serve, models, prompts):
+    server = await serve(models["llama"])
+    port = free_port()
+    server.metrics.serve_http(port)
+    results = await run_sessions(server, prompts, 8)
+    metrics = scrape(port)
+    rounds = sum(r.rounds for r in results)
+    assert metrics["sled_rounds_total"] == rounds
+    assert metrics["sled_sessions_total"] == 8
+    # Every round and prefill alone would need rounds + 8 passes; batching needs far fewer.
+    assert metrics["sled_forward_passes_total"] < 0.4 * rounds
+    assert metrics["sled_batch_size_sum"] / metrics["sled_batch_size_count"] > 3
+    assert metrics["sled_draft_tokens_total"] == sum(r.draft_tokens for r in results)
+    assert metrics["sled_accepted_tokens_total"] == sum(r.accepted_tokens for r in results)
+
+
+async def test_a_lone_session_is_not_held_back_for_a_batch(serve, models, prompts):
+    """No fixed wait for company: one session gets one pass per round (plus its prefill)."""
+    server = await serve(models["llama"])
+    [result] = await run_sessions(server, prompts[:1], 1)
+    assert server.metrics.value("sled_forward_passes_total") == result.rounds + 1
+    assert all(s.queue_ms < 50 for s in result.round_stats)

@@ -1,0 +1,91 @@
+"""The command line as a person uses it: `sled serve` and `sled generate` as real processes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sled_cli.procs import ServerProcess, free_port
+from sled_cli.tiny import save_pair
+
+SLED = [sys.executable, "-m", "sled_cli.main"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return save_pair(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+def sled(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*SLED, *args], capture_output=True, text=True, timeout=timeout)
+
+
+async def test_generate_json_is_lossless_against_a_served_target(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path))  # the tokenizer is bootstrapped from the server
+    target_dir, drafter_dir = pair
+    async with ServerProcess(str(target_dir), "--dtype", "float64") as server:
+        done = sled("generate", "--server", server.address, "--drafter", f"hf:{drafter_dir}",
+                    "--prompt", "def fib(n):", "--max-new-tokens", "20", "--draft-len", "3", "--json")
+        assert done.returncode == 0, done.stderr
+        out = json.loads(done.stdout)
+        streamed = sled("generate", "--server", server.address, "--drafter", "ngram",
+                        "--prompt", "def fib(n):", "--max-new-tokens", "20")
+        metrics_forward = server.metric("sled_forward_passes_total")
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    prompt = tokenizer("def fib(n):").input_ids
+    reference = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                               pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist()
+    assert out["token_ids"] == reference
+    assert out["text"] == tokenizer.decode(reference)
+    assert out["finish_reason"] == "length"
+    assert out["rounds"] >= 20 / 4 and out["draft_tokens"] >= out["accepted_tokens"] > 0
+    assert out["accepted_tokens"] + out["rounds"] == len(reference)  # each round: accepted + 1
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout.rstrip("\n") == tokenizer.decode(reference)
+    assert "tokens/round" in streamed.stderr
+    assert metrics_forward > 0
+
+
+def test_generate_explains_an_unreachable_server():
+    done = sled("generate", "--server", f"127.0.0.1:{free_port()}", "--prompt", "hi", timeout=60)
+    assert done.returncode == 3
+    assert "cannot reach a sled server" in done.stderr
+
+
+def test_generate_rejects_an_unknown_drafter_spec():
+    done = sled("generate", "--server", "127.0.0.1:1", "--drafter", "magic:x", "--prompt", "hi")
+    assert done.returncode == 2 and "unknown drafter spec 'magic:x'" in done.stderr
+
+
+async def test_generate_reports_a_refused_tokenizer(pair, tmp_path, monkeypatch):
+    """A drafter whose tokenizer differs from the target's is refused with both named."""
+    from sled_cli.tiny import make_model, make_tokenizer
+
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path))
+    other = tmp_path / "other-drafter"
+    tokenizer = make_tokenizer(vocab_size=300)
+    make_model("llama", len(tokenizer)).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    async with ServerProcess(str(pair[0])) as server:
+        done = sled("generate", "--server", server.address, "--drafter", f"hf:{other}",
+                    "--prompt", "def fib(n):", "--max-new-tokens", "5")
+    assert done.returncode == 4
+    assert "FAILED_PRECONDITION" in done.stderr and "tokenizer" in done.stderr
+
+
+def test_bench_overhead_reports_percentiles(pair, tmp_path):
+    out = tmp_path / "overhead.json"
+    done = sled("bench", "overhead", "--model", str(pair[0]), "--rounds", "30", "--out", str(out),
+                timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["rounds"] >= 30
+    overhead = result["summary"]["overhead (ms)"]
+    assert 0 < overhead["p50"] <= overhead["p95"]
+    assert 0 < result["summary"]["overhead / round"]["p50"] < 1
+    assert "overhead / round" in done.stdout
