@@ -11,7 +11,11 @@ def load_drafter(spec: str, q_support: int = 32) -> Drafter:
     kind, _, arg = spec.partition(":")
     if kind == "ngram":
         from drafters.ngram import NgramDrafter
-        return NgramDrafter(max_ngram=int(arg)) if arg else NgramDrafter()
+        try:
+            return NgramDrafter(max_ngram=int(arg)) if arg else NgramDrafter()
+        except ValueError as exc:  # "ngram:x", "ngram:0": say which spec was wrong
+            raise ValueError(f"bad drafter spec {spec!r}: {exc}; "
+                             "use ngram or ngram:N with N >= 1") from None
     if kind == "hf" and arg:
         from drafters.hf import HFDrafter
         return HFDrafter.load(arg, q_support=q_support)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 
 def fingerprint_vocab(vocab: Mapping[str, int]) -> str:
-    """sha256 over the vocabulary ordered by id, e.g. {"a": 0, "b": 1} -> "sha256:9a2c..."."""
+    """sha256 over the vocabulary ordered by id, e.g. {"a": 0, "b": 1} -> "sha256:a2b804b1740c..."."""
     digest = hashlib.sha256()
     for token, token_id in sorted(vocab.items(), key=lambda item: item[1]):
         digest.update(f"{token_id}\t{token}\n".encode("utf-8", "surrogatepass"))
