@@ -172,12 +172,12 @@ class VerifierService(pb_grpc.VerifierServicer):
         budget = session.verify_budget(len(tokens))
         outcome, info = await self.scheduler.verify(session, tokens[:budget],
                                                     q[:budget] if q is not None else None)
-        emitted, finish = session.commit(outcome)
+        emitted, finish, accepted = session.commit(outcome)
         self.metrics.rounds.inc()
         self.metrics.draft_tokens.inc(budget)
-        self.metrics.accepted_tokens.inc(outcome.accepted)
+        self.metrics.accepted_tokens.inc(accepted)
         self.metrics.emitted_tokens.inc(len(emitted))
-        return pb.Verdict(round=draft.round, accepted=outcome.accepted, emitted_ids=emitted,
+        return pb.Verdict(round=draft.round, accepted=accepted, emitted_ids=emitted,
                           finish_reason=finish, timings=_timings(info), verified=budget)
 
     def _draft_q(self, session: Session, draft: pb.Draft, tokens: list[int]) -> list[SparseQ] | None:

@@ -55,8 +55,12 @@ class Session:
         """Draft tokens worth verifying: with the extra token they must fit max_new_tokens."""
         return min(draft_len, self.remaining - 1)
 
-    def commit(self, outcome: Outcome) -> tuple[list[int], int]:
-        """Append the verdict's tokens, cut at the first end id or the length limit."""
+    def commit(self, outcome: Outcome) -> tuple[list[int], int, int]:
+        """Append the verdict's tokens, cut at the first end id or the length limit.
+
+        Returns (emitted, finish reason, accepted draft tokens among the emitted): an EOS inside
+        an accepted run drops the draft tokens after it, so they do not count as accepted.
+        """
         emitted: list[int] = []
         finish = pb.FINISH_REASON_UNSPECIFIED
         for token in outcome.emitted:
@@ -70,4 +74,4 @@ class Session:
         self.generated.extend(emitted)
         self.round += 1
         self.finish = finish
-        return emitted, finish
+        return emitted, finish, min(outcome.accepted, len(emitted))
