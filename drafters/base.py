@@ -5,9 +5,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
-from sled.sampling import Sampling
+from sled.sampling import Sampling, warp
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,3 +48,19 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def choose_token(logits: torch.Tensor | np.ndarray, sampling: Sampling, q_support: int,
+                 generator: torch.Generator | None = None) -> tuple[int, SparseQ | None]:
+    """One draft token from logits [vocab] (torch or numpy): the argmax, or a draw with its q."""
+    if sampling.greedy:
+        return int(logits.argmax()), None
+    # Sample from the warped distribution truncated to q_support ids: that truncated q is
+    # exactly what was sampled from, so the server's rejection sampling stays exact.
+    probs = warp(torch.as_tensor(logits), sampling)
+    top = torch.topk(probs, min(q_support, probs.shape[-1]))
+    support = top.values[top.values > 0]
+    ids = top.indices[: len(support)]
+    q = support / support.sum()
+    pick = int(torch.multinomial(q, 1, generator=generator))
+    return int(ids[pick]), SparseQ(ids.tolist(), q.float().tolist())

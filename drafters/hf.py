@@ -6,9 +6,9 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from drafters.base import Proposal, SparseQ, common_prefix
+from drafters.base import Proposal, SparseQ, choose_token, common_prefix
 from sled.fingerprint import fingerprint_tokenizer
-from sled.sampling import Sampling, warp
+from sled.sampling import Sampling
 
 
 class HFDrafter:
@@ -40,7 +40,7 @@ class HFDrafter:
         draft: list[int] = []
         qs: list[SparseQ] = []
         for j in range(k):
-            token, q = self._choose(logits, sampling, generator)
+            token, q = choose_token(logits, sampling, self.q_support, generator)
             draft.append(token)
             if q is not None:
                 qs.append(q)
@@ -65,17 +65,3 @@ class HFDrafter:
                          use_cache=True, logits_to_keep=1)
         self._seen.extend(tokens)
         return out.logits[0, -1].float()
-
-    def _choose(self, logits: torch.Tensor, sampling: Sampling,
-                generator: torch.Generator | None) -> tuple[int, SparseQ | None]:
-        if sampling.greedy:
-            return int(logits.argmax()), None
-        # Sample from the warped distribution truncated to q_support ids: that truncated q is
-        # exactly what was sampled from, so the server's rejection sampling stays exact.
-        probs = warp(logits, sampling)
-        top = torch.topk(probs, min(self.q_support, probs.shape[-1]))
-        support = top.values[top.values > 0]
-        ids = top.indices[: len(support)]
-        q = support / support.sum()
-        pick = int(torch.multinomial(q, 1, generator=generator))
-        return int(ids[pick]), SparseQ(ids.tolist(), q.float().tolist())
