@@ -12,11 +12,12 @@ async def run_generate(args) -> int:
     from edge_client.connection import Connection
     from edge_client.session import VerifyError, generate
     from sled.sampling import Sampling
+    from sled_cli.models import resolve_drafter_spec
 
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed)
-        drafter = load_drafter(args.drafter)
+        drafter = load_drafter(resolve_drafter_spec(args.drafter))
     except (ValueError, OSError) as exc:
         print(f"sled generate: {exc}", file=sys.stderr)
         return 2

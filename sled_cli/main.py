@@ -25,7 +25,8 @@ def _add_serve(sub) -> None:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate on this device, verified by a server")
     p.add_argument("--server", required=True, help="HOST:PORT of a sled server")
-    p.add_argument("--drafter", default="ngram", help="ngram, ngram:N, hf:PATH_OR_ID")
+    p.add_argument("--drafter", default="ngram",
+                   help="ngram, ngram:N, hf:PATH_OR_ID, gguf:ALIAS_OR_FILE")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-len", type=int, default=4, help="tokens drafted per round (k)")
@@ -47,11 +48,58 @@ def _add_bench(sub) -> None:
     o.add_argument("--rounds", type=int, default=300, help="rounds per session (at least)")
     o.add_argument("--draft-len", type=int, default=4)
     o.add_argument("--out", default="bench-results/overhead.json")
+    a = bench.add_parser("acceptance", help="acceptance and tokens per round per drafter and k")
+    a.add_argument("--target", default="gemma3-270m", help="alias or checkpoint path")
+    a.add_argument("--drafters", default="gguf:gemma3-270m,onnx:gemma3-270m,ngram",
+                   help="comma-separated drafter specs")
+    a.add_argument("--k", default="2,4,6,8", help="comma-separated draft lengths")
+    a.add_argument("--workload", default="humaneval:20")
+    a.add_argument("--max-new-tokens", type=int, default=64)
+    a.add_argument("--devices", type=int, default=4, help="concurrent sessions per drafter")
+    a.add_argument("--out", default="bench-results/acceptance.json")
+    d = bench.add_parser("drafter", help="GGUF/ONNX drafter vs its runtime's own generation loop")
+    d.add_argument("--model", required=True, help="gguf:ALIAS, gguf:FILE, onnx:ALIAS or onnx:DIR")
+    d.add_argument("--threads", type=int, default=None, help="runtime threads (default: all cores)")
+    d.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
+    d.add_argument("--draft-len", type=int, default=4, help="tokens drafted per round (k)")
+    d.add_argument("--accept", type=int, default=None,
+                   help="drafts accepted per simulated verdict (default: all)")
+    d.add_argument("--reps", type=int, default=5, help="repetitions of each, interleaved")
+    d.add_argument("--out", default=None, help="default: bench-results/drafter-MODEL-tN.json")
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="loopback demo: a server and several devices on this machine")
+    p = sub.add_parser("demo", help="loopback demo: a server and three devices on this machine")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--prompts", type=int, default=3, help="HumanEval prompts per device")
+
+
+def _add_models(sub) -> None:
+    p = sub.add_parser("models", help="built-in offline models")
+    actions = p.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="aliases, their packages and cached conversions")
+    prepare = actions.add_parser("prepare", help="assemble, convert (and export) ahead of use")
+    prepare.add_argument("aliases", nargs="*", help="default: all")
+    prepare.add_argument("--onnx", action="store_true", help="also export an int4 ONNX drafter")
+
+
+def _add_run_device(sub) -> None:
+    p = sub.add_parser("run-device", help="run a workload as one device; JSON lines of progress")
+    p.add_argument("--server", required=True)
+    p.add_argument("--drafter", default="ngram")
+    p.add_argument("--workload", default="humaneval:3", help="humaneval[:N] or a prompt file")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument("--name", default="device")
+
+
+def _add_export_onnx(sub) -> None:
+    p = sub.add_parser("export-onnx", help="export an HF checkpoint or built-in model to ONNX (drafter)")
+    p.add_argument("source", help="HF checkpoint folder, or a built-in model alias")
+    p.add_argument("out", nargs="?", default=None,
+                   help="output folder (default for an alias: the cache onnx:ALIAS loads)")
+    p.add_argument("--precision", default="int4", choices=["int4", "int8", "fp32"])
+    p.add_argument("--execution-provider", default="cpu", help="onnxruntime-genai EP (cpu)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -62,6 +110,9 @@ def parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_bench(sub)
     _add_demo(sub)
+    _add_export_onnx(sub)
+    _add_models(sub)
+    _add_run_device(sub)
     t = sub.add_parser("make-tiny", help="write a tiny random target + drafter pair (testing)")
     t.add_argument("folder")
     t.add_argument("--arch", default="llama", choices=["llama", "gemma3"])
@@ -78,12 +129,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         from sled_cli.generate import run_generate
         return asyncio.run(run_generate(args))
+    if args.command == "bench" and args.bench == "acceptance":
+        from sled_cli.bench_acceptance import run_acceptance
+        return asyncio.run(run_acceptance(args))
+    if args.command == "bench" and args.bench == "drafter":
+        from sled_cli.bench_drafter import run_drafter_bench
+        return run_drafter_bench(args)
     if args.command == "bench":
         from sled_cli.bench import run_overhead
         return asyncio.run(run_overhead(args))
     if args.command == "demo":
         from sled_cli.demo import run_demo
         return asyncio.run(run_demo(args))
+    if args.command == "models":
+        from sled_cli.models import run_models
+        return run_models(args)
+    if args.command == "run-device":
+        from sled_cli.run_device import run_device
+        return asyncio.run(run_device(args))
+    if args.command == "export-onnx":
+        from sled_cli.export_onnx import run_export_onnx
+        return run_export_onnx(args)
     if args.command == "make-tiny":
         from sled_cli.tiny import save_pair
         for path in save_pair(args.folder, args.arch):

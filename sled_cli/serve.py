@@ -15,7 +15,8 @@ def run_serve(args) -> int:
                           max_batch_sessions=args.max_batch_sessions,
                           context_length=args.context_length)
     target = Target.load(resolve_model(args.model), dtype=args.dtype, device=args.device,
-                         trust_remote_code=args.trust_remote_code, context_length=args.context_length)
+                         trust_remote_code=args.trust_remote_code, context_length=args.context_length,
+                         name=args.model)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve_forever(target, config, args.host, args.port, args.metrics_port))
     return 0

@@ -26,15 +26,17 @@ class Target:
 
     @classmethod
     def load(cls, model_id: str, dtype: str = "float32", device: str = "cpu",
-             trust_remote_code: bool = False, context_length: int | None = None) -> "Target":
-        """Load an AutoModelForCausalLM from safetensors (a local path or a hub id)."""
+             trust_remote_code: bool = False, context_length: int | None = None,
+             name: str | None = None) -> "Target":
+        """Load an AutoModelForCausalLM from safetensors (a local path or a hub id); `name` is
+        what devices are told the model is called (default: model_id)."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             model_id, dtype=DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code,
         ).to(device).eval()
-        return cls.from_model(model, tokenizer, model_id, context_length)
+        return cls.from_model(model, tokenizer, name or model_id, context_length)
 
     @classmethod
     def from_model(cls, model, tokenizer, model_id: str,

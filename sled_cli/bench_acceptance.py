@@ -1,0 +1,101 @@
+"""`sled bench acceptance`: how much of each drafter's draft the target accepts, per draft length.
+
+One server process (the target), every drafter in turn over the same workload, greedy, for each
+k: acceptance rate (accepted / verified draft tokens), mean accepted length per round, and tokens
+per round (accepted + the target's own token). Writes JSON and a PNG plot.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+
+async def _measure(stub, spec: str, prompts: list[list[int]], k: int, max_new: int,
+                   fingerprint: str, devices: int) -> dict:
+    from drafters import load_drafter
+    from edge_client.session import generate
+    from sled_cli.models import resolve_drafter_spec
+
+    drafters = [load_drafter(resolve_drafter_spec(spec)) for _ in range(devices)]
+    results = []
+
+    async def device(slot: int) -> None:
+        for i in range(slot, len(prompts), devices):
+            results.append(await generate(stub, drafters[slot], prompts[i], max_new_tokens=max_new,
+                                          draft_len=k, target_fingerprint=fingerprint))
+
+    await asyncio.gather(*(device(s) for s in range(devices)))
+    rounds = sum(r.rounds for r in results)
+    verified = sum(r.draft_tokens for r in results)
+    accepted = sum(r.accepted_tokens for r in results)
+    tokens = sum(len(r.token_ids) for r in results)
+    return {"drafter": spec, "k": k, "rounds": rounds, "verified": verified, "accepted": accepted,
+            "tokens": tokens, "acceptance_rate": accepted / verified,
+            "mean_accepted": accepted / rounds, "tokens_per_round": tokens / rounds}
+
+
+async def run_acceptance(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from edge_client.connection import Connection
+    from sled_cli.procs import ServerProcess
+    from sled_cli.workload import load_workload
+
+    console = Console()
+    specs = args.drafters.split(",")
+    ks = [int(k) for k in args.k.split(",")]
+    rows = []
+    async with ServerProcess(args.target) as server, Connection(server.address) as conn:
+        info = await conn.model_info()
+        tokenizer = await conn.tokenizer()
+        prompts = [tokenizer(p).input_ids for p in load_workload(args.workload)]
+        with Progress(console=console) as progress:
+            task = progress.add_task("drafter x k", total=len(specs) * len(ks))
+            for spec in specs:
+                for k in ks:
+                    progress.update(task, description=f"{spec} k={k}")
+                    rows.append(await _measure(conn.stub, spec, prompts, k, args.max_new_tokens,
+                                               info.tokenizer_fingerprint, args.devices))
+                    progress.advance(task)
+
+    table = Table(title=f"acceptance on {args.workload}, target {args.target}, "
+                        f"{args.max_new_tokens} new tokens, greedy")
+    for column in ("drafter", "k", "acceptance", "mean accepted", "tokens/round", "rounds"):
+        table.add_column(column, justify="left" if column == "drafter" else "right")
+    for r in rows:
+        table.add_row(r["drafter"], str(r["k"]), f"{r['acceptance_rate']:.1%}",
+                      f"{r['mean_accepted']:.2f}", f"{r['tokens_per_round']:.2f}", str(r["rounds"]))
+    console.print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"target": args.target, "workload": args.workload,
+                               "max_new_tokens": args.max_new_tokens, "results": rows}, indent=2))
+    _plot(rows, specs, out.with_suffix(".png"), f"{args.target} on {args.workload}")
+    console.print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+def _plot(rows: list[dict], specs: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for spec in specs:
+        mine = [r for r in rows if r["drafter"] == spec]
+        ks = [r["k"] for r in mine]
+        left.plot(ks, [r["acceptance_rate"] for r in mine], marker="o", label=spec)
+        right.plot(ks, [r["tokens_per_round"] for r in mine], marker="o", label=spec)
+    left.set(xlabel="draft length k", ylabel="acceptance rate", ylim=(0, 1), title="acceptance")
+    right.set(xlabel="draft length k", ylabel="tokens per round", title="tokens per target pass")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,50 @@
+"""`sled run-device`: one device working through a workload against a server, reporting progress
+as JSON lines on stdout (the demo and the lab read them; a person can too)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+async def run_device(args) -> int:
+    from drafters import load_drafter
+    from edge_client.connection import Connection
+    from edge_client.session import VerifyError, generate
+    from sled_cli.models import resolve_drafter_spec
+    from sled_cli.workload import load_workload
+
+    drafter = load_drafter(resolve_drafter_spec(args.drafter))
+    prompts = load_workload(args.workload)
+    totals = {"device": args.name, "drafter": args.drafter, "prompts": 0, "tokens": 0, "rounds": 0,
+              "verified": 0, "accepted": 0, "seconds": 0.0, "outputs": []}
+
+    def emit(**extra) -> None:
+        print(json.dumps({**totals, **extra}), flush=True)
+
+    async with Connection(args.server) as conn:
+        info = await conn.model_info()
+        tokenizer = await conn.tokenizer()
+        for prompt in prompts:
+            started = time.perf_counter()
+
+            def progress(tokens: list[int]) -> None:
+                totals["tokens"] += len(tokens)
+                emit(event="progress", seconds=totals["seconds"] + time.perf_counter() - started)
+
+            try:
+                result = await generate(conn.stub, drafter, tokenizer(prompt).input_ids,
+                                        max_new_tokens=args.max_new_tokens, draft_len=args.draft_len,
+                                        target_fingerprint=info.tokenizer_fingerprint, on_tokens=progress)
+            except VerifyError as exc:
+                emit(event="error", error=str(exc))
+                return 4
+            totals["prompts"] += 1
+            totals["rounds"] += result.rounds
+            totals["verified"] += result.draft_tokens
+            totals["accepted"] += result.accepted_tokens
+            totals["seconds"] += time.perf_counter() - started
+            totals["outputs"].append(result.token_ids)
+            emit(event="prompt")
+    emit(event="done")
+    return 0
