@@ -3,7 +3,6 @@ as JSON lines on stdout (the demo and the lab read them; a person can too)."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 

@@ -1,7 +1,6 @@
 """Assemble and run the verify server: gRPC (aio) with health and reflection, plus metrics."""
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 
