@@ -1,0 +1,21 @@
+"""`make demo`'s command end to end (shortened): server, three device processes, the report."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_runs_three_devices_losslessly():
+    done = subprocess.run([sys.executable, "-m", "sled_cli.main", "demo", "--prompts", "1",
+                           "--max-new-tokens", "12"], capture_output=True, text=True, timeout=900,
+                          env={**__import__("os").environ, "COLUMNS": "160"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for device in ("pi-gguf", "jetson-onnx", "thin-ngram"):
+        assert f"{device}" in done.stdout
+        assert any(line.startswith(device) and line.rstrip().endswith("identical")
+                   for line in done.stdout.splitlines()), done.stdout[-2000:]
+    assert "centralized" in done.stdout
