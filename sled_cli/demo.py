@@ -32,14 +32,17 @@ def _table(rows: list[DeviceRow], title: str):
     from rich.table import Table
 
     table = Table(title=title)
-    for column in ("device", "drafter", "tokens", "rounds", "accept", "acc/round", "tok/s"):
+    # passes/tok: target passes this device's tokens needed (one per round; 1.00 without drafts)
+    for column in ("device", "drafter", "tokens", "accept", "acc/round", "passes/tok", "tok/s"):
         table.add_column(column, justify="left" if column in ("device", "drafter") else "right")
     for r in rows:
         rounds, verified, seconds = r.get("rounds"), r.get("verified"), r.get("seconds", 0.0)
-        table.add_row(r.name, r.drafter, str(r.get("tokens")), str(rounds),
+        tokens = r.get("tokens")
+        table.add_row(r.name, r.drafter, str(tokens),
                       f"{r.get('accepted') / verified:.0%}" if verified else "-",
                       f"{r.get('accepted') / rounds:.2f}" if rounds else "-",
-                      f"{r.get('tokens') / seconds:.1f}" if seconds else "-")
+                      f"{rounds / tokens:.2f}" if tokens else "-",
+                      f"{tokens / seconds:.1f}" if seconds else "-")
     return table
 
 
