@@ -69,3 +69,15 @@ async def serve(tokenizer):
     yield start
     for server in running:
         await server.stop(grace=0)
+
+
+def assert_same_proposal(got, want, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Two drafter proposals agree: same tokens, and the same sparse q within tolerance."""
+    assert got.token_ids == want.token_ids
+    if want.q is None:
+        assert got.q is None
+        return
+    assert len(got.q) == len(want.q)
+    for a, b in zip(got.q, want.q):
+        assert a.ids == b.ids
+        torch.testing.assert_close(torch.tensor(a.probs), torch.tensor(b.probs), rtol=rtol, atol=atol)

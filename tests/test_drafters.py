@@ -8,6 +8,8 @@ import random
 import pytest
 import torch
 
+from conftest import assert_same_proposal
+
 from drafters import load_drafter
 from drafters.base import Drafter, Proposal, common_prefix
 from drafters.hf import HFDrafter
@@ -151,16 +153,6 @@ def sampled(drafter: HFDrafter, context: list[int], k: int, seed: int) -> Propos
     return drafter.propose(context, k, SAMPLING, torch.Generator().manual_seed(seed))
 
 
-def assert_same_proposal(got: Proposal, want: Proposal) -> None:
-    assert got.token_ids == want.token_ids
-    if want.q is None:
-        assert got.q is None
-        return
-    assert len(got.q) == len(want.q)
-    for a, b in zip(got.q, want.q):
-        assert a.ids == b.ids
-        torch.testing.assert_close(torch.tensor(a.probs), torch.tensor(b.probs),
-                                   rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 import torch
+
+from conftest import assert_same_proposal as assert_close_proposal
 from transformers import AutoModelForCausalLM
 
 from drafters import load_drafter
@@ -61,15 +63,8 @@ def sampled(drafter: ONNXDrafter, context: list[int], k: int, seed: int,
 
 
 def assert_same_proposal(got: Proposal, want: Proposal) -> None:
-    assert got.token_ids == want.token_ids
-    if want.q is None:
-        assert got.q is None
-        return
-    assert len(got.q) == len(want.q)
-    for a, b in zip(got.q, want.q):
-        assert a.ids == b.ids
-        torch.testing.assert_close(torch.tensor(a.probs), torch.tensor(b.probs),
-                                   rtol=1e-4, atol=1e-5)
+    """ONNX Runtime's kernels reorder float sums more than torch's: a looser q tolerance."""
+    assert_close_proposal(got, want, rtol=1e-4, atol=1e-5)
 
 
 class AppendSpy:
