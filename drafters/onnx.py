@@ -20,11 +20,14 @@ import onnxruntime_genai as og
 from drafters.base import KVDrafter, drafter_threads
 
 
+DEFAULT_MAX_LENGTH = 4096  # context + draft positions a drafter holds (the GGUF drafter's n_ctx)
+
+
 class ONNXDrafter(KVDrafter):
     capacity_name = "max_length"
 
     def __init__(self, path: str | Path, n_threads: int | None = None, q_support: int = 32,
-                 max_length: int | None = None) -> None:
+                 max_length: int | None = DEFAULT_MAX_LENGTH) -> None:
         super().__init__()
         self.path = Path(path)
         if not (self.path / "genai_config.json").is_file():
@@ -37,9 +40,12 @@ class ONNXDrafter(KVDrafter):
                 {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
         self.model = og.Model(config)
         params = og.GeneratorParams(self.model)
-        if max_length:  # the KV buffer is allocated for max_length up front
+        # The KV buffer is allocated for max_length up front: cap the model's context length
+        # (gemma3: 32k positions, ~1.2 GB in fp32) unless asked for more; None keeps it whole.
+        context_length = int(params.get_search_options()["max_length"])
+        if max_length and max_length < context_length:
             params.set_search_options(max_length=max_length)
-        self.max_length = int(params.get_search_options()["max_length"])  # default: context_length
+        self.max_length = int(params.get_search_options()["max_length"])
         self.capacity = self.max_length
         self.generator = og.Generator(self.model, params)
         self.name = f"onnx:{self.path}"

@@ -203,6 +203,13 @@ def test_missing_or_wrong_folder_is_a_clear_error(tmp_path):
         load_drafter("onnx:")
 
 
+def test_kv_buffer_is_capped_by_default_not_sized_to_the_full_context(exported):
+    folder, _ = exported["llama"]  # the tiny model's context is 1024
+    assert ONNXDrafter(folder, max_length=None).max_length == 1024
+    assert ONNXDrafter(folder, max_length=512).max_length == 512
+    assert ONNXDrafter(folder, max_length=8192).max_length == 1024  # never past the model's own
+
+
 def test_context_beyond_max_length_is_refused(exported, prompts):
     folder, _ = exported["llama"]
     drafter = ONNXDrafter(folder, max_length=16)
