@@ -81,3 +81,21 @@ def assert_same_proposal(got, want, rtol: float = 1e-5, atol: float = 1e-6) -> N
     for a, b in zip(got.q, want.q):
         assert a.ids == b.ids
         torch.testing.assert_close(torch.tensor(a.probs), torch.tensor(b.probs), rtol=rtol, atol=atol)
+
+
+def assert_valid_q(proposal, k: int, sampling, q_support: int, vocab: int) -> list[int]:
+    """A sampled proposal carries, per token, the sparse q it was drawn from; returns q widths."""
+    assert len(proposal.token_ids) == k
+    assert proposal.q is not None and len(proposal.q) == k
+    widths = []
+    for token, q in zip(proposal.token_ids, proposal.q):
+        assert token in q.ids
+        assert len(q.ids) == len(q.probs) == len(set(q.ids))
+        assert len(q.ids) <= q_support
+        if sampling.top_k:
+            assert len(q.ids) <= sampling.top_k
+        assert all(p > 0 for p in q.probs)
+        assert abs(sum(q.probs) - 1.0) < 1e-5
+        assert all(0 <= i < vocab for i in q.ids)
+        widths.append(len(q.ids))
+    return widths

