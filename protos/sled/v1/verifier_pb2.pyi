@@ -7,12 +7,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GenerationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GENERATION_MODE_DEVICE_DRAFTS: _ClassVar[GenerationMode]
+    GENERATION_MODE_SERVER: _ClassVar[GenerationMode]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+GENERATION_MODE_DEVICE_DRAFTS: GenerationMode
+GENERATION_MODE_SERVER: GenerationMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -23,14 +30,22 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_draft_tokens", "max_sessions", "max_q_support")
+    __slots__ = ("max_draft_tokens", "max_sessions", "max_q_support", "kv_budget_tokens", "kv_block_tokens", "max_step_tokens", "idle_timeout_s")
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_Q_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     max_draft_tokens: int
     max_sessions: int
     max_q_support: int
-    def __init__(self, max_draft_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_q_support: _Optional[int] = ...) -> None: ...
+    kv_budget_tokens: int
+    kv_block_tokens: int
+    max_step_tokens: int
+    idle_timeout_s: float
+    def __init__(self, max_draft_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_q_support: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., idle_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "context_length", "limits", "sat_available", "dtype", "device")
@@ -87,7 +102,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "max_new_tokens", "stop_ids", "tokenizer_fingerprint", "drafter", "ignore_eos")
+    __slots__ = ("prompt_ids", "sampling", "max_new_tokens", "stop_ids", "tokenizer_fingerprint", "drafter", "ignore_eos", "mode")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +110,7 @@ class Open(_message.Message):
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     max_new_tokens: int
@@ -102,7 +118,8 @@ class Open(_message.Message):
     tokenizer_fingerprint: str
     drafter: str
     ignore_eos: bool
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    mode: GenerationMode
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[_Union[GenerationMode, str]] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("ids", "probs")
@@ -113,14 +130,16 @@ class SparseDistribution(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("round", "token_ids", "q")
+    __slots__ = ("round", "token_ids", "q", "deadline_ms")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     round: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
-    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+    deadline_ms: int
+    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
 
 class Close(_message.Message):
     __slots__ = ()
@@ -147,32 +166,36 @@ class ServerTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("session_id", "prompt_tokens", "max_new_tokens", "timings")
+    __slots__ = ("session_id", "prompt_tokens", "max_new_tokens", "timings", "cached_prompt_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_tokens: int
     max_new_tokens: int
     timings: ServerTimings
-    def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("round", "accepted", "emitted_ids", "finish_reason", "timings", "verified")
+    __slots__ = ("round", "accepted", "emitted_ids", "finish_reason", "timings", "verified", "suggested_draft_len")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     EMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    SUGGESTED_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
     round: int
     accepted: int
     emitted_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     timings: ServerTimings
     verified: int
-    def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., emitted_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., verified: _Optional[int] = ...) -> None: ...
+    suggested_draft_len: int
+    def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., emitted_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., verified: _Optional[int] = ..., suggested_draft_len: _Optional[int] = ...) -> None: ...
 
 class ErrorDetail(_message.Message):
     __slots__ = ("reason", "message", "round")
@@ -192,6 +215,10 @@ class ErrorDetail(_message.Message):
         REASON_TOO_MANY_SESSIONS: _ClassVar[ErrorDetail.Reason]
         REASON_PROTOCOL: _ClassVar[ErrorDetail.Reason]
         REASON_SHUTTING_DOWN: _ClassVar[ErrorDetail.Reason]
+        REASON_KV_BUDGET: _ClassVar[ErrorDetail.Reason]
+        REASON_EVICTED: _ClassVar[ErrorDetail.Reason]
+        REASON_DEADLINE_EXCEEDED: _ClassVar[ErrorDetail.Reason]
+        REASON_WRONG_MODE: _ClassVar[ErrorDetail.Reason]
     REASON_UNSPECIFIED: ErrorDetail.Reason
     REASON_TOKEN_OUT_OF_RANGE: ErrorDetail.Reason
     REASON_EMPTY_DRAFT: ErrorDetail.Reason
@@ -206,6 +233,10 @@ class ErrorDetail(_message.Message):
     REASON_TOO_MANY_SESSIONS: ErrorDetail.Reason
     REASON_PROTOCOL: ErrorDetail.Reason
     REASON_SHUTTING_DOWN: ErrorDetail.Reason
+    REASON_KV_BUDGET: ErrorDetail.Reason
+    REASON_EVICTED: ErrorDetail.Reason
+    REASON_DEADLINE_EXCEEDED: ErrorDetail.Reason
+    REASON_WRONG_MODE: ErrorDetail.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
