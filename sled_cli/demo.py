@@ -110,11 +110,11 @@ def _centralized(alias: str, prompts: list[str], devices: int, max_new: int) -> 
     the devices' concurrent requests batched together."""
     from sled_cli.models import hf_checkpoint
     from verify_server.centralized import generate_centralized
-    from verify_server.engine import Engine
+    from verify_server.engine import make_engine
     from verify_server.target import Target
 
     target = Target.load(str(hf_checkpoint(alias)))
-    engine = Engine(target.model)
+    engine = make_engine(target.model, kv_budget_bytes=1 << 30)
     baseline = Baseline(outputs=[])
     for prompt in prompts:
         run = generate_centralized(engine, [target.tokenizer(prompt).input_ids] * devices, max_new,

@@ -20,6 +20,18 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-draft-tokens", type=int, default=32)
     p.add_argument("--max-batch-sessions", type=int, default=64)
     p.add_argument("--context-length", type=int, default=None, help="cap below the model's limit")
+    p.add_argument("--kv-budget", default=None,
+                   help="KV cache size, e.g. 2GiB or 512MiB (default: --kv-fraction of free memory)")
+    p.add_argument("--kv-fraction", type=float, default=0.25,
+                   help="KV cache as a fraction of free device memory (default 0.25)")
+    p.add_argument("--kv-block-tokens", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-step-tokens", type=int, default=2048,
+                   help="tokens per batched forward; longer prompts are prefilled in chunks")
+    p.add_argument("--idle-timeout", type=float, default=300.0,
+                   help="seconds a session may idle before its KV is freed (0 = never)")
+    p.add_argument("--engine", default="auto", choices=["auto", "paged", "padded"],
+                   help="paged KV fast path, or the generic padded fallback (auto: paged if the "
+                        "model supports transformers' attention interface)")
 
 
 def _add_generate(sub) -> None:

@@ -3,6 +3,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20,
+         "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB' -> 2147483648; plain numbers are bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise ValueError(f"cannot read size {text!r}: use e.g. 512MiB, 2GiB or a byte count")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
 
 
 def run_serve(args) -> int:
@@ -13,7 +25,11 @@ def run_serve(args) -> int:
 
     config = ServerConfig(max_draft_tokens=args.max_draft_tokens, max_sessions=args.max_sessions,
                           max_batch_sessions=args.max_batch_sessions,
-                          context_length=args.context_length)
+                          context_length=args.context_length,
+                          kv_budget_bytes=parse_size(args.kv_budget) if args.kv_budget else None,
+                          kv_fraction=args.kv_fraction, kv_block_tokens=args.kv_block_tokens,
+                          max_step_tokens=args.max_step_tokens, idle_timeout_s=args.idle_timeout,
+                          engine=args.engine)
     target = Target.load(resolve_model(args.model), dtype=args.dtype, device=args.device,
                          trust_remote_code=args.trust_remote_code, context_length=args.context_length,
                          name=args.model)

@@ -62,6 +62,7 @@ async def serve(tokenizer):
     running = []
 
     async def start(model, model_id: str = "tiny", **config):
+        config.setdefault("kv_budget_bytes", 64 << 20)
         server = await start_server(Target.from_model(model, tokenizer, model_id), ServerConfig(**config))
         running.append(server)
         return server

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from verify_server.engine import Engine, Row
-from verify_server.kv import SessionKV
 
 
 @dataclass(slots=True)
@@ -26,7 +25,9 @@ def generate_centralized(engine: Engine, prompts: Sequence[Sequence[int]], max_n
                          eos_ids: Sequence[int] = ()) -> CentralizedRun:
     """Greedy: output i == generate(prompts[i], do_sample=False) of the same target."""
     started = time.perf_counter()
-    caches = [SessionKV() for _ in prompts]
+    caches = [engine.new_kv() for _ in prompts]
+    for kv, prompt in zip(caches, prompts):
+        kv.admit(list(prompt[:-1]), len(prompt) + max_new_tokens)
     outputs: list[list[int]] = [[] for _ in prompts]
     passes = 0
     prefill = [Row(kv, list(p[:-1]), want_logits=False) for kv, p in zip(caches, prompts) if len(p) > 1]

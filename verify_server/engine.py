@@ -1,22 +1,34 @@
 """The batched forward: every scheduled session's new tokens through the target in one pass.
 
-Each session keeps its own KV between rounds. A step left-pads the sessions' KV to a common past
-length and right-pads their new tokens to a common width, runs the model once, and hands each
-session back its KV extended by its new tokens. Padding is masked out and position ids are each
-session's own, so every row computes exactly what it would alone.
+Sessions' keys/values live in the block pool (`blocks.py`). Two engines share it:
 
-    session a: past [a a a]   new [x x]        padded past  . a a a | x x .
-    session b: past [b]       new [y y y]      (B=2, L=3)   . . . b | y y y
+- `PagedEngine` (the fast path): the new tokens of all rows are packed into one ragged sequence
+  [1, T] with each token's own position id. A registered attention function writes each layer's
+  new keys/values straight into the rows' slots and attends over each row's slots. Per step the
+  only KV bytes written are the new tokens'; logits are computed only where a row wants them.
+- `PaddedEngine` (the generic fallback, for architectures that do not route attention through
+  transformers' attention interface): gathers the rows' KV into a left-padded transformers cache,
+  runs the model, and writes the new tokens back into the pool. Correct for any decoder, but it
+  copies every row's context each step.
+
+    rows:  a (past 3, new 2)   b (past 1, new 3)
+    packed input ids:  a a b b b      positions:  3 4 1 2 3
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from verify_server.blocks import BlockPool, KVShape
 from verify_server.kv import SessionKV
+
+ATTENTION_NAME = "sled_paged"
+SHORT_ROW = 64   # rows up to this many new tokens share one padded attention call
 
 
 @dataclass(slots=True)
@@ -27,14 +39,186 @@ class Row:
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module) -> None:
+    """Owns the block pool and runs one forward per scheduler step."""
+
+    kind = "base"
+
+    def __init__(self, model: torch.nn.Module, pool: BlockPool) -> None:
         self.model = model
+        self.pool = pool
         self.device = next(model.parameters()).device
-        self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        self.bytes_copied = 0   # KV bytes written or copied outside attention, ever
+
+    def new_kv(self) -> SessionKV:
+        return SessionKV(self.pool)
+
+    def forward(self, rows: Sequence[Row]) -> list[torch.Tensor | None]:
+        """One pass over all rows; returns logits [len(tokens), vocab] for rows that want them."""
+        raise NotImplementedError
+
+    def _logit_index(self, rows: Sequence[Row]) -> tuple[torch.Tensor, list[slice | None]]:
+        """Packed positions whose logits are needed, and each row's slice of them."""
+        index, spans, offset, kept = [], [], 0, 0
+        for row in rows:
+            n = len(row.tokens)
+            if row.want_logits:
+                index.extend(range(offset, offset + n))
+                spans.append(slice(kept, kept + n))
+                kept += n
+            else:
+                spans.append(None)
+            offset += n
+        return torch.tensor(index or [offset - 1], dtype=torch.long), spans
+
+
+# --- the paged fast path -------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Group:
+    """Rows attended together: their queries padded to one width and their slots to one length."""
+    q_index: torch.Tensor     # [B, W] packed position of each query (padding -> 0)
+    q_valid: torch.Tensor     # [B, W]
+    read_slots: torch.Tensor  # [B, L] pool slots of each row's context (padding -> the zero slot)
+    query_pos: torch.Tensor   # [B, W] absolute position of each query
+    key_len: torch.Tensor     # [B] context length after this step
+    masks: dict = field(default_factory=dict)   # sliding window (or None) -> [B, 1, W, L]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks:
+            keys = torch.arange(self.read_slots.shape[1], device=self.read_slots.device)
+            q = self.query_pos[:, :, None]
+            allowed = (keys[None, None, :] <= q) & (keys[None, None, :] < self.key_len[:, None, None])
+            if window is not None:
+                allowed &= keys[None, None, :] > q - window
+            allowed &= self.q_valid[:, :, None]
+            allowed[..., 0] |= ~self.q_valid  # padding queries look at the zero slot: no NaN
+            self.masks[window] = allowed[:, None]
+        return self.masks[window]
+
+
+@dataclass(slots=True)
+class _Step:
+    pool: BlockPool
+    write_slots: torch.Tensor   # [T]
+    groups: list[_Group]
+    tokens: int
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    sliding_window=None, softcap=None, sled_step: _Step | None = None, **kwargs):
+    """query [1, H, T, D], key/value [1, KVH, T, D] of the packed new tokens -> ([1, T, H, D], None).
+
+    Outside an engine step (e.g. `generate()` on the same model object) this is plain SDPA.
+    """
+    if sled_step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, sliding_window=sliding_window, softcap=softcap,
+                                      **kwargs)
+    step, layer = sled_step, module.layer_idx
+    new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)   # [T, KVH, D]
+    step.pool.write(layer, step.write_slots, new_k, new_v)
+    out = query.new_empty(step.tokens, query.shape[1], query.shape[3])  # [T, H, D]
+    for group in step.groups:
+        q = query[0][:, group.q_index].transpose(0, 1)                   # [B, H, W, D]
+        k, v = step.pool.read(layer, group.read_slots)                    # [B, L, KVH, D]
+        k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
+        mask = group.mask(sliding_window)
+        if softcap is None:
+            attn = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+        else:
+            attn = _softcapped_attention(q, k, v, mask, scaling, softcap)
+        attn = attn.transpose(1, 2)                                       # [B, W, H, D]
+        out[group.q_index[group.q_valid]] = attn[group.q_valid]
+    return out[None], None
+
+
+def _softcapped_attention(q, k, v, mask, scaling, softcap):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)   # for use outside an engine step
+# Passed as the attention mask inside a step: transformers returns a 4D mask as-is, so no
+# [tokens, tokens] mask is built; paged_attention builds its own per-row masks.
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
+class PagedEngine(Engine):
+    kind = "paged"
+
+    def __init__(self, model: torch.nn.Module, pool: BlockPool) -> None:
+        super().__init__(model, pool)
+        model.set_attn_implementation(ATTENTION_NAME)
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        return bool(getattr(model, "_supports_attention_backend", False))
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor | None]:
-        """One pass over all rows; returns logits [len(tokens), vocab] for rows that want them."""
+        step, input_ids, position_ids = self._plan(rows)
+        index, spans = self._logit_index(rows)
+        out = self.model(input_ids=input_ids[None].to(self.device),
+                         position_ids=position_ids[None].to(self.device),
+                         attention_mask=_NO_MASK.to(self.device),
+                         use_cache=False, logits_to_keep=index.to(self.device), sled_step=step)
+        logits = out.logits[0]
+        self.bytes_copied += step.tokens * self.pool.shape.bytes_per_token
+        return [None if span is None else logits[span].float() for span in spans]
+
+    def _plan(self, rows: Sequence[Row]) -> tuple[_Step, torch.Tensor, torch.Tensor]:
+        ids, positions, writes, offsets = [], [], [], []
+        offset = 0
+        for row in rows:
+            start, n = row.kv.length, len(row.tokens)
+            ids.extend(row.tokens)
+            positions.append(torch.arange(start, start + n))
+            writes.append(row.kv.slots(start, start + n))
+            offsets.append(offset)
+            offset += n
+        short = [b for b, row in enumerate(rows) if len(row.tokens) <= SHORT_ROW]
+        long = [[b] for b, row in enumerate(rows) if len(row.tokens) > SHORT_ROW]
+        groups = [self._group([rows[b] for b in members], [offsets[b] for b in members])
+                  for members in ([short] if short else []) + long]
+        dev = self.device
+        step = _Step(self.pool, torch.cat(writes).to(dev), groups, offset)
+        for row in rows:
+            row.kv.length += len(row.tokens)
+        return step, torch.tensor(ids, dtype=torch.long), torch.cat(positions)
+
+    def _group(self, rows: Sequence[Row], offsets: Sequence[int]) -> _Group:
+        width = max(len(row.tokens) for row in rows)
+        length = max(row.kv.length + len(row.tokens) for row in rows)
+        q_index = torch.zeros(len(rows), width, dtype=torch.long)
+        q_valid = torch.zeros(len(rows), width, dtype=torch.bool)
+        query_pos = torch.zeros(len(rows), width, dtype=torch.long)
+        read_slots = torch.zeros(len(rows), length, dtype=torch.long)  # slot 0: the zero block
+        key_len = torch.zeros(len(rows), dtype=torch.long)
+        for b, (row, offset) in enumerate(zip(rows, offsets)):
+            start, n = row.kv.length, len(row.tokens)
+            q_index[b, :n] = torch.arange(offset, offset + n)
+            q_valid[b, :n] = True
+            query_pos[b, :n] = torch.arange(start, start + n)
+            read_slots[b, :start + n] = row.kv.slots(0, start + n)
+            key_len[b] = start + n
+        dev = self.device
+        return _Group(q_index.to(dev), q_valid.to(dev), read_slots.to(dev), query_pos.to(dev),
+                      key_len.to(dev))
+
+
+# --- the generic fallback -------------------------------------------------------------------------
+
+class PaddedEngine(Engine):
+    kind = "padded"
+
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[Row]) -> list[torch.Tensor | None]:
         batch = len(rows)
         past = [row.kv.length for row in rows]
         widths = [len(row.tokens) for row in rows]
@@ -43,8 +227,8 @@ class Engine:
         input_ids = torch.zeros(batch, max_new, dtype=torch.long)
         position_ids = torch.zeros(batch, max_new, dtype=torch.long)
         attention_mask = torch.zeros(batch, max_past + max_new, dtype=torch.long)
-        for b, (row, length, width) in enumerate(zip(rows, past, widths)):
-            input_ids[b, :width] = torch.as_tensor(row.tokens, dtype=torch.long)
+        for b, (length, width) in enumerate(zip(past, widths)):
+            input_ids[b, :width] = torch.as_tensor(rows[b].tokens, dtype=torch.long)
             position_ids[b] = torch.arange(length, length + max_new)
             attention_mask[b, max_past - length:max_past + width] = 1
 
@@ -59,29 +243,65 @@ class Engine:
         )
         cache = out.past_key_values
         logits: list[torch.Tensor | None] = []
-        for b, (row, length, width) in enumerate(zip(rows, past, widths)):
-            span = slice(max_past - length, max_past + width)
-            row.kv.layers = [
-                (layer.keys[b:b + 1, :, span].clone(), layer.values[b:b + 1, :, span].clone())
-                for layer in cache.layers[: self.num_layers]
-            ]
+        for b, (row, width) in enumerate(zip(rows, widths)):
+            start = row.kv.length
+            slots = row.kv.slots(start, start + width).to(self.device)
+            for layer, cached in enumerate(cache.layers[: self.pool.shape.layers]):
+                new = slice(max_past, max_past + width)
+                self.pool.write(layer, slots, cached.keys[b, :, new].transpose(0, 1),
+                                cached.values[b, :, new].transpose(0, 1))
+            row.kv.length += width
+            self.bytes_copied += width * self.pool.shape.bytes_per_token
             logits.append(out.logits[b, :width].float() if row.want_logits else None)
         return logits
 
     def _padded_cache(self, rows: Sequence[Row], max_past: int) -> DynamicCache:
-        """The rows' KV, left-padded to max_past, as one transformers cache."""
+        """The rows' KV, left-padded to max_past, as one transformers cache (a copy)."""
         if max_past == 0:
             return DynamicCache()
-        template = next(row.kv for row in rows if row.kv.length)
         layers = []
-        for layer in range(self.num_layers):
-            k0, v0 = template.layers[layer]
-            keys = k0.new_zeros((len(rows), k0.shape[1], max_past, k0.shape[3]))
-            values = v0.new_zeros((len(rows), v0.shape[1], max_past, v0.shape[3]))
+        for layer in range(self.pool.shape.layers):
+            keys = self.pool.keys[layer].new_zeros(
+                (len(rows), self.pool.shape.kv_heads, max_past, self.pool.shape.head_dim))
+            values = torch.zeros_like(keys)
             for b, row in enumerate(rows):
                 if row.kv.length:
-                    k, v = row.kv.layers[layer]
-                    keys[b, :, max_past - row.kv.length:] = k[0]
-                    values[b, :, max_past - row.kv.length:] = v[0]
+                    k, v = self.pool.read(layer, row.kv.slots(0, row.kv.length).to(self.device))
+                    keys[b, :, max_past - row.kv.length:] = k.transpose(0, 1)
+                    values[b, :, max_past - row.kv.length:] = v.transpose(0, 1)
+                    self.bytes_copied += k.nbytes + v.nbytes
             layers.append((keys, values))
         return DynamicCache(layers)
+
+
+# --- sizing ---------------------------------------------------------------------------------------
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("cannot read available memory from /proc/meminfo")
+
+
+def make_engine(model: torch.nn.Module, *, kv_budget_bytes: int | None = None,
+                kv_fraction: float = 0.25, block_tokens: int = 16, kind: str = "auto") -> Engine:
+    """An engine over a pool of `kv_budget_bytes` (default: `kv_fraction` of free memory)."""
+    shape = KVShape.of(model)
+    device = next(model.parameters()).device
+    budget = kv_budget_bytes if kv_budget_bytes is not None else int(free_memory_bytes(device) * kv_fraction)
+    # Block 0 is the zero block that padding reads; it is never handed to a session.
+    blocks = budget // (block_tokens * shape.bytes_per_token)
+    if blocks < 2:
+        raise ValueError(f"KV budget {budget} bytes holds less than one block of {block_tokens} tokens "
+                         f"({block_tokens * shape.bytes_per_token} bytes)")
+    pool = BlockPool(shape, blocks, block_tokens, device)
+    if kind == "auto":
+        kind = "paged" if PagedEngine.supports(model) else "padded"
+    if kind == "paged":
+        return PagedEngine(model, pool)
+    if kind == "padded":
+        return PaddedEngine(model, pool)
+    raise ValueError(f"unknown engine kind {kind!r}: use auto, paged or padded")

@@ -41,3 +41,11 @@ def exhausted(reason: int, message: str) -> SessionError:
 
 def unavailable(reason: int, message: str) -> SessionError:
     return SessionError(grpc.StatusCode.UNAVAILABLE, reason, message)
+
+
+def aborted(reason: int, message: str) -> SessionError:
+    return SessionError(grpc.StatusCode.ABORTED, reason, message)
+
+
+def deadline(reason: int, message: str, round: int = 0) -> SessionError:
+    return SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, reason, message, round)

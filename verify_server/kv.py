@@ -1,30 +1,69 @@
-"""One session's key/value cache: per layer, keys and values of the tokens the target has seen."""
+"""One session's view of the KV pool: its block table, its length and its reservation."""
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
+from verify_server.blocks import BlockPool, prefix_hashes
+
 
 class SessionKV:
-    """Keys/values per layer, each [1, kv_heads, length, head_dim]; length excludes the last
-    committed token, which is fed again with the next draft."""
+    """The KV of the tokens the target has seen for one session. `length` excludes the last
+    committed token, which is fed again with the next draft. Rolling back is a length change."""
 
-    __slots__ = ("layers",)
+    __slots__ = ("pool", "table", "length", "reserved", "shared")
 
-    def __init__(self) -> None:
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    @property
-    def length(self) -> int:
-        return self.layers[0][0].shape[2] if self.layers else 0
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.table: list[int] = []
+        self.length = 0
+        self.reserved = 0     # blocks promised by the pool, not yet in the table
+        self.shared = 0       # leading blocks found in the prefix cache
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+        return self.length * self.pool.shape.bytes_per_token
+
+    def admit(self, prefill: Sequence[int], max_tokens: int) -> int:
+        """Take cached prefix blocks of `prefill` and reserve the rest of `max_tokens`.
+
+        Returns the number of prefill tokens already in the cache. Raises PoolExhausted (and
+        holds nothing) when the pool cannot promise the rest.
+        """
+        found = self.pool.lookup(prefix_hashes(prefill, self.pool.block_tokens))
+        need = max(self.pool.blocks_for(max_tokens) - len(found), 0)
+        try:
+            self.pool.reserve(need)
+        except Exception:
+            self.pool.release(found)
+            raise
+        self.table, self.shared, self.reserved = found, len(found), need
+        self.length = len(found) * self.pool.block_tokens
+        return self.length
+
+    def publish(self, tokens: Sequence[int]) -> None:
+        """Offer this session's full blocks of `tokens` (its committed prefix) for sharing."""
+        digests = prefix_hashes(tokens[: self.length], self.pool.block_tokens)
+        for block, digest in zip(self.table[self.shared:len(digests)], digests[self.shared:]):
+            self.pool.publish(block, digest)
+
+    def slots(self, start: int, end: int) -> torch.Tensor:
+        """Slot ids of positions [start, end), growing the table as needed."""
+        bt = self.pool.block_tokens
+        while len(self.table) * bt < end:
+            if self.reserved <= 0:
+                raise RuntimeError("session grew past its KV reservation")
+            self.table.append(self.pool.allocate())
+            self.reserved -= 1
+        positions = torch.arange(start, end)
+        return torch.tensor(self.table, dtype=torch.long)[positions // bt] * bt + positions % bt
 
     def truncate(self, length: int) -> None:
         """Roll back to the first `length` tokens (rejected draft tokens fall away)."""
-        if length < self.length:
-            self.layers = [(k[:, :, :length], v[:, :, :length]) for k, v in self.layers]
+        self.length = min(self.length, length)
 
     def free(self) -> None:
-        self.layers = []
+        self.pool.release(self.table)
+        self.pool.unreserve(self.reserved)
+        self.table, self.reserved, self.length, self.shared = [], 0, 0, 0

@@ -17,6 +17,15 @@ class Metrics:
         self.rounds = Counter("sled_rounds", "Verify rounds answered", registry=r)
         self.sessions = Counter("sled_sessions", "Sessions opened", registry=r)
         self.errors = Counter("sled_errors", "Sessions ended by an error", ["reason"], registry=r)
+        self.forward_tokens = Counter("sled_forward_tokens", "Tokens fed through forward passes",
+                                      registry=r)
+        self.expired = Counter("sled_expired_work", "Work dropped because its deadline passed",
+                               registry=r)
+        self.evicted = Counter("sled_evicted_sessions", "Idle sessions whose KV was freed", registry=r)
+        self.prefix_hit_tokens = Counter("sled_prefix_cache_hit_tokens",
+                                         "Prompt tokens whose KV came from the prefix cache", registry=r)
+        self.kv_blocks_used = Gauge("sled_kv_blocks_used", "KV pool blocks in use", registry=r)
+        self.kv_blocks_total = Gauge("sled_kv_blocks_total", "KV pool blocks", registry=r)
         self.active_sessions = Gauge("sled_active_sessions", "Sessions open now", registry=r)
         self.kv_tokens = Gauge("sled_kv_tokens", "Tokens held in session KV caches", registry=r)
         self.batch_size = Histogram("sled_batch_size", "Sessions per forward pass",

@@ -1,18 +1,22 @@
 """The scheduler: gathers every session's pending work into one batched forward per step.
 
 There is no fixed wait: while one forward runs on the engine thread, new work queues up, and the
-next step takes all of it. A burst of devices therefore lands in one pass, and a lone device pays
-only its own forward.
+next step takes what fits. Each step has a token budget: verification comes first, earliest
+deadline first, then prompt prefill in chunks of whatever budget is left (so a long prompt never
+holds up other devices' rounds). Work whose deadline has passed is dropped before the forward.
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from verify_server import errors
 from verify_server.acceptance import Outcome, SparseQ
-from verify_server.engine import Engine
+from verify_server.engine import Engine, Row
+from verify_server.errors import Reason
 from verify_server.metrics import Metrics
 from verify_server.session import Session
 from verify_server.work import Prefill, Verify, Work
@@ -25,17 +29,25 @@ class StepInfo:
     batch_size: int
 
 
+def _priority(work: Work) -> tuple[float, float]:
+    return (work.deadline if work.deadline is not None else math.inf, work.enqueued)
+
+
 class Scheduler:
-    def __init__(self, engine: Engine, metrics: Metrics, max_batch_sessions: int = 64) -> None:
+    def __init__(self, engine: Engine, metrics: Metrics, max_batch_sessions: int = 64,
+                 max_step_tokens: int = 2048) -> None:
         self.engine = engine
         self.metrics = metrics
         self.max_batch_sessions = max_batch_sessions
+        self.max_step_tokens = max_step_tokens
+        self.min_prefill_chunk = max(1, max_step_tokens // 8)
         self._queue: list[Work] = []
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sled-engine")
         self._in_flight: set[Session] = set()
         self._release_after_step: set[Session] = set()
         self._task: asyncio.Task | None = None
+        self.step_tokens = 0.0        # moving average of tokens per forward (the server's load)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="sled-scheduler")
@@ -49,15 +61,15 @@ class Scheduler:
         self._queue.clear()
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    async def prefill(self, session: Session) -> StepInfo:
-        if not session.prefill_tokens():
+    async def prefill(self, session: Session, deadline: float | None = None) -> StepInfo:
+        if session.kv.length >= len(session.prompt_ids) - 1:   # nothing left, e.g. a prefix-cache hit
             return StepInfo(0.0, 0.0, 0)
-        _, info = await self._submit(Prefill(session, self._new_future()))
+        _, info = await self._submit(Prefill(session, self._new_future(), deadline))
         return info
 
-    async def verify(self, session: Session, draft: list[int],
-                     q: list[SparseQ] | None) -> tuple[Outcome, StepInfo]:
-        return await self._submit(Verify(session, self._new_future(), draft=draft, q=q))
+    async def verify(self, session: Session, draft: list[int], q: list[SparseQ] | None,
+                     deadline: float | None = None) -> tuple[Outcome, StepInfo]:
+        return await self._submit(Verify(session, self._new_future(), deadline, draft=draft, q=q))
 
     def release(self, session: Session) -> None:
         """Forget the session: drop its queued work and free its KV (after the step in flight)."""
@@ -72,6 +84,7 @@ class Scheduler:
     def _free(self, session: Session) -> None:
         self.metrics.kv_tokens.dec(session.kv.length)
         session.kv.free()
+        self.metrics.kv_blocks_used.set(self.engine.pool.used_blocks)
 
     def _new_future(self) -> asyncio.Future:
         return asyncio.get_running_loop().create_future()
@@ -87,46 +100,86 @@ class Scheduler:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
-                batch = self._queue[: self.max_batch_sessions]
-                del self._queue[: len(batch)]
-                batch = [w for w in batch if not w.future.done()]
-                if batch:
-                    await self._step(loop, batch)
+                plan = self._plan(time.perf_counter())
+                if plan:
+                    await self._step(loop, plan)
 
-    async def _step(self, loop: asyncio.AbstractEventLoop, batch: list[Work]) -> None:
+    def _plan(self, now: float) -> list[tuple[Work, int]]:
+        """Take this step's work off the queue: (work, tokens it gets) within the budget."""
+        for work in [w for w in self._queue if w.future.done()]:
+            self._queue.remove(work)
+        for work in [w for w in self._queue if w.deadline is not None and w.deadline < now]:
+            self._queue.remove(work)
+            self.metrics.expired.inc()
+            late_ms = (now - work.deadline) * 1e3
+            work.future.set_exception(errors.deadline(
+                Reason.REASON_DEADLINE_EXCEEDED,
+                f"round {work.session.round} of session {work.session.id} missed its deadline by "
+                f"{late_ms:.0f} ms waiting for the server (queue of {len(self._queue)}); it was not "
+                "verified: draft shorter, allow a longer deadline, or use a less loaded server",
+                work.session.round))
+        budget, plan = self.max_step_tokens, []
+        verifies = sorted((w for w in self._queue if isinstance(w, Verify)), key=_priority)
+        prefills = sorted((w for w in self._queue if isinstance(w, Prefill)), key=_priority)
+        for work in verifies:
+            if len(plan) == self.max_batch_sessions or work.tokens_wanted > budget:
+                break
+            plan.append((work, work.tokens_wanted))
+            budget -= work.tokens_wanted
+        for i, work in enumerate(prefills):
+            if len(plan) == self.max_batch_sessions:
+                break
+            # The first prefill always gets a minimum chunk, so verification cannot starve it.
+            share = min(work.tokens_wanted, max(budget, self.min_prefill_chunk) if i == 0 else budget)
+            if share <= 0:
+                break
+            plan.append((work, share))
+            budget -= share
+        for work, _ in plan:
+            self._queue.remove(work)
+        return plan
+
+    async def _step(self, loop: asyncio.AbstractEventLoop, plan: list[tuple[Work, int]]) -> None:
         started = time.perf_counter()
-        sessions = {w.session for w in batch}
+        sessions = {w.session for w, _ in plan}
         self._in_flight = sessions
         kv_before = sum(s.kv.length for s in sessions)
+        tokens = sum(n for _, n in plan)
         try:
-            results = await loop.run_in_executor(self._executor, _run_step, self.engine, batch)
+            results = await loop.run_in_executor(self._executor, _run_step, self.engine, plan)
         except Exception as exc:  # the forward itself failed: every session in it hears why
-            results = [(None, exc)] * len(batch)
+            results = [(None, exc)] * len(plan)
         finally:
             self._in_flight = set()
         forward_ms = (time.perf_counter() - started) * 1e3
+        self.step_tokens += 0.2 * (tokens - self.step_tokens)
         self.metrics.forward_passes.inc()
-        self.metrics.batch_size.observe(len(batch))
+        self.metrics.forward_tokens.inc(tokens)
+        self.metrics.batch_size.observe(len(plan))
         self.metrics.forward_seconds.observe(forward_ms / 1e3)
         self.metrics.kv_tokens.inc(sum(s.kv.length for s in sessions) - kv_before)
+        self.metrics.kv_blocks_used.set(self.engine.pool.used_blocks)
         for session in self._release_after_step:
             self._free(session)
         self._release_after_step.clear()
-        for work, (result, error) in zip(batch, results):
+        for (work, _), (result, error) in zip(plan, results):
             if work.future.done():
                 continue
             if error is not None:
                 work.future.set_exception(error)
+            elif not work.done:       # a prefill with more chunks to go
+                self._queue.append(work)
             else:
-                info = StepInfo((started - work.enqueued) * 1e3, forward_ms, len(batch))
+                info = StepInfo((started - work.enqueued) * 1e3, forward_ms, len(plan))
                 work.future.set_result((result, info))
 
 
-def _run_step(engine: Engine, batch: list[Work]) -> list[tuple[object, Exception | None]]:
-    """Engine thread: one forward over the batch, then each work item's acceptance."""
-    logits = engine.forward([work.row() for work in batch])
+def _run_step(engine: Engine, plan: list[tuple[Work, int]]) -> list[tuple[object, Exception | None]]:
+    """Engine thread: one forward over the planned rows, then each work item's acceptance."""
+    rows: list[Row] = [work.row(share) for work, share in plan]
+    logits = engine.forward(rows)
     results: list[tuple[object, Exception | None]] = []
-    for work, row_logits in zip(batch, logits):
+    for (work, _), row_logits in zip(plan, logits):
         try:
             results.append((work.complete(row_logits), None))
         except Exception as exc:

@@ -1,6 +1,7 @@
 """Assemble and run the verify server: gRPC (aio) with health and reflection, plus metrics."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ from grpc_reflection.v1alpha import reflection
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from verify_server.config import ServerConfig
-from verify_server.engine import Engine
+from verify_server.engine import make_engine
 from verify_server.metrics import Metrics
 from verify_server.scheduler import Scheduler
 from verify_server.service import VerifierService
@@ -29,6 +30,7 @@ class RunningServer:
     scheduler: Scheduler
     metrics: Metrics
     health: health.aio.HealthServicer
+    evictions: asyncio.Task | None = None
 
     @property
     def address(self) -> str:
@@ -38,6 +40,8 @@ class RunningServer:
         self.service.accepting = False
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.evictions is not None:
+            self.evictions.cancel()
         await self.scheduler.stop()
 
 
@@ -46,7 +50,12 @@ async def start_server(target: Target, config: ServerConfig | None = None, host:
     """Start serving `target`; port 0 picks a free port (see RunningServer.port)."""
     config = config or ServerConfig()
     metrics = metrics or Metrics()
-    scheduler = Scheduler(Engine(target.model), metrics, config.max_batch_sessions)
+    engine = make_engine(target.model, kv_budget_bytes=config.kv_budget_bytes,
+                         kv_fraction=config.kv_fraction, block_tokens=config.kv_block_tokens,
+                         kind=config.engine)
+    log.info("%s engine, KV pool %d tokens (%.0f MiB)", engine.kind, engine.pool.capacity_tokens,
+             engine.pool.nbytes / (1 << 20))
+    scheduler = Scheduler(engine, metrics, config.max_batch_sessions, config.max_step_tokens)
     scheduler.start()
     service = VerifierService(target, scheduler, config, metrics)
     server = grpc.aio.server(options=[
@@ -66,7 +75,8 @@ async def start_server(target: Target, config: ServerConfig | None = None, host:
         raise OSError(f"could not bind {host}:{port}")
     await server.start()
     log.info("serving %s on %s:%d", target.model_id, host, bound)
-    return RunningServer(server, bound, service, scheduler, metrics, health_servicer)
+    evictions = asyncio.get_running_loop().create_task(service.run_evictions(), name="sled-evictions")
+    return RunningServer(server, bound, service, scheduler, metrics, health_servicer, evictions)
 
 
 async def serve_forever(target: Target, config: ServerConfig, host: str, port: int,

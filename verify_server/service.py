@@ -1,7 +1,9 @@
 """The Verifier gRPC service: validates what devices send and turns it into scheduled work."""
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -13,7 +15,9 @@ from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from verify_server import errors
 from verify_server.acceptance import SparseQ
+from verify_server.blocks import PoolExhausted
 from verify_server.config import ServerConfig
+from verify_server.draft_policy import suggest_draft_len
 from verify_server.errors import Reason, SessionError
 from verify_server.metrics import Metrics
 from verify_server.scheduler import Scheduler, StepInfo
@@ -30,6 +34,16 @@ def _timings(info: StepInfo) -> pb.ServerTimings:
                             batch_size=info.batch_size)
 
 
+def _deadline(context, deadline_ms: int = 0) -> float | None:
+    """The earlier of the call's own deadline and a per-round one, as a perf_counter time."""
+    now = time.perf_counter()
+    remaining = context.time_remaining() if context is not None else None
+    candidates = [now + remaining] if remaining is not None else []
+    if deadline_ms:
+        candidates.append(now + deadline_ms / 1e3)
+    return min(candidates) if candidates else None
+
+
 class VerifierService(pb_grpc.VerifierServicer):
     def __init__(self, target: Target, scheduler: Scheduler, config: ServerConfig,
                  metrics: Metrics) -> None:
@@ -40,6 +54,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.context_length = min(target.context_length, config.context_length or 1 << 30)
         self.sessions: dict[str, Session] = {}
         self.accepting = True
+        self.pool = scheduler.engine.pool
+        metrics.kv_blocks_total.set(self.pool.usable_blocks)
 
     # --- unary calls -------------------------------------------------------------------------
 
@@ -52,7 +68,11 @@ class VerifierService(pb_grpc.VerifierServicer):
             context_length=self.context_length,
             limits=pb.ServerLimits(max_draft_tokens=self.config.max_draft_tokens,
                                    max_sessions=self.config.max_sessions,
-                                   max_q_support=self.config.max_q_support),
+                                   max_q_support=self.config.max_q_support,
+                                   kv_budget_tokens=self.pool.capacity_tokens,
+                                   kv_block_tokens=self.pool.block_tokens,
+                                   max_step_tokens=self.scheduler.max_step_tokens,
+                                   idle_timeout_s=self.config.idle_timeout_s),
             sat_available=False,
             dtype=self.target.dtype,
             device=self.target.device,
@@ -70,6 +90,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         session: Session | None = None
         try:
             async for message in requests:
+                if session is not None:
+                    session.heard_from_device()
                 kind = message.WhichOneof("kind")
                 if kind == "open":
                     if session is not None:
@@ -77,15 +99,23 @@ class VerifierService(pb_grpc.VerifierServicer):
                                                   "this stream already has an open session; "
                                                   "open a new stream for a new generation")
                     session = self._open(message.open)
-                    info = await self.scheduler.prefill(session)
+                    info = await self.scheduler.prefill(session, _deadline(context))
                     yield pb.ServerMessage(opened=pb.Opened(
                         session_id=session.id, prompt_tokens=len(session.prompt_ids),
-                        max_new_tokens=session.max_new_tokens, timings=_timings(info)))
+                        max_new_tokens=session.max_new_tokens, timings=_timings(info),
+                        cached_prompt_tokens=session.cached_prompt_tokens))
+                    if session.mode == pb.GENERATION_MODE_SERVER:
+                        async for verdict in self._decode(session, context):
+                            yield pb.ServerMessage(verdict=verdict)
+                        break
+                    session.wait_for_device()
                 elif kind == "draft":
-                    verdict = await self._verify(session, message.draft)
+                    verdict = await self._verify(session, message.draft, context)
                     yield pb.ServerMessage(verdict=verdict)
                     if session.finished:
                         self._end(session)
+                    else:
+                        session.wait_for_device()
                 elif kind == "close":
                     break
                 else:
@@ -101,6 +131,43 @@ class VerifierService(pb_grpc.VerifierServicer):
                 self._end(session)
                 self.sessions.pop(session.id, None)
                 self.metrics.active_sessions.set(len(self.sessions))
+
+    async def _decode(self, session: Session, context) -> AsyncIterator[pb.Verdict]:
+        """Server mode: one token per scheduler step, batched with every other session's work."""
+        while not session.finished:
+            outcome, info = await self.scheduler.verify(session, [], None, _deadline(context))
+            emitted, finish, _ = session.commit(outcome)
+            self.metrics.rounds.inc()
+            self.metrics.emitted_tokens.inc(len(emitted))
+            yield pb.Verdict(round=session.round - 1, emitted_ids=emitted, finish_reason=finish,
+                             timings=_timings(info))
+
+    # --- idle eviction --------------------------------------------------------------------------
+
+    def evict_idle(self, now: float | None = None) -> list[Session]:
+        """Free the KV of sessions that have waited on their device longer than the timeout."""
+        timeout = self.config.idle_timeout_s
+        if not timeout:
+            return []
+        now = time.monotonic() if now is None else now
+        idle = [s for s in self.sessions.values() if s.idle_for(now) > timeout and not s.finished]
+        for session in idle:
+            session.evicted_after = session.idle_for(now)
+            self.scheduler.release(session)
+            self.sessions.pop(session.id, None)
+            self.metrics.evicted.inc()
+            log.info("session %s evicted after %.1f s idle", session.id, session.evicted_after)
+        if idle:
+            self.metrics.active_sessions.set(len(self.sessions))
+        return idle
+
+    async def run_evictions(self) -> None:
+        """Background task: look for idle sessions a few times per timeout."""
+        if not self.config.idle_timeout_s:
+            return
+        while True:
+            await asyncio.sleep(max(self.config.idle_timeout_s / 4, 0.05))
+            self.evict_idle()
 
     def _end(self, session: Session) -> None:
         """The session is done (finished, failed or disconnected): its KV goes now."""
@@ -137,19 +204,52 @@ class VerifierService(pb_grpc.VerifierServicer):
             raise errors.exhausted(Reason.REASON_TOO_MANY_SESSIONS,
                                    f"server is at its limit of {self.config.max_sessions} sessions; "
                                    "retry later or use another server")
+        if request.mode not in pb.GenerationMode.values():
+            raise errors.invalid(Reason.REASON_PROTOCOL,
+                                 f"unknown generation mode {request.mode}: use "
+                                 + " or ".join(pb.GenerationMode.keys()))
         stop = frozenset(request.stop_ids)
         end = stop if request.ignore_eos else stop | frozenset(self.target.eos_ids)
         session = Session(prompt_ids=prompt, sampling=sampling, max_new_tokens=request.max_new_tokens,
-                          end_ids=end, stop_ids=stop, drafter=request.drafter)
+                          end_ids=end, stop_ids=stop, drafter=request.drafter, mode=request.mode,
+                          kv=self.scheduler.engine.new_kv())
+        self._admit(session)
         self.sessions[session.id] = session
         self.metrics.sessions.inc()
         self.metrics.active_sessions.set(len(self.sessions))
         return session
 
-    async def _verify(self, session: Session | None, draft: pb.Draft) -> pb.Verdict:
+    def _admit(self, session: Session) -> None:
+        """Reserve the session's KV (prompt + max_new_tokens), sharing cached prefix blocks."""
+        needed = len(session.prompt_ids) + session.max_new_tokens
+        try:
+            session.cached_prompt_tokens = session.kv.admit(session.prefill_tokens(), needed)
+        except PoolExhausted:
+            pool, mib = self.pool, self.pool.shape.bytes_per_token / (1 << 20)
+            free_tokens = (pool.usable_blocks - pool.committed_blocks) * pool.block_tokens
+            raise errors.exhausted(
+                Reason.REASON_KV_BUDGET,
+                f"KV cache budget is full: this session needs {needed} tokens "
+                f"({needed * mib:.1f} MiB) but only {free_tokens} of {pool.capacity_tokens} tokens "
+                f"({pool.capacity_tokens * mib:.0f} MiB budget) are free across "
+                f"{len(self.sessions)} sessions; retry later, lower max_new_tokens, or use a "
+                "server with a larger --kv-budget") from None
+        self.metrics.prefix_hit_tokens.inc(session.cached_prompt_tokens)
+
+    async def _verify(self, session: Session | None, draft: pb.Draft, context) -> pb.Verdict:
         if session is None:
             raise errors.precondition(Reason.REASON_NO_SESSION,
                                       "draft before open: send an open message first", draft.round)
+        if session.evicted_after is not None:
+            raise errors.aborted(
+                Reason.REASON_EVICTED,
+                f"session {session.id} was idle {session.evicted_after:.1f} s (limit "
+                f"{self.config.idle_timeout_s:g} s) and its KV was freed: reopen a stream with the "
+                f"prompt + the {len(session.generated)} committed tokens to resume")
+        if session.mode == pb.GENERATION_MODE_SERVER:
+            raise errors.precondition(Reason.REASON_WRONG_MODE,
+                                      f"session {session.id} is in server mode: the server generates "
+                                      "its tokens and takes no drafts", draft.round)
         if session.finished:
             raise errors.precondition(
                 Reason.REASON_SESSION_FINISHED,
@@ -170,15 +270,20 @@ class VerifierService(pb_grpc.VerifierServicer):
         self._check_ids(tokens, "draft.token_ids", draft.round)
         q = self._draft_q(session, draft, tokens)
         budget = session.verify_budget(len(tokens))
+        deadline = _deadline(context, draft.deadline_ms)
         outcome, info = await self.scheduler.verify(session, tokens[:budget],
-                                                    q[:budget] if q is not None else None)
+                                                    q[:budget] if q is not None else None, deadline)
         emitted, finish, accepted = session.commit(outcome)
+        session.observe(budget, accepted)
         self.metrics.rounds.inc()
         self.metrics.draft_tokens.inc(budget)
         self.metrics.accepted_tokens.inc(accepted)
         self.metrics.emitted_tokens.inc(len(emitted))
+        suggested = suggest_draft_len(session.acceptance, len(self.sessions),
+                                      self.scheduler.max_step_tokens, self.config.max_draft_tokens)
         return pb.Verdict(round=draft.round, accepted=accepted, emitted_ids=emitted,
-                          finish_reason=finish, timings=_timings(info), verified=budget)
+                          finish_reason=finish, timings=_timings(info), verified=budget,
+                          suggested_draft_len=suggested)
 
     def _draft_q(self, session: Session, draft: pb.Draft, tokens: list[int]) -> list[SparseQ] | None:
         """The sparse q of a sampling draft; None means a deterministic drafter (one-hot q)."""

@@ -1,6 +1,7 @@
 """A generation session on the server: what the device asked for and what has been committed."""
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -20,12 +21,26 @@ class Session:
     end_ids: frozenset[int]          # EOS (unless ignored) and the request's stop ids
     stop_ids: frozenset[int]
     drafter: str = ""
+    mode: int = pb.GENERATION_MODE_DEVICE_DRAFTS
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    kv: SessionKV = field(default_factory=SessionKV)
+    kv: SessionKV | None = None
     generated: list[int] = field(default_factory=list)
     round: int = 0
     finish: int = pb.FINISH_REASON_UNSPECIFIED
     generator: torch.Generator | None = None
+    cached_prompt_tokens: int = 0
+    acceptance: float = 0.7                 # moving average of accepted / verified per round
+    waiting_since: float | None = None      # waiting for the device's next message since then
+    evicted_after: float | None = None      # idle seconds after which the KV was freed
+
+    def wait_for_device(self) -> None:
+        self.waiting_since = time.monotonic()
+
+    def heard_from_device(self) -> None:
+        self.waiting_since = None
+
+    def idle_for(self, now: float) -> float:
+        return 0.0 if self.waiting_since is None else now - self.waiting_since
 
     def __post_init__(self) -> None:
         if not self.sampling.greedy:
@@ -54,6 +69,11 @@ class Session:
     def verify_budget(self, draft_len: int) -> int:
         """Draft tokens worth verifying: with the extra token they must fit max_new_tokens."""
         return min(draft_len, self.remaining - 1)
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """Track how much of this session's drafts the target keeps."""
+        if verified:
+            self.acceptance += 0.3 * (accepted / verified - self.acceptance)
 
     def commit(self, outcome: Outcome) -> tuple[list[int], int, int]:
         """Append the verdict's tokens, cut at the first end id or the length limit.

@@ -17,23 +17,46 @@ from verify_server.session import Session
 class Work:
     session: Session
     future: asyncio.Future
+    deadline: float | None = None        # perf_counter time after which the work is useless
     enqueued: float = field(default_factory=time.perf_counter)
 
-    def row(self) -> Row:
+    @property
+    def tokens_wanted(self) -> int:
+        """Tokens this work would put into the next forward if the budget allowed."""
+        raise NotImplementedError
+
+    def row(self, budget: int) -> Row:
         raise NotImplementedError
 
     def complete(self, logits: torch.Tensor | None):
         """Runs on the engine thread right after the forward; the result resolves `future`."""
         raise NotImplementedError
 
+    @property
+    def done(self) -> bool:
+        return True
+
 
 @dataclass(slots=True, eq=False)
 class Prefill(Work):
-    def row(self) -> Row:
-        return Row(self.session.kv, self.session.prefill_tokens(), want_logits=False)
+    """The prompt (all but its last token) into the session's KV, in chunks of the step budget."""
+
+    @property
+    def tokens_wanted(self) -> int:
+        return len(self.session.prompt_ids) - 1 - self.session.kv.length
+
+    def row(self, budget: int) -> Row:
+        start = self.session.kv.length
+        return Row(self.session.kv, self.session.prompt_ids[start:start + budget], want_logits=False)
 
     def complete(self, logits: torch.Tensor | None) -> None:
+        if self.done:
+            self.session.kv.publish(self.session.prompt_ids)
         return None
+
+    @property
+    def done(self) -> bool:
+        return self.tokens_wanted <= 0
 
 
 @dataclass(slots=True, eq=False)
@@ -41,7 +64,11 @@ class Verify(Work):
     draft: list[int] = field(default_factory=list)       # [k], already cut to the budget
     q: list[SparseQ] | None = None
 
-    def row(self) -> Row:
+    @property
+    def tokens_wanted(self) -> int:
+        return len(self.draft) + 1
+
+    def row(self, budget: int) -> Row:
         return Row(self.session.kv, [self.session.last_token, *self.draft], want_logits=True)
 
     def complete(self, logits: torch.Tensor | None) -> Outcome:

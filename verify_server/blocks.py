@@ -1,0 +1,168 @@
+"""The KV block pool: every session's keys and values live in one preallocated tensor per layer.
+
+The pool is cut into blocks of `block_tokens` slots. A session owns a list of block ids (its
+block table); token t of the session sits in slot `table[t // block_tokens] * block_tokens +
+t % block_tokens`. Nothing is allocated or copied per step: a forward writes the new tokens'
+keys/values into their slots and attention reads the session's slots.
+
+Admission works on reservations: a session reserves the blocks its longest possible context needs
+when it opens, so a running session never finds the pool full. Full prompt blocks are published
+under a hash of the whole prefix they end, so a later session with the same prefix shares them
+(reference counted); a shared block is never written again.
+
+    block_tokens = 4, prompt "a b c d e f g" -> table [7, 2]: slots 28..31 hold a b c d,
+    slots 8..10 hold e f g. A second prompt "a b c d x" finds block 7 by its prefix hash and
+    gets table [7, 5].
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "KVShape":
+        config = model.config.get_text_config(decoder=True)
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.num_hidden_layers, kv_heads, head_dim, next(model.parameters()).dtype)
+
+
+class PoolExhausted(Exception):
+    """The pool cannot reserve what a new session needs."""
+
+
+def prefix_hashes(tokens: Sequence[int], block_tokens: int) -> list[bytes]:
+    """One digest per full block of `tokens`, each covering the whole prefix up to its end."""
+    digests, running = [], hashlib.blake2b(digest_size=16)
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        running.update(b"".join(t.to_bytes(4, "little") for t in tokens[start:start + block_tokens]))
+        digests.append(running.copy().digest())
+    return digests
+
+
+class BlockPool:
+    def __init__(self, shape: KVShape, num_blocks: int, block_tokens: int = 16,
+                 device: torch.device | str = "cpu") -> None:
+        if num_blocks < 2 or block_tokens < 1:
+            raise ValueError("the KV pool needs at least two blocks of at least one token")
+        self.shape = shape
+        self.block_tokens = block_tokens
+        self.num_blocks = num_blocks
+        slots = num_blocks * block_tokens
+        # Per layer: keys and values [slots, kv_heads, head_dim]. Only block 0 is zeroed: it is
+        # the block padding reads, never given to a session; every other slot is written before
+        # it is read.
+        self.keys = [torch.empty(slots, shape.kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+                     for _ in range(shape.layers)]
+        self.values = [torch.empty_like(k) for k in self.keys]
+        for tensor in (*self.keys, *self.values):
+            tensor[:block_tokens].zero_()
+        self.refs = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._cached: dict[bytes, int] = {}       # prefix digest -> block
+        self._digest: dict[int, bytes] = {}       # block -> its prefix digest
+        self.outstanding = 0                      # reserved blocks not allocated yet
+        self.bytes_written = 0                    # KV bytes written into the pool, ever
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.usable_blocks * self.block_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_tokens * self.shape.bytes_per_token
+
+    @property
+    def used_blocks(self) -> int:
+        return self.usable_blocks - len(self._free)
+
+    @property
+    def committed_blocks(self) -> int:
+        """Blocks in use plus blocks promised to running sessions."""
+        return self.used_blocks + self.outstanding
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+    # --- reservations --------------------------------------------------------------------------
+
+    def reserve(self, blocks: int) -> None:
+        if self.committed_blocks + blocks > self.usable_blocks:
+            raise PoolExhausted(blocks)
+        self.outstanding += blocks
+
+    def unreserve(self, blocks: int) -> None:
+        self.outstanding -= blocks
+
+    # --- blocks ----------------------------------------------------------------------------------
+
+    def allocate(self) -> int:
+        """A fresh block against an existing reservation (the least recently freed one)."""
+        block, _ = self._free.popitem(last=False)
+        digest = self._digest.pop(block, None)
+        if digest is not None:
+            del self._cached[digest]
+        self.refs[block] = 1
+        self.outstanding -= 1
+        return block
+
+    def release(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self._free[block] = None  # a published block stays findable until reused
+
+    def lookup(self, digests: Sequence[bytes]) -> list[int]:
+        """The longest run of published blocks matching `digests`; each gains a reference."""
+        found = []
+        for digest in digests:
+            block = self._cached.get(digest)
+            if block is None:
+                break
+            if self.refs[block] == 0:
+                del self._free[block]
+            self.refs[block] += 1
+            found.append(block)
+        return found
+
+    def publish(self, block: int, digest: bytes) -> None:
+        """Make a full block findable by the prefix digest it ends (first publisher wins)."""
+        if digest not in self._cached and block not in self._digest:
+            self._cached[digest] = block
+            self._digest[block] = digest
+
+    def cached_blocks(self) -> int:
+        return len(self._cached)
+
+    # --- data --------------------------------------------------------------------------------------
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys/values: [tokens, kv_heads, head_dim] into `slots` [tokens]."""
+        self.keys[layer].index_copy_(0, slots, keys.to(self.shape.dtype))
+        self.values[layer].index_copy_(0, slots, values.to(self.shape.dtype))
+        self.bytes_written += keys.nbytes + values.nbytes
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered keys/values at `slots` (any shape S): [*S, kv_heads, head_dim] each."""
+        return self.keys[layer][slots], self.values[layer][slots]
