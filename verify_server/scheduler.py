@@ -108,15 +108,17 @@ class Scheduler:
         """Take this step's work off the queue: (work, tokens it gets) within the budget."""
         for work in [w for w in self._queue if w.future.done()]:
             self._queue.remove(work)
-        for work in [w for w in self._queue if w.deadline is not None and w.deadline < now]:
+        expired = [w for w in self._queue if w.deadline is not None and w.deadline < now]
+        for work in expired:
             self._queue.remove(work)
             self.metrics.expired.inc()
             late_ms = (now - work.deadline) * 1e3
             work.future.set_exception(errors.deadline(
                 Reason.REASON_DEADLINE_EXCEEDED,
                 f"round {work.session.round} of session {work.session.id} missed its deadline by "
-                f"{late_ms:.0f} ms waiting for the server (queue of {len(self._queue)}); it was not "
-                "verified: draft shorter, allow a longer deadline, or use a less loaded server",
+                f"{late_ms:.0f} ms waiting behind {len(self._queue) + len(expired) - 1} queued rounds; it "
+                "was not verified: send shorter drafts, allow a longer deadline, or use a less "
+                "loaded server",
                 work.session.round))
         budget, plan = self.max_step_tokens, []
         verifies = sorted((w for w in self._queue if isinstance(w, Verify)), key=_priority)

@@ -246,10 +246,6 @@ class VerifierService(pb_grpc.VerifierServicer):
                 f"session {session.id} was idle {session.evicted_after:.1f} s (limit "
                 f"{self.config.idle_timeout_s:g} s) and its KV was freed: reopen a stream with the "
                 f"prompt + the {len(session.generated)} committed tokens to resume")
-        if session.mode == pb.GENERATION_MODE_SERVER:
-            raise errors.precondition(Reason.REASON_WRONG_MODE,
-                                      f"session {session.id} is in server mode: the server generates "
-                                      "its tokens and takes no drafts", draft.round)
         if session.finished:
             raise errors.precondition(
                 Reason.REASON_SESSION_FINISHED,

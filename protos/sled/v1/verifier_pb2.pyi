@@ -218,7 +218,6 @@ class ErrorDetail(_message.Message):
         REASON_KV_BUDGET: _ClassVar[ErrorDetail.Reason]
         REASON_EVICTED: _ClassVar[ErrorDetail.Reason]
         REASON_DEADLINE_EXCEEDED: _ClassVar[ErrorDetail.Reason]
-        REASON_WRONG_MODE: _ClassVar[ErrorDetail.Reason]
     REASON_UNSPECIFIED: ErrorDetail.Reason
     REASON_TOKEN_OUT_OF_RANGE: ErrorDetail.Reason
     REASON_EMPTY_DRAFT: ErrorDetail.Reason
@@ -236,7 +235,6 @@ class ErrorDetail(_message.Message):
     REASON_KV_BUDGET: ErrorDetail.Reason
     REASON_EVICTED: ErrorDetail.Reason
     REASON_DEADLINE_EXCEEDED: ErrorDetail.Reason
-    REASON_WRONG_MODE: ErrorDetail.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
