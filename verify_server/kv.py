@@ -12,7 +12,7 @@ class SessionKV:
     """The KV of the tokens the target has seen for one session. `length` excludes the last
     committed token, which is fed again with the next draft. Rolling back is a length change."""
 
-    __slots__ = ("pool", "table", "length", "reserved", "shared")
+    __slots__ = ("pool", "table", "length", "reserved", "shared", "_slot_ids")
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
@@ -20,6 +20,7 @@ class SessionKV:
         self.length = 0
         self.reserved = 0     # blocks promised by the pool, not yet in the table
         self.shared = 0       # leading blocks found in the prefix cache
+        self._slot_ids = torch.empty(0, dtype=torch.long)   # slot of every position the table covers
 
     @property
     def nbytes(self) -> int:
@@ -38,7 +39,9 @@ class SessionKV:
         except Exception:
             self.pool.release(found)
             raise
-        self.table, self.shared, self.reserved = found, len(found), need
+        self.table, self.shared, self.reserved = [], len(found), need
+        for block in found:
+            self._extend(block)
         self.length = len(found) * self.pool.block_tokens
         return self.length
 
@@ -49,15 +52,18 @@ class SessionKV:
             self.pool.publish(block, digest)
 
     def slots(self, start: int, end: int) -> torch.Tensor:
-        """Slot ids of positions [start, end), growing the table as needed."""
-        bt = self.pool.block_tokens
-        while len(self.table) * bt < end:
+        """Slot ids of positions [start, end) (a view), growing the table as needed."""
+        while len(self.table) * self.pool.block_tokens < end:
             if self.reserved <= 0:
                 raise RuntimeError("session grew past its KV reservation")
-            self.table.append(self.pool.allocate())
+            self._extend(self.pool.allocate())
             self.reserved -= 1
-        positions = torch.arange(start, end)
-        return torch.tensor(self.table, dtype=torch.long)[positions // bt] * bt + positions % bt
+        return self._slot_ids[start:end]
+
+    def _extend(self, block: int) -> None:
+        bt = self.pool.block_tokens
+        self.table.append(block)
+        self._slot_ids = torch.cat([self._slot_ids, torch.arange(block * bt, (block + 1) * bt)])
 
     def truncate(self, length: int) -> None:
         """Roll back to the first `length` tokens (rejected draft tokens fall away)."""
@@ -67,3 +73,4 @@ class SessionKV:
         self.pool.release(self.table)
         self.pool.unreserve(self.reserved)
         self.table, self.reserved, self.length, self.shared = [], 0, 0, 0
+        self._slot_ids = torch.empty(0, dtype=torch.long)
