@@ -89,10 +89,16 @@ class Scheduler:
     def _new_future(self) -> asyncio.Future:
         return asyncio.get_running_loop().create_future()
 
-    async def _submit(self, work: Work):
+    def enqueue(self, work: Work) -> asyncio.Future:
+        """Queue work now; the returned future resolves to (result, StepInfo) after its step."""
+        if work.future is None:
+            work.future = self._new_future()
         self._queue.append(work)
         self._wake.set()
-        return await work.future
+        return work.future
+
+    async def _submit(self, work: Work):
+        return await self.enqueue(work)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -100,6 +106,7 @@ class Scheduler:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
+                await asyncio.sleep(0)   # sessions the last step answered queue their next work first
                 plan = self._plan(time.perf_counter())
                 if plan:
                     await self._step(loop, plan)

@@ -23,6 +23,7 @@ from verify_server.metrics import Metrics
 from verify_server.scheduler import Scheduler, StepInfo
 from verify_server.session import Session
 from verify_server.target import Target
+from verify_server.work import Verify
 
 log = logging.getLogger("sled.server")
 
@@ -133,14 +134,21 @@ class VerifierService(pb_grpc.VerifierServicer):
                 self.metrics.active_sessions.set(len(self.sessions))
 
     async def _decode(self, session: Session, context) -> AsyncIterator[pb.Verdict]:
-        """Server mode: one token per scheduler step, batched with every other session's work."""
-        while not session.finished:
-            outcome, info = await self.scheduler.verify(session, [], None, _deadline(context))
+        """Server mode: one token per scheduler step, batched with every other session's work.
+        The next step is queued before this one's verdict goes out, so a slow reader never makes
+        its session miss a batch."""
+        step = self.scheduler.enqueue(Verify(session, None, _deadline(context)))
+        while True:
+            outcome, info = await step
             emitted, finish, _ = session.commit(outcome)
+            if not session.finished:
+                step = self.scheduler.enqueue(Verify(session, None, _deadline(context)))
             self.metrics.rounds.inc()
             self.metrics.emitted_tokens.inc(len(emitted))
             yield pb.Verdict(round=session.round - 1, emitted_ids=emitted, finish_reason=finish,
                              timings=_timings(info))
+            if session.finished:
+                return
 
     # --- idle eviction --------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from verify_server.session import Session
 @dataclass(slots=True, eq=False)
 class Work:
     session: Session
-    future: asyncio.Future
+    future: asyncio.Future | None   # None until the scheduler queues it
     deadline: float | None = None        # perf_counter time after which the work is useless
     enqueued: float = field(default_factory=time.perf_counter)
 
