@@ -10,6 +10,7 @@ import grpc
 import torch
 
 from drafters.base import Drafter, Proposal
+from edge_client.profiles import Link
 from sled.fingerprint import short
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
@@ -38,6 +39,7 @@ class RoundStat:
     queue_ms: float          # waiting on the server for a place in a forward
     verified: int
     accepted: int
+    suggested_draft_len: int = 0   # the server's advice for the next draft (0 = none)
 
 
 @dataclass(slots=True)
@@ -49,8 +51,12 @@ class GenerationResult:
     accepted_tokens: int = 0
     elapsed_s: float = 0.0
     server_forward_ms: float = 0.0
+    resumes: int = 0               # sessions reopened after the server evicted an idle one
     text: str = ""
     round_stats: list[RoundStat] = field(default_factory=list)
+    # perf_counter seconds since the session started at which each token arrived (one stamp per
+    # token; the tokens of one verdict share it)
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -63,6 +69,7 @@ class GenerationResult:
     def summary(self) -> dict:
         out = asdict(self)
         out.pop("round_stats")
+        out.pop("token_times")
         out.update(acceptance_rate=round(self.acceptance_rate, 4),
                    tokens_per_round=round(self.tokens_per_round, 4),
                    tokens_per_s=round(len(self.token_ids) / self.elapsed_s, 2) if self.elapsed_s else 0.0)
@@ -71,12 +78,17 @@ class GenerationResult:
 
 def open_message(prompt_ids: Sequence[int], sampling: Sampling, max_new_tokens: int,
                  stop_ids: Sequence[int] = (), fingerprint: str = "", drafter: str = "",
-                 ignore_eos: bool = False) -> pb.DeviceMessage:
+                 ignore_eos: bool = False,
+                 mode: int = pb.GENERATION_MODE_DEVICE_DRAFTS) -> pb.DeviceMessage:
     msg = pb.DeviceMessage(open=pb.Open(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
                                         stop_ids=list(stop_ids), tokenizer_fingerprint=fingerprint,
-                                        drafter=drafter, ignore_eos=ignore_eos))
+                                        drafter=drafter, ignore_eos=ignore_eos, mode=mode))
     sampling.to_proto(msg.open.sampling)
     return msg
+
+
+# First draft length of a draft_len="auto" session, before the server has suggested one.
+AUTO_FIRST_DRAFT_LEN = 4
 
 
 def draft_message(round: int, proposal: Proposal) -> pb.DeviceMessage:
@@ -100,21 +112,42 @@ async def read_reply(call) -> pb.ServerMessage:
     return msg
 
 
+async def _send(call, msg: pb.DeviceMessage, link: Link | None) -> None:
+    """Write one message after the link's uplink delay."""
+    if link is not None:
+        await link.uplink(msg.ByteSize())
+    await call.write(msg)
+
+
+async def _receive(call, link: Link | None) -> pb.ServerMessage:
+    """Read one message, then wait out the link's downlink delay."""
+    msg = await read_reply(call)
+    if link is not None:
+        await link.downlink(msg.ByteSize())
+    return msg
+
+
 async def generate(
     stub,
     drafter: Drafter,
     prompt_ids: Sequence[int],
     *,
     max_new_tokens: int,
-    draft_len: int = 4,
+    draft_len: int | str = 4,
     sampling: Sampling = Sampling(),
     stop_ids: Sequence[int] = (),
     target_fingerprint: str | None = None,
     ignore_eos: bool = False,
     on_tokens: Callable[[list[int]], None] | None = None,
     timeout: float | None = None,
+    link: Link | None = None,
 ) -> GenerationResult:
-    """Run one generation session to its end; on_tokens sees each verdict's committed tokens."""
+    """Run one generation session to its end; on_tokens sees each verdict's committed tokens.
+
+    draft_len="auto" drafts what the previous verdict suggested (AUTO_FIRST_DRAFT_LEN at first).
+    `link` emulates the network: every message waits for it. A drafter with an async apropose()
+    (an emulated device) is awaited directly instead of running propose() in a thread.
+    """
     fingerprint = drafter.tokenizer_fingerprint or target_fingerprint or ""
     if target_fingerprint and drafter.tokenizer_fingerprint and \
             drafter.tokenizer_fingerprint != target_fingerprint:
@@ -130,23 +163,48 @@ async def generate(
         else:
             generator.seed()
 
+    apropose = getattr(drafter, "apropose", None)
+    k = AUTO_FIRST_DRAFT_LEN if draft_len == "auto" else draft_len
     started = time.perf_counter()
-    call = stub.Generate(timeout=timeout)
+    context = list(prompt_ids)
+    result = GenerationResult(token_ids=[], finish_reason="")
+
+    async def open_stream():
+        """A session for what is left: the prompt plus everything committed so far."""
+        call = stub.Generate(timeout=timeout)
+        await _send(call, open_message(context, sampling, max_new_tokens - len(result.token_ids),
+                                       stop_ids, fingerprint, drafter.name, ignore_eos), link)
+        await _receive(call, link)  # opened: the prompt is in the server's KV
+        return call
+
+    call = None
     try:
-        await call.write(open_message(prompt_ids, sampling, max_new_tokens, stop_ids, fingerprint,
-                                      drafter.name, ignore_eos))
-        await read_reply(call)  # opened: the prompt is in the server's KV
-        context = list(prompt_ids)
-        result = GenerationResult(token_ids=[], finish_reason="")
+        call, round = await open_stream(), 0
         while True:
             drafting = time.perf_counter()
-            proposal = await asyncio.to_thread(drafter.propose, context, draft_len, sampling, generator)
+            if apropose is not None:
+                proposal = await apropose(context, k, sampling, generator)
+            else:
+                proposal = await asyncio.to_thread(drafter.propose, context, k, sampling, generator)
             sent = time.perf_counter()
-            await call.write(draft_message(result.rounds, proposal))
-            verdict = (await read_reply(call)).verdict
+            await _send(call, draft_message(round, proposal), link)
+            try:
+                verdict = (await _receive(call, link)).verdict
+            except VerifyError as error:
+                if error.reason != "REASON_EVICTED":
+                    raise
+                # The server freed this idle session's KV: resume where the committed tokens end.
+                drafter.rollback(len(context))
+                result.resumes += 1
+                call, round = await open_stream(), 0
+                continue
+            round += 1
             result.round_stats.append(RoundStat(
                 (sent - drafting) * 1e3, (time.perf_counter() - sent) * 1e3, verdict.timings.forward_ms,
-                verdict.timings.queue_ms, verdict.verified, verdict.accepted))
+                verdict.timings.queue_ms, verdict.verified, verdict.accepted,
+                verdict.suggested_draft_len))
+            if draft_len == "auto" and verdict.suggested_draft_len:
+                k = verdict.suggested_draft_len
             result.server_forward_ms += verdict.timings.forward_ms
             result.rounds += 1
             result.draft_tokens += verdict.verified
@@ -154,6 +212,76 @@ async def generate(
             drafter.rollback(len(context) + verdict.accepted)
             context.extend(verdict.emitted_ids)
             result.token_ids.extend(verdict.emitted_ids)
+            result.token_times.extend([time.perf_counter() - started] * len(verdict.emitted_ids))
+            if on_tokens is not None:
+                on_tokens(list(verdict.emitted_ids))
+            if verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                result.finish_reason = FINISH_NAMES[verdict.finish_reason]
+                break
+        await call.done_writing()
+    except BaseException:
+        if call is not None:
+            call.cancel()
+        raise
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+async def generate_server_side(
+    stub,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    stop_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    link: Link | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    timeout: float | None = None,
+) -> GenerationResult:
+    """Let the server produce every token (GENERATION_MODE_SERVER, centralized serving): open,
+    then read one verdict per server step until one carries a finish reason. No drafter.
+
+    Verdicts are read as soon as they come and stamped, so an emulated link delays the stream
+    without slowing its rate (see Link.downlink).
+    """
+    started = time.perf_counter()
+    call = stub.Generate(timeout=timeout)
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def pump() -> None:
+        """Read every server message the moment it arrives; an error ends the inbox too."""
+        try:
+            while True:
+                msg = await read_reply(call)
+                inbox.put_nowait((time.perf_counter(), msg))
+                if msg.verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    return
+        except BaseException as exc:
+            inbox.put_nowait((time.perf_counter(), exc))
+
+    async def receive() -> pb.ServerMessage:
+        received_at, msg = await inbox.get()
+        if isinstance(msg, BaseException):
+            raise msg
+        if link is not None:
+            await link.downlink(msg.ByteSize(), received_at)
+        return msg
+
+    reader = None
+    try:
+        await _send(call, open_message(prompt_ids, sampling, max_new_tokens, stop_ids,
+                                       drafter="server", ignore_eos=ignore_eos,
+                                       mode=pb.GENERATION_MODE_SERVER), link)
+        reader = asyncio.create_task(pump())
+        await receive()  # opened
+        result = GenerationResult(token_ids=[], finish_reason="")
+        while True:
+            verdict = (await receive()).verdict
+            result.rounds += 1
+            result.server_forward_ms += verdict.timings.forward_ms
+            result.token_ids.extend(verdict.emitted_ids)
+            result.token_times.extend([time.perf_counter() - started] * len(verdict.emitted_ids))
             if on_tokens is not None:
                 on_tokens(list(verdict.emitted_ids))
             if verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
@@ -163,5 +291,8 @@ async def generate(
     except BaseException:
         call.cancel()
         raise
+    finally:
+        if reader is not None:
+            reader.cancel()
     result.elapsed_s = time.perf_counter() - started
     return result

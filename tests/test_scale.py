@@ -283,3 +283,32 @@ def test_draft_length_policy():
     assert suggest_draft_len(0.9, 256, 512, 16) == 1      # load wins
     assert suggest_draft_len(0.0, 1, 512, 16) == 1
     assert suggest_draft_len(0.8, 1, 512, 16) < suggest_draft_len(0.95, 1, 512, 16)
+
+
+class StallingDrafter:
+    """An HF drafter that stalls once, before its second draft, longer than the idle timeout."""
+
+    def __init__(self, model, stall_s: float) -> None:
+        self.inner, self.stall_s, self.calls = HFDrafter(model), stall_s, 0
+        self.name, self.tokenizer_fingerprint = "stalling", ""
+
+    async def apropose(self, context, k, sampling, generator):
+        self.calls += 1
+        if self.calls == 2:
+            await asyncio.sleep(self.stall_s)
+        return self.inner.propose(context, k, sampling, generator)
+
+    def rollback(self, length: int) -> None:
+        self.inner.rollback(length)
+
+
+async def test_device_resumes_after_eviction_without_losing_tokens(serve, models, drafter_models):
+    model = models["gemma3"]
+    server = await serve(model, idle_timeout_s=0.15)
+    prompt = [61, 62, 63, 64]
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        result = await generate(VerifierStub(channel), StallingDrafter(drafter_models["gemma3"], 0.6),
+                                prompt, max_new_tokens=20, draft_len=3, ignore_eos=True)
+    assert result.resumes == 1
+    assert server.metrics.value("sled_evicted_sessions_total") == 1
+    assert result.token_ids == greedy_reference(model, prompt, 20)
