@@ -7,8 +7,9 @@ per round (accepted + the target's own token). Writes JSON and a PNG plot.
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
+
+from sled_cli.report import save_figure, subplots, write_json
 
 
 async def _measure(stub, spec: str, prompts: list[list[int]], k: int, max_new: int,
@@ -69,22 +70,15 @@ async def run_acceptance(args) -> int:
         table.add_row(r["drafter"], str(r["k"]), f"{r['acceptance_rate']:.1%}",
                       f"{r['mean_accepted']:.2f}", f"{r['tokens_per_round']:.2f}", str(r["rounds"]))
     console.print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"target": args.target, "workload": args.workload,
-                               "max_new_tokens": args.max_new_tokens, "results": rows}, indent=2))
+    out = write_json(args.out, {"target": args.target, "workload": args.workload,
+                                "max_new_tokens": args.max_new_tokens, "results": rows})
     _plot(rows, specs, out.with_suffix(".png"), f"{args.target} on {args.workload}")
     console.print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
 
 def _plot(rows: list[dict], specs: list[str], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = subplots(2)
     for spec in specs:
         mine = [r for r in rows if r["drafter"] == spec]
         ks = [r["k"] for r in mine]
@@ -92,10 +86,4 @@ def _plot(rows: list[dict], specs: list[str], path: Path, title: str) -> None:
         right.plot(ks, [r["tokens_per_round"] for r in mine], marker="o", label=spec)
     left.set(xlabel="draft length k", ylabel="acceptance rate", ylim=(0, 1), title="acceptance")
     right.set(xlabel="draft length k", ylabel="tokens per round", title="tokens per target pass")
-    for axis in (left, right):
-        axis.grid(alpha=0.3)
-        axis.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, (left, right), path, title)

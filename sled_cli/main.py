@@ -4,7 +4,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+
+# OpenMP's default busy-waiting threads starve the server's event loop when the forward runs on
+# its engine thread (a tiny batched forward took ~300 ms instead of ~2 ms on 2 cores). This must
+# be set before torch loads; an explicit setting in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _add_serve(sub) -> None:
@@ -69,6 +75,40 @@ def _add_bench(sub) -> None:
     a.add_argument("--max-new-tokens", type=int, default=64)
     a.add_argument("--devices", type=int, default=4, help="concurrent sessions per drafter")
     a.add_argument("--out", default="bench-results/acceptance.json")
+    s = bench.add_parser("serve", help="sled vs centralized serving as the number of devices grows")
+    s.add_argument("--model", default=None,
+                   help="target alias or path (default: the traces' target, else a tiny random one)")
+    s.add_argument("--traces", default=None, help="a `sled trace record` file (default: record now)")
+    s.add_argument("--drafter", default=None, help="drafter spec to record traces with "
+                   "(default: the tiny pair's drafter, or ngram with --model)")
+    s.add_argument("--workload", default="humaneval:8", help="humaneval[:N], a prompt file or tiny")
+    s.add_argument("--prompts", type=int, default=None, help="use at most this many prompts")
+    s.add_argument("--devices", default="1,4,16,64", help="comma-separated fleet sizes")
+    s.add_argument("--modes", default="sled,centralized", help="which of sled,centralized to run")
+    s.add_argument("--draft-len", default="4", help="tokens drafted per round, or auto (the "
+                   "server's suggestion from the previous verdict)")
+    s.add_argument("--max-k", type=int, default=8, help="longest draft recorded per position")
+    s.add_argument("--max-new-tokens", type=int, default=48)
+    s.add_argument("--device-profile", default="pi5",
+                   help="pi4, pi5, orin-nano, instant, recorded (this machine's drafting speed); "
+                        "NAME:draft_ms_per_token=X,round_overhead_ms=Y overrides")
+    s.add_argument("--link", default="wifi", help="loopback, ethernet, wifi, lte; "
+                   "NAME:rtt_ms=X,jitter_ms=Y,bandwidth_mbps=Z overrides")
+    s.add_argument("--target-rate", type=float, default=10.0,
+                   help="tokens/s that 95%% of devices must reach for a fleet size to count")
+    s.add_argument("--dtype", default="float32", help="the target's dtype, recording and serving")
+    s.add_argument("--server-args", default="", help='extra `sled serve` flags, e.g. "--device cuda"')
+    s.add_argument("--out", default="bench-results/serve.json")
+    e = bench.add_parser("engine", help="paged engine vs the padded fallback as contexts grow")
+    e.add_argument("--model", default=None, help="target alias or path (default: a tiny random model)")
+    e.add_argument("--dtype", default="float32")
+    e.add_argument("--device", default="cpu", help="torch device, e.g. cuda:0")
+    e.add_argument("--contexts", default="128,512,2048", help="context tokens per session")
+    e.add_argument("--sessions", default="1,8", help="sessions verifying in one step")
+    e.add_argument("-k", type=int, default=4, help="draft tokens per session (k)")
+    e.add_argument("--block-tokens", type=int, default=16)
+    e.add_argument("--reps", type=int, default=5, help="timed steps per engine and cell, interleaved")
+    e.add_argument("--out", default="bench-results/engine.json")
     d = bench.add_parser("drafter", help="GGUF/ONNX drafter vs its runtime's own generation loop")
     d.add_argument("--model", required=True, help="gguf:ALIAS, gguf:FILE, onnx:ALIAS or onnx:DIR")
     d.add_argument("--threads", type=int, default=None, help="runtime threads (default: all cores)")
@@ -78,6 +118,21 @@ def _add_bench(sub) -> None:
                    help="drafts accepted per simulated verdict (default: all)")
     d.add_argument("--reps", type=int, default=5, help="repetitions of each, interleaved")
     d.add_argument("--out", default=None, help="default: bench-results/drafter-MODEL-tN.json")
+
+
+def _add_trace(sub) -> None:
+    p = sub.add_parser("trace", help="drafter traces for emulated devices")
+    actions = p.add_subparsers(dest="action", required=True)
+    r = actions.add_parser("record", help="record a drafter's proposals along the target's greedy output")
+    r.add_argument("--model", default=None, help="target alias or path (default: a tiny random one)")
+    r.add_argument("--drafter", default=None, help="ngram, hf:PATH, gguf:ALIAS, onnx:ALIAS "
+                   "(default: the tiny pair's drafter, or ngram with --model)")
+    r.add_argument("--workload", default="humaneval:8", help="humaneval[:N], a prompt file or tiny")
+    r.add_argument("--prompts", type=int, default=None, help="use at most this many prompts")
+    r.add_argument("--max-new-tokens", type=int, default=48)
+    r.add_argument("--max-k", type=int, default=8, help="tokens proposed per position")
+    r.add_argument("--dtype", default="float32", help="the target's dtype")
+    r.add_argument("--out", required=True, help="trace file (.jsonl)")
 
 
 def _add_demo(sub) -> None:
@@ -125,6 +180,7 @@ def parser() -> argparse.ArgumentParser:
     _add_export_onnx(sub)
     _add_models(sub)
     _add_run_device(sub)
+    _add_trace(sub)
     t = sub.add_parser("make-tiny", help="write a tiny random target + drafter pair (testing)")
     t.add_argument("folder")
     t.add_argument("--arch", default="llama", choices=["llama", "gemma3"])
@@ -144,6 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "acceptance":
         from sled_cli.bench_acceptance import run_acceptance
         return asyncio.run(run_acceptance(args))
+    if args.command == "bench" and args.bench == "serve":
+        from sled_cli.bench_serve import run_bench_serve
+        return asyncio.run(run_bench_serve(args))
+    if args.command == "trace":
+        from sled_cli.trace import run_trace_record
+        return run_trace_record(args)
+    if args.command == "bench" and args.bench == "engine":
+        from sled_cli.bench_engine import run_engine_bench
+        return run_engine_bench(args)
     if args.command == "bench" and args.bench == "drafter":
         from sled_cli.bench_drafter import run_drafter_bench
         return run_drafter_bench(args)

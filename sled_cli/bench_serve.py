@@ -1,0 +1,274 @@
+"""`sled bench serve`: sled against centralized serving as the number of devices grows.
+
+One server process; for each fleet size N, N emulated devices in this process run two ways:
+sled (each replays a recorded drafter trace at its device profile's drafting speed and sends
+drafts for the server to verify) and centralized (the server generates every token itself,
+GENERATION_MODE_SERVER). Both go through the same emulated link and the modes alternate per N,
+so both see the same machine. Every output is checked against the target's greedy output.
+
+Per (mode, N): system throughput (tokens / makespan), per-device tokens/s (p5, p50, p95; p5 is
+the rate 95% of devices reach or beat), time per output token (p50, p95; a verdict's tokens
+share its gap), time to first token, target forward passes per output token. Capacity: the
+largest N whose p5 per-device rate is at least --target-rate.
+"""
+from __future__ import annotations
+
+import asyncio
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from dataclasses import dataclass
+
+from sled_cli.bench import percentile
+from sled_cli.report import save_figure, subplots, write_json
+
+MODES = ("sled", "centralized")
+
+
+@dataclass(slots=True)
+class FleetRun:
+    """One fleet of N devices in one mode: each device's result and what it should have been."""
+    mode: str
+    devices: int
+    results: list            # [N] GenerationResult
+    expected: list[list[int]]
+    makespan_s: float
+    forward_passes: float
+
+
+def tpot_samples(token_times: list[float]) -> list[float]:
+    """Per-token time per output token (s) from arrival stamps, the first verdict's tokens
+    excluded: a verdict of m tokens arriving g after the previous one gives m samples of g / m.
+    Example: [0.1, 0.3, 0.3, 0.4] -> [0.1, 0.1, 0.1]."""
+    runs: list[list] = []                  # [arrival, tokens] per verdict
+    for stamp in token_times:
+        if runs and runs[-1][0] == stamp:
+            runs[-1][1] += 1
+        else:
+            runs.append([stamp, 1])
+    samples: list[float] = []
+    for (before, _), (stamp, m) in zip(runs, runs[1:]):
+        samples += [(stamp - before) / m] * m
+    return samples
+
+
+async def run_fleet(stub, mode: str, n: int, traces, *, max_new_tokens: int, draft_len,
+                    device, link, fingerprint: str, on_tokens=None) -> tuple[list, list[list[int]], float]:
+    """N devices at once; device j serves trace j mod len(traces). Returns results, expected
+    outputs and the makespan in seconds."""
+    from drafters.trace import TraceDrafter
+    from edge_client.profiles import Link
+    from edge_client.session import generate, generate_server_side
+
+    picked = [traces[j % len(traces)] for j in range(n)]
+    expected = [t.target_ids[:max_new_tokens] for t in picked]
+
+    async def one(j: int):
+        trace, limit, wire = picked[j], len(expected[j]), Link(link, seed=j)
+        if mode == "sled":
+            return await generate(stub, TraceDrafter(trace, device), trace.prompt_ids,
+                                  max_new_tokens=limit, draft_len=draft_len,
+                                  target_fingerprint=fingerprint, link=wire, on_tokens=on_tokens)
+        return await generate_server_side(stub, trace.prompt_ids, max_new_tokens=limit, link=wire,
+                                          on_tokens=on_tokens)
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(j) for j in range(n)))
+    return list(results), expected, time.perf_counter() - started
+
+
+def summarize(run: FleetRun) -> dict:
+    """The metrics of one fleet run (times in ms, rates in tokens/s)."""
+    results = run.results
+    tokens = sum(len(r.token_ids) for r in results)
+    rates = [len(r.token_ids) / r.elapsed_s for r in results]
+    tpot = [s * 1e3 for r in results for s in tpot_samples(r.token_times)] or [0.0]
+    ttft = [r.token_times[0] * 1e3 for r in results if r.token_times]
+    verified = sum(r.draft_tokens for r in results)
+    return {
+        "mode": run.mode, "devices": run.devices, "tokens": tokens,
+        "makespan_s": run.makespan_s, "throughput": tokens / run.makespan_s,
+        "device_tps_p5": percentile(rates, 5), "device_tps_p50": percentile(rates, 50),
+        "device_tps_p95": percentile(rates, 95), "device_tps_mean": statistics.fmean(rates),
+        "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p95": percentile(tpot, 95),
+        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p95": percentile(ttft, 95),
+        "forward_passes": run.forward_passes, "passes_per_token": run.forward_passes / tokens,
+        "acceptance_rate": sum(r.accepted_tokens for r in results) / verified if verified else None,
+        "mismatches": sum(r.token_ids != want for r, want in zip(results, run.expected)),
+    }
+
+
+def capacity(rows: list[dict], mode: str, target_rate: float) -> int:
+    """The largest fleet whose 5th-percentile device still gets target_rate tokens/s (0: none)."""
+    return max((r["devices"] for r in rows if r["mode"] == mode and r["device_tps_p5"] >= target_rate),
+               default=0)
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """sled's system throughput over centralized's at the same N, on the sled row."""
+    central = {r["devices"]: r["throughput"] for r in rows if r["mode"] == "centralized"}
+    for r in rows:
+        if r["mode"] == "sled" and central.get(r["devices"]):
+            r["throughput_vs_centralized"] = r["throughput"] / central[r["devices"]]
+
+
+async def sweep(server, traces, fleet_sizes: list[int], modes: list[str], args, device, link,
+                console):
+    """Both modes at every N, alternating which goes first, after one unmeasured warm-up of
+    each; returns the rows and the server's ModelInfo."""
+    from rich.progress import Progress
+
+    from edge_client.connection import Connection
+
+    cap = args.max_new_tokens
+    async with Connection(server.address) as conn:
+        info = await conn.model_info()
+        if traces.tokenizer_fingerprint not in (None, info.tokenizer_fingerprint):
+            raise ValueError(f"the traces were recorded for another tokenizer than the server's "
+                             f"({traces.target} vs {info.model_id})")
+        common = dict(draft_len=args.draft_len, device=device, link=link,
+                      fingerprint=info.tokenizer_fingerprint)
+        for mode in modes:
+            await run_fleet(conn.stub, mode, 1, traces.traces, max_new_tokens=min(cap, 4), **common)
+        rows = []
+        total = sum(len(modes) * min(cap, len(traces.traces[j % len(traces.traces)].target_ids))
+                    for n in fleet_sizes for j in range(n))
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("devices", total=total)
+            for index, n in enumerate(fleet_sizes):
+                for mode in modes if index % 2 == 0 else modes[::-1]:
+                    progress.update(task, description=f"{mode}, {n} device(s)")
+                    before = server.metric("sled_forward_passes_total")
+                    results, expected, makespan = await run_fleet(
+                        conn.stub, mode, n, traces.traces, max_new_tokens=cap, **common,
+                        on_tokens=lambda tokens: progress.advance(task, len(tokens)))
+                    passes = server.metric("sled_forward_passes_total") - before
+                    rows.append(summarize(FleetRun(mode, n, results, expected, makespan, passes)))
+    rows.sort(key=lambda r: (r["devices"], MODES.index(r["mode"])))
+    add_ratios(rows)
+    return rows, info
+
+
+async def run_bench_serve(args) -> int:
+    from rich.console import Console
+
+    from drafters.trace import TraceSet
+    from edge_client.profiles import device_profile, link_profile
+    from edge_client.session import VerifyError
+    from sled_cli.models import resolve_model
+    from sled_cli.procs import ServerProcess
+    from sled_cli.trace import default_specs, record_trace_set
+
+    console = Console()
+    try:
+        fleet_sizes = sorted({int(n) for n in args.devices.split(",")})
+        if not fleet_sizes or fleet_sizes[0] < 1:
+            raise ValueError("--devices needs fleet sizes >= 1, e.g. 1,4,16,64")
+        modes = [m for m in MODES if m in args.modes.split(",")]
+        if not modes or set(args.modes.split(",")) - set(MODES):
+            raise ValueError(f"--modes takes a comma-separated subset of {','.join(MODES)}")
+        if args.draft_len != "auto" and not (args.draft_len.isdigit() and int(args.draft_len) >= 1):
+            raise ValueError(f"--draft-len takes a number >= 1 or auto, not {args.draft_len!r}")
+        draft_len = args.draft_len if args.draft_len == "auto" else int(args.draft_len)
+        device = None if args.device_profile == "recorded" else device_profile(args.device_profile)
+        link = link_profile(args.link)
+        if args.traces:
+            traces = TraceSet.load(args.traces)
+            model = args.model or traces.target
+        else:
+            model, drafter = default_specs(args.model, args.drafter)
+            console.print(f"recording {drafter} traces against {model}")
+            traces = record_trace_set(model, drafter, args.workload, args.max_new_tokens,
+                                      args.max_k, args.dtype, args.prompts, console)
+    except (ValueError, OSError) as exc:
+        print(f"sled bench serve: {exc}", file=sys.stderr)
+        return 2
+    args.draft_len = draft_len
+    if isinstance(draft_len, int) and draft_len > traces.max_k:
+        console.print(f"[yellow]--draft-len {draft_len} is past the traces' max_k {traces.max_k}: "
+                      f"drafts stop at {traces.max_k} tokens[/]")
+
+    server_args = ["--dtype", args.dtype, *shlex.split(args.server_args)]
+    with console.status("starting the verify server"):
+        server = await ServerProcess(resolve_model(model), *server_args).__aenter__()
+    try:
+        rows, info = await sweep(server, traces, fleet_sizes, modes, args, device, link, console)
+    except (VerifyError, ValueError) as exc:
+        print(f"sled bench serve: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        await server.__aexit__(None, None, None)
+
+    capacities = {mode: capacity(rows, mode, args.target_rate) for mode in modes}
+    setup = (f"{_short(model)} on {info.device}, drafter {_short(traces.drafter)}, device "
+             f"{args.device_profile}, link {args.link}, draft length {args.draft_len}")
+    if not console.is_terminal:
+        console.width = max(console.width, 120)  # a log file gets the whole table
+    console.print(_table(rows, setup))
+    ratio = capacities["sled"] / capacities["centralized"] \
+        if capacities.get("sled") and capacities.get("centralized") else None
+    # A capacity at the sweep's largest N is only a lower bound: the sweep stopped there.
+    console.print(f"capacity (largest N whose 95% of devices get >= {args.target_rate:g} tok/s): "
+                  + ", ".join(f"{mode} {n}{'+' if n == fleet_sizes[-1] else ''}"
+                              for mode, n in capacities.items())
+                  + (f"; sled/centralized {ratio:.2f}x" if ratio is not None else ""), highlight=False)
+    out = write_json(args.out, {
+        "model": model, "server_device": info.device, "dtype": info.dtype, "drafter": traces.drafter,
+        "traces": args.traces or "recorded", "prompts": len(traces.traces), "max_k": traces.max_k,
+        "device_profile": args.device_profile, "link": args.link, "draft_len": args.draft_len,
+        "max_new_tokens": args.max_new_tokens, "target_rate": args.target_rate,
+        "capacity": {**capacities, "ratio": ratio, "largest_fleet": fleet_sizes[-1]},
+        "results": rows})
+    _plot(rows, out.with_suffix(".png"), setup)
+    console.print(f"wrote {out} and {out.with_suffix('.png')}")
+    bad = [r for r in rows if r["mismatches"]]
+    for r in bad:
+        console.print(f"[red]{r['mode']} with {r['devices']} device(s): {r['mismatches']} output(s) "
+                      "differ from the target's greedy output[/]")
+    return 1 if bad else 0
+
+
+def _table(rows: list[dict], setup: str):
+    from rich.table import Table
+
+    table = Table(title=f"sled vs centralized serving: {setup}", caption=(
+        "sys: tokens/s of all devices; dev p5/p50/p95: per-device tokens/s; TPOT: ms per output "
+        "token; passes: target forward passes per output token"))
+    columns = ("mode", "N", "sys", "vs central", "dev p5", "p50", "p95", "TPOT p95", "passes",
+               "accept", "lossless")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for r in rows:
+        ratio = r.get("throughput_vs_centralized")
+        accept = r["acceptance_rate"]
+        table.add_row(r["mode"], str(r["devices"]), f"{r['throughput']:.1f}",
+                      f"{ratio:.2f}x" if ratio else "", f"{r['device_tps_p5']:.1f}",
+                      f"{r['device_tps_p50']:.1f}", f"{r['device_tps_p95']:.1f}",
+                      f"{r['tpot_ms_p95']:.1f}", f"{r['passes_per_token']:.3f}",
+                      f"{accept:.0%}" if accept is not None else "-",
+                      "yes" if not r["mismatches"] else f"[red]{r['mismatches']} differ[/]")
+    return table
+
+
+def _plot(rows: list[dict], path, title: str) -> None:
+    fig, (left, right) = subplots(2)
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        sizes = [r["devices"] for r in mine]
+        left.plot(sizes, [r["throughput"] for r in mine], marker="o", label=mode)
+        right.plot(sizes, [r["tpot_ms_p95"] for r in mine], marker="o", label=mode)
+    left.set(xlabel="devices", ylabel="tokens/s (all devices)", title="system throughput")
+    right.set(xlabel="devices", ylabel="ms", title="time per output token, p95")
+    sizes = sorted({r["devices"] for r in rows})
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sizes, [str(n) for n in sizes])
+    save_figure(fig, (left, right), path, title)
+
+
+def _short(spec: str) -> str:
+    """hf:/a/b/llama-drafter -> hf:llama-drafter; /a/b/llama-target -> llama-target."""
+    kind, sep, arg = spec.rpartition(":")
+    return f"{kind}{sep}{Path(arg).name}" if "/" in arg else spec
