@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import sys
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20,
          "gib": 1 << 30}
@@ -23,16 +24,24 @@ def run_serve(args) -> int:
     from sled_cli.models import resolve_model
     from verify_server.target import Target
 
-    config = ServerConfig(max_draft_tokens=args.max_draft_tokens, max_sessions=args.max_sessions,
-                          max_batch_sessions=args.max_batch_sessions,
-                          context_length=args.context_length,
-                          kv_budget_bytes=parse_size(args.kv_budget) if args.kv_budget else None,
-                          kv_fraction=args.kv_fraction, kv_block_tokens=args.kv_block_tokens,
-                          max_step_tokens=args.max_step_tokens, idle_timeout_s=args.idle_timeout,
-                          engine=args.engine)
+    try:
+        config = ServerConfig(max_draft_tokens=args.max_draft_tokens, max_sessions=args.max_sessions,
+                              max_batch_sessions=args.max_batch_sessions,
+                              context_length=args.context_length,
+                              kv_budget_bytes=parse_size(args.kv_budget) if args.kv_budget else None,
+                              kv_fraction=args.kv_fraction, kv_block_tokens=args.kv_block_tokens,
+                              max_step_tokens=args.max_step_tokens, idle_timeout_s=args.idle_timeout,
+                              engine=args.engine)
+    except ValueError as exc:
+        print(f"sled serve: {exc}", file=sys.stderr)
+        return 2
     target = Target.load(resolve_model(args.model), dtype=args.dtype, device=args.device,
                          trust_remote_code=args.trust_remote_code, context_length=args.context_length,
                          name=args.model)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_forever(target, config, args.host, args.port, args.metrics_port))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve_forever(target, config, args.host, args.port, args.metrics_port))
+    except ValueError as exc:   # e.g. a KV budget too small for one block
+        print(f"sled serve: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -89,3 +89,14 @@ def test_bench_overhead_reports_percentiles(pair, tmp_path):
     assert 0 < overhead["p50"] <= overhead["p95"]
     assert 0 < result["summary"]["overhead / round"]["p50"] < 1
     assert "overhead / round" in done.stdout
+
+
+@pytest.mark.parametrize("flags, phrase", [
+    (["--kv-budget", "12 parsecs"], "cannot read size '12 parsecs'"),
+    (["--kv-budget", "1KiB"], "holds less than one block"),
+    (["--max-step-tokens", "8"], "max_step_tokens (8) must hold a full draft + 1 (33)"),
+])
+def test_serve_explains_bad_kv_and_step_flags(pair, flags, phrase):
+    done = sled("serve", "--model", str(pair[0]), "--port", str(free_port()), *flags)
+    assert done.returncode == 2, done.stderr[-500:]
+    assert phrase in done.stderr
