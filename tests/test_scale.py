@@ -312,3 +312,16 @@ async def test_device_resumes_after_eviction_without_losing_tokens(serve, models
     assert result.resumes == 1
     assert server.metrics.value("sled_evicted_sessions_total") == 1
     assert result.token_ids == greedy_reference(model, prompt, 20)
+
+
+async def test_kv_gauges_return_to_zero_after_shared_prefix_sessions(serve, models, drafter_models):
+    model = models["llama"]
+    server = await serve(model)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = VerifierStub(channel)
+        for suffix in ([1], [2], [3]):
+            await run_device(stub, model, drafter_models["llama"], SYSTEM + suffix, max_new=6)
+    await asyncio.sleep(0.05)
+    assert server.metrics.value("sled_prefix_cache_hit_tokens_total") == 2 * 80
+    assert server.metrics.value("sled_kv_tokens") == 0
+    assert server.metrics.value("sled_kv_blocks_used") == 0

@@ -243,6 +243,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                 f"{len(self.sessions)} sessions; retry later, lower max_new_tokens, or use a "
                 "server with a larger --kv-budget") from None
         self.metrics.prefix_hit_tokens.inc(session.cached_prompt_tokens)
+        self.metrics.kv_tokens.inc(session.kv.length)   # shared blocks count for this session too
 
     async def _verify(self, session: Session | None, draft: pb.Draft, context) -> pb.Verdict:
         if session is None:
