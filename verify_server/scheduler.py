@@ -3,7 +3,9 @@
 There is no fixed wait: while one forward runs on the engine thread, new work queues up, and the
 next step takes what fits. Each step has a token budget: verification comes first, earliest
 deadline first, then prompt prefill in chunks of whatever budget is left (so a long prompt never
-holds up other devices' rounds). Work whose deadline has passed is dropped before the forward.
+holds up other devices' rounds; the oldest prompt always gets at least 1/8 of the budget, so
+verification cannot starve it either). Work whose deadline has passed is dropped before the
+forward.
 """
 from __future__ import annotations
 
