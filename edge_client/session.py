@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import torch
 
-from drafters.base import Drafter, Proposal
+from drafters.base import Drafter, Proposal, SparseQ
 from edge_client.profiles import Link
 from sled.fingerprint import short
 from sled.sampling import Sampling
@@ -52,6 +52,7 @@ class GenerationResult:
     elapsed_s: float = 0.0
     server_forward_ms: float = 0.0
     resumes: int = 0               # sessions reopened after the server evicted an idle one
+    hint_tokens: int = 0           # draft tokens that came from the server's SAT hints
     text: str = ""
     round_stats: list[RoundStat] = field(default_factory=list)
     # perf_counter seconds since the session started at which each token arrived (one stamp per
@@ -91,9 +92,21 @@ def open_message(prompt_ids: Sequence[int], sampling: Sampling, max_new_tokens: 
 AUTO_FIRST_DRAFT_LEN = 4
 
 
-def draft_message(round: int, proposal: Proposal) -> pb.DeviceMessage:
+def draft_message(round: int, proposal: Proposal, lookahead: int = 0) -> pb.DeviceMessage:
     q = [pb.SparseDistribution(ids=d.ids, probs=d.probs) for d in proposal.q or ()]
-    return pb.DeviceMessage(draft=pb.Draft(round=round, token_ids=proposal.token_ids, q=q))
+    return pb.DeviceMessage(draft=pb.Draft(round=round, token_ids=proposal.token_ids, q=q,
+                                           lookahead=lookahead))
+
+
+def with_hints(hints: list[int], proposal: Proposal | None) -> Proposal:
+    """A draft that starts with the server's SAT hints (deterministic: q one-hot) and goes on
+    with the drafter's own proposal from after them."""
+    if proposal is None:
+        return Proposal(list(hints), None)
+    q = None
+    if proposal.q is not None:
+        q = [SparseQ([h], [1.0]) for h in hints] + list(proposal.q)
+    return Proposal(list(hints) + list(proposal.token_ids), q)
 
 
 async def read_reply(call) -> pb.ServerMessage:
@@ -141,8 +154,14 @@ async def generate(
     on_tokens: Callable[[list[int]], None] | None = None,
     timeout: float | None = None,
     link: Link | None = None,
+    lookahead: int = 0,
 ) -> GenerationResult:
     """Run one generation session to its end; on_tokens sees each verdict's committed tokens.
+
+    lookahead=m asks the server for m SAT hints per verdict (a SAT-tuned target): when the last
+    draft was accepted whole, the next draft starts with the hints and the drafter continues
+    after them. Output is the target's either way; hints only change how many tokens a round
+    yields (`GenerationResult.hint_tokens` counts the ones sent).
 
     draft_len="auto" drafts what the previous verdict suggested (AUTO_FIRST_DRAFT_LEN at first).
     `link` emulates the network: every message waits for it. A drafter with an async apropose()
@@ -179,15 +198,21 @@ async def generate(
 
     call = None
     try:
-        call, round = await open_stream(), 0
+        call, round, hints = await open_stream(), 0, []
         while True:
             drafting = time.perf_counter()
-            if apropose is not None:
-                proposal = await apropose(context, k, sampling, generator)
+            hints = hints[:k]
+            rest, ahead = k - len(hints), context + hints
+            if not rest:
+                proposal = None
+            elif apropose is not None:
+                proposal = await apropose(ahead, rest, sampling, generator)
             else:
-                proposal = await asyncio.to_thread(drafter.propose, context, k, sampling, generator)
+                proposal = await asyncio.to_thread(drafter.propose, ahead, rest, sampling, generator)
+            proposal = with_hints(hints, proposal) if hints else proposal
+            result.hint_tokens += len(hints)
             sent = time.perf_counter()
-            await _send(call, draft_message(round, proposal), link)
+            await _send(call, draft_message(round, proposal, lookahead), link)
             try:
                 verdict = (await _receive(call, link)).verdict
             except VerifyError as error:
@@ -196,9 +221,10 @@ async def generate(
                 # The server freed this idle session's KV: resume where the committed tokens end.
                 drafter.rollback(len(context))
                 result.resumes += 1
-                call, round = await open_stream(), 0
+                call, round, hints = await open_stream(), 0, []
                 continue
             round += 1
+            hints = list(verdict.hint_ids)
             result.round_stats.append(RoundStat(
                 (sent - drafting) * 1e3, (time.perf_counter() - sent) * 1e3, verdict.timings.forward_ms,
                 verdict.timings.queue_ms, verdict.verified, verdict.accepted,

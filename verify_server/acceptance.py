@@ -10,7 +10,7 @@ Example (greedy): draft = [5, 9, 4], argmax p = [5, 9, 7, 2]
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,7 @@ import torch
 class Outcome:
     accepted: int            # draft tokens kept: always a prefix of the draft
     emitted: list[int]       # draft[:accepted] + [correction or bonus]
+    hints: list[int] = field(default_factory=list)   # SAT guesses of the tokens after `emitted`
 
 
 @dataclass(frozen=True, slots=True)

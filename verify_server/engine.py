@@ -26,6 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from verify_server.blocks import BlockPool, KVShape
 from verify_server.kv import SessionKV
+from verify_server.sdsat import SatSpec
 
 ATTENTION_NAME = "sled_paged"
 SHORT_ROW = 64   # rows up to this many new tokens share one padded attention call
@@ -36,6 +37,11 @@ class Row:
     kv: SessionKV
     tokens: Sequence[int]     # new tokens, appended after kv
     want_logits: bool         # False for prefill: only the KV is needed
+    sat_slots: int = 0        # SAT slots appended after the tokens (their KV is dropped later)
+
+    @property
+    def width(self) -> int:
+        return len(self.tokens) + self.sat_slots
 
 
 class Engine:
@@ -48,6 +54,21 @@ class Engine:
         self.pool = pool
         self.device = next(model.parameters()).device
         self.bytes_copied = 0   # KV bytes written or copied outside attention, ever
+        self.sat: SatSpec | None = None   # the target's semantic adaptive tokens, if it has them
+
+    def _inputs(self, input_ids: torch.Tensor, sat_at: list[tuple[tuple[int, ...], int]]) -> dict:
+        """Model inputs: plain ids, or embeddings with SAT slots written in at `sat_at`
+        (index into input_ids, slot number) when a row asked for SATs."""
+        input_ids = input_ids.to(self.device)
+        if not sat_at:
+            return {"input_ids": input_ids}
+        if self.sat is None:
+            raise RuntimeError("SAT slots requested but the target has no SATs")
+        embeds = self.model.get_input_embeddings()(input_ids)
+        slots = self.sat.slot_embeddings(self.model, max(slot for _, slot in sat_at) + 1)
+        for index, slot in sat_at:
+            embeds[index] = slots[slot].to(embeds.dtype)
+        return {"inputs_embeds": embeds}
 
     def new_kv(self) -> SessionKV:
         return SessionKV(self.pool)
@@ -60,7 +81,7 @@ class Engine:
         """Packed positions whose logits are needed, and each row's slice of them."""
         index, spans, offset, kept = [], [], 0, 0
         for row in rows:
-            n = len(row.tokens)
+            n = row.width
             if row.want_logits:
                 index.extend(range(offset, offset + n))
                 spans.append(slice(kept, kept + n))
@@ -162,9 +183,9 @@ class PagedEngine(Engine):
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor | None]:
-        step, input_ids, position_ids = self._plan(rows)
+        step, input_ids, position_ids, sat_at = self._plan(rows)
         index, spans = self._logit_index(rows)
-        out = self.model(input_ids=input_ids[None].to(self.device),
+        out = self.model(**self._inputs(input_ids[None], [((0, i), slot) for i, slot in sat_at]),
                          position_ids=position_ids[None].to(self.device),
                          attention_mask=_NO_MASK.to(self.device),
                          use_cache=False, logits_to_keep=index.to(self.device), sled_step=step)
@@ -172,36 +193,38 @@ class PagedEngine(Engine):
         self.bytes_copied += step.tokens * self.pool.shape.bytes_per_token
         return [None if span is None else logits[span].float() for span in spans]
 
-    def _plan(self, rows: Sequence[Row]) -> tuple[_Step, torch.Tensor, torch.Tensor]:
-        ids, positions, writes, offsets = [], [], [], []
+    def _plan(self, rows: Sequence[Row]):
+        ids, positions, writes, offsets, sat_at = [], [], [], [], []
         offset = 0
         for row in rows:
-            start, n = row.kv.length, len(row.tokens)
+            start, n = row.kv.length, row.width
             ids.extend(row.tokens)
+            ids.extend([0] * row.sat_slots)          # placeholders: their embeddings are the SATs'
+            sat_at.extend((offset + len(row.tokens) + j, j) for j in range(row.sat_slots))
             positions.append(torch.arange(start, start + n))
             writes.append(row.kv.slots(start, start + n))
             offsets.append(offset)
             offset += n
-        short = [b for b, row in enumerate(rows) if len(row.tokens) <= SHORT_ROW]
-        long = [[b] for b, row in enumerate(rows) if len(row.tokens) > SHORT_ROW]
+        short = [b for b, row in enumerate(rows) if row.width <= SHORT_ROW]
+        long = [[b] for b, row in enumerate(rows) if row.width > SHORT_ROW]
         groups = [self._group([rows[b] for b in members], [offsets[b] for b in members])
                   for members in ([short] if short else []) + long]
         dev = self.device
         step = _Step(self.pool, torch.cat(writes).to(dev), groups, offset)
         for row in rows:
-            row.kv.length += len(row.tokens)
-        return step, torch.tensor(ids, dtype=torch.long), torch.cat(positions)
+            row.kv.length += row.width
+        return step, torch.tensor(ids, dtype=torch.long), torch.cat(positions), sat_at
 
     def _group(self, rows: Sequence[Row], offsets: Sequence[int]) -> _Group:
-        width = max(len(row.tokens) for row in rows)
-        length = max(row.kv.length + len(row.tokens) for row in rows)
+        width = max(row.width for row in rows)
+        length = max(row.kv.length + row.width for row in rows)
         q_index = torch.zeros(len(rows), width, dtype=torch.long)
         q_valid = torch.zeros(len(rows), width, dtype=torch.bool)
         query_pos = torch.zeros(len(rows), width, dtype=torch.long)
         read_slots = torch.zeros(len(rows), length, dtype=torch.long)  # slot 0: the zero block
         key_len = torch.zeros(len(rows), dtype=torch.long)
         for b, (row, offset) in enumerate(zip(rows, offsets)):
-            start, n = row.kv.length, len(row.tokens)
+            start, n = row.kv.length, row.width
             q_index[b, :n] = torch.arange(offset, offset + n)
             q_valid[b, :n] = True
             query_pos[b, :n] = torch.arange(start, start + n)
@@ -221,20 +244,23 @@ class PaddedEngine(Engine):
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor | None]:
         batch = len(rows)
         past = [row.kv.length for row in rows]
-        widths = [len(row.tokens) for row in rows]
+        widths = [row.width for row in rows]
         max_past, max_new = max(past), max(widths)
 
         input_ids = torch.zeros(batch, max_new, dtype=torch.long)
         position_ids = torch.zeros(batch, max_new, dtype=torch.long)
         attention_mask = torch.zeros(batch, max_past + max_new, dtype=torch.long)
+        sat_at = []
         for b, (length, width) in enumerate(zip(past, widths)):
-            input_ids[b, :width] = torch.as_tensor(rows[b].tokens, dtype=torch.long)
+            n = len(rows[b].tokens)
+            input_ids[b, :n] = torch.as_tensor(rows[b].tokens, dtype=torch.long)
+            sat_at.extend(((b, n + j), j) for j in range(rows[b].sat_slots))
             position_ids[b] = torch.arange(length, length + max_new)
             attention_mask[b, max_past - length:max_past + width] = 1
 
         want = any(row.want_logits for row in rows)
         out = self.model(
-            input_ids=input_ids.to(self.device),
+            **self._inputs(input_ids, sat_at),
             position_ids=position_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             past_key_values=self._padded_cache(rows, max_past),

@@ -70,8 +70,9 @@ class Scheduler:
         return info
 
     async def verify(self, session: Session, draft: list[int], q: list[SparseQ] | None,
-                     deadline: float | None = None) -> tuple[Outcome, StepInfo]:
-        return await self._submit(Verify(session, self._new_future(), deadline, draft=draft, q=q))
+                     deadline: float | None = None, lookahead: int = 0) -> tuple[Outcome, StepInfo]:
+        return await self._submit(Verify(session, self._new_future(), deadline, draft=draft, q=q,
+                                         lookahead=lookahead))
 
     def release(self, session: Session) -> None:
         """Forget the session: drop its queued work and free its KV (after the step in flight)."""

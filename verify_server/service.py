@@ -56,6 +56,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.sessions: dict[str, Session] = {}
         self.accepting = True
         self.pool = scheduler.engine.pool
+        self.sat_slots = target.sat.slots if target.sat is not None else 0
         metrics.kv_blocks_total.set(self.pool.usable_blocks)
 
     # --- unary calls -------------------------------------------------------------------------
@@ -74,7 +75,8 @@ class VerifierService(pb_grpc.VerifierServicer):
                                    kv_block_tokens=self.pool.block_tokens,
                                    max_step_tokens=self.scheduler.max_step_tokens,
                                    idle_timeout_s=self.config.idle_timeout_s),
-            sat_available=False,
+            sat_available=self.sat_slots > 0,
+            sat_slots=self.sat_slots,
             dtype=self.target.dtype,
             device=self.target.device,
         )
@@ -105,7 +107,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                         session_id=session.id, prompt_tokens=len(session.prompt_ids),
                         max_new_tokens=session.max_new_tokens, timings=_timings(info),
                         cached_prompt_tokens=session.cached_prompt_tokens))
-                    if session.mode == pb.GENERATION_MODE_SERVER:
+                    if session.mode != pb.GENERATION_MODE_DEVICE_DRAFTS:
                         async for verdict in self._decode(session, context):
                             yield pb.ServerMessage(verdict=verdict)
                         break
@@ -134,19 +136,40 @@ class VerifierService(pb_grpc.VerifierServicer):
                 self.metrics.active_sessions.set(len(self.sessions))
 
     async def _decode(self, session: Session, context) -> AsyncIterator[pb.Verdict]:
-        """Server mode: one token per scheduler step, batched with every other session's work.
-        The next step is queued before this one's verdict goes out, so a slow reader never makes
+        """Server modes: the server produces the tokens, batched with every other session's work.
+
+        GENERATION_MODE_SERVER decodes one token per pass. GENERATION_MODE_SERVER_SAT drafts with
+        SATs: each pass verifies the previous SAT guesses and appends m fresh SAT slots after
+        them, whose outputs are the next draft if the whole draft is accepted (otherwise the next
+        pass starts with an empty draft, which still yields one token and new guesses).
+
+            pass 1: [x, S S S]        -> emits t1,          guesses g1 g2 g3
+            pass 2: [t1, g1 g2 g3, S S S] -> accepts g1 g2, emits g1 g2 c   (c corrects g3)
+            pass 3: [c, S S S]        -> emits t, guesses ...
+
+        The next pass is queued before this one's verdict goes out, so a slow reader never makes
         its session miss a batch."""
-        step = self.scheduler.enqueue(Verify(session, None, _deadline(context)))
+        lookahead = self.sat_slots if session.mode == pb.GENERATION_MODE_SERVER_SAT else 0
+
+        def next_pass(guesses: list[int]) -> tuple[asyncio.Future, list[int]]:
+            draft = guesses[:max(session.verify_budget(len(guesses)), 0)]
+            work = Verify(session, None, _deadline(context), draft=draft, lookahead=lookahead)
+            return self.scheduler.enqueue(work), draft
+
+        step, draft = next_pass([])
         while True:
             outcome, info = await step
-            emitted, finish, _ = session.commit(outcome)
+            emitted, finish, accepted = session.commit(outcome)
+            verified = len(draft)
             if not session.finished:
-                step = self.scheduler.enqueue(Verify(session, None, _deadline(context)))
+                step, draft = next_pass(outcome.hints)
+            session.observe(verified, accepted)
             self.metrics.rounds.inc()
+            self.metrics.draft_tokens.inc(verified)
+            self.metrics.accepted_tokens.inc(accepted)
             self.metrics.emitted_tokens.inc(len(emitted))
-            yield pb.Verdict(round=session.round - 1, emitted_ids=emitted, finish_reason=finish,
-                             timings=_timings(info))
+            yield pb.Verdict(round=session.round - 1, accepted=accepted, emitted_ids=emitted,
+                             finish_reason=finish, timings=_timings(info), verified=verified)
             if session.finished:
                 return
 
@@ -216,6 +239,12 @@ class VerifierService(pb_grpc.VerifierServicer):
             raise errors.invalid(Reason.REASON_PROTOCOL,
                                  f"unknown generation mode {request.mode}: use "
                                  + " or ".join(pb.GenerationMode.keys()))
+        if request.mode == pb.GENERATION_MODE_SERVER_SAT and not self.sat_slots:
+            raise errors.precondition(
+                Reason.REASON_NO_SAT,
+                f"target {self.target.model_id} has no semantic adaptive tokens, so it cannot draft "
+                "for itself: use GENERATION_MODE_SERVER, or serve a SAT-tuned target "
+                "(sled serve --sat-adapter, or a model whose config has sled_sat)")
         stop = frozenset(request.stop_ids)
         end = stop if request.ignore_eos else stop | frozenset(self.target.eos_ids)
         session = Session(prompt_ids=prompt, sampling=sampling, max_new_tokens=request.max_new_tokens,
@@ -229,7 +258,7 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     def _admit(self, session: Session) -> None:
         """Reserve the session's KV (prompt + max_new_tokens), sharing cached prefix blocks."""
-        needed = len(session.prompt_ids) + session.max_new_tokens
+        needed = len(session.prompt_ids) + session.max_new_tokens + self.sat_slots
         try:
             session.cached_prompt_tokens = session.kv.admit(session.prefill_tokens(), needed)
         except PoolExhausted:
@@ -273,11 +302,21 @@ class VerifierService(pb_grpc.VerifierServicer):
                                  f"draft has {len(tokens)} tokens, the server verifies at most "
                                  f"{self.config.max_draft_tokens} per round", draft.round)
         self._check_ids(tokens, "draft.token_ids", draft.round)
+        if draft.lookahead and not self.sat_slots:
+            raise errors.precondition(Reason.REASON_NO_SAT,
+                                      f"lookahead {draft.lookahead} asked for, but target "
+                                      f"{self.target.model_id} has no semantic adaptive tokens: "
+                                      "send lookahead 0", draft.round)
+        if draft.lookahead > self.sat_slots:
+            raise errors.invalid(Reason.REASON_PROTOCOL,
+                                 f"lookahead {draft.lookahead} exceeds the target's {self.sat_slots} "
+                                 "SAT slots (ModelInfo.sat_slots)", draft.round)
         q = self._draft_q(session, draft, tokens)
         budget = session.verify_budget(len(tokens))
         deadline = _deadline(context, draft.deadline_ms)
         outcome, info = await self.scheduler.verify(session, tokens[:budget],
-                                                    q[:budget] if q is not None else None, deadline)
+                                                    q[:budget] if q is not None else None, deadline,
+                                                    draft.lookahead)
         emitted, finish, accepted = session.commit(outcome)
         session.observe(budget, accepted)
         self.metrics.rounds.inc()
@@ -288,7 +327,8 @@ class VerifierService(pb_grpc.VerifierServicer):
                                       self.scheduler.max_step_tokens, self.config.max_draft_tokens)
         return pb.Verdict(round=draft.round, accepted=accepted, emitted_ids=emitted,
                           finish_reason=finish, timings=_timings(info), verified=budget,
-                          suggested_draft_len=suggested)
+                          suggested_draft_len=suggested,
+                          hint_ids=outcome.hints if not session.finished else [])
 
     def _draft_q(self, session: Session, draft: pb.Draft, tokens: list[int]) -> list[SparseQ] | None:
         """The sparse q of a sampling draft; None means a deterministic drafter (one-hot q)."""

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sled.fingerprint import fingerprint_tokenizer
+from verify_server.sdsat import SatSpec, sat_spec_of
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -23,20 +24,25 @@ class Target:
     eos_ids: tuple[int, ...]
     context_length: int
     fingerprint: str
+    sat: SatSpec | None = None     # semantic adaptive tokens, when the target has them
 
     @classmethod
     def load(cls, model_id: str, dtype: str = "float32", device: str = "cpu",
              trust_remote_code: bool = False, context_length: int | None = None,
-             name: str | None = None) -> "Target":
+             name: str | None = None, sat_adapter: str | None = None) -> "Target":
         """Load an AutoModelForCausalLM from safetensors (a local path or a hub id); `name` is
-        what devices are told the model is called (default: model_id)."""
+        what devices are told the model is called (default: model_id). SATs come from
+        `sat_adapter`, an adapter file beside the model, or the model's config."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             model_id, dtype=DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code,
         ).to(device).eval()
-        return cls.from_model(model, tokenizer, name or model_id, context_length)
+        target = cls.from_model(model, tokenizer, name or model_id, context_length)
+        local = Path(model_id) if Path(model_id).is_dir() else None
+        target.sat = sat_spec_of(model, local, sat_adapter)
+        return target
 
     @classmethod
     def from_model(cls, model, tokenizer, model_id: str,
@@ -51,6 +57,7 @@ class Target:
             eos_ids=eos_ids_of(model),
             context_length=min(context_length or limit, limit),
             fingerprint=fingerprint_tokenizer(tokenizer),
+            sat=sat_spec_of(model),
         )
 
     @property

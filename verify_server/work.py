@@ -63,23 +63,29 @@ class Prefill(Work):
 class Verify(Work):
     draft: list[int] = field(default_factory=list)       # [k], already cut to the budget
     q: list[SparseQ] | None = None
+    lookahead: int = 0                                   # m SAT slots after the draft
 
     @property
     def tokens_wanted(self) -> int:
-        return len(self.draft) + 1
+        return len(self.draft) + 1 + self.lookahead
 
     def row(self, budget: int) -> Row:
-        return Row(self.session.kv, [self.session.last_token, *self.draft], want_logits=True)
+        return Row(self.session.kv, [self.session.last_token, *self.draft], want_logits=True,
+                   sat_slots=self.lookahead)
 
     def complete(self, logits: torch.Tensor | None) -> Outcome:
-        """logits: [k + 1, vocab]. Decide acceptance and drop the rejected tokens' KV."""
-        session = self.session
-        kept_before = session.kv.length - len(self.draft) - 1
+        """logits: [k + 1 + m, vocab]. Decide acceptance on the first k + 1, read SAT hints from
+        the last m when the whole draft survived, and drop the rejected tokens' and SATs' KV."""
+        session, k = self.session, len(self.draft)
+        kept_before = session.kv.length - k - 1 - self.lookahead
         if session.sampling.greedy:
-            outcome = verify_greedy(logits, self.draft)
+            outcome = verify_greedy(logits[:k + 1], self.draft)
         else:
-            p = warp(logits, session.sampling)  # [k + 1, vocab]
+            p = warp(logits[:k + 1], session.sampling)  # [k + 1, vocab]
             outcome = verify_sampling(p, self.draft, self.q, session.generator)
+        if self.lookahead and outcome.accepted == k:
+            # SAT slot 1 stands for the bonus token; each slot guesses the token after its own.
+            outcome = Outcome(outcome.accepted, outcome.emitted, logits[k + 1:].argmax(-1).tolist())
         # The last committed token and the accepted draft stay; the new last token goes in next round.
         session.kv.truncate(kept_before + 1 + outcome.accepted)
         return outcome

@@ -11,6 +11,7 @@ class GenerationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     GENERATION_MODE_DEVICE_DRAFTS: _ClassVar[GenerationMode]
     GENERATION_MODE_SERVER: _ClassVar[GenerationMode]
+    GENERATION_MODE_SERVER_SAT: _ClassVar[GenerationMode]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -20,6 +21,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
 GENERATION_MODE_DEVICE_DRAFTS: GenerationMode
 GENERATION_MODE_SERVER: GenerationMode
+GENERATION_MODE_SERVER_SAT: GenerationMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -48,7 +50,7 @@ class ServerLimits(_message.Message):
     def __init__(self, max_draft_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_q_support: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., idle_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "context_length", "limits", "sat_available", "dtype", "device")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "context_length", "limits", "sat_available", "dtype", "device", "sat_slots")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +60,7 @@ class ModelInfo(_message.Message):
     SAT_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SAT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -67,7 +70,8 @@ class ModelInfo(_message.Message):
     sat_available: bool
     dtype: str
     device: str
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., sat_available: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    sat_slots: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., sat_available: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., sat_slots: _Optional[int] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
@@ -130,16 +134,18 @@ class SparseDistribution(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("round", "token_ids", "q", "deadline_ms")
+    __slots__ = ("round", "token_ids", "q", "deadline_ms", "lookahead")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     round: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     deadline_ms: int
-    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    lookahead: int
+    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., deadline_ms: _Optional[int] = ..., lookahead: _Optional[int] = ...) -> None: ...
 
 class Close(_message.Message):
     __slots__ = ()
@@ -180,7 +186,7 @@ class Opened(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("round", "accepted", "emitted_ids", "finish_reason", "timings", "verified", "suggested_draft_len")
+    __slots__ = ("round", "accepted", "emitted_ids", "finish_reason", "timings", "verified", "suggested_draft_len", "hint_ids")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     EMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +194,7 @@ class Verdict(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     SUGGESTED_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
+    HINT_IDS_FIELD_NUMBER: _ClassVar[int]
     round: int
     accepted: int
     emitted_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -195,7 +202,8 @@ class Verdict(_message.Message):
     timings: ServerTimings
     verified: int
     suggested_draft_len: int
-    def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., emitted_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., verified: _Optional[int] = ..., suggested_draft_len: _Optional[int] = ...) -> None: ...
+    hint_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., emitted_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., verified: _Optional[int] = ..., suggested_draft_len: _Optional[int] = ..., hint_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ErrorDetail(_message.Message):
     __slots__ = ("reason", "message", "round")
@@ -218,6 +226,7 @@ class ErrorDetail(_message.Message):
         REASON_KV_BUDGET: _ClassVar[ErrorDetail.Reason]
         REASON_EVICTED: _ClassVar[ErrorDetail.Reason]
         REASON_DEADLINE_EXCEEDED: _ClassVar[ErrorDetail.Reason]
+        REASON_NO_SAT: _ClassVar[ErrorDetail.Reason]
     REASON_UNSPECIFIED: ErrorDetail.Reason
     REASON_TOKEN_OUT_OF_RANGE: ErrorDetail.Reason
     REASON_EMPTY_DRAFT: ErrorDetail.Reason
@@ -235,6 +244,7 @@ class ErrorDetail(_message.Message):
     REASON_KV_BUDGET: ErrorDetail.Reason
     REASON_EVICTED: ErrorDetail.Reason
     REASON_DEADLINE_EXCEEDED: ErrorDetail.Reason
+    REASON_NO_SAT: ErrorDetail.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]

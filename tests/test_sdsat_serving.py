@@ -1,0 +1,186 @@
+"""SATs on the server: self-drafting (GENERATION_MODE_SERVER_SAT) and lookahead hints for drafting
+devices are exactly the target's output, greedy and sampled, batched with other sessions."""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+import pytest
+import torch
+
+from conftest import greedy_reference
+from drafters.hf import HFDrafter
+from edge_client.session import generate
+from sled.sampling import Sampling
+from sled.v1 import verifier_pb2 as pb
+from sled.v1.verifier_pb2_grpc import VerifierStub
+from test_sampling_e2e import exact_distributions, total_variation
+from verify_server.sdsat import SatSpec, sat_inputs
+from verify_server.target import Target
+
+Reason = pb.ErrorDetail.Reason
+SLOTS = 3
+
+
+def adapter_spec(model, seed: int = 0) -> SatSpec:
+    """Untrained slot embeddings, the scale of the model's own."""
+    weight = model.get_input_embeddings().weight
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randint(3, weight.shape[0], (SLOTS,), generator=generator)
+    return SatSpec(slots=SLOTS, embeddings=model.get_input_embeddings()(rows[None])[0].detach())
+
+
+async def serve_sat(serve, model, tokenizer, spec: SatSpec, **config):
+    server = await serve(model, **config)
+    server.service.target.sat = spec
+    server.service.sat_slots = spec.slots
+    server.scheduler.engine.sat = spec
+    return server
+
+
+async def server_sat(stub, prompt, max_new: int, stop_ids=(), sampling: Sampling = Sampling(),
+                     mode=pb.GENERATION_MODE_SERVER_SAT):
+    msg = pb.DeviceMessage(open=pb.Open(prompt_ids=prompt, max_new_tokens=max_new,
+                                        stop_ids=list(stop_ids), ignore_eos=True, mode=mode))
+    sampling.to_proto(msg.open.sampling)
+    call = stub.Generate()
+    await call.write(msg)
+    await call.read()
+    tokens, verdicts = [], []
+    while (reply := await call.read()) is not grpc.aio.EOF:
+        verdicts.append(reply.verdict)
+        tokens.extend(reply.verdict.emitted_ids)
+    return tokens, verdicts
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("kind", ["adapter", "token-ids"])
+async def test_sat_self_drafting_matches_generate(serve, models, drafter_models, tokenizer, prompts,
+                                                  arch, kind):
+    model = models[arch]
+    spec = adapter_spec(model) if kind == "adapter" else SatSpec(slots=SLOTS, token_ids=[7] * SLOTS)
+    server = await serve_sat(serve, model, tokenizer, spec)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = VerifierStub(channel)
+        runs = [server_sat(stub, p, 24) for p in prompts[:5]]
+        device = generate(stub, HFDrafter(drafter_models[arch]), prompts[5], max_new_tokens=24,
+                          draft_len=3, ignore_eos=True)
+        *outs, device_result = await asyncio.gather(*runs, device)
+    for prompt, (tokens, verdicts) in zip(prompts, outs):
+        assert tokens == greedy_reference(model, prompt, 24)
+        assert all(v.verified <= 24 for v in verdicts)
+    assert device_result.token_ids == greedy_reference(model, prompts[5], 24)
+    assert server.metrics.value("sled_draft_tokens_total") > 0   # SAT guesses were verified
+
+
+async def test_sat_self_drafting_stops_inside_an_accepted_run(serve, models, tokenizer, prompts):
+    """A stop id met inside a run of accepted SAT guesses ends the output exactly there."""
+    model = models["llama"]
+    server = await serve_sat(serve, model, tokenizer, SatSpec(slots=SLOTS, token_ids=[7] * SLOTS))
+    want = greedy_reference(model, prompts[1], 30)
+    stop = want[9]
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        tokens, verdicts = await server_sat(VerifierStub(channel), prompts[1], 30, stop_ids=[stop])
+    assert tokens == want[:want.index(stop) + 1]
+    assert verdicts[-1].finish_reason == pb.FINISH_REASON_STOP
+
+
+async def test_hints_are_the_targets_sat_guesses(serve, models, tokenizer, prompts):
+    """A draft accepted whole returns, as hints, the argmax at the SAT slots of one full forward
+    over prompt + accepted tokens followed by the slots (the bonus token's place is slot 1)."""
+    model = models["gemma3"]
+    spec = adapter_spec(model, seed=3)
+    server = await serve_sat(serve, model, tokenizer, spec)
+    prompt = prompts[2]
+    want = greedy_reference(model, prompt, 8)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        call = VerifierStub(channel).Generate()
+        await call.write(pb.DeviceMessage(open=pb.Open(prompt_ids=prompt, max_new_tokens=8,
+                                                       ignore_eos=True)))
+        await call.read()
+        await call.write(pb.DeviceMessage(draft=pb.Draft(round=0, token_ids=want[:3], lookahead=SLOTS)))
+        verdict = (await call.read()).verdict
+        await call.write(pb.DeviceMessage(draft=pb.Draft(round=1, token_ids=[0], lookahead=SLOTS)))
+        rejected = (await call.read()).verdict
+        call.cancel()
+    assert list(verdict.emitted_ids) == want[:4]
+    with torch.no_grad():
+        real = torch.tensor([prompt + want[:3]])
+        out = model(inputs_embeds=sat_inputs(model, spec, real, SLOTS)).logits[0]
+    assert list(verdict.hint_ids) == out[real.shape[1]:].argmax(-1).tolist()
+    assert rejected.accepted == 0 and not rejected.hint_ids   # guesses after a rejection: none
+
+
+async def test_lookahead_devices_stay_lossless(serve, models, drafter_models, tokenizer, prompts):
+    model = models["llama"]
+    server = await serve_sat(serve, model, tokenizer, SatSpec(slots=SLOTS, token_ids=[7] * SLOTS))
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = VerifierStub(channel)
+        results = await asyncio.gather(*(
+            generate(stub, HFDrafter(drafter_models["llama"]), p, max_new_tokens=20, draft_len=4,
+                     ignore_eos=True, lookahead=SLOTS) for p in prompts[:4]))
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == greedy_reference(model, prompt, 20)
+    assert sum(r.hint_tokens for r in results) > 0
+
+
+async def test_sat_modes_refused_without_sats(serve, models, prompts):
+    server = await serve(models["llama"], max_draft_tokens=4)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = VerifierStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await server_sat(stub, prompts[0], 4)
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no semantic adaptive tokens" in caught.value.details()
+        call = stub.Generate()
+        await call.write(pb.DeviceMessage(open=pb.Open(prompt_ids=prompts[0], max_new_tokens=4)))
+        await call.read()
+        await call.write(pb.DeviceMessage(draft=pb.Draft(round=0, token_ids=[5], lookahead=2)))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "send lookahead 0" in caught.value.details()
+
+
+async def test_lookahead_beyond_the_slots_is_invalid(serve, models, tokenizer, prompts):
+    server = await serve_sat(serve, models["llama"], tokenizer, SatSpec(slots=2, token_ids=[7, 7]))
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        call = VerifierStub(channel).Generate()
+        await call.write(pb.DeviceMessage(open=pb.Open(prompt_ids=prompts[0], max_new_tokens=4)))
+        await call.read()
+        await call.write(pb.DeviceMessage(draft=pb.Draft(round=0, token_ids=[5], lookahead=3)))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "exceeds the target's 2 SAT slots" in caught.value.details()
+
+
+async def test_sat_self_drafting_samples_the_target_distribution(serve, models, tokenizer, prompts):
+    """Three tokens per request: the second is a verified SAT guess (or its residual resample).
+    The SAT id is the target's likeliest first token, so the guess after it is often right and
+    both the accept and the reject branch are exercised."""
+    model = models["llama"]
+    sampling = Sampling(temperature=1.0, top_k=12)
+    p1, p2 = exact_distributions(model, prompts[0], sampling)
+    spec = SatSpec(slots=1, token_ids=[int(p1.argmax())])
+    server = await serve_sat(serve, model, tokenizer, spec, max_batch_sessions=64)
+    n = 3200
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub, gate = VerifierStub(channel), asyncio.Semaphore(64)
+
+        async def one(seed):
+            async with gate:
+                tokens, _ = await server_sat(stub, prompts[0], 3,
+                                             sampling=Sampling(1.0, 12, seed=seed))
+                return tokens
+
+        samples = await asyncio.gather(*(one(seed) for seed in range(n)))
+    accepted = server.metrics.value("sled_accepted_tokens_total")
+    assert 0 < accepted < server.metrics.value("sled_draft_tokens_total")
+    for position, p in ((0, p1), (1, p2)):
+        support = int((p > 1e-4).sum())
+        distance = total_variation([s[position] for s in samples], p)
+        assert distance < 0.8 * math.sqrt(support / n), (position, distance)
