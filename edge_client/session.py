@@ -264,8 +264,10 @@ async def generate_server_side(
     link: Link | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     timeout: float | None = None,
+    mode: int = pb.GENERATION_MODE_SERVER,
 ) -> GenerationResult:
-    """Let the server produce every token (GENERATION_MODE_SERVER, centralized serving): open,
+    """Let the server produce every token (GENERATION_MODE_SERVER, centralized serving, or
+    GENERATION_MODE_SERVER_SAT, the target drafting for itself with SATs): open,
     then read one verdict per server step until one carries a finish reason. No drafter.
 
     Verdicts are read as soon as they come and stamped, so an emulated link delays the stream
@@ -298,7 +300,7 @@ async def generate_server_side(
     try:
         await _send(call, open_message(prompt_ids, sampling, max_new_tokens, stop_ids,
                                        drafter="server", ignore_eos=ignore_eos,
-                                       mode=pb.GENERATION_MODE_SERVER), link)
+                                       mode=mode), link)
         reader = asyncio.create_task(pump())
         await receive()  # opened
         result = GenerationResult(token_ids=[], finish_reason="")
@@ -306,6 +308,8 @@ async def generate_server_side(
             verdict = (await receive()).verdict
             result.rounds += 1
             result.server_forward_ms += verdict.timings.forward_ms
+            result.draft_tokens += verdict.verified      # SAT guesses, in GENERATION_MODE_SERVER_SAT
+            result.accepted_tokens += verdict.accepted
             result.token_ids.extend(verdict.emitted_ids)
             result.token_times.extend([time.perf_counter() - started] * len(verdict.emitted_ids))
             if on_tokens is not None:

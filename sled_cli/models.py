@@ -104,6 +104,15 @@ def resolve_drafter_spec(spec: str) -> str:
     return f"gguf:{gguf_path(arg)}" if kind == "gguf" and arg in BUILTIN else spec
 
 
+SAT_ADAPTERS = Path(__file__).parent / "data"
+
+
+def builtin_sat_adapter(alias: str) -> Path | None:
+    """The SAT adapter shipped for a built-in target (sled_cli/data/ALIAS-sat/), if any."""
+    path = SAT_ADAPTERS / f"{alias}-sat" / "sat_adapter.safetensors"
+    return path if alias in BUILTIN and path.is_file() else None
+
+
 def resolve_model(spec: str) -> str:
     """A target spec for the server: a built-in alias becomes its converted checkpoint."""
     return str(hf_checkpoint(spec)) if spec in BUILTIN else spec

@@ -35,9 +35,16 @@ def run_serve(args) -> int:
     except ValueError as exc:
         print(f"sled serve: {exc}", file=sys.stderr)
         return 2
+    from sled_cli.models import builtin_sat_adapter
+
+    adapter = args.sat_adapter
+    if adapter is None and not args.no_sat:
+        adapter = builtin_sat_adapter(args.model)
     target = Target.load(resolve_model(args.model), dtype=args.dtype, device=args.device,
                          trust_remote_code=args.trust_remote_code, context_length=args.context_length,
-                         name=args.model)
+                         name=args.model, sat_adapter=None if args.no_sat else adapter)
+    if args.no_sat:
+        target.sat = None
     try:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(serve_forever(target, config, args.host, args.port, args.metrics_port))
