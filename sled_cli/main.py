@@ -35,6 +35,10 @@ def _add_serve(sub) -> None:
                    help="tokens per batched forward; longer prompts are prefilled in chunks")
     p.add_argument("--idle-timeout", type=float, default=300.0,
                    help="seconds a session may idle before its KV is freed (0 = never)")
+    p.add_argument("--sat-adapter", default=None,
+                   help="SAT adapter (sat_adapter.safetensors) for self-drafting and lookahead "
+                        "(default: the one shipped for a built-in target, or one beside the model)")
+    p.add_argument("--no-sat", action="store_true", help="serve without semantic adaptive tokens")
     p.add_argument("--engine", default="auto", choices=["auto", "paged", "padded"],
                    help="paged KV fast path, or the generic padded fallback (auto: paged if the "
                         "model supports transformers' attention interface)")
