@@ -10,14 +10,16 @@ import grpc
 async def run_generate(args) -> int:
     from drafters import load_drafter
     from edge_client.connection import Connection
-    from edge_client.session import VerifyError, generate
+    from edge_client.session import VerifyError, generate, generate_server_side
     from sled.sampling import Sampling
+    from sled.v1 import verifier_pb2 as pb
     from sled_cli.models import resolve_drafter_spec
 
+    server_modes = {"server": pb.GENERATION_MODE_SERVER, "sat": pb.GENERATION_MODE_SERVER_SAT}
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed)
-        drafter = load_drafter(resolve_drafter_spec(args.drafter))
+        drafter = None if args.drafter in server_modes else load_drafter(resolve_drafter_spec(args.drafter))
     except (ValueError, OSError) as exc:
         print(f"sled generate: {exc}", file=sys.stderr)
         return 2
@@ -43,10 +45,16 @@ async def run_generate(args) -> int:
                 shown = text
 
         try:
-            result = await generate(conn.stub, drafter, prompt_ids, max_new_tokens=args.max_new_tokens,
-                                    draft_len=args.draft_len, sampling=sampling,
-                                    stop_ids=args.stop_id, target_fingerprint=info.tokenizer_fingerprint,
-                                    on_tokens=stream)
+            if drafter is None:   # a thin device: the server generates (and drafts with SATs)
+                result = await generate_server_side(
+                    conn.stub, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                    stop_ids=args.stop_id, on_tokens=stream, mode=server_modes[args.drafter])
+            else:
+                result = await generate(conn.stub, drafter, prompt_ids,
+                                        max_new_tokens=args.max_new_tokens, draft_len=args.draft_len,
+                                        sampling=sampling, stop_ids=args.stop_id,
+                                        target_fingerprint=info.tokenizer_fingerprint,
+                                        on_tokens=stream, lookahead=args.lookahead)
         except VerifyError as exc:
             print(f"\nsled generate: server refused: {exc}", file=sys.stderr)
             return 4

@@ -48,7 +48,11 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate on this device, verified by a server")
     p.add_argument("--server", required=True, help="HOST:PORT of a sled server")
     p.add_argument("--drafter", default="ngram",
-                   help="ngram, ngram:N, hf:PATH_OR_ID, gguf:ALIAS_OR_FILE")
+                   help="ngram, ngram:N, hf:PATH_OR_ID, gguf:ALIAS_OR_FILE, onnx:ALIAS_OR_DIR; or "
+                        "server (no drafter: the server generates) or sat (the server drafts with "
+                        "its semantic adaptive tokens)")
+    p.add_argument("--lookahead", type=int, default=0,
+                   help="ask for this many SAT hints per verdict to start the next draft with")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-len", type=int, default=4, help="tokens drafted per round (k)")
@@ -173,6 +177,36 @@ def _add_export_onnx(sub) -> None:
     p.add_argument("--execution-provider", default="cpu", help="onnxruntime-genai EP (cpu)")
 
 
+def _add_sdsat(sub) -> None:
+    p = sub.add_parser("sdsat", help="semantic adaptive tokens: the target drafts for itself")
+    actions = p.add_subparsers(dest="action", required=True)
+    t = actions.add_parser("train", help="train SATs into a causal LM (an adapter, or all weights)")
+    t.add_argument("--model", required=True, help="built-in alias or checkpoint path")
+    t.add_argument("--corpus", required=True,
+                   help="humaneval[:N], a .jsonl (text, or prompt + completion), a text file, "
+                        "or a directory of .py files")
+    t.add_argument("--out", required=True, help="folder for the adapter, log, plot (full: model)")
+    t.add_argument("--mode", default="embeddings", choices=["embeddings", "full", "lora"],
+                   help="embeddings: model frozen, only the SAT embeddings train (standard tokens "
+                        "bit-identical); full: all weights + a KL term on standard tokens")
+    t.add_argument("--slots", type=int, default=4, help="SAT slots m (tokens drafted per pass)")
+    t.add_argument("--steps", type=int, default=300)
+    t.add_argument("--batch", type=int, default=4, help="examples per step (they share one cut)")
+    t.add_argument("--seq-len", type=int, default=256, help="longest token sequence")
+    t.add_argument("--lr", type=float, default=None, help="Adam lr (default: 1e-2 embeddings, 1e-5 full)")
+    t.add_argument("--kl-weight", type=float, default=1.0, help="full mode: weight of the KL term")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--heldout", type=float, default=0.1, help="fraction of sequences held out")
+    t.add_argument("--eval-every", type=int, default=None, help="default: steps / 20")
+    t.add_argument("--eval-samples", type=int, default=64, help="held-out cuts per evaluation")
+    t.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
+    t.add_argument("--resume", action="store_true", help="continue from the checkpoint")
+    t.add_argument("--checkpoint-dir", default=None, help="default: OUT/checkpoint")
+    t.add_argument("--keep-checkpoint", action="store_true",
+                   help="keep the checkpoint after a finished run (default: removed)")
+    t.add_argument("--dtype", default="float32", help="float32, float64, bfloat16, float16")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sled", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -185,6 +219,7 @@ def parser() -> argparse.ArgumentParser:
     _add_models(sub)
     _add_run_device(sub)
     _add_trace(sub)
+    _add_sdsat(sub)
     t = sub.add_parser("make-tiny", help="write a tiny random target + drafter pair (testing)")
     t.add_argument("folder")
     t.add_argument("--arch", default="llama", choices=["llama", "gemma3"])
@@ -231,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export-onnx":
         from sled_cli.export_onnx import run_export_onnx
         return run_export_onnx(args)
+    if args.command == "sdsat":
+        from sled_cli.sdsat_train import run_sdsat_train
+        return run_sdsat_train(args)
     if args.command == "make-tiny":
         from sled_cli.tiny import save_pair
         for path in save_pair(args.folder, args.arch):

@@ -100,3 +100,27 @@ def test_serve_explains_bad_kv_and_step_flags(pair, flags, phrase):
     done = sled("serve", "--model", str(pair[0]), "--port", str(free_port()), *flags)
     assert done.returncode == 2, done.stderr[-500:]
     assert phrase in done.stderr
+
+
+async def test_generate_thin_device_and_lookahead_against_a_sat_target(pair, tmp_path, monkeypatch):
+    """--drafter server / sat (no drafter on the device) and --lookahead: all the target's output."""
+    from verify_server.sdsat import save_adapter
+
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path))
+    target_dir, drafter_dir = pair
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    rows = model.get_input_embeddings()(torch.tensor([[11, 12, 13]]))[0].detach()
+    adapter = save_adapter(tmp_path / "sat_adapter.safetensors", rows, {"base_model": "tiny"})
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompt = tokenizer("class Session:").input_ids
+    reference = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                               pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist()
+    async with ServerProcess(str(target_dir), "--dtype", "float64", "--sat-adapter", str(adapter)) as server:
+        runs = {name: sled("generate", "--server", server.address, *flags, "--prompt", "class Session:",
+                           "--max-new-tokens", "16", "--json")
+                for name, flags in {"server": ["--drafter", "server"], "sat": ["--drafter", "sat"],
+                                    "lookahead": ["--drafter", f"hf:{drafter_dir}", "--lookahead", "3"]}.items()}
+    for name, done in runs.items():
+        assert done.returncode == 0, (name, done.stderr[-800:])
+        assert json.loads(done.stdout)["token_ids"] == reference, name
+    assert json.loads(runs["sat"].stdout)["draft_tokens"] > 0      # SAT guesses were verified
