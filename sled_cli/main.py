@@ -126,6 +126,22 @@ def _add_bench(sub) -> None:
                    help="drafts accepted per simulated verdict (default: all)")
     d.add_argument("--reps", type=int, default=5, help="repetitions of each, interleaved")
     d.add_argument("--out", default=None, help="default: bench-results/drafter-MODEL-tN.json")
+    t = bench.add_parser("sdsat", help="SAT self-drafting vs plain decoding, and SAT lookahead "
+                         "per drafter, on a SAT-tuned target")
+    t.add_argument("--model", default="gemma3-270m", help="target alias or checkpoint path")
+    t.add_argument("--sat-adapter", default=None, help="SAT adapter for the server (default: the "
+                   "one shipped for a built-in target, or one beside the model)")
+    t.add_argument("--workload", default="humaneval:10", help="humaneval[:N], a prompt file or tiny")
+    t.add_argument("--max-new-tokens", type=int, default=64)
+    t.add_argument("--drafters", default="gguf:gemma3-270m,onnx:gemma3-270m,ngram",
+                   help="comma-separated drafter specs for the lookahead part")
+    t.add_argument("--k", type=int, default=4, help="tokens drafted per round")
+    t.add_argument("--lookahead", type=int, default=None,
+                   help="SAT hints per verdict (default: the target's SAT slots)")
+    t.add_argument("--devices", type=int, default=1, help="sessions at once in every mode")
+    t.add_argument("--dtype", default="float32", help="the target's dtype on the server")
+    t.add_argument("--server-args", default="", help='extra `sled serve` flags, e.g. "--device cuda"')
+    t.add_argument("--out", default="bench-results/sdsat.json")
 
 
 def _add_trace(sub) -> None:
@@ -239,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "acceptance":
         from sled_cli.bench_acceptance import run_acceptance
         return asyncio.run(run_acceptance(args))
+    if args.command == "bench" and args.bench == "sdsat":
+        from sled_cli.bench_sdsat import run_bench_sdsat
+        return asyncio.run(run_bench_sdsat(args))
     if args.command == "bench" and args.bench == "serve":
         from sled_cli.bench_serve import run_bench_serve
         return asyncio.run(run_bench_serve(args))

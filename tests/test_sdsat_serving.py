@@ -184,3 +184,14 @@ async def test_sat_self_drafting_samples_the_target_distribution(serve, models, 
         support = int((p > 1e-4).sum())
         distance = total_variation([s[position] for s in samples], p)
         assert distance < 0.8 * math.sqrt(support / n), (position, distance)
+
+
+async def test_an_adapter_for_another_model_is_refused_at_start(models, tokenizer):
+    from verify_server.config import ServerConfig
+    from verify_server.server import start_server
+
+    model = models["llama"]
+    target = Target.from_model(model, tokenizer, "tiny")
+    target.sat = SatSpec(slots=2, embeddings=torch.zeros(2, 640), source="other.safetensors")
+    with pytest.raises(ValueError, match="640-wide embeddings, the model's are 64"):
+        await start_server(target, ServerConfig(kv_budget_bytes=1 << 20))

@@ -14,7 +14,8 @@ A target carries SATs in one of two ways:
 - **an adapter** (`sat_adapter.safetensors` beside the model, or a path given to the server):
   one trained input embedding per slot, already in the model's embedding space (after any
   embedding scale). The model's own weights are untouched, so every standard-token output stays
-  bit-identical: training in `embeddings` mode produces exactly this.
+  bit-identical: training in `embeddings` mode produces exactly this. `full` mode also tunes the
+  weights and saves them with the adapter beside them (config: `{"slots": m, "adapter": FILE}`).
 """
 from __future__ import annotations
 
@@ -44,6 +45,17 @@ class SatSpec:
             raise ValueError(f"{len(self.token_ids)} SAT token ids for {self.slots} slots")
         if self.embeddings is not None and self.embeddings.shape[0] != self.slots:
             raise ValueError(f"{self.embeddings.shape[0]} SAT embeddings for {self.slots} slots")
+
+    def check(self, model: torch.nn.Module) -> None:
+        """Refuse a spec that cannot belong to this model (wrong width, ids out of range)."""
+        weight = model.get_input_embeddings().weight
+        if self.embeddings is not None and self.embeddings.shape[1] != weight.shape[1]:
+            raise ValueError(f"SAT adapter {self.source or ''} has {self.embeddings.shape[1]}-wide "
+                             f"embeddings, the model's are {weight.shape[1]}: it was trained for "
+                             "another model")
+        if self.token_ids is not None and max(self.token_ids) >= weight.shape[0]:
+            raise ValueError(f"SAT token id {max(self.token_ids)} is outside the model's "
+                             f"{weight.shape[0]} embeddings")
 
     def slot_embeddings(self, model: torch.nn.Module, count: int) -> torch.Tensor:
         """Input embeddings of the first `count` slots: [count, hidden], model dtype/device."""
@@ -98,6 +110,10 @@ def sat_spec_of(model: torch.nn.Module, model_dir: str | Path | None = None,
     if isinstance(meta, str):
         meta = json.loads(meta)
     if meta:
+        if "token_ids" not in meta:  # weights trained together with an adapter file
+            raise ValueError(f"the model's {CONFIG_KEY} config uses the adapter file "
+                             f"{meta.get('adapter', ADAPTER_FILE)!r}; give the model's folder "
+                             "(model_dir) or the adapter path")
         ids = [int(t) for t in meta["token_ids"]]
         return SatSpec(slots=int(meta.get("slots", len(ids))), token_ids=ids, source="config")
     return None

@@ -53,6 +53,8 @@ async def start_server(target: Target, config: ServerConfig | None = None, host:
     engine = make_engine(target.model, kv_budget_bytes=config.kv_budget_bytes,
                          kv_fraction=config.kv_fraction, block_tokens=config.kv_block_tokens,
                          kind=config.engine)
+    if target.sat is not None:
+        target.sat.check(target.model)
     engine.sat = target.sat
     log.info("%s engine, KV pool %d tokens (%.0f MiB)", engine.kind, engine.pool.capacity_tokens,
              engine.pool.nbytes / (1 << 20))

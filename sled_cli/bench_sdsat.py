@@ -1,0 +1,333 @@
+"""`sled bench sdsat`: what semantic adaptive tokens (SATs) buy on a SAT-tuned target.
+
+One server process, one workload, greedy, two parts:
+
+1. **Self-drafting.** Every prompt through the server twice: plain autoregressive decoding
+   (GENERATION_MODE_SERVER, one token per pass) and SAT self-drafting (GENERATION_MODE_SERVER_SAT,
+   each pass verifies the previous SAT guesses and guesses the next m). Per mode: target forward
+   passes per token (the server's sled_forward_passes_total; a prompt's prefill is a pass too),
+   accepted SAT tokens and emitted tokens per step, SAT acceptance, wall-clock tokens/s.
+2. **Lookahead.** Every drafter drafts k tokens per round against the same server with no
+   lookahead and with lookahead m (the verdict carries m SAT hints; a draft after a fully accepted
+   one starts with them). Per (drafter, lookahead): tokens per round, acceptance, hint tokens
+   sent, passes per token, tokens/s.
+
+The modes run prompt by prompt, alternating which goes first, and one at a time, so the pass
+counter's delta belongs to one mode. Every output must equal the plain mode's output for the same
+prompt, which is the target's own greedy output: a difference fails the benchmark (exit 1).
+"""
+from __future__ import annotations
+
+import asyncio
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sled_cli.report import save_figure, subplots, write_json
+
+PLAIN, SAT = "plain", "sat"
+NO_SAT_EXIT = 2
+
+
+@dataclass(slots=True)
+class Run:
+    """One mode's generations over the workload: results in prompt order, passes and seconds."""
+    results: dict[int, object] = field(default_factory=dict)   # prompt index -> GenerationResult
+    passes: float = 0.0
+    seconds: float = 0.0
+
+
+def chunks(count: int, size: int) -> list[list[int]]:
+    """Prompt indices in groups of `size` (the sessions that run at once): (5, 2) -> [[0, 1], [2, 3], [4]]."""
+    return [list(range(start, min(start + size, count))) for start in range(0, count, size)]
+
+
+def summarize(run: Run, reference: dict[int, list[int]]) -> dict:
+    """Totals and rates of one run; mismatches counts prompts whose output differs from reference."""
+    results = [run.results[i] for i in sorted(run.results)]
+    tokens = sum(len(r.token_ids) for r in results)
+    rounds = sum(r.rounds for r in results)
+    drafted = sum(r.draft_tokens for r in results)
+    accepted = sum(r.accepted_tokens for r in results)
+    mismatched = [i for i in sorted(run.results) if run.results[i].token_ids != reference[i]]
+    return {
+        "prompts": len(results), "tokens": tokens, "rounds": rounds, "draft_tokens": drafted,
+        "accepted_tokens": accepted, "hint_tokens": sum(r.hint_tokens for r in results),
+        "forward_passes": run.passes, "seconds": run.seconds,
+        "passes_per_token": run.passes / tokens if tokens else None,
+        "tokens_per_round": tokens / rounds if rounds else None,
+        "accepted_per_round": accepted / rounds if rounds else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "tokens_per_s": tokens / run.seconds if run.seconds else None,
+        "mismatched_prompts": mismatched, "lossless": not mismatched,
+    }
+
+
+def ratio(new: float | None, old: float | None) -> float | None:
+    return new / old if new is not None and old else None
+
+
+async def _timed_group(server, coros) -> tuple[list, float, float]:
+    """Run one group of sessions at once: (results, passes they cost, seconds)."""
+    before = server.metric("sled_forward_passes_total")
+    started = time.perf_counter()
+    results = await asyncio.gather(*coros)
+    seconds = time.perf_counter() - started
+    return list(results), server.metric("sled_forward_passes_total") - before, seconds
+
+
+async def self_drafting(server, stub, prompts: list[list[int]], args, progress, task) -> dict[str, Run]:
+    """Plain and SAT server-side decoding of every prompt, alternating per group."""
+    from edge_client.session import generate_server_side
+    from sled.v1 import verifier_pb2 as pb
+
+    modes = {PLAIN: pb.GENERATION_MODE_SERVER, SAT: pb.GENERATION_MODE_SERVER_SAT}
+    for mode in modes.values():   # warm-up, unmeasured
+        await generate_server_side(stub, prompts[0], max_new_tokens=4, mode=mode)
+    runs = {name: Run() for name in modes}
+    for index, group in enumerate(chunks(len(prompts), args.devices)):
+        for name in (PLAIN, SAT) if index % 2 == 0 else (SAT, PLAIN):
+            progress.update(task, description=f"self-drafting: {name}")
+            results, passes, seconds = await _timed_group(server, (
+                generate_server_side(stub, prompts[i], max_new_tokens=args.max_new_tokens,
+                                     mode=modes[name]) for i in group))
+            runs[name].results.update(zip(group, results))
+            runs[name].passes += passes
+            runs[name].seconds += seconds
+            progress.advance(task, len(group))
+    return runs
+
+
+async def lookahead_runs(server, stub, spec: str, prompts: list[list[int]], lookahead: int,
+                         fingerprint: str, args, progress, task) -> dict[int, Run]:
+    """One drafter with lookahead 0 and `lookahead`, alternating per group."""
+    from drafters import load_drafter
+    from edge_client.session import generate
+    from sled_cli.models import resolve_drafter_spec
+
+    resolved = resolve_drafter_spec(spec)
+    drafters = [load_drafter(resolved) for _ in range(args.devices)]
+    settings = (0, lookahead)
+
+    def one(slot: int, prompt: list[int], ahead: int, max_new: int):
+        return generate(stub, drafters[slot], prompt, max_new_tokens=max_new, draft_len=args.k,
+                        target_fingerprint=fingerprint, lookahead=ahead)
+
+    for ahead in settings:        # warm-up, unmeasured (loads the drafter's runtime too)
+        await one(0, prompts[0], ahead, 4)
+    runs = {ahead: Run() for ahead in settings}
+    for index, group in enumerate(chunks(len(prompts), args.devices)):
+        for ahead in settings if index % 2 == 0 else settings[::-1]:
+            progress.update(task, description=f"{_short(spec)}, lookahead {ahead}")
+            results, passes, seconds = await _timed_group(server, (
+                one(slot, prompts[i], ahead, args.max_new_tokens) for slot, i in enumerate(group)))
+            runs[ahead].results.update(zip(group, results))
+            runs[ahead].passes += passes
+            runs[ahead].seconds += seconds
+            progress.advance(task, len(group))
+    return runs
+
+
+def _validate(args) -> list[str]:
+    specs = [s.strip() for s in args.drafters.split(",") if s.strip()]
+    if args.k < 1:
+        raise ValueError(f"--k must be >= 1, not {args.k}")
+    if args.devices < 1:
+        raise ValueError(f"--devices must be >= 1, not {args.devices}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, not {args.max_new_tokens}")
+    if args.lookahead is not None and args.lookahead < 1:
+        raise ValueError(f"--lookahead must be >= 1, not {args.lookahead}")
+    return specs
+
+
+def _server_args(args) -> list[str]:
+    """`sled serve` flags: dtype, the SAT adapter (explicit, else the alias's shipped one), extras."""
+    from sled_cli.models import builtin_sat_adapter
+
+    adapter = args.sat_adapter or builtin_sat_adapter(args.model)
+    extra = ["--dtype", args.dtype, *shlex.split(args.server_args)]
+    return extra + (["--sat-adapter", str(adapter)] if adapter else [])
+
+
+async def run_bench_sdsat(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from edge_client.connection import Connection
+    from edge_client.session import VerifyError
+    from sled_cli.models import resolve_model
+    from sled_cli.procs import ServerProcess
+    from sled_cli.trace import workload_ids
+
+    console = Console()
+    try:
+        specs = _validate(args)
+        if args.sat_adapter and not Path(args.sat_adapter).is_file():
+            raise ValueError(f"--sat-adapter {args.sat_adapter}: no such file")
+        server_args = _server_args(args)
+        model_path = resolve_model(args.model)
+    except (ValueError, OSError) as exc:
+        print(f"sled bench sdsat: {exc}", file=sys.stderr)
+        return 2
+
+    try:
+        with console.status(f"starting the verify server ({args.model})"):
+            server = await ServerProcess(model_path, *server_args).__aenter__()
+    except RuntimeError as exc:   # the server's own message, e.g. an adapter for another model
+        print(f"sled bench sdsat: {exc}", file=sys.stderr)
+        return 3
+    try:
+        async with Connection(server.address) as conn:
+            info = await conn.model_info()
+            if not info.sat_available:
+                print(f"sled bench sdsat: target {args.model} has no SATs: pass --sat-adapter or "
+                      "train one with sled sdsat train", file=sys.stderr)
+                return NO_SAT_EXIT
+            lookahead = args.lookahead or info.sat_slots
+            if lookahead > info.sat_slots:
+                print(f"sled bench sdsat: --lookahead {lookahead} exceeds the target's "
+                      f"{info.sat_slots} SAT slots", file=sys.stderr)
+                return 2
+            try:
+                prompts = workload_ids(args.workload, await conn.tokenizer())
+            except (ValueError, OSError) as exc:
+                print(f"sled bench sdsat: {exc}", file=sys.stderr)
+                return 2
+            n = len(prompts)
+            with Progress(console=console, transient=True) as progress:
+                task = progress.add_task("generations", total=n * 2 * (1 + len(specs)))
+                modes = await self_drafting(server, conn.stub, prompts, args, progress, task)
+                by_drafter = {}
+                for spec in specs:
+                    by_drafter[spec] = await lookahead_runs(server, conn.stub, spec, prompts, lookahead,
+                                                            info.tokenizer_fingerprint, args,
+                                                            progress, task)
+    except (VerifyError, ValueError) as exc:
+        print(f"sled bench sdsat: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        await server.__aexit__(None, None, None)
+
+    reference = {i: r.token_ids for i, r in modes[PLAIN].results.items()}
+    sat_rows = [{"mode": name, **summarize(run, reference)} for name, run in modes.items()]
+    plain_row, sat_row = sat_rows
+    sat_row["passes_per_token_vs_plain"] = ratio(sat_row["passes_per_token"], plain_row["passes_per_token"])
+    sat_row["tokens_per_s_vs_plain"] = ratio(sat_row["tokens_per_s"], plain_row["tokens_per_s"])
+    drafter_rows = []
+    for spec, runs in by_drafter.items():
+        none_row = {"drafter": spec, "lookahead": 0, **summarize(runs[0], reference)}
+        ahead_row = {"drafter": spec, "lookahead": lookahead, **summarize(runs[lookahead], reference)}
+        ahead_row["same_as_no_lookahead"] = all(runs[lookahead].results[i].token_ids ==
+                                                runs[0].results[i].token_ids for i in range(n))
+        ahead_row["tokens_per_round_vs_none"] = ratio(ahead_row["tokens_per_round"],
+                                                      none_row["tokens_per_round"])
+        ahead_row["tokens_per_s_vs_none"] = ratio(ahead_row["tokens_per_s"], none_row["tokens_per_s"])
+        drafter_rows += [none_row, ahead_row]
+
+    setup = (f"{_short(args.model)} on {info.device} ({info.dtype}), {info.sat_slots} SAT slots, "
+             f"{args.workload}, {args.max_new_tokens} new tokens, {args.devices} session(s) at once")
+    if not console.is_terminal:
+        console.width = max(console.width, 160)   # a log file gets the whole table
+    console.print(_self_drafting_table(sat_rows, setup))
+    console.print(_lookahead_table(drafter_rows, args.k, lookahead))
+    lossless = all(r["lossless"] for r in sat_rows + drafter_rows)
+    out = write_json(args.out, {
+        "model": args.model, "sat_adapter": _adapter_of(server_args), "server_device": info.device,
+        "dtype": info.dtype, "sat_slots": info.sat_slots, "workload": args.workload,
+        "prompts": n, "max_new_tokens": args.max_new_tokens, "devices": args.devices,
+        "lossless": lossless,
+        "self_drafting": {"rows": sat_rows, "lossless": all(r["lossless"] for r in sat_rows)},
+        "lookahead": {"k": args.k, "lookahead": lookahead, "drafters": specs, "rows": drafter_rows,
+                      "lossless": all(r["lossless"] for r in drafter_rows)},
+    })
+    _plot(sat_rows, drafter_rows, lookahead, out.with_suffix(".png"), setup)
+    console.print(f"wrote {out} and {out.with_suffix('.png')}")
+    if not lossless:
+        for r in sat_rows + drafter_rows:
+            if not r["lossless"]:
+                name = r.get("mode") or f"{r['drafter']} lookahead {r['lookahead']}"
+                console.print(f"[red]{name}: prompts {r['mismatched_prompts']} differ from the "
+                              "target's greedy output (plain mode)[/]")
+        return 1
+    return 0
+
+
+def _adapter_of(server_args: list[str]) -> str | None:
+    return server_args[server_args.index("--sat-adapter") + 1] if "--sat-adapter" in server_args else None
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _lossless(row: dict) -> str:
+    return "yes" if row["lossless"] else f"[red]{len(row['mismatched_prompts'])} differ[/]"
+
+
+def _self_drafting_table(rows: list[dict], setup: str):
+    from rich.table import Table
+
+    table = Table(title=f"SAT self-drafting vs plain decoding: {setup}", caption=(
+        "passes: target forward passes per output token (prefills included); step: one server "
+        "pass of a session; vs plain: SAT / plain"))
+    columns = ("mode", "tokens", "steps", "passes/tok", "passes vs plain", "tok/step",
+               "accepted/step", "SAT accept", "tok/s", "tok/s vs plain", "lossless")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for r in rows:
+        table.add_row(r["mode"], str(r["tokens"]), str(r["rounds"]), _fmt(r["passes_per_token"], ".3f"),
+                      _fmt(r.get("passes_per_token_vs_plain"), ".2f", "x"),
+                      _fmt(r["tokens_per_round"], ".2f"), _fmt(r["accepted_per_round"], ".2f"),
+                      _fmt(r["acceptance_rate"], ".0%"), _fmt(r["tokens_per_s"], ".1f"),
+                      _fmt(r.get("tokens_per_s_vs_plain"), ".2f", "x"), _lossless(r))
+    return table
+
+
+def _lookahead_table(rows: list[dict], k: int, lookahead: int):
+    from rich.table import Table
+
+    table = Table(title=f"SAT lookahead for drafting devices: k={k}, lookahead 0 vs {lookahead}",
+                  caption="hints: SAT hint tokens sent as the start of a draft; vs none: "
+                          "lookahead / no lookahead")
+    columns = ("drafter", "lookahead", "tokens", "rounds", "tok/round", "tok/round vs none",
+               "accept", "hints", "passes/tok", "tok/s", "tok/s vs none", "lossless")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "drafter" else "right")
+    for r in rows:
+        table.add_row(_short(r["drafter"]), str(r["lookahead"]), str(r["tokens"]), str(r["rounds"]),
+                      _fmt(r["tokens_per_round"], ".2f"), _fmt(r.get("tokens_per_round_vs_none"), ".2f", "x"),
+                      _fmt(r["acceptance_rate"], ".0%"), str(r["hint_tokens"]),
+                      _fmt(r["passes_per_token"], ".3f"), _fmt(r["tokens_per_s"], ".1f"),
+                      _fmt(r.get("tokens_per_s_vs_none"), ".2f", "x"), _lossless(r))
+    return table
+
+
+def _plot(sat_rows: list[dict], drafter_rows: list[dict], lookahead: int, path: Path, title: str) -> None:
+    fig, (left, right) = subplots(2, figsize=(12, 4.5))
+    metrics = ("passes_per_token", "tokens_per_round")
+    width = 0.38
+    for offset, row in zip((-width / 2, width / 2), sat_rows):
+        values = [row[m] or 0.0 for m in metrics]
+        bars = left.bar([i + offset for i in range(len(metrics))], values, width, label=row["mode"])
+        left.bar_label(bars, fmt="%.2f", fontsize=8)
+    left.set_xticks(range(len(metrics)), ["passes / token", "tokens / step"])
+    left.set(title="self-drafting vs plain (server side)")
+    specs = list(dict.fromkeys(r["drafter"] for r in drafter_rows))
+    for offset, ahead in zip((-width / 2, width / 2), (0, lookahead)):
+        values = [next(r["tokens_per_round"] or 0.0 for r in drafter_rows
+                       if r["drafter"] == s and r["lookahead"] == ahead) for s in specs]
+        bars = right.bar([i + offset for i in range(len(specs))], values, width,
+                         label=f"lookahead {ahead}" if ahead else "no lookahead")
+        right.bar_label(bars, fmt="%.2f", fontsize=8)
+    right.set_xticks(range(len(specs)), [_short(s) for s in specs])
+    right.set(ylabel="tokens per round", title="drafting devices with SAT hints")
+    save_figure(fig, (left, right), path, title)
+
+
+def _short(spec: str) -> str:
+    """hf:/a/b/llama-drafter -> hf:llama-drafter; gguf:gemma3-270m unchanged."""
+    kind, sep, arg = spec.rpartition(":")
+    return f"{kind}{sep}{Path(arg).name}" if "/" in arg else spec

@@ -1,0 +1,108 @@
+"""`sled bench sdsat` as a person runs it, on a tiny random pair with a hand-made SAT adapter; a
+target without SATs is refused; and the benchmark's bookkeeping on hand-made results."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from edge_client.session import GenerationResult
+from sled_cli.bench_sdsat import Run, chunks, ratio, summarize
+from sled_cli.tiny import save_pair
+from verify_server.sdsat import save_adapter
+
+SLED = [sys.executable, "-m", "sled_cli.main"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return save_pair(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+@pytest.fixture(scope="module")
+def adapter(pair, tmp_path_factory):
+    """Three SAT slots made of rows of the target's own input embeddings (untrained)."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(pair[0])
+    rows = target.get_input_embeddings().weight[[5, 17, 42]].detach()
+    return save_adapter(tmp_path_factory.mktemp("sat") / "sat_adapter.safetensors", rows,
+                        {"base_model": str(pair[0])})
+
+
+def sled(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*SLED, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_sdsat_compares_self_drafting_and_lookahead_losslessly(pair, adapter, tmp_path):
+    target, drafter = map(str, pair)
+    out = tmp_path / "sdsat.json"
+    done = sled("bench", "sdsat", "--model", target, "--sat-adapter", str(adapter), "--workload",
+                "tiny", "--drafters", f"ngram,hf:{drafter}", "--max-new-tokens", "12",
+                "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["lossless"] and result["sat_slots"] == 3 and result["sat_adapter"] == str(adapter)
+    plain, sat = result["self_drafting"]["rows"]
+    assert (plain["mode"], sat["mode"]) == ("plain", "sat")
+    assert plain["tokens"] == sat["tokens"] > 0 and plain["lossless"] and sat["lossless"]
+    assert plain["draft_tokens"] == 0 and sat["draft_tokens"] > 0   # SAT guesses were verified
+    assert plain["passes_per_token"] >= 1.0 and sat["passes_per_token"] > 0
+    assert sat["passes_per_token_vs_plain"] == pytest.approx(sat["passes_per_token"]
+                                                             / plain["passes_per_token"])
+    part = result["lookahead"]
+    assert (part["k"], part["lookahead"]) == (4, 3)
+    rows = part["rows"]
+    assert [(r["drafter"], r["lookahead"]) for r in rows] == \
+        [("ngram", 0), ("ngram", 3), (f"hf:{drafter}", 0), (f"hf:{drafter}", 3)]
+    assert all(r["lossless"] and r["tokens"] == plain["tokens"] for r in rows)
+    assert all(r["same_as_no_lookahead"] and r["tokens_per_round_vs_none"] > 0
+               for r in rows if r["lookahead"])
+    assert all(r["hint_tokens"] == 0 for r in rows if not r["lookahead"])
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "self-drafting" in done.stdout and "lookahead" in done.stdout
+
+
+def test_bench_sdsat_refuses_a_target_without_sats(pair, tmp_path):
+    done = sled("bench", "sdsat", "--model", str(pair[0]), "--workload", "tiny", "--drafters",
+                "ngram", "--max-new-tokens", "4", "--out", str(tmp_path / "sdsat.json"))
+    assert done.returncode == 2
+    assert "has no SATs: pass --sat-adapter or train one with sled sdsat train" in done.stderr
+    assert not (tmp_path / "sdsat.json").exists()
+
+
+def test_bench_sdsat_refuses_bad_arguments(tmp_path):
+    done = sled("bench", "sdsat", "--k", "0")
+    assert done.returncode == 2 and "--k" in done.stderr
+    done = sled("bench", "sdsat", "--sat-adapter", str(tmp_path / "none.safetensors"))
+    assert done.returncode == 2 and "--sat-adapter" in done.stderr
+
+
+def result(tokens: list[int], rounds: int, drafted: int = 0, accepted: int = 0) -> GenerationResult:
+    return GenerationResult(token_ids=tokens, finish_reason="length", rounds=rounds,
+                            draft_tokens=drafted, accepted_tokens=accepted)
+
+
+def test_summary_counts_steps_passes_and_mismatches():
+    reference = {0: [1, 2, 3, 4], 1: [5, 6]}
+    run = Run({0: result([1, 2, 3, 4], rounds=2, drafted=6, accepted=2),
+               1: result([5, 7], rounds=1, drafted=2, accepted=1)}, passes=5, seconds=2.0)
+    row = summarize(run, reference)
+    assert (row["tokens"], row["rounds"]) == (6, 3)
+    assert row["passes_per_token"] == pytest.approx(5 / 6)
+    assert row["tokens_per_round"] == pytest.approx(2.0)
+    assert row["accepted_per_round"] == pytest.approx(1.0)
+    assert row["acceptance_rate"] == pytest.approx(3 / 8)
+    assert row["tokens_per_s"] == pytest.approx(3.0)
+    assert row["mismatched_prompts"] == [1] and not row["lossless"]
+    plain = summarize(Run({0: result([1, 2, 3, 4], rounds=4)}, passes=5, seconds=1.0), reference)
+    assert plain["acceptance_rate"] is None and plain["lossless"]
+
+
+def test_chunks_and_ratio():
+    assert chunks(5, 2) == [[0, 1], [2, 3], [4]]
+    assert chunks(3, 8) == [[0, 1, 2]]
+    assert ratio(3.0, 2.0) == pytest.approx(1.5)
+    assert ratio(None, 2.0) is None and ratio(1.0, 0.0) is None
