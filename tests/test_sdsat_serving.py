@@ -195,3 +195,82 @@ async def test_an_adapter_for_another_model_is_refused_at_start(models, tokenize
     target.sat = SatSpec(slots=2, embeddings=torch.zeros(2, 640), source="other.safetensors")
     with pytest.raises(ValueError, match="640-wide embeddings, the model's are 64"):
         await start_server(target, ServerConfig(kv_budget_bytes=1 << 20))
+
+
+# --- a target that really has SATs: it counts, and its SATs guess the count ahead ---------------
+
+def counting_sequences(n: int, generator: torch.Generator) -> list[list[int]]:
+    rows = []
+    for _ in range(n):
+        start = int(torch.randint(10, 200, (1,), generator=generator))
+        step = int(torch.randint(1, 3, (1,), generator=generator))
+        rows.append([10 + (start - 10 + step * j) % 250 for j in range(40)])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def counting_target(tokenizer):
+    """A tiny Llama taught to count (plain LM loss), then SAT-tuned in full mode with the KL
+    term that keeps its real-token behaviour: (float64 model, SatSpec, sequences)."""
+    from sled_cli.sdsat_train import SatTrainConfig, train_sat
+    from sled_cli.tiny import make_model
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    model = make_model("llama", len(tokenizer), dtype=torch.float32)
+    sequences = counting_sequences(256, generator)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(300):
+        picks = torch.randint(0, len(sequences), (16,), generator=generator)
+        batch = torch.tensor([sequences[int(i)] for i in picks])
+        loss = model(batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    spec, log = train_sat(model, sequences, SatTrainConfig(slots=3, mode="full", steps=300, batch=16,
+                                                           eval_every=300, lr=3e-3))
+    assert log[-1]["heldout"]["accepted_run"] > 1.0
+    return model.to(torch.float64).eval(), spec, sequences
+
+
+async def test_trained_sats_draft_for_the_target_and_stop_inside_an_accepted_run(
+        serve, tokenizer, counting_target):
+    model, spec, sequences = counting_target
+    server = await serve_sat(serve, model, tokenizer, spec)
+    prompt = sequences[0][:8]
+    want = greedy_reference(model, prompt, 24)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = VerifierStub(channel)
+        tokens, verdicts = await server_sat(stub, prompt, 24)
+        assert tokens == want
+        assert len(verdicts) < len(tokens) / 1.5           # well over one token per pass
+        # A stop id that arrives as an accepted SAT guess, not as the pass's own token.
+        run = next(v for v in verdicts[1:] if v.accepted >= 2)
+        stop = run.emitted_ids[0]
+        assert want.index(stop) == tokens.index(stop)
+        cut, cut_verdicts = await server_sat(stub, prompt, 24, stop_ids=[stop])
+    assert cut == want[:want.index(stop) + 1]
+    last = cut_verdicts[-1]
+    assert last.finish_reason == pb.FINISH_REASON_STOP
+    assert last.accepted == len(last.emitted_ids)            # cut inside the accepted run
+
+
+async def test_lookahead_hints_start_drafts_and_stay_lossless(serve, tokenizer, counting_target):
+    """With a drafter that is usually right, whole-draft acceptances bring SAT hints, the next
+    drafts start with them, and the output is still the target's."""
+    from sled_cli.tiny import perturbed
+
+    model, spec, sequences = counting_target
+    server = await serve_sat(serve, model, tokenizer, spec)
+    drafter_model = perturbed(model, 0.02)
+    prompts = [s[:8] for s in sequences[1:5]]
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = VerifierStub(channel)
+        results = await asyncio.gather(*(generate(stub, HFDrafter(drafter_model), p, max_new_tokens=24,
+                                                  draft_len=4, ignore_eos=True, lookahead=3)
+                                         for p in prompts))
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == greedy_reference(model, prompt, 24)
+    assert sum(r.hint_tokens for r in results) > 0
