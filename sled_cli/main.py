@@ -209,7 +209,7 @@ def _add_sdsat(sub) -> None:
     t.add_argument("--steps", type=int, default=300)
     t.add_argument("--batch", type=int, default=4, help="examples per step (they share one cut)")
     t.add_argument("--seq-len", type=int, default=256, help="longest token sequence")
-    t.add_argument("--lr", type=float, default=None, help="Adam lr (default: 1e-2 embeddings, 1e-5 full)")
+    t.add_argument("--lr", type=float, default=None, help="Adam lr (default: 3e-2 embeddings, 1e-5 full)")
     t.add_argument("--kl-weight", type=float, default=1.0, help="full mode: weight of the KL term")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--heldout", type=float, default=0.1, help="fraction of sequences held out")
