@@ -51,7 +51,7 @@ class GenerationResult:
     accepted_tokens: int = 0
     elapsed_s: float = 0.0
     server_forward_ms: float = 0.0
-    resumes: int = 0               # sessions reopened after the server evicted an idle one
+    resumes: int = 0               # sessions reopened after an eviction or a lost server
     hint_tokens: int = 0           # draft tokens that came from the server's SAT hints
     text: str = ""
     round_stats: list[RoundStat] = field(default_factory=list)
@@ -140,6 +140,12 @@ async def _receive(call, link: Link | None) -> pb.ServerMessage:
     return msg
 
 
+def _lost_server(error: Exception) -> bool:
+    """The server is gone or going (as opposed to refusing this session)."""
+    code = error.code if isinstance(error, VerifyError) else error.code()
+    return code == grpc.StatusCode.UNAVAILABLE
+
+
 async def generate(
     stub,
     drafter: Drafter,
@@ -155,6 +161,7 @@ async def generate(
     timeout: float | None = None,
     link: Link | None = None,
     lookahead: int = 0,
+    reconnect_s: float = 30.0,
 ) -> GenerationResult:
     """Run one generation session to its end; on_tokens sees each verdict's committed tokens.
 
@@ -162,6 +169,10 @@ async def generate(
     draft was accepted whole, the next draft starts with the hints and the drafter continues
     after them. Output is the target's either way; hints only change how many tokens a round
     yields (`GenerationResult.hint_tokens` counts the ones sent).
+
+    If the server goes away mid-session (UNAVAILABLE: a restart, a dropped link) the session is
+    reopened with the prompt + its committed tokens, retrying with backoff for up to
+    `reconnect_s` seconds (0: fail at once); `GenerationResult.resumes` counts the reopenings.
 
     draft_len="auto" drafts what the previous verdict suggested (AUTO_FIRST_DRAFT_LEN at first).
     `link` emulates the network: every message waits for it. A drafter with an async apropose()
@@ -188,13 +199,35 @@ async def generate(
     context = list(prompt_ids)
     result = GenerationResult(token_ids=[], finish_reason="")
 
-    async def open_stream():
-        """A session for what is left: the prompt plus everything committed so far."""
-        call = stub.Generate(timeout=timeout)
-        await _send(call, open_message(context, sampling, max_new_tokens - len(result.token_ids),
-                                       stop_ids, fingerprint, drafter.name, ignore_eos), link)
-        await _receive(call, link)  # opened: the prompt is in the server's KV
+    async def open_once(wait: bool):
+        call = stub.Generate(timeout=timeout, wait_for_ready=wait)
+        try:
+            await _send(call, open_message(context, sampling, max_new_tokens - len(result.token_ids),
+                                           stop_ids, fingerprint, drafter.name, ignore_eos), link)
+            await _receive(call, link)  # opened: the prompt is in the server's KV
+        except BaseException:
+            call.cancel()
+            raise
         return call
+
+    async def open_stream(resuming: bool = False):
+        """A session for what is left: the prompt plus everything committed so far. When
+        resuming after a lost server, retry with backoff until `reconnect_s` has passed."""
+        if not resuming:
+            return await open_once(False)
+        give_up, pause = time.monotonic() + reconnect_s, 0.05
+        while True:
+            try:
+                return await asyncio.wait_for(open_once(True), max(give_up - time.monotonic(), 0.01))
+            except asyncio.TimeoutError:
+                raise VerifyError(grpc.StatusCode.UNAVAILABLE,
+                                  f"no server came back within {reconnect_s:g} s to resume the "
+                                  f"session after {len(result.token_ids)} committed tokens") from None
+            except (VerifyError, grpc.aio.AioRpcError) as error:
+                if not _lost_server(error) or time.monotonic() + pause > give_up:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)
 
     call = None
     try:
@@ -212,16 +245,20 @@ async def generate(
             proposal = with_hints(hints, proposal) if hints else proposal
             result.hint_tokens += len(hints)
             sent = time.perf_counter()
-            await _send(call, draft_message(round, proposal, lookahead), link)
             try:
+                await _send(call, draft_message(round, proposal, lookahead), link)
                 verdict = (await _receive(call, link)).verdict
-            except VerifyError as error:
-                if error.reason != "REASON_EVICTED":
+            except (VerifyError, grpc.aio.AioRpcError) as error:
+                evicted = isinstance(error, VerifyError) and error.reason == "REASON_EVICTED"
+                if not evicted and not (reconnect_s and _lost_server(error)):
                     raise
-                # The server freed this idle session's KV: resume where the committed tokens end.
+                # The server freed this session (idle eviction) or went away (restart, network):
+                # resume where the committed tokens end. A verdict that never arrived committed
+                # nothing here, so no token is lost or repeated.
+                call.cancel()
                 drafter.rollback(len(context))
                 result.resumes += 1
-                call, round, hints = await open_stream(), 0, []
+                call, round, hints = await open_stream(resuming=not evicted), 0, []
                 continue
             round += 1
             hints = list(verdict.hint_ids)

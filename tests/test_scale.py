@@ -325,3 +325,43 @@ async def test_kv_gauges_return_to_zero_after_shared_prefix_sessions(serve, mode
     assert server.metrics.value("sled_prefix_cache_hit_tokens_total") == 2 * 80
     assert server.metrics.value("sled_kv_tokens") == 0
     assert server.metrics.value("sled_kv_blocks_used") == 0
+
+
+class SlowDrafter(HFDrafter):
+    """Drafts take a while, so a server restart lands in the middle of the sessions."""
+
+    async def apropose(self, context, k, sampling, generator):
+        await asyncio.sleep(0.02)
+        return self.propose(context, k, sampling, generator)
+
+
+async def test_sessions_survive_a_server_restart_without_losing_tokens(models, drafter_models, tokenizer):
+    """The server stops mid-generation and comes back on the same port (empty: no sessions, no
+    KV); every device reopens with its committed tokens and finishes with the target's output."""
+    from verify_server.config import ServerConfig
+    from verify_server.server import start_server
+    from verify_server.target import Target
+
+    model = models["gemma3"]
+    config = ServerConfig(kv_budget_bytes=16 << 20)
+    server = await start_server(Target.from_model(model, tokenizer, "tiny"), config)
+    port = server.port
+    prompts = [[70 + i, 71, 72 + i] for i in range(4)]
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = VerifierStub(channel)
+        tasks = [asyncio.create_task(generate(stub, SlowDrafter(drafter_models["gemma3"]), p,
+                                              max_new_tokens=40, draft_len=2, ignore_eos=True,
+                                              reconnect_s=20))
+                 for p in prompts]
+        await asyncio.sleep(0.3)
+        assert not any(t.done() for t in tasks)
+        await server.stop(grace=0)
+        await asyncio.sleep(0.3)
+        server = await start_server(Target.from_model(model, tokenizer, "tiny"), config, port=port)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        finally:
+            await server.stop(grace=0)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == greedy_reference(model, prompt, 40)
+        assert result.resumes >= 1
