@@ -10,6 +10,7 @@ import grpc
 import torch
 
 from drafters.base import Drafter, Proposal, SparseQ
+from edge_client.draft_policy import DraftPolicy
 from edge_client.profiles import Link
 from sled.fingerprint import short
 from sled.sampling import Sampling
@@ -174,7 +175,9 @@ async def generate(
     reopened with the prompt + its committed tokens, retrying with backoff for up to
     `reconnect_s` seconds (0: fail at once); `GenerationResult.resumes` counts the reopenings.
 
-    draft_len="auto" drafts what the previous verdict suggested (AUTO_FIRST_DRAFT_LEN at first).
+    draft_len="auto" drafts what the previous verdict suggested (AUTO_FIRST_DRAFT_LEN at first);
+    draft_len="adaptive" lets a DraftPolicy pick the k with the most expected tokens per second
+    from this session's acceptance, drafting speed and round trips, capped by the suggestion.
     `link` emulates the network: every message waits for it. A drafter with an async apropose()
     (an emulated device) is awaited directly instead of running propose() in a thread.
     """
@@ -194,7 +197,8 @@ async def generate(
             generator.seed()
 
     apropose = getattr(drafter, "apropose", None)
-    k = AUTO_FIRST_DRAFT_LEN if draft_len == "auto" else draft_len
+    policy = DraftPolicy() if draft_len == "adaptive" else None
+    k = policy.choose() if policy else AUTO_FIRST_DRAFT_LEN if draft_len == "auto" else draft_len
     started = time.perf_counter()
     context = list(prompt_ids)
     result = GenerationResult(token_ids=[], finish_reason="")
@@ -268,6 +272,10 @@ async def generate(
                 verdict.suggested_draft_len))
             if draft_len == "auto" and verdict.suggested_draft_len:
                 k = verdict.suggested_draft_len
+            if policy is not None:
+                stat = result.round_stats[-1]
+                policy.observe(verdict.verified, verdict.accepted, stat.draft_ms, stat.round_trip_ms)
+                k = policy.choose(verdict.suggested_draft_len)
             result.server_forward_ms += verdict.timings.forward_ms
             result.rounds += 1
             result.draft_tokens += verdict.verified
