@@ -60,6 +60,20 @@ class GenerationResult:
     # token; the tokens of one verdict share it)
     token_times: list[float] = field(default_factory=list)
 
+    def add(self, verdict: pb.Verdict, started: float) -> bool:
+        """Count one verdict's tokens and stats (arrival stamped against `started`, a
+        perf_counter time); True when the verdict ends the session."""
+        self.rounds += 1
+        self.server_forward_ms += verdict.timings.forward_ms
+        self.draft_tokens += verdict.verified        # device drafts, or the server's SAT guesses
+        self.accepted_tokens += verdict.accepted
+        self.token_ids.extend(verdict.emitted_ids)
+        self.token_times.extend([time.perf_counter() - started] * len(verdict.emitted_ids))
+        if verdict.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            return False
+        self.finish_reason = FINISH_NAMES[verdict.finish_reason]
+        return True
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
@@ -127,10 +141,14 @@ async def read_reply(call) -> pb.ServerMessage:
 
 
 async def _send(call, msg: pb.DeviceMessage, link: Link | None) -> None:
-    """Write one message after the link's uplink delay."""
+    """Write one message after the link's uplink delay; a stream the server already ended
+    becomes a VerifyError with the status it ended with (as a failed read does)."""
     if link is not None:
         await link.uplink(msg.ByteSize())
-    await call.write(msg)
+    try:
+        await call.write(msg)
+    except asyncio.InvalidStateError:
+        raise VerifyError(await call.code(), await call.details() or "stream already ended") from None
 
 
 async def _receive(call, link: Link | None) -> pb.ServerMessage:
@@ -276,18 +294,12 @@ async def generate(
                 stat = result.round_stats[-1]
                 policy.observe(verdict.verified, verdict.accepted, stat.draft_ms, stat.round_trip_ms)
                 k = policy.choose(verdict.suggested_draft_len)
-            result.server_forward_ms += verdict.timings.forward_ms
-            result.rounds += 1
-            result.draft_tokens += verdict.verified
-            result.accepted_tokens += verdict.accepted
             drafter.rollback(len(context) + verdict.accepted)
             context.extend(verdict.emitted_ids)
-            result.token_ids.extend(verdict.emitted_ids)
-            result.token_times.extend([time.perf_counter() - started] * len(verdict.emitted_ids))
+            finished = result.add(verdict, started)
             if on_tokens is not None:
                 on_tokens(list(verdict.emitted_ids))
-            if verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                result.finish_reason = FINISH_NAMES[verdict.finish_reason]
+            if finished:
                 break
         await call.done_writing()
     except BaseException:
@@ -351,16 +363,10 @@ async def generate_server_side(
         result = GenerationResult(token_ids=[], finish_reason="")
         while True:
             verdict = (await receive()).verdict
-            result.rounds += 1
-            result.server_forward_ms += verdict.timings.forward_ms
-            result.draft_tokens += verdict.verified      # SAT guesses, in GENERATION_MODE_SERVER_SAT
-            result.accepted_tokens += verdict.accepted
-            result.token_ids.extend(verdict.emitted_ids)
-            result.token_times.extend([time.perf_counter() - started] * len(verdict.emitted_ids))
+            finished = result.add(verdict, started)
             if on_tokens is not None:
                 on_tokens(list(verdict.emitted_ids))
-            if verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                result.finish_reason = FINISH_NAMES[verdict.finish_reason]
+            if finished:
                 break
         await call.done_writing()
     except BaseException:
