@@ -12,11 +12,12 @@ and threads.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
 from pathlib import Path
+
+from sled_cli.report import write_json
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
@@ -103,15 +104,13 @@ def run_drafter_bench(args) -> int:
                   f"{best['drafter'] / best['native']:.3f}")
     console.print(table)
     console.print(f"same greedy text as llama.cpp: {'yes' if same_text else 'NO'}")
-    out = Path(args.out or f"bench-results/drafter-{Path(file).stem}-t{threads}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    out = write_json(args.out or f"bench-results/drafter-{Path(file).stem}-t{threads}.json", {
         "model": file, "threads": threads, "tokens": args.tokens, "draft_len": k,
         "committed_per_round": accept + 1, "reps": args.reps, "cpus": os.cpu_count(),
         "native_tokens_per_s": native_tps, "drafter_tokens_per_s": drafter_tps,
         "ratio_median": median["drafter"] / median["native"],
         "ratio_best": best["drafter"] / best["native"], "same_text": same_text,
-    }, indent=2))
+    })
     console.print(f"wrote {out}")
     return 0
 
@@ -187,14 +186,12 @@ def run_onnx_bench(args) -> int:
                   f"{max(ratios):.3f}")
     console.print(table)
     console.print(f"same greedy text as onnxruntime-genai: {'yes' if same_text else 'NO'}")
-    out = Path(args.out or f"bench-results/drafter-onnx-{name}-t{threads}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    out = write_json(args.out or f"bench-results/drafter-onnx-{name}-t{threads}.json", {
         "model": folder, "runtime": "onnxruntime-genai", "threads": threads, "tokens": args.tokens,
         "draft_len": k, "committed_per_round": accept + 1, "reps": args.reps,
         "cpus": os.cpu_count(),
         "native_tokens_per_s": native_tps, "drafter_tokens_per_s": drafter_tps,
         "ratio_median": statistics.median(ratios), "same_text": same_text,
-    }, indent=2))
+    })
     console.print(f"wrote {out}")
     return 0

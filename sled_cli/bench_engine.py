@@ -11,8 +11,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import torch
-
 from sled_cli.bench import percentile
 from sled_cli.report import save_figure, subplots, write_json
 

@@ -3,11 +3,13 @@ far below any argmax gap), an in-process server, and the greedy oracle."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from sled_cli.tiny import make_model, make_tokenizer, perturbed
+from sled_cli.tiny import make_model, make_tokenizer, perturbed, save_pair
 from verify_server.config import ServerConfig
 from verify_server.server import start_server
 from verify_server.target import Target
@@ -25,6 +27,20 @@ PROMPT_TEXTS = [
     "print(",
     "x",
 ]
+
+
+SLED = [sys.executable, "-m", "sled_cli.main"]
+
+
+def run_sled(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """The `sled` command as a person runs it, in a child process."""
+    return subprocess.run([*SLED, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny random Llama target + drafter saved as checkpoints: (target dir, drafter dir)."""
+    return save_pair(tmp_path_factory.mktemp("tiny"), "llama")
 
 
 @pytest.fixture(scope="session")

@@ -3,22 +3,13 @@ target without SATs is refused; and the benchmark's bookkeeping on hand-made res
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from conftest import run_sled
 from edge_client.session import GenerationResult
 from sled_cli.bench_sdsat import Run, chunks, ratio, summarize
-from sled_cli.tiny import save_pair
 from verify_server.sdsat import save_adapter
-
-SLED = [sys.executable, "-m", "sled_cli.main"]
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return save_pair(tmp_path_factory.mktemp("tiny"), "llama")
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +23,8 @@ def adapter(pair, tmp_path_factory):
                         {"base_model": str(pair[0])})
 
 
-def sled(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*SLED, *args], capture_output=True, text=True, timeout=timeout)
+def sled(*args: str, timeout: float = 300):
+    return run_sled(*args, timeout=timeout)
 
 
 def test_bench_sdsat_compares_self_drafting_and_lookahead_losslessly(pair, adapter, tmp_path):

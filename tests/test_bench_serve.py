@@ -3,25 +3,16 @@ the benchmark's metrics on hand-made numbers."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from conftest import run_sled
 from drafters.trace import TraceSet
 from sled_cli.bench_serve import add_ratios, capacity, tpot_samples
-from sled_cli.tiny import save_pair
-
-SLED = [sys.executable, "-m", "sled_cli.main"]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return save_pair(tmp_path_factory.mktemp("tiny"), "llama")
-
-
-def sled(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*SLED, *args], capture_output=True, text=True, timeout=timeout)
+def sled(*args: str, timeout: float = 300):
+    return run_sled(*args, timeout=timeout)
 
 
 def test_trace_record_then_bench_serve_compares_both_modes(pair, tmp_path):

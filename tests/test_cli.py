@@ -2,26 +2,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import run_sled
 from sled_cli.procs import ServerProcess, free_port
-from sled_cli.tiny import save_pair
-
-SLED = [sys.executable, "-m", "sled_cli.main"]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return save_pair(tmp_path_factory.mktemp("tiny"), "llama")
-
-
-def sled(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*SLED, *args], capture_output=True, text=True, timeout=timeout)
+def sled(*args: str, timeout: float = 120):
+    return run_sled(*args, timeout=timeout)
 
 
 async def test_generate_json_is_lossless_against_a_served_target(pair, tmp_path, monkeypatch):

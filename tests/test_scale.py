@@ -7,7 +7,6 @@ import asyncio
 import time
 
 import grpc
-import pytest
 
 from conftest import greedy_reference
 from drafters.hf import HFDrafter

@@ -54,6 +54,18 @@ async def server_sat(stub, prompt, max_new: int, stop_ids=(), sampling: Sampling
     return tokens, verdicts
 
 
+async def lookahead_error(stub, prompt, lookahead: int) -> grpc.aio.AioRpcError:
+    """Open a session, send one draft asking for `lookahead` SAT slots: the error it ends with."""
+    call = stub.Generate()
+    await call.write(pb.DeviceMessage(open=pb.Open(prompt_ids=prompt, max_new_tokens=4)))
+    await call.read()
+    await call.write(pb.DeviceMessage(draft=pb.Draft(round=0, token_ids=[5], lookahead=lookahead)))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    return caught.value
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("kind", ["adapter", "token-ids"])
 async def test_sat_self_drafting_matches_generate(serve, models, drafter_models, tokenizer, prompts,
@@ -133,29 +145,17 @@ async def test_sat_modes_refused_without_sats(serve, models, prompts):
             await server_sat(stub, prompts[0], 4)
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "no semantic adaptive tokens" in caught.value.details()
-        call = stub.Generate()
-        await call.write(pb.DeviceMessage(open=pb.Open(prompt_ids=prompts[0], max_new_tokens=4)))
-        await call.read()
-        await call.write(pb.DeviceMessage(draft=pb.Draft(round=0, token_ids=[5], lookahead=2)))
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            while await call.read() is not grpc.aio.EOF:
-                pass
-        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "send lookahead 0" in caught.value.details()
+        error = await lookahead_error(stub, prompts[0], 2)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "send lookahead 0" in error.details()
 
 
 async def test_lookahead_beyond_the_slots_is_invalid(serve, models, tokenizer, prompts):
     server = await serve_sat(serve, models["llama"], tokenizer, SatSpec(slots=2, token_ids=[7, 7]))
     async with grpc.aio.insecure_channel(server.address) as channel:
-        call = VerifierStub(channel).Generate()
-        await call.write(pb.DeviceMessage(open=pb.Open(prompt_ids=prompts[0], max_new_tokens=4)))
-        await call.read()
-        await call.write(pb.DeviceMessage(draft=pb.Draft(round=0, token_ids=[5], lookahead=3)))
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            while await call.read() is not grpc.aio.EOF:
-                pass
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "exceeds the target's 2 SAT slots" in caught.value.details()
+        error = await lookahead_error(VerifierStub(channel), prompts[0], 3)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "exceeds the target's 2 SAT slots" in error.details()
 
 
 async def test_sat_self_drafting_samples_the_target_distribution(serve, models, tokenizer, prompts):

@@ -22,10 +22,6 @@ class SessionKV:
         self.shared = 0       # leading blocks found in the prefix cache
         self._slot_ids = torch.empty(0, dtype=torch.long)   # slot of every position the table covers
 
-    @property
-    def nbytes(self) -> int:
-        return self.length * self.pool.shape.bytes_per_token
-
     def admit(self, prefill: Sequence[int], max_tokens: int) -> int:
         """Take cached prefix blocks of `prefill` and reserve the rest of `max_tokens`.
 

@@ -49,7 +49,6 @@ class Scheduler:
         self._in_flight: set[Session] = set()
         self._release_after_step: set[Session] = set()
         self._task: asyncio.Task | None = None
-        self.step_tokens = 0.0        # moving average of tokens per forward (the server's load)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="sled-scheduler")
@@ -164,7 +163,6 @@ class Scheduler:
         finally:
             self._in_flight = set()
         forward_ms = (time.perf_counter() - started) * 1e3
-        self.step_tokens += 0.2 * (tokens - self.step_tokens)
         self.metrics.forward_passes.inc()
         self.metrics.forward_tokens.inc(tokens)
         self.metrics.batch_size.observe(len(plan))
