@@ -181,6 +181,7 @@ async def generate(
     link: Link | None = None,
     lookahead: int = 0,
     reconnect_s: float = 30.0,
+    reopen_on: Callable[[], object] | None = None,
 ) -> GenerationResult:
     """Run one generation session to its end; on_tokens sees each verdict's committed tokens.
 
@@ -192,6 +193,8 @@ async def generate(
     If the server goes away mid-session (UNAVAILABLE: a restart, a dropped link) the session is
     reopened with the prompt + its committed tokens, retrying with backoff for up to
     `reconnect_s` seconds (0: fail at once); `GenerationResult.resumes` counts the reopenings.
+    `reopen_on()`, when given, is asked for the stub of each attempt (a failover: the device's
+    choice of server may have moved); each attempt waits at most a few seconds for its server.
 
     draft_len="auto" drafts what the previous verdict suggested (AUTO_FIRST_DRAFT_LEN at first);
     draft_len="adaptive" lets a DraftPolicy pick the k with the most expected tokens per second
@@ -221,11 +224,16 @@ async def generate(
     context = list(prompt_ids)
     result = GenerationResult(token_ids=[], finish_reason="")
 
-    async def open_once(wait: bool):
-        call = stub.Generate(timeout=timeout, wait_for_ready=wait)
+    async def open_once(connect_s: float | None = None):
+        """Open a session for what is left. connect_s (resuming) waits up to that long for the
+        server to take the open message, then as long as the prefill takes."""
+        resuming = connect_s is not None
+        target = reopen_on() if resuming and reopen_on is not None else stub
+        call = target.Generate(timeout=timeout, wait_for_ready=resuming)
         try:
-            await _send(call, open_message(context, sampling, max_new_tokens - len(result.token_ids),
-                                           stop_ids, fingerprint, drafter.name, ignore_eos), link)
+            opening = _send(call, open_message(context, sampling, max_new_tokens - len(result.token_ids),
+                                               stop_ids, fingerprint, drafter.name, ignore_eos), link)
+            await (asyncio.wait_for(opening, connect_s) if resuming else opening)
             await _receive(call, link)  # opened: the prompt is in the server's KV
         except BaseException:
             call.cancel()
@@ -234,17 +242,22 @@ async def generate(
 
     async def open_stream(resuming: bool = False):
         """A session for what is left: the prompt plus everything committed so far. When
-        resuming after a lost server, retry with backoff until `reconnect_s` has passed."""
+        resuming after a lost server, retry with backoff until `reconnect_s` has passed; each
+        attempt waits for its server a bounded time, then asks again which server to use (the
+        one it waited for may be gone for good)."""
         if not resuming:
-            return await open_once(False)
-        give_up, pause = time.monotonic() + reconnect_s, 0.05
+            return await open_once()
+        give_up, pause, connect_s = time.monotonic() + reconnect_s, 0.05, 1.0
         while True:
+            left = give_up - time.monotonic()
             try:
-                return await asyncio.wait_for(open_once(True), max(give_up - time.monotonic(), 0.01))
+                return await open_once(max(min(left, connect_s), 0.01))
             except asyncio.TimeoutError:
-                raise VerifyError(grpc.StatusCode.UNAVAILABLE,
-                                  f"no server came back within {reconnect_s:g} s to resume the "
-                                  f"session after {len(result.token_ids)} committed tokens") from None
+                if left <= connect_s:
+                    raise VerifyError(grpc.StatusCode.UNAVAILABLE,
+                                      f"no server came back within {reconnect_s:g} s to resume the "
+                                      f"session after {len(result.token_ids)} committed tokens") from None
+                connect_s = min(connect_s * 2, 8.0)
             except (VerifyError, grpc.aio.AioRpcError) as error:
                 if not _lost_server(error) or time.monotonic() + pause > give_up:
                     raise
