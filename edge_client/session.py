@@ -149,6 +149,12 @@ async def _send(call, msg: pb.DeviceMessage, link: Link | None) -> None:
         await call.write(msg)
     except asyncio.InvalidStateError:
         raise VerifyError(await call.code(), await call.details() or "stream already ended") from None
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.INTERNAL:
+            raise
+        # The transport broke under the write (grpc core's failed send batch): the server is
+        # gone or going, and it never saw this message.
+        raise VerifyError(grpc.StatusCode.UNAVAILABLE, f"the stream broke while sending: {exc.details()}") from None
 
 
 async def _receive(call, link: Link | None) -> pb.ServerMessage:
@@ -182,6 +188,8 @@ async def generate(
     lookahead: int = 0,
     reconnect_s: float = 30.0,
     reopen_on: Callable[[], object] | None = None,
+    on_round: Callable[[RoundStat], None] | None = None,
+    max_draft_len: int = 16,
 ) -> GenerationResult:
     """Run one generation session to its end; on_tokens sees each verdict's committed tokens.
 
@@ -195,10 +203,12 @@ async def generate(
     `reconnect_s` seconds (0: fail at once); `GenerationResult.resumes` counts the reopenings.
     `reopen_on()`, when given, is asked for the stub of each attempt (a failover: the device's
     choice of server may have moved); each attempt waits at most a few seconds for its server.
+    With it, the first open waits and retries the same way. on_round sees each round's RoundStat.
 
     draft_len="auto" drafts what the previous verdict suggested (AUTO_FIRST_DRAFT_LEN at first);
     draft_len="adaptive" lets a DraftPolicy pick the k with the most expected tokens per second
-    from this session's acceptance, drafting speed and round trips, capped by the suggestion.
+    from this session's acceptance, drafting speed and round trips (at most max_draft_len),
+    capped by the suggestion.
     `link` emulates the network: every message waits for it. A drafter with an async apropose()
     (an emulated device) is awaited directly instead of running propose() in a thread.
     """
@@ -218,7 +228,7 @@ async def generate(
             generator.seed()
 
     apropose = getattr(drafter, "apropose", None)
-    policy = DraftPolicy() if draft_len == "adaptive" else None
+    policy = DraftPolicy(max_k=max_draft_len) if draft_len == "adaptive" else None
     k = policy.choose() if policy else AUTO_FIRST_DRAFT_LEN if draft_len == "auto" else draft_len
     started = time.perf_counter()
     context = list(prompt_ids)
@@ -227,9 +237,11 @@ async def generate(
     async def open_once(connect_s: float | None = None):
         """Open a session for what is left. connect_s (resuming) waits up to that long for the
         server to take the open message, then as long as the prefill takes."""
+        nonlocal stub
         resuming = connect_s is not None
-        target = reopen_on() if resuming and reopen_on is not None else stub
-        call = target.Generate(timeout=timeout, wait_for_ready=resuming)
+        if resuming and reopen_on is not None:
+            stub = reopen_on()
+        call = stub.Generate(timeout=timeout, wait_for_ready=resuming)
         try:
             opening = _send(call, open_message(context, sampling, max_new_tokens - len(result.token_ids),
                                                stop_ids, fingerprint, drafter.name, ignore_eos), link)
@@ -266,7 +278,7 @@ async def generate(
 
     call = None
     try:
-        call, round, hints = await open_stream(), 0, []
+        call, round, hints = await open_stream(resuming=reopen_on is not None), 0, []
         while True:
             drafting = time.perf_counter()
             hints = hints[:k]
@@ -301,6 +313,8 @@ async def generate(
                 (sent - drafting) * 1e3, (time.perf_counter() - sent) * 1e3, verdict.timings.forward_ms,
                 verdict.timings.queue_ms, verdict.verified, verdict.accepted,
                 verdict.suggested_draft_len))
+            if on_round is not None:
+                on_round(result.round_stats[-1])
             if draft_len == "auto" and verdict.suggested_draft_len:
                 k = verdict.suggested_draft_len
             if policy is not None:

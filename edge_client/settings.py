@@ -1,0 +1,219 @@
+"""The device daemon's settings: one validated model, read from a TOML or YAML file, the
+environment and command-line flags (in rising priority).
+
+Every key has all three spellings. Nested keys join with "." in flags and "__" in variables:
+
+    [policy]                      SLED_DEVICE_POLICY__DRAFT_LEN=6     --policy.draft-len 6
+    draft_len = 6
+
+An unknown key or a bad value stops start-up with a message that names the key and where it
+came from (`SettingsError`).
+"""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+import pydantic_settings
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+ENV_PREFIX = "SLED_DEVICE_"
+
+
+class SettingsError(ValueError):
+    """The daemon's configuration cannot be used; the message names every bad key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class PolicySettings(Section):
+    """How each session drafts."""
+    # "adaptive": the k with the most expected tokens/s; "auto": the server's suggestion; or a fixed k
+    draft_len: Literal["adaptive", "auto"] | int = "adaptive"
+    max_draft_len: int = Field(16, ge=1, le=64)
+    # stop a draft early when the drafter's top probability falls below this (0: never)
+    min_confidence: float = Field(0.0, ge=0.0, lt=1.0)
+    # keep drafting on the optimistic path while a verdict is in flight
+    pipeline: bool = True
+    # SAT hints asked per verdict (a SAT-tuned target)
+    lookahead: int = Field(0, ge=0, le=16)
+
+    @field_validator("draft_len")
+    @classmethod
+    def _positive(cls, value):
+        if isinstance(value, int) and not 1 <= value <= 64:
+            raise ValueError("a fixed draft_len must be between 1 and 64")
+        return value
+
+
+class MqttSettings(Section):
+    """The MQTT control plane; leave host empty to run without a broker."""
+    host: str = ""
+    port: int = Field(1883, ge=1, le=65535)
+    username: str = ""
+    password: SecretStr = SecretStr("")
+    tls: bool = False
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    keepalive_s: int = Field(15, ge=2, le=3600)
+    telemetry_s: float = Field(10.0, gt=0)
+    topic_prefix: str = "sled"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.host)
+
+
+class DeviceSettings(BaseSettings):
+    """Everything `sled device` needs; defaults run a local n-gram device against one server."""
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__",
+                                      extra="forbid", validate_assignment=True)
+
+    id: str = Field(default_factory=socket.gethostname, min_length=1, pattern=r"^[^/#+\s]+$")
+    # verify servers, HOST:PORT; MQTT announcements add more
+    servers: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
+    drafter: str = "ngram"
+    # the target's tokenizer: a local folder, or empty to fetch it from a server (cached on disk)
+    tokenizer: str = ""
+    # the local OpenAI-compatible API (port 0: any free port)
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # the model name /v1/models lists and requests may use (default: the server's model id)
+    model_name: str = ""
+    max_sessions: int = Field(16, ge=1)
+    max_new_tokens: int = Field(256, ge=1)
+    # how long a session waits for a server (first open or resume) before it fails
+    reconnect_s: float = Field(30.0, ge=0)
+    # with no server reachable, go on with the drafter alone and mark the output unverified
+    unverified_fallback: bool = False
+    policy: PolicySettings = PolicySettings()
+    mqtt: MqttSettings = MqttSettings()
+
+    @field_validator("servers")
+    @classmethod
+    def _addresses(cls, value: list[str]) -> list[str]:
+        for address in value:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"server {address!r} is not HOST:PORT")
+        return value
+
+    def public(self) -> dict[str, Any]:
+        """The settings as plain data with secrets masked (status, the MQTT echo)."""
+        data = self.model_dump(mode="json")
+        if data["mqtt"]["password"]:
+            data["mqtt"]["password"] = "**********"
+        return data
+
+    def updated(self, changes: dict[str, Any]) -> "DeviceSettings":
+        """A validated copy with `changes` (nested dicts merge key by key) applied."""
+        merged = _merge(self.model_dump(), changes)
+        try:
+            return type(self).model_validate(merged)
+        except ValidationError as exc:
+            raise SettingsError(describe(exc, "the update")) from None
+
+
+# Keys that take effect at once when changed at run time; the rest need a restart.
+LIVE_KEYS = {"servers", "drafter", "policy", "max_new_tokens", "reconnect_s", "unverified_fallback",
+             "max_sessions"}
+
+
+def _merge(base: dict, changes: dict) -> dict:
+    out = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def describe(exc: ValidationError, origin: str) -> str:
+    """One line per bad key: `policy.draft_len: ... (got 'x')`."""
+    lines = []
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"] if not isinstance(part, int)) or "(root)"
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            message = "unknown key (not a setting of sled device)"
+        got = error.get("input")
+        shown = "" if error["type"] == "extra_forbidden" or isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  {key}: {message}{shown}")
+    return f"bad device settings in {origin}:\n" + "\n".join(lines)
+
+
+def load_settings(config_file: str | Path | None = None, args: list[str] | None = None,
+                  **overrides: Any) -> DeviceSettings:
+    """Read the file (TOML or YAML by extension), then SLED_DEVICE_* variables, then the flags
+    in `args` (`--mqtt.host broker`), then keyword overrides (tests)."""
+    path = Path(config_file) if config_file else None
+    if path is not None and not path.is_file():
+        raise SettingsError(f"config file {path} does not exist")
+    suffix = path.suffix.lower() if path else ""
+    if path is not None and suffix not in {".toml", ".yaml", ".yml"}:
+        raise SettingsError(f"config file {path}: use a .toml, .yaml or .yml file")
+
+    class FromSources(DeviceSettings):
+        @classmethod
+        def settings_customise_sources(cls, settings_cls: type[BaseSettings],
+                                       init_settings: PydanticBaseSettingsSource,
+                                       env_settings: PydanticBaseSettingsSource,
+                                       dotenv_settings: PydanticBaseSettingsSource,
+                                       file_secret_settings: PydanticBaseSettingsSource):
+            sources: list[PydanticBaseSettingsSource] = [init_settings]
+            if args:
+                sources.append(CliSettingsSource(settings_cls, cli_parse_args=args,
+                                                 cli_kebab_case=True, cli_exit_on_error=False,
+                                                 cli_prog_name="sled device"))
+            sources.append(env_settings)
+            if path is not None and suffix == ".toml":
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+            elif path is not None:
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+            return tuple(sources)
+
+    origin = f"{path}, SLED_DEVICE_* variables or flags" if path else "SLED_DEVICE_* variables or flags"
+    try:
+        loaded = FromSources(**overrides)
+    except ValidationError as exc:
+        raise SettingsError(describe(exc, origin)) from None
+    except (ValueError, OSError, pydantic_settings.SettingsError) as exc:
+        # unreadable TOML/YAML, a malformed variable, an unknown flag
+        raise SettingsError(f"cannot read device settings from {origin}: {exc}") from None
+    return DeviceSettings.model_validate(loaded.model_dump())
+
+
+def cli_help() -> str:
+    """The flags every key has (for `sled device --help`)."""
+    rows = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                walk(annotation, f"{prefix}{name}.")
+                continue
+            flag = f"--{prefix}{name}".replace("_", "-")
+            env = ENV_PREFIX + (prefix.replace(".", "__") + name).upper()
+            default = field.get_default(call_default_factory=True)
+            if isinstance(default, SecretStr) or default in (None, ""):
+                shown = ""
+            else:
+                shown = f" (default {default})"
+            rows.append(f"  {flag:30s} {env}{shown}")
+
+    walk(DeviceSettings, "")
+    return "\n".join(rows)
