@@ -1,0 +1,466 @@
+"""The device daemon's core: one drafter, many local requests, a server chosen from the
+directory, sessions that survive a lost server, live settings, status and metrics.
+
+The local API (openai_api) and the MQTT control plane (mqtt) sit on top of `Device`:
+
+    device = Device(settings, load_drafter=...)
+    await device.start()
+    async for chunk in device.stream(Request(prompt_ids=[...], max_tokens=32)):
+        ...                                   # chunk.token_ids, chunk.finish_reason
+    device.status()                           # what /health and the MQTT status say
+    await device.apply({"policy": {"draft_len": 6}})   # live config, validated
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from drafters.base import Drafter
+from edge_client.connection import cache_dir
+from edge_client.drafting import SharedDrafter
+from edge_client.servers import NoServer, Server, ServerDirectory
+from edge_client.session import DRAFTER_SEED_OFFSET, RoundStat, VerifyError, generate
+from edge_client.settings import DeviceSettings, SettingsError
+from sled.fingerprint import fingerprint_tokenizer, short
+from sled.sampling import Sampling
+
+log = logging.getLogger("sled.device")
+
+# How often servers that could not be reached are asked again.
+PROBE_S = 3.0
+
+
+class DeviceError(Exception):
+    """A request the device cannot serve. `kind` maps to an HTTP status in the local API:
+    invalid (400), unavailable (503), busy (429)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+@dataclass(slots=True)
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int | None = None              # None: the device's max_new_tokens
+    sampling: Sampling = Sampling()
+    stop_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Tokens committed by one verdict (or drafted alone, verified=False)."""
+    token_ids: list[int]
+    finish_reason: str | None = None           # "eos", "stop" or "length" on the last chunk
+    verified: bool = True
+
+
+class DeviceMetrics:
+    """Prometheus metrics of one device (its own registry)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("sled_device_requests", "Local requests by outcome", ["outcome"],
+                                registry=r)
+        self.prompt_tokens = Counter("sled_device_prompt_tokens", "Prompt tokens received", registry=r)
+        self.tokens = Counter("sled_device_generated_tokens", "Tokens generated", ["verified"],
+                              registry=r)
+        self.rounds = Counter("sled_device_rounds", "Verify rounds", registry=r)
+        self.draft_tokens = Counter("sled_device_draft_tokens", "Draft tokens verified", registry=r)
+        self.accepted_tokens = Counter("sled_device_accepted_tokens", "Draft tokens accepted",
+                                       registry=r)
+        self.resumes = Counter("sled_device_resumes", "Sessions reopened after a lost server",
+                               registry=r)
+        self.active = Gauge("sled_device_active_sessions", "Requests being generated", registry=r)
+        self.round_trip = Histogram("sled_device_round_trip_seconds", "Draft sent -> verdict",
+                                    registry=r)
+        self.draft_seconds = Histogram("sled_device_draft_seconds", "Drafting time per round",
+                                       registry=r)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        found = self.registry.get_sample_value(name, labels or {})
+        return 0.0 if found is None else found
+
+
+class Window:
+    """Recent rounds, for telemetry: tokens/s, acceptance and RTT over the last `seconds`."""
+
+    def __init__(self, seconds: float = 30.0) -> None:
+        self.seconds = seconds
+        self.rounds: deque[tuple[float, RoundStat]] = deque()
+        self.tokens: deque[tuple[float, int]] = deque()
+
+    def round(self, stat: RoundStat) -> None:
+        self.rounds.append((time.monotonic(), stat))
+
+    def emitted(self, n: int) -> None:
+        self.tokens.append((time.monotonic(), n))
+
+    def summary(self) -> dict:
+        cut = time.monotonic() - self.seconds
+        for q in (self.rounds, self.tokens):
+            while q and q[0][0] < cut:
+                q.popleft()
+        stats = [s for _, s in self.rounds]
+        verified = sum(s.verified for s in stats)
+        return {
+            "tokens_per_s": round(sum(n for _, n in self.tokens) / self.seconds, 3),
+            "acceptance": round(sum(s.accepted for s in stats) / verified, 4) if verified else None,
+            "rtt_ms": round(sum(s.round_trip_ms for s in stats) / len(stats), 2) if stats else None,
+        }
+
+
+class Device:
+    def __init__(self, settings: DeviceSettings,
+                 load_drafter: Callable[[str], Drafter] | None = None,
+                 tokenizer=None) -> None:
+        from drafters import load_drafter as default_loader
+
+        self.settings = settings
+        self._load_drafter = load_drafter or default_loader
+        self.tokenizer = tokenizer
+        self.drafter: SharedDrafter | None = None
+        self.directory = ServerDirectory(settings.servers)
+        self.metrics = DeviceMetrics()
+        self.window = Window()
+        self.started = time.monotonic()
+        self.state, self.reason = "starting", ""
+        self.eos_ids: list[int] = []
+        self.model_id = settings.model_name
+        self._slots = asyncio.Semaphore(settings.max_sessions)
+        self._active = 0
+        self._ids = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+        self.listeners: list[Callable[[], None]] = []   # told when settings or state change
+
+    # -- life cycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the drafter and find the servers; a missing server is not fatal (the device
+        keeps trying and says why in its status)."""
+        self.drafter = SharedDrafter(await asyncio.to_thread(self._load_drafter, self.settings.drafter))
+        if self.tokenizer is None and self.settings.tokenizer:
+            self.tokenizer = await asyncio.to_thread(_load_tokenizer, self.settings.tokenizer)
+        if self.tokenizer is None and self.drafter.tokenizer_fingerprint:
+            self.tokenizer = await asyncio.to_thread(_cached_tokenizer, self.drafter.tokenizer_fingerprint)
+        self._set_fingerprint()
+        await self.directory.probe_all()
+        await self._bootstrap()
+        self._tasks.append(asyncio.create_task(self._keep_probing()))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.directory.close()
+
+    @property
+    def ready(self) -> bool:
+        return self.tokenizer is not None and self.drafter is not None
+
+    def _set_fingerprint(self) -> None:
+        """The tokenizer servers must share: the drafter's own, else the local tokenizer's."""
+        fingerprint = (self.drafter.tokenizer_fingerprint if self.drafter else None) or \
+            (fingerprint_tokenizer(self.tokenizer) if self.tokenizer is not None else "")
+        self.directory.set_fingerprint(fingerprint)
+        if self.tokenizer is not None and fingerprint and self.drafter.tokenizer_fingerprint and \
+                fingerprint_tokenizer(self.tokenizer) != fingerprint:
+            raise SettingsError(f"tokenizer {self.settings.tokenizer or '(cached)'} does not match the "
+                                f"drafter {self.settings.drafter}: {short(fingerprint)} expected")
+
+    async def _bootstrap(self) -> None:
+        """Take what is still missing (tokenizer, EOS ids, model name) from a compatible server."""
+        try:
+            server = self.directory.pick()
+        except NoServer as exc:
+            self._set_state("waiting", str(exc))
+            return
+        try:
+            info = await server.connection.model_info(timeout=10, wait_for_ready=False)
+            if self.tokenizer is None:
+                self.tokenizer = await server.connection.tokenizer()
+                self._set_fingerprint()
+        except grpc.aio.AioRpcError as exc:
+            self._set_state("waiting", f"{server.endpoint}: {exc.details()}")
+            return
+        self.eos_ids = list(info.eos_token_ids)
+        self.model_id = self.settings.model_name or info.model_id
+        self._set_state("ready", f"verifying on {server.id or server.endpoint}")
+
+    async def _keep_probing(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_S)
+            stale = [s for s in self.directory.servers.values() if s.reachable is not True or s.problem]
+            await asyncio.gather(*(self.directory.probe(s) for s in stale))
+            if not self.ready or not self.eos_ids:
+                await self._bootstrap()
+            else:
+                self._refresh_state()
+
+    def _refresh_state(self) -> None:
+        try:
+            server = self.directory.pick()
+            self._set_state("ready", f"verifying on {server.id or server.endpoint}")
+        except NoServer as exc:
+            fallback = " (drafting alone, unverified)" if self.settings.unverified_fallback else ""
+            self._set_state("waiting", str(exc) + fallback)
+
+    def _set_state(self, state: str, reason: str) -> None:
+        if (state, reason) != (self.state, self.reason):
+            log.info("device %s: %s (%s)", self.settings.id, state, reason)
+            self.state, self.reason = state, reason
+            self._tell()
+
+    def _tell(self) -> None:
+        for listener in list(self.listeners):
+            listener()
+
+    # -- requests -------------------------------------------------------------------------
+    async def stream(self, request: Request) -> AsyncIterator[Chunk]:
+        """Generate one request, yielding each verdict's committed tokens as they arrive."""
+        self._validate(request)
+        if not request.request_id:
+            request.request_id = f"req-{next(self._ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        task = asyncio.create_task(self._run(request, queue))
+        outcome = "error"
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    outcome = "ok"
+                    break
+        finally:
+            if not task.done():
+                task.cancel()
+                outcome = "cancelled" if outcome == "error" else outcome
+            await asyncio.gather(task, return_exceptions=True)
+            self.metrics.requests.labels(outcome).inc()
+
+    async def complete(self, request: Request) -> tuple[list[int], str, bool]:
+        """The whole output: (token ids, finish reason, verified)."""
+        tokens, finish, verified = [], "", True
+        async for chunk in self.stream(request):
+            tokens.extend(chunk.token_ids)
+            verified = verified and chunk.verified
+            finish = chunk.finish_reason or finish
+        return tokens, finish, verified
+
+    def _validate(self, request: Request) -> None:
+        if not self.ready:
+            raise DeviceError("unavailable", f"the device is not ready: {self.reason or self.state}")
+        if not request.prompt_ids:
+            raise DeviceError("invalid", "the prompt is empty")
+        vocab = len(self.tokenizer)
+        bad = [t for t in itertools.chain(request.prompt_ids, request.stop_ids) if not 0 <= t < vocab]
+        if bad:
+            raise DeviceError("invalid", f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if request.max_tokens is not None and request.max_tokens < 1:
+            raise DeviceError("invalid", f"max_tokens must be >= 1, got {request.max_tokens}")
+
+    async def _run(self, request: Request, queue: asyncio.Queue) -> None:
+        try:
+            async with self._slots:
+                self._active += 1
+                self.metrics.active.inc()
+                try:
+                    await self._generate(request, queue)
+                finally:
+                    self._active -= 1
+                    self.metrics.active.dec()
+        except BaseException as exc:  # handed to the reader, which raises it
+            queue.put_nowait(exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    async def _generate(self, request: Request, queue: asyncio.Queue) -> None:
+        settings = self.settings
+        max_tokens = request.max_tokens or settings.max_new_tokens
+        self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+        committed: list[int] = []
+        server = await self._server_for(request)
+        if server is None:   # unverified fallback: no server, drafting alone was asked for
+            await self._draft_alone(request, request.prompt_ids, max_tokens, queue)
+            return
+        current = {"server": server}
+
+        def reopen():
+            # A lost server: prefer another compatible one (the directory moves on failover).
+            self.directory.failed(current["server"])
+            try:
+                current["server"] = self.directory.pick()
+            except NoServer:
+                pass           # keep waiting on the same one (it may be restarting)
+            return current["server"].stub
+
+        def on_tokens(tokens: list[int]) -> None:
+            committed.extend(tokens)
+            self.metrics.tokens.labels("true").inc(len(tokens))
+            self.window.emitted(len(tokens))
+            queue.put_nowait(Chunk(list(tokens)))
+
+        def on_round(stat: RoundStat) -> None:
+            self.metrics.rounds.inc()
+            self.metrics.draft_tokens.inc(stat.verified)
+            self.metrics.accepted_tokens.inc(stat.accepted)
+            self.metrics.round_trip.observe(stat.round_trip_ms / 1e3)
+            self.metrics.draft_seconds.observe(stat.draft_ms / 1e3)
+            self.window.round(stat)
+
+        policy = settings.policy
+        try:
+            result = await generate(
+                server.stub, self.drafter, request.prompt_ids, max_new_tokens=max_tokens,
+                draft_len=policy.draft_len, sampling=request.sampling, stop_ids=request.stop_ids,
+                target_fingerprint=server.fingerprint or None, ignore_eos=request.ignore_eos,
+                on_tokens=on_tokens, on_round=on_round, lookahead=policy.lookahead,
+                reconnect_s=settings.reconnect_s, reopen_on=reopen, max_draft_len=policy.max_draft_len,
+                **self._drafting_options(request))
+        except VerifyError as exc:
+            if exc.code == grpc.StatusCode.UNAVAILABLE and settings.unverified_fallback:
+                await self._draft_alone(request, request.prompt_ids + committed,
+                                        max_tokens - len(committed), queue)
+                return
+            raise DeviceError(_kind(exc), f"the verify server refused: {exc}") from None
+        self.metrics.resumes.inc(result.resumes)
+        queue.put_nowait(Chunk([], result.finish_reason))
+
+    def _drafting_options(self, request: Request) -> dict:
+        """Policy knobs generate() takes when this build has them (pipelining, early stop)."""
+        import inspect
+
+        accepted = inspect.signature(generate).parameters
+        policy = self.settings.policy
+        options = {}
+        if "pipeline" in accepted:
+            options["pipeline"] = policy.pipeline
+        if "min_confidence" in accepted:
+            options["min_confidence"] = policy.min_confidence
+        return options
+
+    async def _server_for(self, request: Request) -> Server | None:
+        """A compatible server, waiting up to reconnect_s for one; None means draft alone."""
+        give_up = time.monotonic() + self.settings.reconnect_s
+        while True:
+            try:
+                return self.directory.pick()
+            except NoServer as exc:
+                if self.settings.unverified_fallback:
+                    return None
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise DeviceError("unavailable", f"{exc} (waited {self.settings.reconnect_s:g} s)")
+                self._set_state("waiting", str(exc))
+                await self.directory.wait_changed(min(left, PROBE_S))
+
+    async def _draft_alone(self, request: Request, context: list[int], budget: int,
+                           queue: asyncio.Queue) -> None:
+        """No server: the drafter's own tokens, marked unverified (opt-in only)."""
+        generator = None
+        if not request.sampling.greedy:
+            generator = torch.Generator()
+            if request.sampling.seed is not None:
+                generator.manual_seed(request.sampling.seed + DRAFTER_SEED_OFFSET)
+        context = list(context)
+        ends = set(request.stop_ids) | (set() if request.ignore_eos else set(self.eos_ids))
+        for produced in range(1, budget + 1):
+            proposal = await asyncio.to_thread(self.drafter.propose, context, 1, request.sampling, generator)
+            token = proposal.token_ids[0]
+            context.append(token)
+            self.metrics.tokens.labels("false").inc()
+            self.window.emitted(1)
+            finish = "eos" if token in self.eos_ids and not request.ignore_eos else \
+                "stop" if token in ends else "length" if produced == budget else None
+            queue.put_nowait(Chunk([token], finish, verified=False))
+            if finish:
+                return
+        queue.put_nowait(Chunk([], "length", verified=False))
+
+    # -- settings and status --------------------------------------------------------------
+    async def apply(self, changes: dict) -> DeviceSettings:
+        """Validate and apply a settings change without a restart; new requests use it at once.
+        A bad change raises SettingsError and leaves everything as it was."""
+        from edge_client.settings import LIVE_KEYS
+
+        fixed = sorted(set(changes) - LIVE_KEYS)
+        if fixed:
+            raise SettingsError(f"{', '.join(fixed)} cannot change while running: restart sled device "
+                                f"(live keys: {', '.join(sorted(LIVE_KEYS))})")
+        updated = self.settings.updated(changes)
+        if updated.drafter != self.settings.drafter:
+            try:
+                drafter = SharedDrafter(await asyncio.to_thread(self._load_drafter, updated.drafter))
+            except (ValueError, OSError) as exc:
+                raise SettingsError(f"drafter {updated.drafter!r} cannot be loaded: {exc}") from None
+            if drafter.tokenizer_fingerprint and self.tokenizer is not None and \
+                    drafter.tokenizer_fingerprint != fingerprint_tokenizer(self.tokenizer):
+                raise SettingsError(f"drafter {updated.drafter!r} has another tokenizer "
+                                    f"({short(drafter.tokenizer_fingerprint)}) than this device's target")
+            self.drafter = drafter
+        if updated.servers != self.settings.servers:
+            self.directory.configure(updated.servers)
+            await self.directory.probe_all()
+        if updated.max_sessions != self.settings.max_sessions:
+            self._slots = asyncio.Semaphore(updated.max_sessions)
+        self.settings = updated
+        self._refresh_state()
+        self._tell()
+        return updated
+
+    def status(self) -> dict:
+        """What /health and MQTT telemetry report."""
+        load = os.getloadavg()[0] / (os.cpu_count() or 1) if hasattr(os, "getloadavg") else None
+        return {
+            "id": self.settings.id,
+            "state": self.state,
+            "reason": self.reason,
+            "model": self.model_id,
+            "drafter": self.settings.drafter,
+            "active_sessions": self._active,
+            "uptime_s": round(time.monotonic() - self.started, 1),
+            "cpu_load": round(load, 3) if load is not None else None,
+            "servers": self.directory.summary(),
+            **self.window.summary(),
+        }
+
+
+def _kind(error: VerifyError) -> str:
+    if error.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+        return "invalid"
+    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return "busy"
+    return "unavailable"
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    if not Path(path).exists():
+        raise SettingsError(f"tokenizer folder {path} does not exist")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _cached_tokenizer(fingerprint: str):
+    """A target tokenizer fetched from a server earlier (Connection.tokenizer caches it)."""
+    folder = cache_dir() / "tokenizers" / fingerprint.replace(":", "-")
+    if not (folder / ".complete").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))

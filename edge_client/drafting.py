@@ -1,0 +1,34 @@
+"""One drafter shared by every session of the device.
+
+A drafter holds the KV of one context at a time, so concurrent sessions take turns: each
+proposal runs under a lock, and the drafter itself reuses the longest cached prefix of the
+context it is given (KVDrafter), feeding only what differs. Rollbacks are left to that prefix
+match: one session's rollback must not throw away the state another session is using.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from drafters.base import Drafter, Proposal
+from sled.sampling import Sampling
+
+
+class SharedDrafter:
+    def __init__(self, drafter: Drafter) -> None:
+        self.inner = drafter
+        self.name = drafter.name
+        self.tokenizer_fingerprint = drafter.tokenizer_fingerprint
+        self._lock = threading.Lock()
+        if hasattr(drafter, "apropose"):      # emulated drafters: stateless, awaited directly
+            self.apropose = drafter.apropose
+
+    def propose(self, context: Sequence[int], k: int, sampling: Sampling,
+                generator: torch.Generator | None = None, **options) -> Proposal:
+        with self._lock:
+            return self.inner.propose(context, k, sampling, generator, **options)
+
+    def rollback(self, length: int) -> None:
+        """Left to the next proposal's prefix match (see the module doc)."""

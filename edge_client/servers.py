@@ -1,0 +1,187 @@
+"""Which verify server a device uses: the configured ones and the ones announced over MQTT,
+filtered to those whose tokenizer matches, least loaded first; a server that fails is avoided
+until it answers again.
+
+    directory = ServerDirectory(["10.0.0.2:50051"], fingerprint="sha256:...")
+    await directory.probe_all()            # GetModelInfo: model, tokenizer, reachable or not
+    server = directory.pick()              # raises NoServer with the reason when none fits
+    directory.failed(server)               # a session lost it: prefer the others for a while
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from edge_client.connection import Connection
+from sled.fingerprint import short
+
+log = logging.getLogger("sled.device")
+
+# How long a server that failed a session is passed over while another compatible one is up.
+AVOID_S = 30.0
+
+
+class NoServer(Exception):
+    """No compatible verify server is reachable; the message says what was tried and why."""
+
+
+@dataclass(slots=True)
+class Server:
+    endpoint: str                       # HOST:PORT
+    id: str = ""                        # the announced id (MQTT), else the endpoint
+    source: str = "config"              # "config" or "mqtt"
+    model: str = ""
+    fingerprint: str = ""               # the target's tokenizer fingerprint ("" until known)
+    load: float = 0.0                   # announced load in [0, 1] (0 when unknown)
+    online: bool = True                 # announced online (config servers: until probed down)
+    reachable: bool | None = None       # last probe: True, False, or None (not probed yet)
+    problem: str = ""                   # why it cannot be used, when it cannot
+    failed_at: float = 0.0              # monotonic time of the last lost session
+    connection: Connection | None = field(default=None, repr=False)
+
+    @property
+    def stub(self):
+        if self.connection is None:
+            self.connection = Connection(self.endpoint)
+        return self.connection.stub
+
+    def summary(self) -> dict:
+        return {"id": self.id or self.endpoint, "endpoint": self.endpoint, "source": self.source,
+                "model": self.model, "fingerprint": short(self.fingerprint) if self.fingerprint else "",
+                "load": round(self.load, 3), "online": self.online, "reachable": self.reachable,
+                "problem": self.problem}
+
+
+class ServerDirectory:
+    def __init__(self, endpoints: list[str] = (), fingerprint: str = "") -> None:
+        self.fingerprint = fingerprint          # the device's tokenizer; "" = accept any
+        self.servers: dict[str, Server] = {}    # by endpoint
+        self.changed = asyncio.Event()          # set whenever a server comes, goes or changes
+        self.configure(endpoints)
+
+    # -- what is known -------------------------------------------------------------------
+    def set_fingerprint(self, fingerprint: str) -> None:
+        """The device's tokenizer became known (or changed with the drafter): recheck all."""
+        self.fingerprint = fingerprint
+        for server in self.servers.values():
+            self._check(server)
+        self._notify()
+
+    def configure(self, endpoints: list[str]) -> None:
+        """Set the configured servers (live config): new ones are added, dropped ones removed
+        unless MQTT announced them too."""
+        for endpoint in endpoints:
+            self.servers.setdefault(endpoint, Server(endpoint))
+        for endpoint, server in list(self.servers.items()):
+            if server.source == "config" and endpoint not in endpoints:
+                self._drop(endpoint)
+        self._notify()
+
+    def announce(self, server_id: str, endpoint: str, model: str = "", fingerprint: str = "",
+                 load: float = 0.0, online: bool = True) -> None:
+        """A server's announcement (MQTT, retained): add it or update its state."""
+        server = self.servers.get(endpoint) or self.servers.setdefault(
+            endpoint, Server(endpoint, source="mqtt"))
+        server.id, server.online, server.load = server_id, online, max(0.0, float(load))
+        if model:
+            server.model = model
+        if fingerprint:
+            server.fingerprint = fingerprint
+        self._check(server)
+        self._notify()
+
+    def withdraw(self, server_id: str) -> None:
+        """A server said it is going (MQTT last will or a cleared announcement)."""
+        for server in self.servers.values():
+            if server.id == server_id:
+                server.online = False
+        self._notify()
+
+    def failed(self, server: Server) -> None:
+        """A session lost this server: pass it over while another compatible one is up."""
+        server.failed_at = time.monotonic()
+        self._notify()
+
+    # -- probing -------------------------------------------------------------------------
+    async def probe(self, server: Server, timeout: float = 5.0) -> None:
+        """Ask the server for its model info: reachable, model and tokenizer fingerprint."""
+        try:
+            server.connection = server.connection or Connection(server.endpoint)
+            server.connection._info = None
+            info = await server.connection.model_info(timeout=timeout, wait_for_ready=False)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else "timed out"
+            server.reachable, server.problem = False, f"unreachable: {detail}"
+            self._notify()
+            return
+        server.reachable, server.model, server.fingerprint = True, info.model_id, info.tokenizer_fingerprint
+        server.failed_at = 0.0 if server.problem.startswith("unreachable") else server.failed_at
+        self._check(server)
+        self._notify()
+
+    async def probe_all(self, timeout: float = 5.0) -> None:
+        await asyncio.gather(*(self.probe(s, timeout) for s in list(self.servers.values())))
+
+    # -- choosing ------------------------------------------------------------------------
+    def compatible(self) -> list[Server]:
+        """Usable servers, best first: not recently failed, then least loaded."""
+        now = time.monotonic()
+        usable = [s for s in self.servers.values()
+                  if s.online and s.reachable is not False and not s.problem]
+        return sorted(usable, key=lambda s: (now - s.failed_at < AVOID_S, s.load, s.endpoint))
+
+    def pick(self) -> Server:
+        servers = self.compatible()
+        if servers:
+            return servers[0]
+        raise NoServer(self.why_none())
+
+    def why_none(self) -> str:
+        if not self.servers:
+            return "no verify server is configured or announced yet"
+        parts = []
+        for server in self.servers.values():
+            reason = server.problem or ("announced offline" if not server.online else "not reachable")
+            parts.append(f"{server.id or server.endpoint} ({reason})")
+        return "no compatible verify server: " + "; ".join(parts)
+
+    async def wait_changed(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self.changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def summary(self) -> list[dict]:
+        return [s.summary() for s in self.servers.values()]
+
+    async def close(self) -> None:
+        for server in self.servers.values():
+            if server.connection is not None:
+                await server.connection.close()
+
+    # -- internals -----------------------------------------------------------------------
+    def _check(self, server: Server) -> None:
+        """A server whose tokenizer differs from the device's can never verify its drafts."""
+        if self.fingerprint and server.fingerprint and server.fingerprint != self.fingerprint:
+            problem = (f"tokenizer {short(server.fingerprint)} does not match this device's "
+                       f"{short(self.fingerprint)}: it cannot verify these drafts")
+            if server.problem != problem:
+                log.warning("server %s: %s", server.endpoint, problem)
+            server.problem = problem
+        elif server.problem and not server.problem.startswith("unreachable"):
+            server.problem = ""
+        elif server.reachable:
+            server.problem = ""
+
+    def _drop(self, endpoint: str) -> None:
+        server = self.servers.pop(endpoint)
+        if server.connection is not None:
+            asyncio.get_event_loop().create_task(server.connection.close())
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()

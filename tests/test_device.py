@@ -1,0 +1,122 @@
+"""The device daemon's core: concurrent local requests on one drafter, server choice, resume
+after a restart, tokenizer mismatch, live settings, the unverified fallback."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from drafters.hf import HFDrafter
+from edge_client.daemon import Device, DeviceError, Request
+from edge_client.settings import DeviceSettings, SettingsError
+from tests.conftest import greedy_reference
+
+
+def make_device(server_addresses, drafter_model, tokenizer, **settings) -> Device:
+    settings = DeviceSettings(id="test-device", servers=list(server_addresses), **settings)
+    return Device(settings, load_drafter=lambda spec: HFDrafter(drafter_model, tokenizer, name=spec),
+                  tokenizer=tokenizer)
+
+
+async def test_concurrent_requests_share_one_drafter_and_stay_lossless(serve, models, drafter_models,
+                                                                         tokenizer, prompts):
+    server = await serve(models["llama"])
+    device = make_device([server.address], drafter_models["llama"], tokenizer)
+    await device.start()
+    try:
+        assert device.state == "ready", device.reason
+        outputs = await asyncio.gather(*(device.complete(Request(p, max_tokens=20, ignore_eos=True))
+                                         for p in prompts[:5]))
+    finally:
+        await device.close()
+    for prompt, (tokens, finish, verified) in zip(prompts, outputs):
+        assert tokens == greedy_reference(models["llama"], prompt, 20)
+        assert finish == "length" and verified
+    assert device.metrics.value("sled_device_requests_total", {"outcome": "ok"}) == 5
+    assert device.metrics.value("sled_device_generated_tokens_total", {"verified": "true"}) == 100
+    assert device.metrics.value("sled_device_rounds_total") > 0
+
+
+async def test_tokenizer_mismatch_server_is_passed_over_with_a_reason(serve, models, drafter_models,
+                                                                       tokenizer, prompts):
+    """One server's target has another tokenizer: it is never used, the status says why, and
+    the device keeps serving through the compatible one."""
+    from sled_cli.tiny import make_model, make_tokenizer
+    from verify_server.config import ServerConfig
+    from verify_server.server import start_server
+    from verify_server.target import Target
+
+    other_tokenizer = make_tokenizer(vocab_size=300)
+    other = await start_server(Target.from_model(make_model("llama", len(other_tokenizer)),
+                                                 other_tokenizer, "other"),
+                               ServerConfig(kv_budget_bytes=16 << 20))
+    try:
+        device = make_device([other.address], drafter_models["llama"], tokenizer, reconnect_s=0.5)
+        await device.start()
+        assert device.state == "waiting"
+        assert "does not match" in device.reason and other.address in device.reason
+        with pytest.raises(DeviceError) as err:
+            await device.complete(Request(prompts[0], max_tokens=4))
+        assert err.value.kind == "unavailable" and "tokenizer" in err.value.message
+        assert device.status()["servers"][0]["problem"].startswith("tokenizer")
+        good = await serve(models["llama"])
+        await device.apply({"servers": [other.address, good.address]})
+        assert device.state == "ready"
+        tokens, _, verified = await device.complete(Request(prompts[0], max_tokens=8, ignore_eos=True))
+        assert tokens == greedy_reference(models["llama"], prompts[0], 8) and verified
+        await device.close()
+    finally:
+        await other.stop(grace=0)
+
+
+async def test_bad_requests_get_clear_errors(serve, models, drafter_models, tokenizer, prompts):
+    server = await serve(models["llama"])
+    device = make_device([server.address], drafter_models["llama"], tokenizer)
+    await device.start()
+    try:
+        with pytest.raises(DeviceError, match="outside the vocabulary"):
+            await device.complete(Request([10**7], max_tokens=4))
+        with pytest.raises(DeviceError, match="empty"):
+            await device.complete(Request([], max_tokens=4))
+        tokens, _, _ = await device.complete(Request(prompts[0], max_tokens=6, ignore_eos=True))
+        assert tokens == greedy_reference(models["llama"], prompts[0], 6)
+    finally:
+        await device.close()
+
+
+async def test_live_settings_apply_without_restart_and_bad_ones_change_nothing(
+        serve, models, drafter_models, tokenizer, prompts):
+    server = await serve(models["llama"])
+    device = make_device([server.address], drafter_models["llama"], tokenizer)
+    await device.start()
+    try:
+        applied = await device.apply({"policy": {"draft_len": 3, "pipeline": False}})
+        assert applied.policy.draft_len == 3 and device.settings.policy.draft_len == 3
+        with pytest.raises(SettingsError, match="policy.draft_len"):
+            await device.apply({"policy": {"draft_len": 0}})
+        with pytest.raises(SettingsError, match="cannot change while running"):
+            await device.apply({"port": 9})
+        assert device.settings.policy.draft_len == 3
+        tokens, _, _ = await device.complete(Request(prompts[1], max_tokens=12, ignore_eos=True))
+        assert tokens == greedy_reference(models["llama"], prompts[1], 12)
+        assert device.metrics.value("sled_device_draft_tokens_total") <= 3 * device.metrics.value(
+            "sled_device_rounds_total")
+    finally:
+        await device.close()
+
+
+async def test_no_server_waits_and_says_why_or_drafts_alone_when_asked(drafter_models, tokenizer, prompts):
+    device = make_device(["127.0.0.1:1"], drafter_models["llama"], tokenizer, reconnect_s=0.3)
+    await device.start()
+    try:
+        assert device.state == "waiting" and "127.0.0.1:1" in device.reason
+        with pytest.raises(DeviceError) as err:
+            await device.complete(Request(prompts[0], max_tokens=4))
+        assert err.value.kind == "unavailable" and "waited 0.3 s" in err.value.message
+        await device.apply({"unverified_fallback": True})
+        tokens, finish, verified = await device.complete(Request(prompts[0], max_tokens=5, ignore_eos=True))
+        assert len(tokens) == 5 and finish == "length" and not verified
+        assert tokens == greedy_reference(drafter_models["llama"], prompts[0], 5)
+        assert device.metrics.value("sled_device_generated_tokens_total", {"verified": "false"}) == 5
+    finally:
+        await device.close()
