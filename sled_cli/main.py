@@ -236,6 +236,9 @@ def parser() -> argparse.ArgumentParser:
     _add_run_device(sub)
     _add_trace(sub)
     _add_sdsat(sub)
+    sub.add_parser("device", add_help=False,
+                   help="the device daemon: local OpenAI-compatible API, MQTT, drafting "
+                        "(sled device --config FILE; sled device --help lists its settings)")
     t = sub.add_parser("make-tiny", help="write a tiny random target + drafter pair (testing)")
     t.add_argument("folder")
     t.add_argument("--arch", default="llama", choices=["llama", "gemma3"])
@@ -243,6 +246,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["device"]:   # its flags are its settings' keys (edge_client.settings)
+        from sled_cli.device import run_device_daemon
+        return run_device_daemon(argv[1:])
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

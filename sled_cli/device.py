@@ -1,0 +1,100 @@
+"""`sled device --config FILE [--key value ...]`: the daemon a Pi or Jetson runs.
+
+It loads the drafter, finds a verify server, serves the local OpenAI-compatible API and, when a
+broker is configured, joins the MQTT control plane. Settings come from the file, SLED_DEVICE_*
+variables and flags (edge_client.settings); a bad one stops start-up with its name (exit 2).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+USAGE = """usage: sled device [--config FILE.toml|FILE.yaml] [--KEY VALUE ...]
+
+Runs the device daemon. Every setting is a key in the config file, a SLED_DEVICE_* variable
+and a flag (flags win over variables, variables over the file):
+"""
+
+log = logging.getLogger("sled.device")
+
+
+def run_device_daemon(argv: list[str]) -> int:
+    from edge_client.settings import SettingsError, cli_help, load_settings
+
+    if "-h" in argv or "--help" in argv:
+        print(USAGE + cli_help())
+        return 0
+    config, rest = _config_flag(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        settings = load_settings(config, rest)
+    except SettingsError as exc:
+        print(f"sled device: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve_device(settings))
+    except SettingsError as exc:
+        print(f"sled device: {exc}", file=sys.stderr)
+        return 2
+
+
+def _config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Split --config FILE (or --config=FILE) from the settings flags."""
+    rest, config, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config" and i + 1 < len(argv):
+            config, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            config = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return config, rest
+
+
+def load_drafter_spec(spec: str):
+    """A drafter from its spec; built-in aliases (gguf:gemma3-270m, onnx:...) resolve first."""
+    from drafters import load_drafter
+    from sled_cli.models import resolve_drafter_spec
+
+    return load_drafter(resolve_drafter_spec(spec))
+
+
+async def serve_device(settings, ready: asyncio.Event | None = None) -> int:
+    """Run until SIGINT/SIGTERM: the device, its local API and (optionally) MQTT."""
+    from edge_client.daemon import Device
+    from edge_client.openai_api import start_api
+
+    device = Device(settings, load_drafter=load_drafter_spec)
+    try:
+        await device.start()
+    except (ValueError, OSError) as exc:
+        print(f"sled device: cannot start: {exc}", file=sys.stderr)
+        return 2
+    runner, port = await start_api(device, settings.host, settings.port)
+    tasks = []
+    if settings.mqtt.enabled:
+        from edge_client.mqtt import DeviceMqtt
+
+        tasks.append(asyncio.create_task(DeviceMqtt(device).run()))
+    print(f"sled device {settings.id}: OpenAI-compatible API on http://{settings.host}:{port}/v1 "
+          f"({device.state}: {device.reason})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await runner.cleanup()
+        await device.close()
+    return 0
