@@ -71,6 +71,11 @@ class MqttSettings(Section):
     telemetry_s: float = Field(10.0, gt=0)
     topic_prefix: str = "sled"
 
+    @field_validator("ca_file", "cert_file", "key_file", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value):
+        return None if value == "" else value
+
     @property
     def enabled(self) -> bool:
         return bool(self.host)

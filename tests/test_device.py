@@ -120,3 +120,26 @@ async def test_no_server_waits_and_says_why_or_drafts_alone_when_asked(drafter_m
         assert device.metrics.value("sled_device_generated_tokens_total", {"verified": "false"}) == 5
     finally:
         await device.close()
+
+
+def test_settings_come_from_file_env_and_flags_in_that_order(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from edge_client.settings import load_settings
+
+    example = load_settings(Path(__file__).parent.parent / "docs" / "device.example.toml")
+    assert example.id == "pi5-kitchen" and example.mqtt.ca_file is None and not example.mqtt.enabled
+    config = tmp_path / "device.yaml"
+    config.write_text("id: pi-1\npolicy:\n  draft_len: 6\n  min_confidence: 0.2\nmqtt:\n  host: broker\n")
+    monkeypatch.setenv("SLED_DEVICE_POLICY__DRAFT_LEN", "5")
+    monkeypatch.setenv("SLED_DEVICE_MQTT__PORT", "8883")
+    settings = load_settings(config, ["--policy.draft-len", "auto", "--servers", '["a:1","b:2"]'])
+    assert settings.policy.draft_len == "auto"            # flag over variable over file
+    assert settings.mqtt.port == 8883 and settings.mqtt.host == "broker"
+    assert settings.policy.min_confidence == 0.2 and settings.servers == ["a:1", "b:2"]
+    with pytest.raises(SettingsError, match="servers"):
+        load_settings(config, ["--servers", '["nohost"]'])
+    with pytest.raises(SettingsError, match="unknown key"):
+        load_settings(config, [], policy={"draft_length": 3})
+    monkeypatch.setenv("SLED_DEVICE_MQTT__PASSWORD", "hunter2")
+    assert "hunter2" not in str(load_settings(config).public())
