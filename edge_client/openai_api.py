@@ -1,0 +1,610 @@
+"""The device's local OpenAI-compatible HTTP API, on aiohttp.
+
+Local apps talk to `sled device` as they would to OpenAI; every token still comes from the
+server's lossless verification (or, opted in, from the drafter alone, marked unverified):
+
+    runner, port = await start_api(device, "127.0.0.1", 0)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    await client.completions.create(model=device.model_id, prompt="def add(", max_tokens=16)
+    await runner.cleanup()
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with SSE
+streaming), GET /health (the device's status; 503 unless ready), GET /metrics (Prometheus).
+Extensions beyond OpenAI's fields: top_k, ignore_eos, stop_token_ids; an unverified answer
+carries `"sled": {"verified": false}` (and, when not streamed, `X-Sled-Verified: false`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from edge_client.daemon import Device, DeviceError, Request
+from sled.sampling import Sampling
+
+log = logging.getLogger("sled.api")
+
+MAX_BODY_BYTES = 1 << 20
+DEVICE_KEY = web.AppKey("device", Device)
+
+# The device's finish reasons in OpenAI's words.
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# DeviceError kinds as HTTP statuses and OpenAI error types.
+ERROR_STATUS = {"invalid": (400, "invalid_request_error"), "busy": (429, "rate_limit_error"),
+                "unavailable": (503, "service_unavailable")}
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+    @classmethod
+    def from_device(cls, error: DeviceError) -> "ApiError":
+        status, kind = ERROR_STATUS.get(error.kind, (500, "server_error"))
+        return cls(status, error.message, kind=kind, code=error.kind)
+
+
+# -- request bodies ---------------------------------------------------------------------------
+class _Strict(BaseModel):
+    # Unknown fields are ignored (clients send many); known ones must have the right type.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+# Fields OpenAI has that this API cannot honour: accepted only at their neutral value.
+UNSUPPORTED = ("logprobs", "top_logprobs", "best_of", "presence_penalty", "frequency_penalty",
+               "logit_bias", "suffix", "tools")
+NEUTRAL = (None, False, 0, "", [], {})
+
+
+class GenerationBody(_Strict):
+    """What completions and chat completions share."""
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)    # None: OpenAI's default, 1
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, lt=2**32)            # extension; 0 or -1: off
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None                                     # accepted, ignored
+    ignore_eos: bool = False                                    # extension
+    stop_token_ids: list[int] = Field(default_factory=list)     # extension
+    logprobs: Any = None
+    top_logprobs: Any = None
+    best_of: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    suffix: Any = None
+    tools: Any = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only n=1 is supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, value):
+        if isinstance(value, list) and len(value) > 16:
+            raise ValueError("at most 16 stop strings")
+        return value
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _neutral(cls, value, info: ValidationInfo):
+        if value not in NEUTRAL and not (info.field_name == "best_of" and value == 1):
+            raise ValueError("not supported by this server")
+        return value
+
+    @property
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return [s for s in stops if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionBody(GenerationBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    # Extra keys (name, tool_calls, ...) go through to the chat template as they are.
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatBody(GenerationBody):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+# How a field's value must look, for messages about values of the wrong shape.
+SHAPES = {
+    "prompt": "a string, a list of token ids, or a list holding one of those",
+    "stop": "a string or a list of strings",
+    "messages": "a non-empty list of {role, content} objects with text content",
+}
+
+
+def parse_body(raw: bytes, model: type[GenerationBody]) -> GenerationBody:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    """The first problem, named after its top-level field."""
+    errors = exc.errors()
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {first['msg']}")
+    if first["type"] == "model_type" or not first["loc"]:
+        return ApiError(400, f"the request body must be a JSON object: {first['msg']}")
+    param = str(first["loc"][0])
+    same_field = [e for e in errors if e["loc"] and e["loc"][0] == param]
+    if first["type"] == "missing":
+        message = f"{param} is required"
+    elif len(same_field) > 1 or param in SHAPES:
+        message = f"{param} must be {SHAPES.get(param, 'of another type')}"
+    else:
+        message = f"{param}: {first['msg'].removeprefix('Value error, ')}"
+    return ApiError(400, message, param=param)
+
+
+# -- prompts ----------------------------------------------------------------------------------
+def _tokenizer(device: Device):
+    if device.tokenizer is None:
+        raise ApiError(503, f"the device has no tokenizer yet: {device.reason or device.state}",
+                       kind="service_unavailable", code="unavailable")
+    return device.tokenizer
+
+
+def completion_prompt(device: Device, prompt) -> list[int]:
+    """Token ids of a completion prompt: text, token ids, or a batch of exactly one of those."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) > 1:
+            raise ApiError(400, f"batches of prompts are not supported: send one prompt per request "
+                                f"(got {len(prompt)})", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return _tokenizer(device)(prompt).input_ids
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    return list(prompt)
+
+
+def chat_prompt(device: Device, messages: list[Message]) -> list[int]:
+    """Token ids of the conversation through the tokenizer's chat template, ready for the reply."""
+    tokenizer = _tokenizer(device)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, f"the model {device.model_id!r} has no chat template: use /v1/completions "
+                            f"with a prompt you format yourself", param="messages")
+    conversation = [_template_message(m) for m in messages]
+    try:
+        encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    except Exception as exc:  # the template rejects the conversation (raise_exception, bad roles)
+        raise ApiError(400, f"the chat template cannot format these messages: {exc}",
+                       param="messages") from None
+    return list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
+
+
+def _template_message(message: Message) -> dict:
+    data = message.model_dump(exclude_none=True)
+    if isinstance(message.content, list):
+        data["content"] = "".join(part.text for part in message.content)
+    return data
+
+
+def device_request(body: GenerationBody, prompt_ids: list[int], request_id: str,
+                   max_tokens: int | None) -> Request:
+    try:
+        sampling = Sampling(temperature=1.0 if body.temperature is None else body.temperature,
+                            top_k=max(body.top_k or 0, 0),
+                            top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    return Request(prompt_ids, max_tokens=max_tokens, sampling=sampling,
+                   stop_ids=list(body.stop_token_ids), ignore_eos=body.ignore_eos,
+                   request_id=request_id)
+
+
+# -- output text ------------------------------------------------------------------------------
+class OutputText:
+    """Incremental detokenisation with stop strings.
+
+    Each token re-decodes the whole output and the caller is sent only the new suffix. Text is
+    held back while it ends in "\\ufffd" (a character whose bytes are still arriving) or in the
+    start of a stop string. End ids (EOS, stop ids) count as tokens but have no text.
+
+    With stops=["\\n\\n"], outputs "a", "b\\n", "\\nc": take() gives "a", then "b" (the "\\n"
+    may start a stop), then nothing more: the text is "ab" and stopped is True.
+    """
+
+    def __init__(self, tokenizer, stops: list[str], end_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.end_ids = end_ids
+        self.ids: list[int] = []       # tokens whose text is part of the output
+        self.tokens = 0                # completion tokens, end ids included
+        self.text = ""
+        self.sent = 0                  # characters of text already handed out
+        self.stopped = False           # a stop string was found (and cut off)
+
+    def add(self, token_ids: list[int]) -> None:
+        for token in token_ids:
+            if self.stopped:
+                return
+            self.tokens += 1
+            if token in self.end_ids:
+                continue
+            self.ids.append(token)
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True,
+                                              clean_up_tokenization_spaces=False)
+            self._cut_at_stop()
+
+    def _cut_at_stop(self) -> None:
+        found = [i for i in (self.text.find(stop) for stop in self.stops) if i >= 0]
+        if found:
+            self.text = self.text[:min(found)]
+            self.stopped = True
+
+    def take(self, final: bool = False) -> str:
+        """The text not handed out yet that can no longer change (all of it when final)."""
+        end = len(self.text) if final or self.stopped else self._safe_end()
+        new = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return new
+
+    def _safe_end(self) -> int:
+        end = len(self.text.rstrip("\ufffd"))
+        text = self.text[:end]
+        held = max((k for stop in self.stops for k in range(1, len(stop)) if text.endswith(stop[:k])),
+                   default=0)
+        return end - held
+
+
+@dataclass(slots=True)
+class Piece:
+    """Text ready to send; the last piece has a finish reason."""
+    text: str
+    finish_reason: str | None
+    verified: bool
+
+
+async def generate_pieces(device: Device, request: Request, output: OutputText) -> AsyncIterator[Piece]:
+    """The request's text as it becomes safe to send. Leaving early (a stop string, a closed
+    connection) closes the device's stream, which cancels the generation."""
+    verified, last = True, None
+    async with aclosing(device.stream(request)) as chunks:
+        async for chunk in chunks:
+            verified = verified and chunk.verified
+            output.add(chunk.token_ids)
+            if chunk.finish_reason is not None:   # the device's stream ends after this chunk
+                finish = "stop" if output.stopped else FINISH_REASONS.get(chunk.finish_reason, "stop")
+                last = Piece(output.take(final=True), finish, verified)
+            elif output.stopped:
+                yield Piece(output.take(final=True), "stop", verified)
+                return
+            elif text := output.take():
+                yield Piece(text, None, verified)
+    if last is None:
+        raise DeviceError("unavailable", "the generation ended without a finish reason")
+    yield last
+
+
+# -- responses --------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Job:
+    """One request being answered: what the two endpoints differ in is in `kind`."""
+    kind: Literal["completion", "chat"]
+    id: str
+    model: str
+    created: int
+    prompt_tokens: int
+    include_usage: bool = False
+
+    def usage(self, output: OutputText) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": output.tokens,
+                "total_tokens": self.prompt_tokens + output.tokens}
+
+    def head(self, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    def whole(self, text: str, finish: str, verified: bool, output: OutputText) -> dict:
+        """The non-streamed answer."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish}
+            body = self.head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            body = self.head("text_completion")
+        return {**body, "choices": [choice], "usage": self.usage(output), **_sled(verified)}
+
+    def chunk(self, verified: bool, *, text: str | None = None, role: bool = False,
+              finish: str | None = None) -> dict:
+        """One streamed chunk: a role (chat only), some text, or the finish reason."""
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            body = self.head("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            body = self.head("text_completion")
+        usage = {"usage": None} if self.include_usage else {}
+        return {**body, "choices": [choice], **usage, **_sled(verified)}
+
+    def usage_chunk(self, output: OutputText) -> dict:
+        object_name = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self.head(object_name), "choices": [], "usage": self.usage(output)}
+
+
+def _sled(verified: bool) -> dict:
+    return {} if verified else {"sled": {"verified": False}}
+
+
+async def answer_whole(job: Job, pieces: AsyncIterator[Piece], output: OutputText,
+                       prefix: str = "") -> web.Response:
+    texts = [prefix]
+    async for piece in pieces:
+        texts.append(piece.text)
+    body = job.whole("".join(texts), piece.finish_reason, piece.verified, output)
+    headers = {} if piece.verified else {"X-Sled-Verified": "false"}
+    return web.json_response(body, headers=headers)
+
+
+async def answer_stream(request: web.Request, job: Job, pieces: AsyncIterator[Piece],
+                        output: OutputText, prefix: str = "") -> web.StreamResponse:
+    """Server-sent events in OpenAI's wire format, ending with `data: [DONE]`. The headers wait
+    for the first text, so a request the device refuses still gets its HTTP error status."""
+    piece = await anext(pieces)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    send = _sender(response)
+    try:
+        if job.kind == "chat":
+            await send(job.chunk(piece.verified, role=True))
+        if prefix:
+            await send(job.chunk(piece.verified, text=prefix))
+        await _send_pieces(send, job, piece, pieces)
+        if job.include_usage:
+            await send(job.usage_chunk(output))
+    except DeviceError as exc:   # after the headers: the error goes as an event
+        await send(ApiError.from_device(exc).body())
+    except ConnectionResetError:  # the client left; closing `pieces` cancels the generation
+        return response
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _send_pieces(send, job: Job, piece: Piece, pieces: AsyncIterator[Piece]) -> None:
+    while True:
+        if piece.text:
+            await send(job.chunk(piece.verified, text=piece.text))
+        if piece.finish_reason is not None:
+            await send(job.chunk(piece.verified, finish=piece.finish_reason))
+            return
+        piece = await anext(pieces)
+
+
+def _sender(response: web.StreamResponse) -> Callable:
+    async def send(data: dict) -> None:
+        await response.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
+    return send
+
+
+# -- handlers ---------------------------------------------------------------------------------
+async def _read_body(request: web.Request, model: type[GenerationBody]) -> GenerationBody:
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise _too_large()
+    return parse_body(await request.read(), model)
+
+
+def _too_large() -> ApiError:
+    return ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                    code="request_too_large")
+
+
+def _check_model(device: Device, model: str) -> None:
+    # A device still waiting for its first server has no model id yet: it answers 503 later.
+    if device.model_id and model != device.model_id:
+        raise ApiError(404, f"the model {model!r} does not exist: this device serves "
+                            f"{device.model_id!r}", param="model", code="model_not_found")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    device = request.app[DEVICE_KEY]
+    body: CompletionBody = await _read_body(request, CompletionBody)
+    _check_model(device, body.model)
+    prompt_ids = completion_prompt(device, body.prompt)
+    echo = _echo_text(device, body.prompt, prompt_ids) if body.echo else ""
+    job = Job("completion", f"cmpl-{uuid.uuid4().hex}", body.model, int(time.time()),
+              len(prompt_ids), body.include_usage)
+    return await _answer(request, device, body, job, prompt_ids, body.max_tokens, echo)
+
+
+def _echo_text(device: Device, prompt, prompt_ids: list[int]) -> str:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else _tokenizer(device).decode(prompt_ids)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    device = request.app[DEVICE_KEY]
+    body: ChatBody = await _read_body(request, ChatBody)
+    _check_model(device, body.model)
+    prompt_ids = chat_prompt(device, body.messages)
+    job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", body.model, int(time.time()),
+              len(prompt_ids), body.include_usage)
+    return await _answer(request, device, body, job, prompt_ids,
+                         body.max_completion_tokens or body.max_tokens)
+
+
+async def _answer(request: web.Request, device: Device, body: GenerationBody, job: Job,
+                  prompt_ids: list[int], max_tokens: int | None, prefix: str = "") -> web.StreamResponse:
+    end_ids = set(body.stop_token_ids) | (set() if body.ignore_eos else set(device.eos_ids))
+    output = OutputText(_tokenizer(device), body.stops, end_ids)
+    generation = generate_pieces(device, device_request(body, prompt_ids, job.id, max_tokens), output)
+    async with aclosing(generation) as pieces:
+        if body.stream:
+            return await answer_stream(request, job, pieces, output, prefix)
+        return await answer_whole(job, pieces, output, prefix)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    device = request.app[DEVICE_KEY]
+    models = [_model_card(device)] if device.model_id else []
+    return web.json_response({"object": "list", "data": models})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    device = request.app[DEVICE_KEY]
+    name = request.match_info["model"]
+    if not device.model_id or name != device.model_id:
+        raise ApiError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
+    return web.json_response(_model_card(device))
+
+
+def _model_card(device: Device) -> dict:
+    created = int(time.time() - (time.monotonic() - device.started))
+    return {"id": device.model_id, "object": "model", "created": created, "owned_by": "sled"}
+
+
+async def health(request: web.Request) -> web.Response:
+    device = request.app[DEVICE_KEY]
+    status = 200 if device.state == "ready" else 503
+    return web.json_response(device.status(), status=status, dumps=lambda d: json.dumps(d, default=str))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    registry = request.app[DEVICE_KEY].metrics.registry
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# -- middleware -------------------------------------------------------------------------------
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure in OpenAI's error shape."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except DeviceError as exc:
+        return ApiError.from_device(exc).response()
+    except web.HTTPRequestEntityTooLarge:
+        return _too_large().response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return ApiError(exc.status, exc.text or exc.reason, kind=_http_kind(exc.status)).response()
+    except Exception:
+        log.exception("local API: %s %s failed", request.method, request.path)
+        return ApiError(500, "internal error", kind="server_error").response()
+
+
+def _http_kind(status: int) -> str:
+    return "not_found_error" if status == 404 else "invalid_request_error"
+
+
+class HttpMetrics:
+    """Request counts and latency by route, in the device's registry (once per registry)."""
+    _by_registry: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def __init__(self, registry) -> None:
+        self.requests = Counter("sled_device_http_requests", "Local API requests",
+                                ["route", "method", "status"], registry=registry)
+        self.latency = Histogram("sled_device_http_request_seconds",
+                                 "Local API request time (whole stream when streamed)", ["route"],
+                                 registry=registry)
+
+    @classmethod
+    def of(cls, registry) -> "HttpMetrics":
+        if registry not in cls._by_registry:
+            cls._by_registry[registry] = cls(registry)
+        return cls._by_registry[registry]
+
+
+def counting(http: HttpMetrics):
+    @web.middleware
+    async def count(request: web.Request, handler) -> web.StreamResponse:
+        started = time.perf_counter()
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "other"
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        finally:
+            http.requests.labels(route, request.method, str(status)).inc()
+            http.latency.labels(route).observe(time.perf_counter() - started)
+    return count
+
+
+# -- the app ----------------------------------------------------------------------------------
+def make_app(device: Device) -> web.Application:
+    http = HttpMetrics.of(device.metrics.registry)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[counting(http), openai_errors])
+    app[DEVICE_KEY] = device
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def start_api(device: Device, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve the API on host:port (0: any free port); returns the runner (stop it with
+    `await runner.cleanup()`) and the port it listens on. A client that disconnects cancels
+    its handler, and with it the generation."""
+    runner = web.AppRunner(make_app(device), handler_cancellation=True, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, runner.addresses[0][1]
