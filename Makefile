@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install protos clean
+.PHONY: demo test install mosquitto protos clean
 
 install: $(STAMP)
 
@@ -20,8 +20,24 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/sled demo
 
-test: $(STAMP)
+test: $(STAMP) mosquitto
 	$(BIN)/python -m pytest -q
+
+# The MQTT tests start a real Mosquitto broker; install it from the Debian packages when missing
+# (as root, else through passwordless sudo). The demo does not need it.
+mosquitto:
+	@if command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q mosquitto || \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q mosquitto; }; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
+		sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -q mosquitto || \
+		{ sudo -n apt-get update -q && sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -q mosquitto; }; \
+	else \
+		echo "Mosquitto is missing and cannot be installed from here (not root, no passwordless sudo)."; \
+		echo "Install it, then run make test again:  sudo apt-get install mosquitto  (Debian/Ubuntu)"; \
+		echo "The MQTT tests fail until it is installed."; \
+	fi
 
 # Regenerate the committed gRPC stubs from protos/ (tests check they are current).
 protos: $(STAMP)

@@ -146,6 +146,7 @@ class Device:
         self._ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self.listeners: list[Callable[[], None]] = []   # told when settings or state change
+        self.mqtt = None          # the MQTT control plane (edge_client.mqtt.DeviceMqtt) when one runs
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -189,9 +190,9 @@ class Device:
             self._set_state("waiting", str(exc))
             return
         try:
-            info = await server.connection.model_info(timeout=10, wait_for_ready=False)
+            info = await server.connect().model_info(timeout=10, wait_for_ready=False)
             if self.tokenizer is None:
-                self.tokenizer = await server.connection.tokenizer()
+                self.tokenizer = await server.connect().tokenizer()
                 self._set_fingerprint()
         except grpc.aio.AioRpcError as exc:
             self._set_state("waiting", f"{server.endpoint}: {exc.details()}")
@@ -209,6 +210,14 @@ class Device:
                 await self._bootstrap()
             else:
                 self._refresh_state()
+
+    async def servers_changed(self) -> None:
+        """The directory changed from outside (MQTT announcements): finish start-up through a
+        newly usable server, or say again which server is in use."""
+        if not self.ready or not self.eos_ids:
+            await self._bootstrap()
+        else:
+            self._refresh_state()
 
     def _refresh_state(self) -> None:
         try:
@@ -298,15 +307,18 @@ class Device:
         if server is None:   # unverified fallback: no server, drafting alone was asked for
             await self._draft_alone(request, request.prompt_ids, max_tokens, queue)
             return
-        current = {"server": server}
+        current = {"server": server, "tried": False}
 
         def reopen():
-            # A lost server: prefer another compatible one (the directory moves on failover).
-            self.directory.failed(current["server"])
-            try:
-                current["server"] = self.directory.pick()
-            except NoServer:
-                pass           # keep waiting on the same one (it may be restarting)
+            # The first open goes to the chosen server; every later one means the last attempt
+            # lost its server: prefer another compatible one (the directory moves on failover).
+            if current["tried"]:
+                self.directory.failed(current["server"])
+                try:
+                    current["server"] = self.directory.pick()
+                except NoServer:
+                    pass       # keep waiting on the same one (it may be restarting)
+            current["tried"] = True
             return current["server"].stub
 
         def on_tokens(tokens: list[int]) -> None:
@@ -436,6 +448,7 @@ class Device:
             "uptime_s": round(time.monotonic() - self.started, 1),
             "cpu_load": round(load, 3) if load is not None else None,
             "servers": self.directory.summary(),
+            "mqtt": self.mqtt.summary() if self.mqtt is not None else None,
             **self.window.summary(),
         }
 

@@ -43,11 +43,15 @@ class Server:
     failed_at: float = 0.0              # monotonic time of the last lost session
     connection: Connection | None = field(default=None, repr=False)
 
-    @property
-    def stub(self):
+    def connect(self) -> Connection:
+        """The connection to this server, made on first use (announced servers start without)."""
         if self.connection is None:
             self.connection = Connection(self.endpoint)
-        return self.connection.stub
+        return self.connection
+
+    @property
+    def stub(self):
+        return self.connect().stub
 
     def summary(self) -> dict:
         return {"id": self.id or self.endpoint, "endpoint": self.endpoint, "source": self.source,

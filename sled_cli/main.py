@@ -42,6 +42,24 @@ def _add_serve(sub) -> None:
     p.add_argument("--engine", default="auto", choices=["auto", "paged", "padded"],
                    help="paged KV fast path, or the generic padded fallback (auto: paged if the "
                         "model supports transformers' attention interface)")
+    m = p.add_argument_group("MQTT announcements", "announce this server to devices over MQTT "
+                             "(retained on PREFIX/servers/SERVER_ID; off without --mqtt-host)")
+    m.add_argument("--mqtt-host", default="", help="broker host")
+    m.add_argument("--mqtt-port", type=int, default=None, help="broker port (default 1883, 8883 with TLS)")
+    m.add_argument("--mqtt-username", default="")
+    m.add_argument("--mqtt-password", default=os.environ.get("SLED_MQTT_PASSWORD", ""),
+                   help="(default: $SLED_MQTT_PASSWORD)")
+    m.add_argument("--mqtt-tls", action="store_true", help="connect with TLS (system CAs unless "
+                   "--mqtt-ca-file)")
+    m.add_argument("--mqtt-ca-file", default=None, help="CA bundle for the broker's certificate (implies TLS)")
+    m.add_argument("--mqtt-cert-file", default=None, help="client certificate (implies TLS)")
+    m.add_argument("--mqtt-key-file", default=None, help="the client certificate's key")
+    m.add_argument("--mqtt-topic-prefix", default="sled")
+    m.add_argument("--server-id", default=None, help="id in the announcement topic (default: HOSTNAME-PORT)")
+    m.add_argument("--announce-endpoint", default=None,
+                   help="HOST:PORT devices should dial (default: --host:--port, this machine's "
+                        "name for 0.0.0.0)")
+    m.add_argument("--announce-interval", type=float, default=5.0, help="seconds between announcements")
 
 
 def _add_generate(sub) -> None:
@@ -107,6 +125,33 @@ def _add_bench(sub) -> None:
     s.add_argument("--dtype", default="float32", help="the target's dtype, recording and serving")
     s.add_argument("--server-args", default="", help='extra `sled serve` flags, e.g. "--device cuda"')
     s.add_argument("--out", default="bench-results/serve.json")
+    v = bench.add_parser("device", help="adaptive draft length vs fixed k per link, and pipelined "
+                         "drafting on vs off per round trip time, on emulated devices")
+    v.add_argument("--model", default=None,
+                   help="target alias or path (default: the traces' target, else a tiny random one)")
+    v.add_argument("--traces", default=None, help="a `sled trace record` file (default: record now)")
+    v.add_argument("--drafter", default=None, help="drafter spec to record traces with "
+                   "(default: the tiny pair's drafter, or ngram with --model)")
+    v.add_argument("--workload", default="humaneval:8", help="humaneval[:N], a prompt file or tiny")
+    v.add_argument("--prompts", type=int, default=None, help="use at most this many prompts")
+    v.add_argument("--max-k", type=int, default=8, help="longest draft recorded per position")
+    v.add_argument("--max-new-tokens", type=int, default=48)
+    v.add_argument("--device-profile", default="pi5",
+                   help="pi4, pi5, orin-nano, instant; NAME:draft_ms_per_token=X,round_overhead_ms=Y")
+    v.add_argument("--devices", type=int, default=1, help="devices running at once")
+    v.add_argument("--reps", type=int, default=1, help="passes over the prompts")
+    v.add_argument("--parts", default="adaptive,pipeline", help="which of adaptive,pipeline to run")
+    v.add_argument("--links", default="ethernet,lte",
+                   help="link profiles for the draft-length table (NAME:rtt_ms=X,... overrides)")
+    v.add_argument("--k", default="1,2,4,6,8", help="fixed draft lengths to compare adaptive with")
+    v.add_argument("--rtts", default="5,20,50", help="round trip times (ms) for the pipelining table")
+    v.add_argument("--pipeline-link", default="wifi", help="link whose round trip --rtts sets")
+    v.add_argument("--pipeline-draft-len", default="4", help="k for the pipelining table, or adaptive")
+    v.add_argument("--min-confidence", type=float, default=0.0,
+                   help="stop drafts early below this drafter confidence, every configuration (0: never)")
+    v.add_argument("--dtype", default="float32", help="the target's dtype, recording and serving")
+    v.add_argument("--server-args", default="", help='extra `sled serve` flags, e.g. "--device cuda"')
+    v.add_argument("--out", default="bench-results/device.json")
     e = bench.add_parser("engine", help="paged engine vs the padded fallback as contexts grow")
     e.add_argument("--model", default=None, help="target alias or path (default: a tiny random model)")
     e.add_argument("--dtype", default="float32")
@@ -268,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "serve":
         from sled_cli.bench_serve import run_bench_serve
         return asyncio.run(run_bench_serve(args))
+    if args.command == "bench" and args.bench == "device":
+        from sled_cli.bench_device import run_bench_device
+        return asyncio.run(run_bench_device(args))
     if args.command == "trace":
         from sled_cli.trace import run_trace_record
         return run_trace_record(args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import socket
 import sys
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20,
@@ -32,6 +33,7 @@ def run_serve(args) -> int:
                               kv_fraction=args.kv_fraction, kv_block_tokens=args.kv_block_tokens,
                               max_step_tokens=args.max_step_tokens, idle_timeout_s=args.idle_timeout,
                               engine=args.engine)
+        announce = announce_config(args)
     except ValueError as exc:
         print(f"sled serve: {exc}", file=sys.stderr)
         return 2
@@ -47,8 +49,26 @@ def run_serve(args) -> int:
         target.sat = None
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(serve_forever(target, config, args.host, args.port, args.metrics_port))
+            asyncio.run(serve_forever(target, config, args.host, args.port, args.metrics_port,
+                                      announce=announce))
     except ValueError as exc:   # e.g. a KV budget too small for one block
         print(f"sled serve: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def announce_config(args):
+    """The MQTT announcement settings from the flags; None without --mqtt-host."""
+    if not args.mqtt_host:
+        return None
+    from sled.mqtt import Broker
+    from verify_server.announce import AnnounceConfig
+
+    tls = args.mqtt_tls or bool(args.mqtt_ca_file or args.mqtt_cert_file)
+    broker = Broker(args.mqtt_host, args.mqtt_port or (8883 if tls else 1883),
+                    username=args.mqtt_username, password=args.mqtt_password, tls=tls,
+                    ca_file=args.mqtt_ca_file, cert_file=args.mqtt_cert_file, key_file=args.mqtt_key_file)
+    dialed = socket.gethostname() if args.host in ("", "0.0.0.0", "::", "[::]") else args.host
+    endpoint = args.announce_endpoint or f"{dialed}:{args.port}"
+    return AnnounceConfig(broker, args.server_id or f"{socket.gethostname()}-{args.port}", endpoint,
+                          topic_prefix=args.mqtt_topic_prefix, interval_s=args.announce_interval)

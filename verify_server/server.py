@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,6 +18,9 @@ from verify_server.metrics import Metrics
 from verify_server.scheduler import Scheduler
 from verify_server.service import VerifierService
 from verify_server.target import Target
+
+if TYPE_CHECKING:
+    from verify_server.announce import AnnounceConfig
 
 log = logging.getLogger("sled.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -83,12 +87,22 @@ async def start_server(target: Target, config: ServerConfig | None = None, host:
 
 
 async def serve_forever(target: Target, config: ServerConfig, host: str, port: int,
-                        metrics_port: int | None) -> None:
+                        metrics_port: int | None, announce: AnnounceConfig | None = None) -> None:
+    """Serve until interrupted; with `announce`, also announce the server over MQTT."""
     running = await start_server(target, config, host, port)
     if metrics_port is not None:
         running.metrics.serve_http(metrics_port, addr=host)
         log.info("metrics on http://%s:%d/metrics", host, metrics_port)
+    announcing = None
+    if announce is not None:
+        from verify_server.announce import Announcer
+
+        announcing = asyncio.get_running_loop().create_task(
+            Announcer(running.service, announce).run(), name="sled-announce")
     try:
         await running.server.wait_for_termination()
     finally:
+        if announcing is not None:   # says offline before the port closes
+            announcing.cancel()
+            await asyncio.gather(announcing, return_exceptions=True)
         await running.stop()

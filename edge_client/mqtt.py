@@ -1,0 +1,380 @@
+"""The device's MQTT control plane: status and telemetry out, live settings and generation
+requests in, verify servers discovered from their announcements.
+
+Topics under `<prefix>/devices/<id>/` (prefix: settings.mqtt.topic_prefix, "sled" by default):
+
+    status            retained {status..., "online": true}; the last will (and a clean stop)
+                      leaves {"id", "online": false, "state": "offline"} there
+    telemetry         every mqtt.telemetry_s: the status with drafter, tokens/s, acceptance,
+                      RTT, active sessions and CPU load, plus "time" (Unix seconds)
+    config            in: a JSON object of settings changes, applied live (Device.apply)
+    config/applied    out: {settings.public()..., "ok": true}, retained (the settings in force);
+                      a refused change answers {"ok": false, "error"} NOT retained, so the
+                      retained message keeps saying which settings are in force
+    requests          in: {"request_id", "prompt" | "prompt_ids", "max_tokens", "temperature",
+                      "top_p", "top_k", "seed", "stop_ids", "ignore_eos"}
+    responses/<id>    out: one message per chunk {"request_id", "index", "token_ids", "text"};
+                      the last adds "finish_reason", "usage" and "verified"; a failure is
+                      {"request_id", "error", "kind"} (on responses/invalid when the request
+                      has no usable request_id)
+
+and `<prefix>/servers/+`: verify server announcements (verify_server.announce) feed the
+directory; {"online": false} or an empty retained payload withdraws a server.
+
+    control = DeviceMqtt(device)        # device.status()["mqtt"] reports on it from now on
+    task = asyncio.create_task(control.run())   # reconnects forever; cancel to stop cleanly
+
+Requests in flight when the broker connection drops are cancelled (their asker can send them
+again); a broker that refuses the credentials is retried slowly while the device keeps serving
+its local API.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiomqtt
+
+from edge_client.daemon import Device, DeviceError, Request
+from sled.mqtt import (Backoff, Broker, decode, describe, device_topic, encode, refused_credentials,
+                       server_topic, topic_safe)
+from sled.sampling import Sampling
+
+log = logging.getLogger("sled.device.mqtt")
+
+REQUEST_FIELDS = {"request_id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p",
+                  "top_k", "seed", "stop_ids", "ignore_eos"}
+
+
+def broker_of(device: Device) -> Broker:
+    mqtt = device.settings.mqtt
+    return Broker(mqtt.host, mqtt.port, username=mqtt.username,
+                  password=mqtt.password.get_secret_value(), tls=mqtt.tls,
+                  ca_file=str(mqtt.ca_file) if mqtt.ca_file else None,
+                  cert_file=str(mqtt.cert_file) if mqtt.cert_file else None,
+                  key_file=str(mqtt.key_file) if mqtt.key_file else None,
+                  keepalive_s=mqtt.keepalive_s)
+
+
+class DeviceMqtt:
+    def __init__(self, device: Device, backoff: Backoff | None = None) -> None:
+        self.device = device
+        self.broker = broker_of(device)
+        self.prefix = device.settings.mqtt.topic_prefix
+        self.backoff = backoff or Backoff()
+        self.client: aiomqtt.Client | None = None    # the live connection, if any
+        self.connected = False
+        self.problem = ""                            # what went wrong last ("" once connected)
+        self._refused = False                        # the last attempt's credentials were refused
+        self._status_changed = asyncio.Event()
+        self._servers_changed = asyncio.Event()
+        self._config_lock = asyncio.Lock()
+        device.mqtt = self
+        device.listeners.append(self._status_changed.set)
+
+    def topic(self, leaf: str) -> str:
+        return device_topic(self.prefix, self.device.settings.id, leaf)
+
+    def summary(self) -> dict:
+        return {"broker": self.broker.address, "connected": self.connected, "problem": self.problem}
+
+    # -- the connection -------------------------------------------------------------------
+    async def run(self) -> None:
+        """Stay connected until cancelled; back off between attempts, slowly after the broker
+        refused the credentials (retrying fast cannot fix a password)."""
+        while True:
+            try:
+                await self._connection()
+            except aiomqtt.MqttError as error:
+                self._lost(describe(error, self.broker), refused_credentials(error))
+            except Exception as error:   # a bad TLS file, a bug: report it and keep trying
+                log.exception("MQTT control plane failed")
+                self._lost(describe(error, self.broker), False)
+            await asyncio.sleep(self.backoff.next(self._refused))
+
+    async def _connection(self) -> None:
+        will = aiomqtt.Will(self.topic("status"), encode(self._offline("the device lost its MQTT "
+                                                                        "connection")),
+                            qos=1, retain=True)
+        async with self.broker.client(f"sled-device-{self.device.settings.id}", will) as client:
+            self.client, self.connected, self.problem = client, True, ""
+            self._refused = False
+            self.backoff.reset()
+            log.info("MQTT: connected to %s as device %s", self.broker.address, self.device.settings.id)
+            try:
+                await self._serve(client)
+            except asyncio.CancelledError:
+                await self._say_offline(client)
+                raise
+            finally:
+                self.client, self.connected = None, False
+
+    def _lost(self, problem: str, refused: bool) -> None:
+        if problem != self.problem:
+            (log.error if refused else log.warning)("%s (the device keeps serving locally; "
+                                                    "retrying)", problem)
+        self.problem, self._refused, self.connected = problem, refused, False
+        self._status_changed.set()
+
+    async def _serve(self, client: aiomqtt.Client) -> None:
+        """One connection's work; returns only by raising (a lost connection, a cancel)."""
+        await client.subscribe([(self.topic("config"), 1), (self.topic("requests"), 1),
+                                (server_topic(self.prefix), 1)])
+        self._status_changed.set()
+        jobs: set[asyncio.Task] = set()
+        workers = [asyncio.create_task(self._say_status(client)),
+                   asyncio.create_task(self._send_telemetry(client)),
+                   asyncio.create_task(self._follow_servers()),
+                   asyncio.create_task(self._receive(client, jobs))]
+        try:
+            done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+            raise aiomqtt.MqttError("the connection ended")
+        finally:
+            running = workers + list(jobs)
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+    # -- what the device says ---------------------------------------------------------------
+    def _online(self) -> dict:
+        return {**self.device.status(), "online": True}
+
+    def _offline(self, reason: str) -> dict:
+        return {"id": self.device.settings.id, "online": False, "state": "offline", "reason": reason}
+
+    async def _say_status(self, client: aiomqtt.Client) -> None:
+        """The retained status, again whenever the device's state or settings change."""
+        while True:
+            await self._status_changed.wait()
+            self._status_changed.clear()
+            await client.publish(self.topic("status"), encode(self._online()), qos=1, retain=True)
+
+    async def _say_offline(self, client: aiomqtt.Client) -> None:
+        """A clean stop leaves the same retained offline status the last will would."""
+        try:
+            await client.publish(self.topic("status"), encode(self._offline("the device stopped")),
+                                 qos=1, retain=True, timeout=2.0)
+        except aiomqtt.MqttError as error:
+            log.warning("MQTT: could not say offline: %s", error)
+
+    async def _send_telemetry(self, client: aiomqtt.Client) -> None:
+        while True:
+            await client.publish(self.topic("telemetry"), encode({**self.device.status(),
+                                                                  "time": round(time.time(), 3)}))
+            await asyncio.sleep(self.device.settings.mqtt.telemetry_s)
+
+    # -- what the device hears --------------------------------------------------------------
+    async def _receive(self, client: aiomqtt.Client, jobs: set[asyncio.Task]) -> None:
+        """Dispatch incoming messages; config and requests run as their own tasks so a long
+        generation never holds up the next message."""
+        async for message in client.messages:
+            topic = message.topic.value
+            if message.topic.matches(server_topic(self.prefix)):
+                self._on_announcement(topic.rsplit("/", 1)[1], message.payload)
+            elif topic == self.topic("config"):
+                _spawn(jobs, self._on_config(client, message.payload))
+            elif topic == self.topic("requests"):
+                _spawn(jobs, self._on_request(client, message.payload))
+
+    def _on_announcement(self, server_id: str, payload) -> None:
+        directory = self.device.directory
+        if not payload:
+            directory.withdraw(server_id)           # the retained announcement was cleared
+        else:
+            try:
+                announcement = decode(payload)
+                if announcement.get("online") is False:
+                    directory.withdraw(server_id)    # a last will or a clean stop
+                else:
+                    directory.announce(server_id, _endpoint(announcement),
+                                       model=str(announcement.get("model") or ""),
+                                       fingerprint=str(announcement.get("fingerprint") or ""),
+                                       load=float(announcement.get("load") or 0.0))
+            except (ValueError, TypeError) as error:
+                log.warning("MQTT: ignoring the announcement of server %s: %s", server_id, error)
+                return
+        self._servers_changed.set()
+
+    async def _follow_servers(self) -> None:
+        """Let the device re-choose its server after announcements (coalesced)."""
+        while True:
+            await self._servers_changed.wait()
+            self._servers_changed.clear()
+            try:
+                await self.device.servers_changed()
+            except Exception:
+                log.exception("MQTT: could not take in the announced servers")
+
+    async def _on_config(self, client: aiomqtt.Client, payload) -> None:
+        if not payload:
+            return                                   # a retained config was cleared
+        async with self._config_lock:                # changes apply in the order they came
+            try:
+                applied = await self.device.apply(decode(payload))
+            except ValueError as error:              # SettingsError is a ValueError
+                log.warning("MQTT: config refused: %s", error)
+                await client.publish(self.topic("config/applied"),
+                                     encode({"ok": False, "error": str(error)}), qos=1)
+                return
+            log.info("MQTT: config applied")
+            await client.publish(self.topic("config/applied"), encode({**applied.public(), "ok": True}),
+                                 qos=1, retain=True)
+
+    async def _on_request(self, client: aiomqtt.Client, payload) -> None:
+        asked_id = None
+        try:
+            message = decode(payload)
+            asked_id = message.get("request_id")
+            await self._stream(client, parse_request(message, self.device.tokenizer))
+        except ValueError as error:
+            await self._respond_error(client, asked_id, "invalid", str(error))
+        except DeviceError as error:
+            await self._respond_error(client, asked_id, error.kind, error.message)
+        except aiomqtt.MqttError:
+            raise
+        except Exception as error:
+            log.exception("MQTT: request %s failed", asked_id)
+            await self._respond_error(client, asked_id, "internal", f"{type(error).__name__}: {error}")
+
+    async def _stream(self, client: aiomqtt.Client, request: Request) -> None:
+        """One message per chunk of committed tokens; the last carries how it ended."""
+        topic = self.topic(f"responses/{request.request_id}")
+        text = TextStream(self.device.tokenizer)
+        index, produced, verified = 0, 0, True
+        async for chunk in self.device.stream(request):
+            produced += len(chunk.token_ids)
+            verified = verified and chunk.verified
+            if not chunk.token_ids and chunk.finish_reason is None:
+                continue
+            message = {"request_id": request.request_id, "index": index, "token_ids": chunk.token_ids,
+                       "text": text.add(chunk.token_ids)}
+            if chunk.finish_reason is not None:
+                message["text"] += text.rest()
+                message.update(finish_reason=chunk.finish_reason, verified=verified, usage={
+                    "prompt_tokens": len(request.prompt_ids), "completion_tokens": produced,
+                    "total_tokens": len(request.prompt_ids) + produced})
+            await client.publish(topic, encode(message), qos=1)
+            index += 1
+
+    async def _respond_error(self, client: aiomqtt.Client, request_id, kind: str, error: str) -> None:
+        usable = isinstance(request_id, str) and topic_safe(request_id)
+        topic = self.topic(f"responses/{request_id if usable else 'invalid'}")
+        await client.publish(topic, encode({"request_id": request_id, "error": error, "kind": kind}),
+                             qos=1)
+
+
+def _spawn(jobs: set[asyncio.Task], work) -> None:
+    """Run one message's work; a job that ends early is forgotten (its failure already logged or
+    answered; a lost connection shows up in the message loop too)."""
+    def forget(task: asyncio.Task) -> None:
+        jobs.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("MQTT: a job ended with %r", task.exception())
+
+    task = asyncio.create_task(work)
+    jobs.add(task)
+    task.add_done_callback(forget)
+
+
+def _endpoint(announcement: dict) -> str:
+    endpoint = announcement.get("endpoint")
+    host, _, port = endpoint.rpartition(":") if isinstance(endpoint, str) else ("", "", "")
+    if not host or not port.isdigit():
+        raise ValueError(f"endpoint {endpoint!r} is not HOST:PORT")
+    return endpoint
+
+
+# -- requests -----------------------------------------------------------------------------
+def parse_request(message: dict, tokenizer) -> Request:
+    """A Request from an MQTT request message; DeviceError("invalid") names what is wrong."""
+    unknown = sorted(set(message) - REQUEST_FIELDS)
+    if unknown:
+        raise DeviceError("invalid", f"unknown field {', '.join(unknown)} "
+                                     f"(known: {', '.join(sorted(REQUEST_FIELDS))})")
+    request_id = message.get("request_id")
+    if not isinstance(request_id, str) or not topic_safe(request_id):
+        raise DeviceError("invalid", "request_id must be a non-empty string without '/', '+' or '#'")
+    try:
+        sampling = Sampling(temperature=_number(message, "temperature", 0.0),
+                            top_k=_integer(message, "top_k", 0), top_p=_number(message, "top_p", 1.0),
+                            seed=_integer(message, "seed", None))
+    except ValueError as error:
+        raise DeviceError("invalid", str(error)) from None
+    ignore_eos = message.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise DeviceError("invalid", f"ignore_eos must be true or false, got {ignore_eos!r}")
+    return Request(_prompt_ids(message, tokenizer), max_tokens=_integer(message, "max_tokens", None),
+                   sampling=sampling, stop_ids=_ids(message, "stop_ids", []), ignore_eos=ignore_eos,
+                   request_id=request_id)
+
+
+def _prompt_ids(message: dict, tokenizer) -> list[int]:
+    if ("prompt" in message) == ("prompt_ids" in message):
+        raise DeviceError("invalid", "give exactly one of prompt (text) and prompt_ids")
+    if "prompt_ids" in message:
+        return _ids(message, "prompt_ids", [])
+    prompt = message["prompt"]
+    if not isinstance(prompt, str):
+        raise DeviceError("invalid", f"prompt must be text, got {type(prompt).__name__}")
+    if tokenizer is None:
+        raise DeviceError("unavailable", "the device has no tokenizer yet: send prompt_ids")
+    return list(tokenizer(prompt).input_ids)
+
+
+def _integer(message: dict, key: str, default):
+    value = message.get(key, default)
+    if value is default or value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DeviceError("invalid", f"{key} must be an integer, got {value!r}")
+    return value
+
+
+def _number(message: dict, key: str, default: float) -> float:
+    value = message.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise DeviceError("invalid", f"{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _ids(message: dict, key: str, default: list[int]) -> list[int]:
+    value = message.get(key, default)
+    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+        raise DeviceError("invalid", f"{key} must be a list of token ids (integers)")
+    return list(value)
+
+
+class TextStream:
+    """Text deltas of a growing token sequence; a token that ends mid-character holds its text
+    back until the character is complete."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.said = ""
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        text = self._decode()
+        if text.endswith("\ufffd"):
+            return ""
+        return self._delta(text)
+
+    def rest(self) -> str:
+        """At the end: whatever is still held back."""
+        return self._delta(self._decode())
+
+    def _decode(self) -> str:
+        if self.tokenizer is None or not self.ids:
+            return ""
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def _delta(self, text: str) -> str:
+        delta = text[len(self.said):]    # what was said stays said
+        self.said = text
+        return delta
