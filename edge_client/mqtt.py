@@ -37,6 +37,7 @@ import time
 import aiomqtt
 
 from edge_client.daemon import Device, DeviceError, Request
+from edge_client.text import OutputText
 from sled.mqtt import (Backoff, Broker, decode, describe, device_topic, encode, refused_credentials,
                        server_topic, topic_safe)
 from sled.sampling import Sampling
@@ -242,17 +243,17 @@ class DeviceMqtt:
     async def _stream(self, client: aiomqtt.Client, request: Request) -> None:
         """One message per chunk of committed tokens; the last carries how it ended."""
         topic = self.topic(f"responses/{request.request_id}")
-        text = TextStream(self.device.tokenizer)
+        text = OutputText(self.device.tokenizer, stops=[], end_ids=set())
         index, produced, verified = 0, 0, True
         async for chunk in self.device.stream(request):
             produced += len(chunk.token_ids)
             verified = verified and chunk.verified
             if not chunk.token_ids and chunk.finish_reason is None:
                 continue
+            text.add(chunk.token_ids)
             message = {"request_id": request.request_id, "index": index, "token_ids": chunk.token_ids,
-                       "text": text.add(chunk.token_ids)}
+                       "text": text.take(final=chunk.finish_reason is not None)}
             if chunk.finish_reason is not None:
-                message["text"] += text.rest()
                 message.update(finish_reason=chunk.finish_reason, verified=verified, usage={
                     "prompt_tokens": len(request.prompt_ids), "completion_tokens": produced,
                     "total_tokens": len(request.prompt_ids) + produced})
@@ -347,34 +348,3 @@ def _ids(message: dict, key: str, default: list[int]) -> list[int]:
     if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
         raise DeviceError("invalid", f"{key} must be a list of token ids (integers)")
     return list(value)
-
-
-class TextStream:
-    """Text deltas of a growing token sequence; a token that ends mid-character holds its text
-    back until the character is complete."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.said = ""
-
-    def add(self, token_ids: list[int]) -> str:
-        self.ids.extend(token_ids)
-        text = self._decode()
-        if text.endswith("\ufffd"):
-            return ""
-        return self._delta(text)
-
-    def rest(self) -> str:
-        """At the end: whatever is still held back."""
-        return self._delta(self._decode())
-
-    def _decode(self) -> str:
-        if self.tokenizer is None or not self.ids:
-            return ""
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
-
-    def _delta(self, text: str) -> str:
-        delta = text[len(self.said):]    # what was said stays said
-        self.said = text
-        return delta

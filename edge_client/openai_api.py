@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from edge_client.daemon import Device, DeviceError, Request
+from edge_client.text import OutputText
 from sled.sampling import Sampling
 
 log = logging.getLogger("sled.api")
@@ -250,60 +251,6 @@ def device_request(body: GenerationBody, prompt_ids: list[int], request_id: str,
 
 
 # -- output text ------------------------------------------------------------------------------
-class OutputText:
-    """Incremental detokenisation with stop strings.
-
-    Each token re-decodes the whole output and the caller is sent only the new suffix. Text is
-    held back while it ends in "\\ufffd" (a character whose bytes are still arriving) or in the
-    start of a stop string. End ids (EOS, stop ids) count as tokens but have no text.
-
-    With stops=["\\n\\n"], outputs "a", "b\\n", "\\nc": take() gives "a", then "b" (the "\\n"
-    may start a stop), then nothing more: the text is "ab" and stopped is True.
-    """
-
-    def __init__(self, tokenizer, stops: list[str], end_ids: set[int]) -> None:
-        self.tokenizer = tokenizer
-        self.stops = stops
-        self.end_ids = end_ids
-        self.ids: list[int] = []       # tokens whose text is part of the output
-        self.tokens = 0                # completion tokens, end ids included
-        self.text = ""
-        self.sent = 0                  # characters of text already handed out
-        self.stopped = False           # a stop string was found (and cut off)
-
-    def add(self, token_ids: list[int]) -> None:
-        for token in token_ids:
-            if self.stopped:
-                return
-            self.tokens += 1
-            if token in self.end_ids:
-                continue
-            self.ids.append(token)
-            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True,
-                                              clean_up_tokenization_spaces=False)
-            self._cut_at_stop()
-
-    def _cut_at_stop(self) -> None:
-        found = [i for i in (self.text.find(stop) for stop in self.stops) if i >= 0]
-        if found:
-            self.text = self.text[:min(found)]
-            self.stopped = True
-
-    def take(self, final: bool = False) -> str:
-        """The text not handed out yet that can no longer change (all of it when final)."""
-        end = len(self.text) if final or self.stopped else self._safe_end()
-        new = self.text[self.sent:end]
-        self.sent = max(self.sent, end)
-        return new
-
-    def _safe_end(self) -> int:
-        end = len(self.text.rstrip("\ufffd"))
-        text = self.text[:end]
-        held = max((k for stop in self.stops for k in range(1, len(stop)) if text.endswith(stop[:k])),
-                   default=0)
-        return end - held
-
-
 @dataclass(slots=True)
 class Piece:
     """Text ready to send; the last piece has a finish reason."""

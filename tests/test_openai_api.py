@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from edge_client.daemon import DeviceError
-from edge_client.openai_api import MAX_BODY_BYTES, ApiError, OutputText, start_api
+from edge_client.openai_api import MAX_BODY_BYTES, ApiError, start_api
+from edge_client.text import OutputText
 from tests.conftest import PROMPT_TEXTS, greedy_reference
 from tests.test_device import make_device
 
