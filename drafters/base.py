@@ -24,6 +24,9 @@ class SparseQ:
 class Proposal:
     token_ids: list[int]              # [k]
     q: list[SparseQ] | None = None    # [k], or None when the drafter is deterministic
+    # [k]: the drafter's probability of each token it drafted (greedy: its softmax max; sampling:
+    # q of the drawn token), or None when it was not asked for or the drafter has none
+    confidence: list[float] | None = None
 
 
 @runtime_checkable
@@ -41,6 +44,32 @@ class Drafter(Protocol):
     def rollback(self, length: int) -> None:
         """Forget any state past the first `length` context tokens (after a verdict)."""
         ...
+
+
+# A drafter whose `reports_confidence` is true also takes two keywords in propose():
+# min_confidence (stop the draft after the first token whose confidence is below it; 0 = never)
+# and with_confidence (fill Proposal.confidence even when not stopping). Others take neither.
+def reports_confidence(drafter) -> bool:
+    """Whether drafter.propose() takes min_confidence / with_confidence (see above)."""
+    return bool(getattr(drafter, "reports_confidence", False))
+
+
+def confidence_options(drafter, min_confidence: float) -> dict:
+    """The keywords to pass propose() for an early stop at min_confidence: none when it is 0 or
+    the drafter has no confidence to stop on (n-gram, a trace recorded without confidences)."""
+    if min_confidence > 0 and reports_confidence(drafter):
+        return {"min_confidence": min_confidence}
+    return {}
+
+
+def stop_index(confidence: Sequence[float], min_confidence: float) -> int:
+    """How many drafted tokens an early stop keeps: up to and including the first token whose
+    confidence is below min_confidence (it is drawn already, so it costs nothing to send; what
+    the stop saves is drafting after it). stop_index([0.9, 0.3, 0.8], 0.5) == 2."""
+    for i, c in enumerate(confidence):
+        if c < min_confidence:
+            return i + 1
+    return len(confidence)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -68,6 +97,17 @@ def choose_token(logits: torch.Tensor | np.ndarray, sampling: Sampling, q_suppor
     return int(ids[pick]), SparseQ(ids.tolist(), q.float().tolist())
 
 
+def token_confidence(logits: torch.Tensor | np.ndarray, token: int, q: SparseQ | None) -> float:
+    """The drafter's probability of the token it drafted from logits [vocab]: q(token) when it
+    was sampled, else (greedy) the softmax maximum, 1 / sum(exp(logits - max))."""
+    if q is not None:
+        return q.probs[q.ids.index(token)]
+    if isinstance(logits, np.ndarray):
+        return 1.0 / float(np.exp(logits - logits.max(), dtype=np.float64).sum())
+    scores = logits.double()
+    return 1.0 / float(torch.exp(scores - scores.max()).sum())
+
+
 def drafter_threads(n_threads: int | None) -> int | None:
     """Threads for a drafter runtime: the argument, else $SLED_DRAFTER_THREADS, else the runtime's."""
     return n_threads or int(os.environ.get("SLED_DRAFTER_THREADS") or 0) or None
@@ -84,29 +124,39 @@ class KVDrafter:
     q_support: int = 32
     capacity: int | None = None          # most tokens the runtime's cache holds
     capacity_name: str = "context"       # what the runtime calls that limit
+    reports_confidence: bool = True      # propose() takes min_confidence / with_confidence
 
     def __init__(self) -> None:
         self._seen: list[int] = []       # tokens whose keys/values are cached
         self.evaluated = 0               # tokens run through the model so far
 
     def propose(self, context: Sequence[int], k: int, sampling: Sampling,
-                generator: torch.Generator | None = None) -> Proposal:
+                generator: torch.Generator | None = None, *, min_confidence: float = 0.0,
+                with_confidence: bool = False) -> Proposal:
+        """Draft up to k tokens; with min_confidence > 0 the draft ends after the first token the
+        drafter is less sure of than that (at least one token is always drafted)."""
         if self.capacity is not None and len(context) + k - 1 > self.capacity:
             raise ValueError(f"{len(context)} context + {k} draft tokens exceed the drafter's "
                              f"{self.capacity_name} {self.capacity}")
         keep = min(common_prefix(self._seen, context), len(context) - 1)
         self.rollback(keep)
         logits = self._feed(list(context[keep:]))
+        scored = with_confidence or min_confidence > 0
         draft: list[int] = []
         qs: list[SparseQ] = []
+        confidence: list[float] = []
         for j in range(k):
             token, q = choose_token(logits, sampling, self.q_support, generator)
             draft.append(token)
             if q is not None:
                 qs.append(q)
+            if scored:
+                confidence.append(token_confidence(logits, token, q))
+                if confidence[-1] < min_confidence:
+                    break          # unsure here: tokens after this one would rarely be accepted
             if j + 1 < k:
                 logits = self._feed([token])
-        return Proposal(draft, qs if qs else None)
+        return Proposal(draft, qs if qs else None, confidence if scored else None)
 
     def rollback(self, length: int) -> None:
         if length < len(self._seen):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from drafters.base import Drafter, Proposal
+from drafters.base import Drafter, Proposal, reports_confidence
 from sled.sampling import Sampling
 
 
@@ -24,6 +24,11 @@ class SharedDrafter:
         self._lock = threading.Lock()
         if hasattr(drafter, "apropose"):      # emulated drafters: stateless, awaited directly
             self.apropose = drafter.apropose
+
+    @property
+    def reports_confidence(self) -> bool:
+        """Whether the shared drafter takes min_confidence (an early stop)."""
+        return reports_confidence(self.inner)
 
     def propose(self, context: Sequence[int], k: int, sampling: Sampling,
                 generator: torch.Generator | None = None, **options) -> Proposal:

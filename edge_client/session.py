@@ -9,9 +9,10 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import torch
 
-from drafters.base import Drafter, Proposal, SparseQ
+from drafters.base import Drafter, Proposal, SparseQ, confidence_options
 from edge_client.draft_policy import DraftPolicy
 from edge_client.profiles import Link
+from edge_client.speculation import Speculation, first, joined
 from sled.fingerprint import short
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
@@ -34,13 +35,14 @@ class VerifyError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class RoundStat:
-    draft_ms: float          # drafting on this device
+    draft_ms: float          # the device's turn: from the previous verdict to this draft sent
     round_trip_ms: float     # draft sent -> verdict received
     forward_ms: float        # the server's batched forward + acceptance
     queue_ms: float          # waiting on the server for a place in a forward
     verified: int
     accepted: int
     suggested_draft_len: int = 0   # the server's advice for the next draft (0 = none)
+    pipelined: int = 0             # draft tokens drafted while the previous verdict was in flight
 
 
 @dataclass(slots=True)
@@ -54,6 +56,7 @@ class GenerationResult:
     server_forward_ms: float = 0.0
     resumes: int = 0               # sessions reopened after an eviction or a lost server
     hint_tokens: int = 0           # draft tokens that came from the server's SAT hints
+    pipelined_tokens: int = 0      # draft tokens drafted ahead while a verdict was in flight
     text: str = ""
     round_stats: list[RoundStat] = field(default_factory=list)
     # perf_counter seconds since the session started at which each token arrived (one stamp per
@@ -190,6 +193,9 @@ async def generate(
     reopen_on: Callable[[], object] | None = None,
     on_round: Callable[[RoundStat], None] | None = None,
     max_draft_len: int = 16,
+    min_confidence: float = 0.0,
+    pipeline: bool = False,
+    policy: DraftPolicy | None = None,
 ) -> GenerationResult:
     """Run one generation session to its end; on_tokens sees each verdict's committed tokens.
 
@@ -208,9 +214,22 @@ async def generate(
     draft_len="auto" drafts what the previous verdict suggested (AUTO_FIRST_DRAFT_LEN at first);
     draft_len="adaptive" lets a DraftPolicy pick the k with the most expected tokens per second
     from this session's acceptance, drafting speed and round trips (at most max_draft_len),
-    capped by the suggestion.
+    capped by the suggestion. `policy` passes in the DraftPolicy to use and keep teaching (a
+    device's earlier sessions on the same server: its timings and acceptance carry over);
+    default: a fresh one.
     `link` emulates the network: every message waits for it. A drafter with an async apropose()
     (an emulated device) is awaited directly instead of running propose() in a thread.
+
+    min_confidence > 0 ends a draft early after the first token the drafter is less sure of
+    (its probability of the token it drafted); drafters without a confidence (n-gram, traces
+    recorded without one) draft k. pipeline=True keeps drafting while each verdict is in flight,
+    on the path where the whole draft is accepted and the bonus is the drafter's own next token
+    (edge_client/speculation.py); when the verdict goes that way the next draft starts with those
+    tokens (`GenerationResult.pipelined_tokens` counts them). It drafts ahead only in rounds where
+    the session's own estimates say it gains more than the step it may have to wait out costs
+    (DraftPolicy.pipelining_pays). Output is the target's either way.
+    Seeded sampling sessions never pipeline: how many tokens get drafted ahead depends on timing,
+    and every draw moves the drafter's random stream, so a seeded run would not repeat itself.
     """
     fingerprint = drafter.tokenizer_fingerprint or target_fingerprint or ""
     if target_fingerprint and drafter.tokenizer_fingerprint and \
@@ -228,8 +247,14 @@ async def generate(
             generator.seed()
 
     apropose = getattr(drafter, "apropose", None)
-    policy = DraftPolicy(max_k=max_draft_len) if draft_len == "adaptive" else None
-    k = policy.choose() if policy else AUTO_FIRST_DRAFT_LEN if draft_len == "auto" else draft_len
+    options = confidence_options(drafter, min_confidence)
+    pipelining = pipeline and (sampling.greedy or sampling.seed is None)
+    adaptive = draft_len == "adaptive"
+    # The policy's estimates (acceptance, drafting and round-trip times) choose k when adaptive
+    # and tell whether drafting ahead pays when pipelining.
+    if policy is None and (adaptive or pipelining):
+        policy = DraftPolicy(max_k=max_draft_len)
+    k = policy.choose() if adaptive else AUTO_FIRST_DRAFT_LEN if draft_len == "auto" else draft_len
     started = time.perf_counter()
     context = list(prompt_ids)
     result = GenerationResult(token_ids=[], finish_reason="")
@@ -276,21 +301,46 @@ async def generate(
             await asyncio.sleep(pause)
             pause = min(pause * 2, 2.0)
 
-    call = None
+    async def draft(ahead: list[int], n: int, how: Sampling = sampling) -> Proposal:
+        """n tokens (fewer after an early stop) continuing `ahead`, from the drafter."""
+        if apropose is not None:
+            return await apropose(ahead, n, how, generator, **options)
+        return await asyncio.to_thread(drafter.propose, ahead, n, how, generator, **options)
+
+    async def next_draft(hints: list[int], ahead: Proposal | None, ahead_ends: bool):
+        """This round's draft of k: the server's SAT hints, else the tokens drafted ahead while
+        the last verdict was in flight (all of them when an early stop ended them), then the
+        drafter's own for the rest. Returns (draft, hint tokens in it, pipelined tokens in it)."""
+        if hints:
+            hints = hints[:k]
+            rest = k - len(hints)
+            return with_hints(hints, await draft(context + hints, rest) if rest else None), len(hints), 0
+        if ahead is None:
+            return await draft(context, k), 0, 0
+        head = first(ahead, k)
+        rest = 0 if ahead_ends else k - len(head.token_ids)
+        tail = await draft(context + head.token_ids, rest) if rest else None
+        return joined(head, tail), 0, len(head.token_ids)
+
+    def speculate(proposal: Proposal) -> Speculation | None:
+        """Draft ahead while this draft's verdict is in flight, up to a next draft of k and no
+        further than the session's token budget."""
+        cap = min(k, max_new_tokens - len(result.token_ids) - len(proposal.token_ids) - 1)
+        if not pipelining or cap < 1 or not policy.pipelining_pays(len(proposal.token_ids)):
+            return None
+        return Speculation(lambda path, how: draft(path, 1, how), context + proposal.token_ids,
+                           len(proposal.token_ids), cap, sampling, min_confidence)
+
+    call = speculation = None
     try:
         call, round, hints = await open_stream(resuming=reopen_on is not None), 0, []
+        ahead, ahead_ends, turn_started = None, False, None
         while True:
-            drafting = time.perf_counter()
-            hints = hints[:k]
-            rest, ahead = k - len(hints), context + hints
-            if not rest:
-                proposal = None
-            elif apropose is not None:
-                proposal = await apropose(ahead, rest, sampling, generator)
-            else:
-                proposal = await asyncio.to_thread(drafter.propose, ahead, rest, sampling, generator)
-            proposal = with_hints(hints, proposal) if hints else proposal
-            result.hint_tokens += len(hints)
+            drafting = turn_started or time.perf_counter()
+            proposal, hinted, pipelined = await next_draft(hints, ahead, ahead_ends)
+            result.hint_tokens += hinted
+            result.pipelined_tokens += pipelined
+            speculation = speculate(proposal)
             sent = time.perf_counter()
             try:
                 await _send(call, draft_message(round, proposal, lookahead), link)
@@ -303,16 +353,27 @@ async def generate(
                 # resume where the committed tokens end. A verdict that never arrived committed
                 # nothing here, so no token is lost or repeated.
                 call.cancel()
+                if speculation is not None:
+                    await speculation.finish()
                 drafter.rollback(len(context))
                 result.resumes += 1
                 call, round, hints = await open_stream(resuming=not evicted), 0, []
+                ahead, ahead_ends, turn_started = None, False, None
                 continue
+            turn_started = time.perf_counter()       # the device's next turn starts at the verdict
+            ahead, ahead_ends = None, False
+            if speculation is not None:
+                await speculation.finish()
+                ahead = speculation.kept(verdict.accepted, verdict.emitted_ids)
+                ahead_ends = ahead is not None and speculation.ended
             round += 1
             hints = list(verdict.hint_ids)
+            if hints:
+                ahead = None                         # the server's hints start the next draft
             result.round_stats.append(RoundStat(
-                (sent - drafting) * 1e3, (time.perf_counter() - sent) * 1e3, verdict.timings.forward_ms,
+                (sent - drafting) * 1e3, (turn_started - sent) * 1e3, verdict.timings.forward_ms,
                 verdict.timings.queue_ms, verdict.verified, verdict.accepted,
-                verdict.suggested_draft_len))
+                verdict.suggested_draft_len, pipelined))
             if on_round is not None:
                 on_round(result.round_stats[-1])
             if draft_len == "auto" and verdict.suggested_draft_len:
@@ -320,8 +381,11 @@ async def generate(
             if policy is not None:
                 stat = result.round_stats[-1]
                 policy.observe(verdict.verified, verdict.accepted, stat.draft_ms, stat.round_trip_ms)
+            if adaptive:
                 k = policy.choose(verdict.suggested_draft_len)
-            drafter.rollback(len(context) + verdict.accepted)
+            if ahead is None:
+                # Kept tokens continue the drafter's state as it is; otherwise forget the rest.
+                drafter.rollback(len(context) + verdict.accepted)
             context.extend(verdict.emitted_ids)
             finished = result.add(verdict, started)
             if on_tokens is not None:
@@ -332,6 +396,8 @@ async def generate(
     except BaseException:
         if call is not None:
             call.cancel()
+        if speculation is not None:
+            await speculation.finish()   # leave the drafter idle for whoever uses it next
         raise
     result.elapsed_s = time.perf_counter() - started
     return result

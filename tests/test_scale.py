@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import grpc
+import pytest
 
 from conftest import greedy_reference
 from drafters.hf import HFDrafter
@@ -301,13 +302,15 @@ class StallingDrafter:
         self.inner.rollback(length)
 
 
-async def test_device_resumes_after_eviction_without_losing_tokens(serve, models, drafter_models):
+@pytest.mark.parametrize("pipeline", [False, True])
+async def test_device_resumes_after_eviction_without_losing_tokens(serve, models, drafter_models, pipeline):
     model = models["gemma3"]
     server = await serve(model, idle_timeout_s=0.15)
     prompt = [61, 62, 63, 64]
     async with grpc.aio.insecure_channel(server.address) as channel:
         result = await generate(VerifierStub(channel), StallingDrafter(drafter_models["gemma3"], 0.6),
-                                prompt, max_new_tokens=20, draft_len=3, ignore_eos=True)
+                                prompt, max_new_tokens=20, draft_len=3, ignore_eos=True,
+                                pipeline=pipeline)
     assert result.resumes == 1
     assert server.metrics.value("sled_evicted_sessions_total") == 1
     assert result.token_ids == greedy_reference(model, prompt, 20)

@@ -257,9 +257,11 @@ async def test_trained_sats_draft_for_the_target_and_stop_inside_an_accepted_run
     assert last.accepted == len(last.emitted_ids)            # cut inside the accepted run
 
 
-async def test_lookahead_hints_start_drafts_and_stay_lossless(serve, tokenizer, counting_target):
+@pytest.mark.parametrize("pipeline", [False, True])
+async def test_lookahead_hints_start_drafts_and_stay_lossless(serve, tokenizer, counting_target, pipeline):
     """With a drafter that is usually right, whole-draft acceptances bring SAT hints, the next
-    drafts start with them, and the output is still the target's."""
+    drafts start with them (ahead of any tokens drafted while the verdict was in flight), and
+    the output is still the target's."""
     from sled_cli.tiny import perturbed
 
     model, spec, sequences = counting_target
@@ -269,7 +271,8 @@ async def test_lookahead_hints_start_drafts_and_stay_lossless(serve, tokenizer, 
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         results = await asyncio.gather(*(generate(stub, HFDrafter(drafter_model), p, max_new_tokens=24,
-                                                  draft_len=4, ignore_eos=True, lookahead=3)
+                                                  draft_len=4, ignore_eos=True, lookahead=3,
+                                                  pipeline=pipeline)
                                          for p in prompts))
     for prompt, result in zip(prompts, results):
         assert result.token_ids == greedy_reference(model, prompt, 24)

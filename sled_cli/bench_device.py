@@ -1,0 +1,383 @@
+"""`sled bench device`: what a device's own choices are worth. Two tables from one run:
+
+(a) the adaptive draft-length policy against every fixed k, on each link profile;
+(b) pipelined drafting (drafting ahead while a verdict is in flight) on and off as the round
+    trip time grows.
+
+One server process (as in `sled bench serve`); emulated devices replay recorded drafter traces
+(`sled trace record`) at a device profile's drafting speed over emulated links. The
+configurations are interleaved prompt by prompt, the order rotating, so a slow spell of a noisy
+machine hits them all alike. Every output is checked against the target's greedy output.
+
+Per configuration: tokens/s per device (all tokens over all device-seconds), acceptance, tokens
+per round, mean draft length, and the share of draft tokens that were drafted ahead. Ratios
+(adaptive / best fixed k, pipelining on / off) come with a 95% bootstrap interval over prompts.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+
+from sled_cli.report import save_figure, subplots, write_json
+
+PARTS = ("adaptive", "pipeline")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """One way of running the devices."""
+    part: str                    # "adaptive" (table a) or "pipeline" (table b)
+    link: str                    # link profile spec
+    draft_len: int | str         # a fixed k, or "adaptive"
+    pipeline: bool = False
+
+    @property
+    def label(self) -> str:
+        k = "adaptive" if self.draft_len == "adaptive" else f"k={self.draft_len}"
+        return f"{self.link} {k}" + (" pipelined" if self.pipeline else "")
+
+
+@dataclass(slots=True)
+class Samples:
+    """What one configuration produced, unit by unit (a unit: one prompt per device)."""
+    config: Config
+    tokens: list[int] = field(default_factory=list)       # [units]
+    seconds: list[float] = field(default_factory=list)    # [units]: device-seconds
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    pipelined_tokens: int = 0
+    mismatches: int = 0
+
+
+def rtt_link(base: str, rtt_ms: float) -> str:
+    """A link spec with its round trip set: rtt_link("wifi", 20) == "wifi:rtt_ms=20"."""
+    name, _, overrides = base.partition(":")
+    kept = [item for item in overrides.split(",") if item and not item.startswith("rtt_ms=")]
+    return f"{name}:" + ",".join([f"rtt_ms={rtt_ms:g}", *kept])
+
+
+def configurations(parts: list[str], links: list[str], ks: list[int], rtts: list[float],
+                   pipeline_link: str, pipeline_draft_len: int | str) -> list[Config]:
+    configs = []
+    if "adaptive" in parts:
+        configs += [Config("adaptive", link, k) for link in links for k in [*ks, "adaptive"]]
+    if "pipeline" in parts:
+        configs += [Config("pipeline", rtt_link(pipeline_link, rtt), pipeline_draft_len, on)
+                    for rtt in rtts for on in (False, True)]
+    return configs
+
+
+def rotated(configs: list[Config], unit: int) -> list[Config]:
+    """The order configurations run in for one unit: each goes first in turn, and the direction
+    alternates, so no configuration always follows the same one. Units 0, 1 of [a, b, c]:
+    [a, b, c], [b, a, c]."""
+    n, step = len(configs), -1 if unit % 2 else 1
+    return [configs[(unit + step * i) % n] for i in range(n)]
+
+
+async def run_unit(stub, config: Config, traces: list, *, device, max_new_tokens: int, max_draft_len: int,
+                   fingerprint: str, min_confidence: float, seed: int, policies: list | None = None,
+                   on_tokens=None) -> list:
+    """Every device generates its trace's prompt at once; (result, expected output) per device.
+    policies[j], when given, is device j's DraftPolicy, kept across its sessions."""
+    from drafters.trace import TraceDrafter
+    from edge_client.profiles import Link, link_profile
+    from edge_client.session import generate
+
+    link = link_profile(config.link)
+
+    async def one(j: int, trace):
+        expected = trace.target_ids[:max_new_tokens]
+        result = await generate(stub, TraceDrafter(trace, device), trace.prompt_ids,
+                                max_new_tokens=len(expected), draft_len=config.draft_len,
+                                max_draft_len=max_draft_len, target_fingerprint=fingerprint,
+                                link=Link(link, seed=seed * 1000 + j), pipeline=config.pipeline,
+                                min_confidence=min_confidence, on_tokens=on_tokens,
+                                policy=policies[j] if policies else None)
+        return result, expected
+
+    return await asyncio.gather(*(one(j, t) for j, t in enumerate(traces)))
+
+
+def record(samples: Samples, runs: list) -> None:
+    """Add one unit's device results to a configuration's samples."""
+    samples.tokens.append(sum(len(r.token_ids) for r, _ in runs))
+    samples.seconds.append(sum(r.elapsed_s for r, _ in runs))
+    for result, expected in runs:
+        samples.rounds += result.rounds
+        samples.draft_tokens += result.draft_tokens
+        samples.accepted_tokens += result.accepted_tokens
+        samples.pipelined_tokens += result.pipelined_tokens
+        samples.mismatches += result.token_ids != expected
+
+
+def rate(samples: Samples, units: list[int] | None = None) -> float:
+    """Tokens per device-second over the given units (default: all)."""
+    units = range(len(samples.tokens)) if units is None else units
+    seconds = sum(samples.seconds[u] for u in units)
+    return sum(samples.tokens[u] for u in units) / seconds if seconds else 0.0
+
+
+def ratio_interval(a: Samples, b: Samples, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of rate(a) / rate(b), resampling units (prompts) in pairs."""
+    rng = random.Random(seed)
+    n = len(a.tokens)
+    ratios = []
+    for _ in range(draws):
+        units = [rng.randrange(n) for _ in range(n)]
+        if rate(b, units):
+            ratios.append(rate(a, units) / rate(b, units))
+    ratios.sort()
+    return ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios)) - 1]
+
+
+def summarize(samples: Samples) -> dict:
+    c = samples.config
+    return {
+        "part": c.part, "link": c.link, "draft_len": c.draft_len, "pipeline": c.pipeline,
+        "tokens": sum(samples.tokens), "device_seconds": sum(samples.seconds),
+        "device_tps": rate(samples), "rounds": samples.rounds,
+        "tokens_per_round": sum(samples.tokens) / samples.rounds if samples.rounds else 0.0,
+        "mean_draft_len": samples.draft_tokens / samples.rounds if samples.rounds else 0.0,
+        "acceptance_rate": samples.accepted_tokens / samples.draft_tokens if samples.draft_tokens else None,
+        "pipelined_share": samples.pipelined_tokens / samples.draft_tokens if samples.draft_tokens else 0.0,
+        "mismatches": samples.mismatches,
+    }
+
+
+def adaptive_rows(results: dict[Config, Samples], links: list[str], ks: list[int]) -> list[dict]:
+    """Per link: adaptive's rate against each fixed k and the best of them."""
+    rows = []
+    for link in links:
+        fixed = {k: results[Config("adaptive", link, k)] for k in ks}
+        adaptive = results[Config("adaptive", link, "adaptive")]
+        best = max(ks, key=lambda k: rate(fixed[k]))
+        lo, hi = ratio_interval(adaptive, fixed[best])
+        rows.append({"link": link, "adaptive_tps": rate(adaptive),
+                     "fixed_tps": {str(k): rate(fixed[k]) for k in ks}, "best_fixed_k": best,
+                     "best_fixed_tps": rate(fixed[best]),
+                     "adaptive_vs_best_fixed": rate(adaptive) / rate(fixed[best]),
+                     "ratio_ci95": [lo, hi],
+                     "adaptive_mean_draft_len": summarize(adaptive)["mean_draft_len"]})
+    return rows
+
+
+def pipeline_rows(results: dict[Config, Samples], pipeline_link: str, rtts: list[float],
+                  draft_len) -> list[dict]:
+    """Per round trip time: pipelining off and on, and the gain."""
+    rows = []
+    for rtt in rtts:
+        link = rtt_link(pipeline_link, rtt)
+        off, on = (results[Config("pipeline", link, draft_len, p)] for p in (False, True))
+        lo, hi = ratio_interval(on, off)
+        rows.append({"rtt_ms": rtt, "link": link, "off_tps": rate(off), "on_tps": rate(on),
+                     "gain": rate(on) / rate(off), "gain_ci95": [lo, hi],
+                     "pipelined_share": summarize(on)["pipelined_share"]})
+    return rows
+
+
+async def sweep(server, traces, configs: list[Config], args, device, max_draft_len: int,
+                console) -> tuple[dict, object]:
+    """Every configuration on every unit, interleaved, after one unmeasured warm-up each and one
+    unmeasured session per prompt (so every measured session finds its prompt in the server's
+    prefix cache, whichever configuration happens to run it first).
+
+    Each configuration's devices are devices that run one session after another: each keeps
+    one DraftPolicy (its acceptance and timing estimates) across its sessions, as a device
+    daemon would; it only matters where a policy decides something (adaptive k, pipelining).
+    """
+    from rich.progress import Progress
+
+    from edge_client.connection import Connection
+    from edge_client.draft_policy import DraftPolicy
+
+    n, pool = args.devices, traces.traces
+    units = [[pool[(u + j) % len(pool)] for j in range(n)] for u in range(len(pool) * args.reps)]
+    common = dict(device=device, max_draft_len=max_draft_len, min_confidence=args.min_confidence)
+    results = {c: Samples(c) for c in configs}
+    policies = {c: [DraftPolicy(max_k=max_draft_len) for _ in range(n)] for c in configs}
+    async with Connection(server.address) as conn:
+        info = await conn.model_info()
+        if traces.tokenizer_fingerprint not in (None, info.tokenizer_fingerprint):
+            raise ValueError(f"the traces were recorded for another tokenizer than the server's "
+                             f"({traces.target} vs {info.model_id})")
+        common["fingerprint"] = info.tokenizer_fingerprint
+        for config in configs:
+            await run_unit(conn.stub, config, units[0], max_new_tokens=4, seed=0,
+                           policies=policies[config], **common)
+        for trace in pool:
+            await run_unit(conn.stub, configs[0], [trace], max_new_tokens=1, seed=0, **common)
+        total = len(configs) * sum(min(len(t.target_ids), args.max_new_tokens) for unit in units for t in unit)
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("devices", total=total)
+            for u, unit in enumerate(units):
+                for config in rotated(configs, u):
+                    progress.update(task, description=f"prompt {u + 1}/{len(units)}: {config.label}")
+                    runs = await run_unit(conn.stub, config, unit, max_new_tokens=args.max_new_tokens,
+                                          seed=u, policies=policies[config],
+                                          on_tokens=lambda t: progress.advance(task, len(t)), **common)
+                    record(results[config], runs)
+    return results, info
+
+
+def parse_args(args) -> dict:
+    """The sweep's settings from the command line; ValueError names the bad flag."""
+    from edge_client.profiles import device_profile, link_profile
+
+    parts = args.parts.split(",")
+    if not parts or set(parts) - set(PARTS):
+        raise ValueError(f"--parts takes a comma-separated subset of {','.join(PARTS)}")
+    ks = sorted({int(k) for k in args.k.split(",")})
+    if not ks or ks[0] < 1:
+        raise ValueError("--k needs draft lengths >= 1, e.g. 1,2,4,6,8")
+    rtts = [float(r) for r in args.rtts.split(",")]
+    if not rtts or min(rtts) < 0:
+        raise ValueError("--rtts needs round trip times >= 0 in ms, e.g. 5,20,50")
+    links = args.links.split(",")
+    for link in [*links, args.pipeline_link]:
+        link_profile(link)
+    draft_len = args.pipeline_draft_len
+    if draft_len != "adaptive" and not (draft_len.isdigit() and int(draft_len) >= 1):
+        raise ValueError(f"--pipeline-draft-len takes a number >= 1 or adaptive, not {draft_len!r}")
+    if args.devices < 1 or args.reps < 1:
+        raise ValueError("--devices and --reps must be >= 1")
+    if not 0.0 <= args.min_confidence < 1.0:
+        raise ValueError("--min-confidence must be in [0, 1)")
+    return {"parts": [p for p in PARTS if p in parts], "ks": ks, "rtts": rtts, "links": links,
+            "pipeline_draft_len": draft_len if draft_len == "adaptive" else int(draft_len),
+            "device": device_profile(args.device_profile)}
+
+
+async def run_bench_device(args) -> int:
+    from rich.console import Console
+
+    from drafters.trace import TraceSet
+    from edge_client.session import VerifyError
+    from sled_cli.bench_serve import _short
+    from sled_cli.models import resolve_model
+    from sled_cli.procs import ServerProcess
+    from sled_cli.trace import default_specs, record_trace_set
+
+    console = Console()
+    try:
+        settings = parse_args(args)
+        if args.traces:
+            traces = TraceSet.load(args.traces)
+            model = args.model or traces.target
+        else:
+            model, drafter = default_specs(args.model, args.drafter)
+            console.print(f"recording {drafter} traces against {model}")
+            traces = record_trace_set(model, drafter, args.workload, args.max_new_tokens,
+                                      args.max_k, args.dtype, args.prompts, console)
+        if args.prompts:
+            traces.traces = traces.traces[:args.prompts]
+    except (ValueError, OSError) as exc:
+        print(f"sled bench device: {exc}", file=sys.stderr)
+        return 2
+    ks = [k for k in settings["ks"] if k <= traces.max_k]
+    if not ks:
+        print(f"sled bench device: every --k is above the traces' max_k {traces.max_k}", file=sys.stderr)
+        return 2
+    if ks != settings["ks"]:
+        console.print(f"[yellow]fixed k above the traces' max_k {traces.max_k} dropped[/]")
+    configs = configurations(settings["parts"], settings["links"], ks, settings["rtts"],
+                             args.pipeline_link, settings["pipeline_draft_len"])
+
+    server_args = ["--dtype", args.dtype, *shlex.split(args.server_args)]
+    started = time.perf_counter()
+    with console.status("starting the verify server"):
+        server = await ServerProcess(resolve_model(model), *server_args).__aenter__()
+    try:
+        # The adaptive policy chooses from the same range as the fixed lengths it is compared with.
+        results, info = await sweep(server, traces, configs, args, settings["device"],
+                                    max(ks, default=traces.max_k), console)
+    except (VerifyError, ValueError) as exc:
+        print(f"sled bench device: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        await server.__aexit__(None, None, None)
+
+    rows = [summarize(s) for s in results.values()]
+    adaptive = adaptive_rows(results, settings["links"], ks) if "adaptive" in settings["parts"] else []
+    pipelined = pipeline_rows(results, args.pipeline_link, settings["rtts"],
+                              settings["pipeline_draft_len"]) if "pipeline" in settings["parts"] else []
+    setup = (f"{_short(model)} on {info.device}, drafter {_short(traces.drafter)}, device "
+             f"{args.device_profile}, {args.devices} device(s), {len(traces.traces)} prompts x "
+             f"{args.reps}")
+    if not console.is_terminal:
+        console.width = max(console.width, 120)  # a log file gets the whole table
+    if adaptive:
+        console.print(_adaptive_table(adaptive, ks, setup))
+    if pipelined:
+        console.print(_pipeline_table(pipelined, setup, settings["pipeline_draft_len"]))
+    out = write_json(args.out, {
+        "model": model, "server_device": info.device, "dtype": info.dtype, "drafter": traces.drafter,
+        "traces": args.traces or "recorded", "prompts": len(traces.traces), "reps": args.reps,
+        "max_k": traces.max_k, "device_profile": args.device_profile, "devices": args.devices,
+        "max_new_tokens": args.max_new_tokens, "min_confidence": args.min_confidence,
+        "pipeline_link": args.pipeline_link, "pipeline_draft_len": settings["pipeline_draft_len"],
+        "wall_s": time.perf_counter() - started,
+        "adaptive_vs_fixed": adaptive, "pipelining": pipelined, "results": rows})
+    _plot(adaptive, pipelined, ks, out.with_suffix(".png"), setup)
+    console.print(f"wrote {out} and {out.with_suffix('.png')}")
+    bad = [r for r in rows if r["mismatches"]]
+    for r in bad:
+        console.print(f"[red]{r['link']} draft length {r['draft_len']}"
+                      f"{' pipelined' if r['pipeline'] else ''}: {r['mismatches']} output(s) differ "
+                      "from the target's greedy output[/]")
+    return 1 if bad else 0
+
+
+def _adaptive_table(rows: list[dict], ks: list[int], setup: str):
+    from rich.table import Table
+
+    table = Table(title=f"adaptive draft length vs fixed k: {setup}", caption=(
+        "tokens/s per device; ratio: adaptive / the best fixed k, with its 95% bootstrap interval "
+        "over prompts; mean k: adaptive's mean draft length"))
+    for column in ("link", *(f"k={k}" for k in ks), "adaptive", "mean k", "vs best", "95% CI"):
+        table.add_column(column, justify="left" if column == "link" else "right")
+    for r in rows:
+        cells = [f"[bold]{v:.1f}[/]" if k == str(r["best_fixed_k"]) else f"{v:.1f}"
+                 for k, v in r["fixed_tps"].items()]
+        lo, hi = r["ratio_ci95"]
+        table.add_row(r["link"], *cells, f"{r['adaptive_tps']:.1f}", f"{r['adaptive_mean_draft_len']:.1f}",
+                      f"{r['adaptive_vs_best_fixed']:.2f}x", f"{lo:.2f}-{hi:.2f}")
+    return table
+
+
+def _pipeline_table(rows: list[dict], setup: str, draft_len):
+    from rich.table import Table
+
+    table = Table(title=f"pipelined drafting, draft length {draft_len}: {setup}", caption=(
+        "tokens/s per device; ahead: share of draft tokens drafted while the previous verdict "
+        "was in flight; 95% bootstrap interval of the gain over prompts"))
+    for column in ("RTT ms", "off", "on", "gain", "95% CI", "ahead"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        lo, hi = r["gain_ci95"]
+        table.add_row(f"{r['rtt_ms']:g}", f"{r['off_tps']:.1f}", f"{r['on_tps']:.1f}",
+                      f"{r['gain']:.2f}x", f"{lo:.2f}-{hi:.2f}", f"{r['pipelined_share']:.0%}")
+    return table
+
+
+def _plot(adaptive: list[dict], pipelined: list[dict], ks: list[int], path, title: str) -> None:
+    fig, (left, right) = subplots(2)
+    width = 0.8 / (len(ks) + 1)
+    for i, label in enumerate([*map(str, ks), "adaptive"]):
+        values = [r["adaptive_tps"] if label == "adaptive" else r["fixed_tps"][label] for r in adaptive]
+        left.bar([j + i * width for j in range(len(adaptive))], values, width,
+                 label="adaptive" if label == "adaptive" else f"k={label}")
+    left.set_xticks([j + 0.4 - width / 2 for j in range(len(adaptive))], [r["link"] for r in adaptive])
+    tallest = max([r["adaptive_tps"] for r in adaptive] + [v for r in adaptive for v in r["fixed_tps"].values()],
+                  default=1.0)
+    left.set(ylabel="tokens/s per device", title="draft length", ylim=(0, tallest * 1.9))  # room for the legend
+    rtts = [r["rtt_ms"] for r in pipelined]
+    right.plot(rtts, [r["off_tps"] for r in pipelined], marker="o", label="pipelining off")
+    right.plot(rtts, [r["on_tps"] for r in pipelined], marker="o", label="pipelining on")
+    right.set(xlabel="round trip time (ms)", ylabel="tokens/s per device", title="pipelined drafting")
+    save_figure(fig, (left, right), path, title)
