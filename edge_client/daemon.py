@@ -343,7 +343,7 @@ class Device:
                 target_fingerprint=server.fingerprint or None, ignore_eos=request.ignore_eos,
                 on_tokens=on_tokens, on_round=on_round, lookahead=policy.lookahead,
                 reconnect_s=settings.reconnect_s, reopen_on=reopen, max_draft_len=policy.max_draft_len,
-                **self._drafting_options(request))
+                pipeline=policy.pipeline, min_confidence=policy.min_confidence)
         except VerifyError as exc:
             if exc.code == grpc.StatusCode.UNAVAILABLE and settings.unverified_fallback:
                 await self._draft_alone(request, request.prompt_ids + committed,
@@ -352,19 +352,6 @@ class Device:
             raise DeviceError(_kind(exc), f"the verify server refused: {exc}") from None
         self.metrics.resumes.inc(result.resumes)
         queue.put_nowait(Chunk([], result.finish_reason))
-
-    def _drafting_options(self, request: Request) -> dict:
-        """Policy knobs generate() takes when this build has them (pipelining, early stop)."""
-        import inspect
-
-        accepted = inspect.signature(generate).parameters
-        policy = self.settings.policy
-        options = {}
-        if "pipeline" in accepted:
-            options["pipeline"] = policy.pipeline
-        if "min_confidence" in accepted:
-            options["min_confidence"] = policy.min_confidence
-        return options
 
     async def _server_for(self, request: Request) -> Server | None:
         """A compatible server, waiting up to reconnect_s for one; None means draft alone."""
