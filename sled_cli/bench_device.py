@@ -256,24 +256,16 @@ def parse_args(args) -> dict:
 async def run_bench_device(args) -> int:
     from rich.console import Console
 
-    from drafters.trace import TraceSet
     from edge_client.session import VerifyError
     from sled_cli.bench_serve import _short
     from sled_cli.models import resolve_model
     from sled_cli.procs import ServerProcess
-    from sled_cli.trace import default_specs, record_trace_set
+    from sled_cli.trace import traces_for
 
     console = Console()
     try:
         settings = parse_args(args)
-        if args.traces:
-            traces = TraceSet.load(args.traces)
-            model = args.model or traces.target
-        else:
-            model, drafter = default_specs(args.model, args.drafter)
-            console.print(f"recording {drafter} traces against {model}")
-            traces = record_trace_set(model, drafter, args.workload, args.max_new_tokens,
-                                      args.max_k, args.dtype, args.prompts, console)
+        model, traces = traces_for(args, console)
         if args.prompts:
             traces.traces = traces.traces[:args.prompts]
     except (ValueError, OSError) as exc:

@@ -154,12 +154,11 @@ async def sweep(server, traces, fleet_sizes: list[int], modes: list[str], args, 
 async def run_bench_serve(args) -> int:
     from rich.console import Console
 
-    from drafters.trace import TraceSet
     from edge_client.profiles import device_profile, link_profile
     from edge_client.session import VerifyError
     from sled_cli.models import resolve_model
     from sled_cli.procs import ServerProcess
-    from sled_cli.trace import default_specs, record_trace_set
+    from sled_cli.trace import traces_for
 
     console = Console()
     try:
@@ -174,14 +173,7 @@ async def run_bench_serve(args) -> int:
         draft_len = args.draft_len if args.draft_len == "auto" else int(args.draft_len)
         device = None if args.device_profile == "recorded" else device_profile(args.device_profile)
         link = link_profile(args.link)
-        if args.traces:
-            traces = TraceSet.load(args.traces)
-            model = args.model or traces.target
-        else:
-            model, drafter = default_specs(args.model, args.drafter)
-            console.print(f"recording {drafter} traces against {model}")
-            traces = record_trace_set(model, drafter, args.workload, args.max_new_tokens,
-                                      args.max_k, args.dtype, args.prompts, console)
+        model, traces = traces_for(args, console)
     except (ValueError, OSError) as exc:
         print(f"sled bench serve: {exc}", file=sys.stderr)
         return 2

@@ -96,3 +96,17 @@ def run_trace_record(args) -> int:
     console.print(f"wrote {path}: {len(traces.traces)} prompts, {tokens} target tokens, "
                   f"drafter {drafter} at {ms:.2f} ms/token here")
     return 0
+
+
+def traces_for(args, console):
+    """(target, TraceSet) for a benchmark: --traces FILE, else recorded now with the default
+    (or --model/--drafter) pair over --workload."""
+    from drafters.trace import TraceSet
+
+    if args.traces:
+        traces = TraceSet.load(args.traces)
+        return args.model or traces.target, traces
+    model, drafter = default_specs(args.model, args.drafter)
+    console.print(f"recording {drafter} traces against {model}")
+    return model, record_trace_set(model, drafter, args.workload, args.max_new_tokens,
+                                   args.max_k, args.dtype, args.prompts, console)
