@@ -26,9 +26,11 @@ class Connection:
         self.stub = pb_grpc.VerifierStub(self.channel)
         self._info: pb.ModelInfo | None = None
 
-    async def model_info(self, timeout: float = 30.0, wait_for_ready: bool = True) -> pb.ModelInfo:
-        """wait_for_ready=False fails at once (UNAVAILABLE) when nothing listens at the address."""
-        if self._info is None:
+    async def model_info(self, timeout: float = 30.0, wait_for_ready: bool = True,
+                         refresh: bool = False) -> pb.ModelInfo:
+        """wait_for_ready=False fails at once (UNAVAILABLE) when nothing listens at the address;
+        refresh=True asks again instead of answering from the first reply."""
+        if self._info is None or refresh:
             self._info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout,
                                                       wait_for_ready=wait_for_ready)
         return self._info

@@ -174,11 +174,10 @@ class Device:
 
     def _set_fingerprint(self) -> None:
         """The tokenizer servers must share: the drafter's own, else the local tokenizer's."""
-        fingerprint = (self.drafter.tokenizer_fingerprint if self.drafter else None) or \
-            (fingerprint_tokenizer(self.tokenizer) if self.tokenizer is not None else "")
+        own = fingerprint_tokenizer(self.tokenizer) if self.tokenizer is not None else ""
+        fingerprint = (self.drafter.tokenizer_fingerprint if self.drafter else None) or own
         self.directory.set_fingerprint(fingerprint)
-        if self.tokenizer is not None and fingerprint and self.drafter.tokenizer_fingerprint and \
-                fingerprint_tokenizer(self.tokenizer) != fingerprint:
+        if own and own != fingerprint:
             raise SettingsError(f"tokenizer {self.settings.tokenizer or '(cached)'} does not match the "
                                 f"drafter {self.settings.drafter}: {short(fingerprint)} expected")
 
@@ -206,14 +205,11 @@ class Device:
             await asyncio.sleep(PROBE_S)
             stale = [s for s in self.directory.servers.values() if s.reachable is not True or s.problem]
             await asyncio.gather(*(self.directory.probe(s) for s in stale))
-            if not self.ready or not self.eos_ids:
-                await self._bootstrap()
-            else:
-                self._refresh_state()
+            await self.servers_changed()
 
     async def servers_changed(self) -> None:
-        """The directory changed from outside (MQTT announcements): finish start-up through a
-        newly usable server, or say again which server is in use."""
+        """The directory changed (probes, MQTT announcements): finish start-up through a newly
+        usable server, or say again which server is in use."""
         if not self.ready or not self.eos_ids:
             await self._bootstrap()
         else:
@@ -307,18 +303,16 @@ class Device:
         if server is None:   # unverified fallback: no server, drafting alone was asked for
             await self._draft_alone(request, request.prompt_ids, max_tokens, queue)
             return
-        current = {"server": server, "tried": False}
+        current = {"server": server}
 
         def reopen():
-            # The first open goes to the chosen server; every later one means the last attempt
-            # lost its server: prefer another compatible one (the directory moves on failover).
-            if current["tried"]:
-                self.directory.failed(current["server"])
-                try:
-                    current["server"] = self.directory.pick()
-                except NoServer:
-                    pass       # keep waiting on the same one (it may be restarting)
-            current["tried"] = True
+            # The last attempt lost its server: prefer another compatible one (the directory
+            # moves on failover).
+            self.directory.failed(current["server"])
+            try:
+                current["server"] = self.directory.pick()
+            except NoServer:
+                pass           # keep waiting on the same one (it may be restarting)
             return current["server"].stub
 
         def on_tokens(tokens: list[int]) -> None:

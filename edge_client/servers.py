@@ -114,9 +114,7 @@ class ServerDirectory:
     async def probe(self, server: Server, timeout: float = 5.0) -> None:
         """Ask the server for its model info: reachable, model and tokenizer fingerprint."""
         try:
-            server.connection = server.connection or Connection(server.endpoint)
-            server.connection._info = None
-            info = await server.connection.model_info(timeout=timeout, wait_for_ready=False)
+            info = await server.connect().model_info(timeout=timeout, wait_for_ready=False, refresh=True)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else "timed out"
             server.reachable, server.problem = False, f"unreachable: {detail}"

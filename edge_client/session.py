@@ -207,9 +207,9 @@ async def generate(
     If the server goes away mid-session (UNAVAILABLE: a restart, a dropped link) the session is
     reopened with the prompt + its committed tokens, retrying with backoff for up to
     `reconnect_s` seconds (0: fail at once); `GenerationResult.resumes` counts the reopenings.
-    `reopen_on()`, when given, is asked for the stub of each attempt (a failover: the device's
-    choice of server may have moved); each attempt waits at most a few seconds for its server.
-    With it, the first open waits and retries the same way. on_round sees each round's RoundStat.
+    `reopen_on()`, when given, is asked for the stub to use after each lost server (a failover:
+    the device's choice of server may have moved); each attempt waits at most a few seconds for
+    its server. With it, the first open (on `stub`) waits and retries the same way. on_round sees each round's RoundStat.
 
     draft_len="auto" drafts what the previous verdict suggested (AUTO_FIRST_DRAFT_LEN at first);
     draft_len="adaptive" lets a DraftPolicy pick the k with the most expected tokens per second
@@ -259,12 +259,13 @@ async def generate(
     context = list(prompt_ids)
     result = GenerationResult(token_ids=[], finish_reason="")
 
-    async def open_once(connect_s: float | None = None):
+    async def open_once(connect_s: float | None = None, switch: bool = False):
         """Open a session for what is left. connect_s (resuming) waits up to that long for the
-        server to take the open message, then as long as the prefill takes."""
+        server to take the open message, then as long as the prefill takes. switch: the last
+        attempt lost its server, so ask reopen_on() which one to use now."""
         nonlocal stub
         resuming = connect_s is not None
-        if resuming and reopen_on is not None:
+        if switch and reopen_on is not None:
             stub = reopen_on()
         call = stub.Generate(timeout=timeout, wait_for_ready=resuming)
         try:
@@ -277,18 +278,18 @@ async def generate(
             raise
         return call
 
-    async def open_stream(resuming: bool = False):
+    async def open_stream(resuming: bool = False, lost: bool = False):
         """A session for what is left: the prompt plus everything committed so far. When
-        resuming after a lost server, retry with backoff until `reconnect_s` has passed; each
-        attempt waits for its server a bounded time, then asks again which server to use (the
-        one it waited for may be gone for good)."""
+        resuming (or opening with a server chooser), retry with backoff until `reconnect_s` has
+        passed; each attempt waits for its server a bounded time, and every attempt after a
+        lost server asks again which server to use (the one it waited for may be gone for good)."""
         if not resuming:
             return await open_once()
         give_up, pause, connect_s = time.monotonic() + reconnect_s, 0.05, 1.0
         while True:
             left = give_up - time.monotonic()
             try:
-                return await open_once(max(min(left, connect_s), 0.01))
+                return await open_once(max(min(left, connect_s), 0.01), switch=lost)
             except asyncio.TimeoutError:
                 if left <= connect_s:
                     raise VerifyError(grpc.StatusCode.UNAVAILABLE,
@@ -298,6 +299,7 @@ async def generate(
             except (VerifyError, grpc.aio.AioRpcError) as error:
                 if not _lost_server(error) or time.monotonic() + pause > give_up:
                     raise
+            lost = True
             await asyncio.sleep(pause)
             pause = min(pause * 2, 2.0)
 
@@ -357,7 +359,7 @@ async def generate(
                     await speculation.finish()
                 drafter.rollback(len(context))
                 result.resumes += 1
-                call, round, hints = await open_stream(resuming=not evicted), 0, []
+                call, round, hints = await open_stream(resuming=not evicted, lost=not evicted), 0, []
                 ahead, ahead_ends, turn_started = None, False, None
                 continue
             turn_started = time.perf_counter()       # the device's next turn starts at the verdict
