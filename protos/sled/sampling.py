@@ -49,6 +49,24 @@ class Sampling:
             msg.seed = self.seed
 
 
+# A device's drafter draws from a stream that must differ from the server's for one request seed.
+DRAFTER_SEED_OFFSET = 0x5EED
+
+
+def new_generator(sampling: Sampling, offset: int = 0) -> torch.Generator | None:
+    """The random stream of one request: None when greedy; seeded with seed + offset when the
+    request has a seed (so it repeats); otherwise seeded from the OS, so unseeded requests
+    never share a stream. The one place sled makes a sampling generator."""
+    if sampling.greedy:
+        return None
+    generator = torch.Generator()
+    if sampling.seed is not None:
+        generator.manual_seed(sampling.seed + offset)
+    else:
+        generator.seed()
+    return generator
+
+
 def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Probabilities to sample from, for sampling mode.
 
