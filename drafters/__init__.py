@@ -1,15 +1,31 @@
 """Drafters: one per file behind the small protocol in drafters.base.
 
 Specs: "ngram" or "ngram:N" (prompt lookup, longest n-gram N), "hf:PATH_OR_ID" (transformers),
-"onnx:DIR" (an onnxruntime-genai export: sled export-onnx), "gguf:FILE" (llama.cpp).
+"onnx:DIR" or "onnx:ALIAS[-PRECISION]" (an onnxruntime-genai export: sled export-onnx),
+"gguf:FILE" or "gguf:ALIAS" (llama.cpp). ALIAS names a built-in model (sled.models).
+load_drafter is the one place a spec becomes a drafter: every caller accepts every spec.
 """
 from __future__ import annotations
 
 from drafters.base import Drafter, Proposal, SparseQ
 
+SPECS = "ngram, ngram:N, hf:PATH_OR_ID, onnx:ALIAS_OR_DIR or gguf:ALIAS_OR_FILE"
+
+
+def resolve_spec(spec: str) -> str:
+    """gguf:ALIAS -> gguf:/path/to/the.gguf for a built-in alias; onnx:ALIAS (int4) or
+    onnx:ALIAS-PRECISION -> onnx:/its/cached/export (exported on first use); others unchanged."""
+    from sled.models import BUILTIN, gguf_path
+
+    kind, _, arg = spec.partition(":")
+    if kind == "onnx" and arg:
+        from drafters.onnx_export import resolve_onnx
+        return f"onnx:{resolve_onnx(arg)}"
+    return f"gguf:{gguf_path(arg)}" if kind == "gguf" and arg in BUILTIN else spec
+
 
 def load_drafter(spec: str, q_support: int = 32) -> Drafter:
-    kind, _, arg = spec.partition(":")
+    kind, _, arg = resolve_spec(spec).partition(":")
     if kind == "ngram":
         from drafters.ngram import NgramDrafter
         try:
@@ -26,8 +42,7 @@ def load_drafter(spec: str, q_support: int = 32) -> Drafter:
     if kind == "gguf" and arg:
         from drafters.gguf import GGUFDrafter
         return GGUFDrafter(arg, q_support=q_support)
-    raise ValueError(f"unknown drafter spec {spec!r}: use ngram, ngram:N, hf:PATH_OR_ID, onnx:DIR "
-                     "or gguf:FILE")
+    raise ValueError(f"unknown drafter spec {spec!r}: use {SPECS}")
 
 
-__all__ = ["Drafter", "Proposal", "SparseQ", "load_drafter"]
+__all__ = ["Drafter", "Proposal", "SparseQ", "load_drafter", "resolve_spec"]

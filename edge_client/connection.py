@@ -1,11 +1,11 @@
 """A device's connection to one verify server: model info, tokenizer bootstrap, the stub."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import grpc
 
+from sled.cache import tokenizer_dir
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 
@@ -13,10 +13,6 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 30_000),
 ]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SLED_CACHE", Path.home() / ".cache" / "sled"))
 
 
 class Connection:
@@ -40,7 +36,7 @@ class Connection:
         from transformers import AutoTokenizer
 
         info = await self.model_info()
-        folder = cache_dir() / "tokenizers" / info.tokenizer_fingerprint.replace(":", "-")
+        folder = tokenizer_dir(info.tokenizer_fingerprint)
         if not (folder / ".complete").exists():
             files = await self.stub.GetTokenizer(pb.GetTokenizerRequest(), timeout=timeout)
             folder.mkdir(parents=True, exist_ok=True)

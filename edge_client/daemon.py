@@ -27,11 +27,11 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from drafters.base import Drafter
-from edge_client.connection import cache_dir
 from edge_client.drafting import SharedDrafter
 from edge_client.servers import NoServer, Server, ServerDirectory
 from edge_client.session import DRAFTER_SEED_OFFSET, RoundStat, VerifyError, generate
 from edge_client.settings import DeviceSettings, SettingsError
+from sled.cache import tokenizer_dir
 from sled.fingerprint import fingerprint_tokenizer, short
 from sled.sampling import Sampling
 
@@ -452,7 +452,7 @@ def _load_tokenizer(path: str):
 
 def _cached_tokenizer(fingerprint: str):
     """A target tokenizer fetched from a server earlier (Connection.tokenizer caches it)."""
-    folder = cache_dir() / "tokenizers" / fingerprint.replace(":", "-")
+    folder = tokenizer_dir(fingerprint)
     if not (folder / ".complete").exists():
         return None
     from transformers import AutoTokenizer

@@ -18,7 +18,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def default_target() -> str:
-    from edge_client.connection import cache_dir
+    from sled.cache import cache_dir
     from sled_cli.tiny import save_pair
 
     target, _ = save_pair(cache_dir() / "tiny")

@@ -16,9 +16,8 @@ async def _measure(stub, spec: str, prompts: list[list[int]], k: int, max_new: i
                    fingerprint: str, devices: int) -> dict:
     from drafters import load_drafter
     from edge_client.session import generate
-    from sled_cli.models import resolve_drafter_spec
 
-    drafters = [load_drafter(resolve_drafter_spec(spec)) for _ in range(devices)]
+    drafters = [load_drafter(spec) for _ in range(devices)]
     results = []
 
     async def device(slot: int) -> None:

@@ -258,7 +258,7 @@ async def run_bench_device(args) -> int:
 
     from edge_client.session import VerifyError
     from sled_cli.bench_serve import _short
-    from sled_cli.models import resolve_model
+    from sled.models import resolve_model
     from sled_cli.procs import ServerProcess
     from sled_cli.trace import traces_for
 

@@ -58,11 +58,11 @@ def run_drafter_bench(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from drafters import resolve_spec
     from drafters.gguf import GGUFDrafter, open_llama
-    from sled_cli.models import resolve_drafter_spec
 
     console = Console()
-    kind, _, file = resolve_drafter_spec(args.model).partition(":")
+    kind, _, file = resolve_spec(args.model).partition(":")
     if kind != "gguf" or not file:
         console.print(f"sled bench drafter: need gguf:ALIAS or gguf:FILE, got {args.model!r}")
         return 2
@@ -141,11 +141,11 @@ def run_onnx_bench(args) -> int:
     from rich.table import Table
     from transformers import AutoTokenizer
 
+    from drafters import resolve_spec
     from drafters.onnx import ONNXDrafter
-    from sled_cli.models import resolve_drafter_spec
 
     console = Console()
-    folder = resolve_drafter_spec(args.model).partition(":")[2]
+    folder = resolve_spec(args.model).partition(":")[2]
     k, accept = args.draft_len, min(args.accept if args.accept is not None else args.draft_len,
                                      args.draft_len - 1)
     threads = args.threads or os.cpu_count()

@@ -56,7 +56,7 @@ def run_engine_bench(args) -> int:
     from rich.table import Table
 
     from sled_cli.bench import default_target
-    from sled_cli.models import resolve_model
+    from sled.models import resolve_model
     from verify_server.blocks import KVShape
     from verify_server.target import Target
 

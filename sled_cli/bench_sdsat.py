@@ -103,11 +103,10 @@ async def self_drafting(server, stub, prompts: list[list[int]], args, progress, 
 async def lookahead_runs(server, stub, spec: str, prompts: list[list[int]], lookahead: int,
                          fingerprint: str, args, progress, task) -> dict[int, Run]:
     """One drafter with lookahead 0 and `lookahead`, alternating per group."""
-    from drafters import load_drafter
+    from drafters import load_drafter, resolve_spec
     from edge_client.session import generate
-    from sled_cli.models import resolve_drafter_spec
 
-    resolved = resolve_drafter_spec(spec)
+    resolved = resolve_spec(spec)   # once: an ONNX alias may export on first use
     drafters = [load_drafter(resolved) for _ in range(args.devices)]
     settings = (0, lookahead)
 
@@ -145,7 +144,7 @@ def _validate(args) -> list[str]:
 
 def _server_args(args) -> list[str]:
     """`sled serve` flags: dtype, the SAT adapter (explicit, else the alias's shipped one), extras."""
-    from sled_cli.models import builtin_sat_adapter
+    from sled.models import builtin_sat_adapter
 
     adapter = args.sat_adapter or builtin_sat_adapter(args.model)
     extra = ["--dtype", args.dtype, *shlex.split(args.server_args)]
@@ -158,7 +157,7 @@ async def run_bench_sdsat(args) -> int:
 
     from edge_client.connection import Connection
     from edge_client.session import VerifyError
-    from sled_cli.models import resolve_model
+    from sled.models import resolve_model
     from sled_cli.procs import ServerProcess
     from sled_cli.trace import workload_ids
 

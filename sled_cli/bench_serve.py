@@ -156,7 +156,7 @@ async def run_bench_serve(args) -> int:
 
     from edge_client.profiles import device_profile, link_profile
     from edge_client.session import VerifyError
-    from sled_cli.models import resolve_model
+    from sled.models import resolve_model
     from sled_cli.procs import ServerProcess
     from sled_cli.trace import traces_for
 

@@ -63,8 +63,8 @@ async def run_demo(args) -> int:
     from rich.live import Live
     from transformers.utils import logging as hf_logging
 
-    from sled_cli.export_onnx import export_alias
-    from sled_cli.models import gguf_path, hf_checkpoint
+    from drafters.onnx_export import export_alias
+    from sled.models import gguf_path, hf_checkpoint
     from sled_cli.procs import ServerProcess
     from sled_cli.workload import load_workload
 
@@ -108,7 +108,7 @@ class Baseline:
 def _centralized(alias: str, prompts: list[str], devices: int, max_new: int) -> Baseline:
     """The same workload served by the target alone: each device's requests one after another,
     the devices' concurrent requests batched together."""
-    from sled_cli.models import hf_checkpoint
+    from sled.models import hf_checkpoint
     from verify_server.centralized import generate_centralized
     from verify_server.engine import make_engine
     from verify_server.target import Target

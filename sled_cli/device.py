@@ -56,20 +56,12 @@ def _config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
     return config, rest
 
 
-def load_drafter_spec(spec: str):
-    """A drafter from its spec; built-in aliases (gguf:gemma3-270m, onnx:...) resolve first."""
-    from drafters import load_drafter
-    from sled_cli.models import resolve_drafter_spec
-
-    return load_drafter(resolve_drafter_spec(spec))
-
-
 async def serve_device(settings, ready: asyncio.Event | None = None) -> int:
     """Run until SIGINT/SIGTERM: the device, its local API and (optionally) MQTT."""
     from edge_client.daemon import Device
     from edge_client.openai_api import start_api
 
-    device = Device(settings, load_drafter=load_drafter_spec)
+    device = Device(settings)
     try:
         await device.start()
     except (ValueError, OSError) as exc:

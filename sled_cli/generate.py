@@ -13,13 +13,12 @@ async def run_generate(args) -> int:
     from edge_client.session import VerifyError, generate, generate_server_side
     from sled.sampling import Sampling
     from sled.v1 import verifier_pb2 as pb
-    from sled_cli.models import resolve_drafter_spec
 
     server_modes = {"server": pb.GENERATION_MODE_SERVER, "sat": pb.GENERATION_MODE_SERVER_SAT}
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed)
-        drafter = None if args.drafter in server_modes else load_drafter(resolve_drafter_spec(args.drafter))
+        drafter = None if args.drafter in server_modes else load_drafter(args.drafter)
     except (ValueError, OSError) as exc:
         print(f"sled generate: {exc}", file=sys.stderr)
         return 2

@@ -10,10 +10,9 @@ async def run_device(args) -> int:
     from drafters import load_drafter
     from edge_client.connection import Connection
     from edge_client.session import VerifyError, generate
-    from sled_cli.models import resolve_drafter_spec
     from sled_cli.workload import load_workload
 
-    drafter = load_drafter(resolve_drafter_spec(args.drafter))
+    drafter = load_drafter(args.drafter)
     prompts = load_workload(args.workload)
     totals = {"device": args.name, "drafter": args.drafter, "prompts": 0, "tokens": 0, "rounds": 0,
               "verified": 0, "accepted": 0, "seconds": 0.0, "outputs": []}

@@ -376,7 +376,7 @@ def run_sdsat_train(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sled.fingerprint import fingerprint_tokenizer
-    from sled_cli.models import resolve_model
+    from sled.models import resolve_model
     from sled_cli.report import write_json
     from sled_cli.sdsat_corpus import load_documents, split_heldout, tokenize_documents
     from verify_server.target import DTYPES

@@ -22,7 +22,7 @@ def parse_size(text: str) -> int:
 def run_serve(args) -> int:
     from verify_server.config import ServerConfig
     from verify_server.server import serve_forever
-    from sled_cli.models import resolve_model
+    from sled.models import resolve_model
     from verify_server.target import Target
 
     try:
@@ -37,7 +37,7 @@ def run_serve(args) -> int:
     except ValueError as exc:
         print(f"sled serve: {exc}", file=sys.stderr)
         return 2
-    from sled_cli.models import builtin_sat_adapter
+    from sled.models import builtin_sat_adapter
 
     adapter = args.sat_adapter
     if adapter is None and not args.no_sat:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 def tiny_pair() -> tuple[str, str]:
     """The cached tiny random target and its perturbed drafter (written on first use)."""
-    from edge_client.connection import cache_dir
+    from sled.cache import cache_dir
     from sled_cli.tiny import save_pair
 
     target, drafter = save_pair(cache_dir() / "tiny")
@@ -61,13 +61,13 @@ def record_trace_set(model: str, drafter_spec: str, workload: str, max_new_token
 
     from drafters import load_drafter
     from drafters.trace import TraceSet, record_traces
-    from sled_cli.models import resolve_drafter_spec, resolve_model
+    from sled.models import resolve_model
     from verify_server.target import Target
 
     hf_logging.disable_progress_bar()
     target = Target.load(resolve_model(model), dtype=dtype)
     prompts = workload_ids(workload, target.tokenizer, prompts_limit)
-    drafter = load_drafter(resolve_drafter_spec(drafter_spec))
+    drafter = load_drafter(drafter_spec)
     if drafter.tokenizer_fingerprint not in (None, target.fingerprint):
         raise ValueError(f"drafter {drafter_spec} does not share the tokenizer of target {model}")
     with Progress(console=console, transient=True) as progress:

@@ -17,7 +17,8 @@ from drafters import load_drafter  # noqa: E402
 from drafters.base import Proposal  # noqa: E402
 from drafters.gguf import GGUFDrafter, gguf_fingerprint, open_llama  # noqa: E402
 from sled.sampling import Sampling  # noqa: E402
-from sled_cli.models import gguf_path, resolve_drafter_spec  # noqa: E402
+from drafters import resolve_spec
+from sled.models import gguf_path  # noqa: E402
 
 GREEDY = Sampling()
 SAMPLING = Sampling(temperature=0.9, top_k=50, top_p=0.95)
@@ -161,10 +162,10 @@ def test_missing_gguf_file_names_the_path(tmp_path):
         load_drafter("gguf:")
 
 
-def test_resolve_drafter_spec(path):
-    assert resolve_drafter_spec("gguf:smollm2-135m") == f"gguf:{path}"
+def test_resolve_spec(path):
+    assert resolve_spec("gguf:smollm2-135m") == f"gguf:{path}"
     for spec in ("ngram", "ngram:2", "hf:smollm2-135m", "gguf:/some/file.gguf"):
-        assert resolve_drafter_spec(spec) == spec
+        assert resolve_spec(spec) == spec
 
 
 def test_context_past_n_ctx_is_refused(path):

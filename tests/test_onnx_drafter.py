@@ -20,7 +20,7 @@ from drafters.base import Drafter, Proposal
 from drafters.onnx import ONNXDrafter
 from sled.fingerprint import fingerprint_tokenizer
 from sled.sampling import Sampling
-from sled_cli.export_onnx import export
+from drafters.onnx_export import export
 from sled_cli.tiny import save_pair
 
 GREEDY = Sampling()
@@ -234,11 +234,11 @@ def test_a_builder_failure_says_why_and_leaves_no_output(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "odd"]
 
 
-def test_resolve_drafter_spec_leaves_onnx_folders_alone(tmp_path):
-    from sled_cli.models import resolve_drafter_spec
+def test_resolve_spec_leaves_onnx_folders_alone(tmp_path):
+    from drafters import resolve_spec
 
-    assert resolve_drafter_spec(f"onnx:{tmp_path}") == f"onnx:{tmp_path}"
-    assert resolve_drafter_spec("onnx:smollm2-135m-int3") == "onnx:smollm2-135m-int3"
+    assert resolve_spec(f"onnx:{tmp_path}") == f"onnx:{tmp_path}"
+    assert resolve_spec("onnx:smollm2-135m-int3") == "onnx:smollm2-135m-int3"
 
 
 def test_cli_export_onnx(tmp_path, tokenizer, prompts, exported):
@@ -275,9 +275,10 @@ def test_cli_export_onnx_needs_out_for_a_folder(tmp_path):
 @pytest.fixture(scope="module")
 def smollm2():
     """onnx:smollm2-135m, exported into the sled cache on first use, and its HF checkpoint."""
-    from sled_cli.models import hf_checkpoint, resolve_drafter_spec
+    from drafters import resolve_spec
+from sled.models import hf_checkpoint
 
-    folder = resolve_drafter_spec("onnx:smollm2-135m").partition(":")[2]
+    folder = resolve_spec("onnx:smollm2-135m").partition(":")[2]
     return folder, hf_checkpoint("smollm2-135m")
 
 

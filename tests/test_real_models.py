@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from drafters import load_drafter
-from edge_client.connection import cache_dir
+from sled.cache import cache_dir
 from edge_client.session import VerifyError, generate
 from sled.v1 import verifier_pb2_grpc as pb_grpc
-from sled_cli.models import hf_checkpoint, resolve_drafter_spec
+from drafters import resolve_spec
+from sled.models import hf_checkpoint
 from sled_cli.workload import load_workload
 from verify_server.server import start_server
 from verify_server.target import Target
@@ -65,7 +66,7 @@ async def server(target):
 @pytest.mark.parametrize("spec", [f"gguf:{TARGET}", f"onnx:{TARGET}", "ngram"])
 async def test_real_drafter_output_is_identical_to_generate(server, target, prompt_ids, references, spec):
     stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(server.address))
-    drafters = [load_drafter(resolve_drafter_spec(spec)) for _ in range(4)]  # 4 devices at a time
+    drafters = [load_drafter(spec) for _ in range(4)]  # 4 devices at a time
     results = [None] * len(prompt_ids)
 
     async def device(slot: int) -> None:
@@ -82,7 +83,7 @@ async def test_real_drafter_output_is_identical_to_generate(server, target, prom
 
 async def test_smollm2_drafter_is_refused_by_a_gemma3_target(server, target, prompt_ids):
     stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(server.address))
-    drafter = load_drafter(resolve_drafter_spec("gguf:smollm2-135m"))
+    drafter = load_drafter("gguf:smollm2-135m")
     # Sent as is (no client-side check), the server refuses it and names both models.
     with pytest.raises(VerifyError) as refused:
         await generate(stub, drafter, prompt_ids[0], max_new_tokens=8)

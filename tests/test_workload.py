@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from sled_cli.models import BUILTIN, builtin, gguf_path, resolve_drafter_spec, resolve_model
+from drafters import resolve_spec
+from sled.models import BUILTIN, builtin, gguf_path, resolve_model
 from sled_cli.workload import load_workload
 
 
@@ -37,8 +38,8 @@ def test_builtin_aliases_resolve_to_real_gguf_files():
     for alias in BUILTIN:
         path = gguf_path(alias)
         assert path.is_file() and path.read_bytes()[:4] == b"GGUF"
-    assert resolve_drafter_spec("gguf:smollm2-135m") == f"gguf:{gguf_path('smollm2-135m')}"
-    assert resolve_drafter_spec("ngram") == "ngram" and resolve_model("some/path") == "some/path"
+    assert resolve_spec("gguf:smollm2-135m") == f"gguf:{gguf_path('smollm2-135m')}"
+    assert resolve_spec("ngram") == "ngram" and resolve_model("some/path") == "some/path"
     with pytest.raises(ValueError, match="gemma3-270m"):
         builtin("llama-70b")
 

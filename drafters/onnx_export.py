@@ -1,0 +1,165 @@
+"""An HF checkpoint (or a built-in alias) to an ONNX model with KV cache.
+
+onnxruntime-genai's model builder does the work, in a child process (`python -m
+drafters.onnx_export SOURCE OUT PRECISION EP`) whose output this process turns into a progress bar.
+The result is a folder that drafters.onnx loads: model.onnx(.data), genai_config.json and the HF
+tokenizer files. A built-in alias is first converted from its GGUF (sled.models.hf_checkpoint);
+its export is cached under $SLED_CACHE/onnx/ALIAS-PRECISION, which is what onnx:ALIAS loads.
+
+Builder quirks handled here (onnxruntime-genai 0.18, transformers 5):
+  - gemma3: transformers 5 nests rope_parameters per layer type, the builder reads the flat form;
+  - sliding-window models: windowed_kv_cache=false, else rewind_to() fails once the window cache
+    has recycled the positions a rollback needs;
+  - int8 with tied embeddings: shared_embeddings=false (the embedding Gather takes only 4 bits).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import deque
+from pathlib import Path
+
+PRECISIONS = ("int4", "int8", "fp32")
+_LAYER = re.compile(r"(?:Reading layer |model[./]layers\.)(\d+)")  # reading, saving, quantizing
+
+
+def alias_dir(alias: str, precision: str = "int4") -> Path:
+    """Where the export of a built-in model is cached."""
+    from sled.cache import cache_dir
+
+    return cache_dir() / "onnx" / f"{alias}-{precision}"
+
+
+def export_alias(alias: str, precision: str = "int4") -> Path:
+    """The cached ONNX export of a built-in model, made on first use."""
+    out = alias_dir(alias, precision)
+    if not (out / "genai_config.json").exists():
+        export(alias, out, precision)
+    return out
+
+
+def resolve_onnx(arg: str) -> str:
+    """"smollm2-135m" (int4) or "smollm2-135m-int8" -> its cached export; a folder unchanged."""
+    from sled.models import BUILTIN
+
+    if arg in BUILTIN:
+        return str(export_alias(arg))
+    for precision in PRECISIONS:
+        if arg.endswith(f"-{precision}") and arg.removesuffix(f"-{precision}") in BUILTIN:
+            return str(export_alias(arg.removesuffix(f"-{precision}"), precision))
+    return arg
+
+
+def export(source: str, out: str | Path, precision: str = "int4",
+           execution_provider: str = "cpu") -> Path:
+    """Export SOURCE (an HF checkpoint folder or a built-in alias) into the folder OUT."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+
+    from sled.models import BUILTIN, hf_checkpoint
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    checkpoint = hf_checkpoint(source) if source in BUILTIN else Path(source)
+    if not (checkpoint / "config.json").is_file():
+        raise FileNotFoundError(f"{source} is neither a built-in model ({', '.join(BUILTIN)}) "
+                                "nor an HF checkpoint folder (no config.json)")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not (out / "genai_config.json").exists():
+        raise FileExistsError(f"{out} exists and is not an ONNX export: choose an empty folder")
+    layers = json.loads((checkpoint / "config.json").read_text()).get("num_hidden_layers", 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside OUT and swap it in at the end: OUT is either a whole export or untouched.
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    tail: deque[str] = deque(maxlen=40)  # the builder's last lines, shown if it fails
+    console = Console(stderr=True)
+    try:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                      MofNCompleteColumn(), console=console, transient=True) as progress:
+            task = progress.add_task(f"{precision} export of {source}: loading", total=layers)
+            current = "loading"
+            child = subprocess.Popen(
+                [sys.executable, "-m", "drafters.onnx_export", str(checkpoint), str(partial),
+                 precision, execution_provider],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_MININTERVAL": "1"})
+            for line in _lines(child.stdout):
+                tail.append(line)
+                stage = _stage(line)
+                if stage and stage != current:
+                    current = stage
+                    progress.update(task, description=f"{precision} export of {source}: {stage}",
+                                    completed=0)
+                if (match := _LAYER.search(line)):  # layer N in progress: N done
+                    progress.update(task, completed=min(int(match.group(1)), layers))
+            if child.wait() != 0:
+                raise RuntimeError(f"the ONNX model builder failed ({child.returncode}):\n"
+                                   + "\n".join(tail))
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            partial.rename(out)
+        except OSError:  # a concurrent export of the same model got there first: keep that one
+            if not (out / "genai_config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    console.print(f"exported {source} ({precision}) -> {out}")
+    return out
+
+
+def _lines(stream):
+    """Lines of the child's output, splitting tqdm's carriage-return updates too."""
+    buffer = ""
+    while chunk := stream.read(256):
+        buffer += chunk
+        *done, buffer = re.split(r"[\r\n]", buffer)
+        yield from (line for line in done if line.strip())
+    if buffer.strip():
+        yield buffer
+
+
+def _stage(line: str) -> str | None:
+    for marker, stage in (("Reading ", "reading layers"), ("Saving ONNX", "saving"),
+                          ("quantiz", "quantizing"), ("Saving GenAI", "writing genai_config"),
+                          ("processing files", "copying the tokenizer")):
+        if marker in line:
+            return stage
+    return None
+
+
+def build(checkpoint: str, out: str, precision: str, execution_provider: str) -> None:
+    """The child's side: run the model builder in this process, with the compatibility fixes."""
+    from onnxruntime_genai.models.builder import create_model, parse_extra_options
+
+    config = json.loads(Path(checkpoint, "config.json").read_text())
+    options = []
+    if config.get("sliding_window"):
+        options.append("windowed_kv_cache=false")
+    if precision == "int8" and config.get("tie_word_embeddings"):
+        options.append("shared_embeddings=false")
+    with tempfile.TemporaryDirectory() as cache:
+        kwargs = parse_extra_options(None, checkpoint, out, precision, execution_provider, cache,
+                                     options)
+        _flatten_rope(kwargs["hf_details"]["hf_config"])
+        create_model(None, checkpoint, out, precision, execution_provider, cache, **kwargs)
+
+
+def _flatten_rope(config) -> None:
+    """{"full_attention": {..}, "sliding_attention": {..}} -> the global dict + the local theta."""
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and "full_attention" in rope:
+        config.rope_parameters = dict(rope["full_attention"])
+        config.rope_theta = rope["full_attention"]["rope_theta"]
+        if "sliding_attention" in rope:
+            config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
+
+
+if __name__ == "__main__":
+    build(*sys.argv[1:5])
