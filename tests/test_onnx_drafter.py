@@ -276,7 +276,7 @@ def test_cli_export_onnx_needs_out_for_a_folder(tmp_path):
 def smollm2():
     """onnx:smollm2-135m, exported into the sled cache on first use, and its HF checkpoint."""
     from drafters import resolve_spec
-from sled.models import hf_checkpoint
+    from sled.models import hf_checkpoint
 
     folder = resolve_spec("onnx:smollm2-135m").partition(":")[2]
     return folder, hf_checkpoint("smollm2-135m")

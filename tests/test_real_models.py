@@ -10,11 +10,10 @@ import grpc
 import pytest
 import torch
 
-from drafters import load_drafter
+from drafters import load_drafter, resolve_spec
 from sled.cache import cache_dir
 from edge_client.session import VerifyError, generate
 from sled.v1 import verifier_pb2_grpc as pb_grpc
-from drafters import resolve_spec
 from sled.models import hf_checkpoint
 from sled_cli.workload import load_workload
 from verify_server.server import start_server
