@@ -305,46 +305,46 @@ def main(argv: list[str] | None = None) -> int:
         from sled_cli.generate import run_generate
         return asyncio.run(run_generate(args))
     if args.command == "bench" and args.bench == "acceptance":
-        from sled_cli.bench_acceptance import run_acceptance
+        from lab.bench.acceptance import run_acceptance
         return asyncio.run(run_acceptance(args))
     if args.command == "bench" and args.bench == "sdsat":
-        from sled_cli.bench_sdsat import run_bench_sdsat
+        from lab.bench.sdsat import run_bench_sdsat
         return asyncio.run(run_bench_sdsat(args))
     if args.command == "bench" and args.bench == "serve":
-        from sled_cli.bench_serve import run_bench_serve
+        from lab.bench.serve import run_bench_serve
         return asyncio.run(run_bench_serve(args))
     if args.command == "bench" and args.bench == "device":
-        from sled_cli.bench_device import run_bench_device
+        from lab.bench.device import run_bench_device
         return asyncio.run(run_bench_device(args))
     if args.command == "trace":
-        from sled_cli.trace import run_trace_record
+        from lab.traces.record import run_trace_record
         return run_trace_record(args)
     if args.command == "bench" and args.bench == "engine":
-        from sled_cli.bench_engine import run_engine_bench
+        from lab.bench.engine import run_engine_bench
         return run_engine_bench(args)
     if args.command == "bench" and args.bench == "drafter":
-        from sled_cli.bench_drafter import run_drafter_bench
+        from lab.bench.drafter import run_drafter_bench
         return run_drafter_bench(args)
     if args.command == "bench":
-        from sled_cli.bench import run_overhead
+        from lab.bench.overhead import run_overhead
         return asyncio.run(run_overhead(args))
     if args.command == "demo":
-        from sled_cli.demo import run_demo
+        from lab.demo import run_demo
         return asyncio.run(run_demo(args))
     if args.command == "models":
         from sled_cli.models import run_models
         return run_models(args)
     if args.command == "run-device":
-        from sled_cli.run_device import run_device
+        from lab.device_runner import run_device
         return asyncio.run(run_device(args))
     if args.command == "export-onnx":
         from sled_cli.export_onnx import run_export_onnx
         return run_export_onnx(args)
     if args.command == "sdsat":
-        from sled_cli.sdsat_train import run_sdsat_train
+        from verify_server.sdsat_train import run_sdsat_train
         return run_sdsat_train(args)
     if args.command == "make-tiny":
-        from sled_cli.tiny import save_pair
+        from lab.tiny import save_pair
         for path in save_pair(args.folder, args.arch):
             print(path)
         return 0

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from sled_cli.tiny import make_model, make_tokenizer, perturbed, save_pair
+from lab.tiny import make_model, make_tokenizer, perturbed, save_pair
 from verify_server.config import ServerConfig
 from verify_server.server import start_server
 from verify_server.target import Target

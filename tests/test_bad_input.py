@@ -22,7 +22,7 @@ from edge_client.session import VerifyError, generate
 from sled.fingerprint import fingerprint_vocab, short
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
-from sled_cli.tiny import make_tokenizer
+from lab.tiny import make_tokenizer
 
 Reason = pb.ErrorDetail.Reason
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

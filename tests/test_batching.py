@@ -9,7 +9,7 @@ import grpc
 from drafters.ngram import NgramDrafter
 from edge_client.session import generate
 from sled.v1 import verifier_pb2_grpc as pb_grpc
-from sled_cli.procs import free_port
+from lab.server_process import free_port
 
 
 def scrape(port: int) -> dict[str, float]:

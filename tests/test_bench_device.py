@@ -7,8 +7,8 @@ import json
 import pytest
 
 from conftest import run_sled
-from sled_cli.bench_device import (Config, Samples, adaptive_rows, configurations, pipeline_rows,
-                                   rate, ratio_interval, rotated, rtt_link)
+from lab.bench.device import (Config, Samples, adaptive_rows, configurations, pipeline_rows,
+                              rate, ratio_interval, rotated, rtt_link)
 
 
 def sled(*args: str, timeout: float = 300):

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import run_sled
 from edge_client.session import GenerationResult
-from sled_cli.bench_sdsat import Run, chunks, ratio, summarize
+from lab.bench.sdsat import Run, chunks, ratio, summarize
 from verify_server.sdsat import save_adapter
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from conftest import run_sled
-from drafters.trace import TraceSet
-from sled_cli.bench_serve import add_ratios, capacity, tpot_samples
+from lab.traces import TraceSet
+from lab.bench.serve import add_ratios, capacity, tpot_samples
 
 
 def sled(*args: str, timeout: float = 300):

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import run_sled
-from sled_cli.procs import ServerProcess, free_port
+from lab.server_process import ServerProcess, free_port
 
 
 def sled(*args: str, timeout: float = 120):
@@ -55,7 +55,7 @@ def test_generate_rejects_an_unknown_drafter_spec():
 
 async def test_generate_reports_a_refused_tokenizer(pair, tmp_path, monkeypatch):
     """A drafter whose tokenizer differs from the target's is refused with both named."""
-    from sled_cli.tiny import make_model, make_tokenizer
+    from lab.tiny import make_model, make_tokenizer
 
     monkeypatch.setenv("SLED_CACHE", str(tmp_path))
     other = tmp_path / "other-drafter"

@@ -41,7 +41,7 @@ async def test_tokenizer_mismatch_server_is_passed_over_with_a_reason(serve, mod
                                                                        tokenizer, prompts):
     """One server's target has another tokenizer: it is never used, the status says why, and
     the device keeps serving through the compatible one."""
-    from sled_cli.tiny import make_model, make_tokenizer
+    from lab.tiny import make_model, make_tokenizer
     from verify_server.config import ServerConfig
     from verify_server.server import start_server
     from verify_server.target import Target

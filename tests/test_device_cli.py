@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import SLED, run_sled
-from sled_cli.procs import free_port
+from lab.server_process import free_port
 
 
 def test_bad_config_stops_start_up_naming_the_key(tmp_path):

@@ -16,7 +16,7 @@ from drafters.hf import HFDrafter
 from drafters.ngram import NgramDrafter
 from sled.fingerprint import fingerprint_tokenizer, fingerprint_vocab, short
 from sled.sampling import Sampling
-from sled_cli.tiny import make_tokenizer, save_pair
+from lab.tiny import make_tokenizer, save_pair
 
 GREEDY = Sampling()
 SAMPLING = Sampling(temperature=0.9, top_k=50, top_p=0.95)

@@ -14,7 +14,7 @@ from conftest import greedy_reference
 from drafters.base import KVDrafter, confidence_options, reports_confidence, stop_index
 from drafters.hf import HFDrafter
 from drafters.ngram import NgramDrafter
-from drafters.trace import Trace, TraceDrafter, TraceSet, record_traces
+from lab.traces import Trace, TraceDrafter, TraceSet, record_traces
 from edge_client.profiles import DeviceProfile
 from edge_client.session import generate
 from sled.sampling import Sampling

@@ -285,7 +285,7 @@ async def test_failover_between_announced_servers_stays_lossless(drafter_models,
     """Two servers with the same target and one with another tokenizer announce themselves; the
     device picks the least loaded compatible one; when it vanishes mid-generation every request
     finishes on the other with the target's greedy output; the mismatched one is never used."""
-    from sled_cli.tiny import make_model, make_tokenizer
+    from lab.tiny import make_model, make_tokenizer
     from verify_server.config import ServerConfig
     from verify_server.server import start_server
     from verify_server.target import Target
@@ -353,7 +353,7 @@ async def test_sled_serve_announces_itself_and_says_offline_when_stopped(pair, m
     """`sled serve --mqtt-host ...` as a person runs it: a retained announcement, then offline."""
     import signal
 
-    from sled_cli.procs import ServerProcess
+    from lab.server_process import ServerProcess
 
     target_dir, _ = pair
     announcement = "sled/servers/gpu-cli"

@@ -21,7 +21,7 @@ from drafters.onnx import ONNXDrafter
 from sled.fingerprint import fingerprint_tokenizer
 from sled.sampling import Sampling
 from drafters.onnx_export import export
-from sled_cli.tiny import save_pair
+from lab.tiny import save_pair
 
 GREEDY = Sampling()
 SAMPLING = Sampling(temperature=0.9, top_k=50, top_p=0.95)

@@ -13,7 +13,7 @@ import torch
 from conftest import greedy_reference
 from drafters.base import Proposal
 from drafters.hf import HFDrafter
-from drafters.trace import Trace, TraceDrafter
+from lab.traces import Trace, TraceDrafter
 from edge_client.profiles import DeviceProfile, Link, LinkProfile
 from edge_client.session import generate
 from edge_client.speculation import Speculation

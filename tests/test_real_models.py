@@ -15,7 +15,7 @@ from sled.cache import cache_dir
 from edge_client.session import VerifyError, generate
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from sled.models import hf_checkpoint
-from sled_cli.workload import load_workload
+from lab.workload import load_workload
 from verify_server.server import start_server
 from verify_server.target import Target
 

@@ -212,8 +212,8 @@ def counting_sequences(n: int, generator: torch.Generator) -> list[list[int]]:
 def counting_target(tokenizer):
     """A tiny Llama taught to count (plain LM loss), then SAT-tuned in full mode with the KL
     term that keeps its real-token behaviour: (float64 model, SatSpec, sequences)."""
-    from sled_cli.sdsat_train import SatTrainConfig, train_sat
-    from sled_cli.tiny import make_model
+    from verify_server.sdsat_train import SatTrainConfig, train_sat
+    from lab.tiny import make_model
 
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
@@ -262,7 +262,7 @@ async def test_lookahead_hints_start_drafts_and_stay_lossless(serve, tokenizer, 
     """With a drafter that is usually right, whole-draft acceptances bring SAT hints, the next
     drafts start with them (ahead of any tokens drafted while the verdict was in flight), and
     the output is still the target's."""
-    from sled_cli.tiny import perturbed
+    from lab.tiny import perturbed
 
     model, spec, sequences = counting_target
     server = await serve_sat(serve, model, tokenizer, spec)

@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lab.tiny import CORPUS, make_model, save_pair
 from sled.fingerprint import fingerprint_tokenizer
 from sled_cli.main import main
-from sled_cli.sdsat_corpus import load_documents, split_heldout, tokenize_documents
-from sled_cli.sdsat_train import (SatTrainConfig, draw_batch, initial_adapter, sat_acceptance,
-                                  sat_logits, train_sat)
-from sled_cli.tiny import CORPUS, make_model, save_pair
+from verify_server.sdsat_corpus import load_documents, split_heldout, tokenize_documents
+from verify_server.sdsat_train import (SatTrainConfig, draw_batch, initial_adapter, sat_acceptance,
+                                       sat_logits, train_sat)
 from verify_server.sdsat import (ADAPTER_FILE, SatSpec, adapter_metadata, load_adapter, sat_inputs,
                                  sat_spec_of)
 

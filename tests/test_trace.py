@@ -11,7 +11,7 @@ import pytest
 
 from conftest import greedy_reference
 from drafters.hf import HFDrafter
-from drafters.trace import Trace, TraceDivergence, TraceDrafter, TraceSet, record_traces
+from lab.traces import Trace, TraceDivergence, TraceDrafter, TraceSet, record_traces
 from edge_client.profiles import DeviceProfile, Link, LinkProfile, device_profile, link_profile
 from edge_client.session import generate, generate_server_side
 from sled.sampling import Sampling

@@ -9,7 +9,7 @@ import pytest
 
 from drafters import resolve_spec
 from sled.models import BUILTIN, builtin, gguf_path, resolve_model
-from sled_cli.workload import load_workload
+from lab.workload import load_workload
 
 
 def test_humaneval_prompts_come_from_the_package():

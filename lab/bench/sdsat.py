@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sled_cli.report import save_figure, subplots, write_json
+from lab.report import save_figure, subplots, write_json
 
 PLAIN, SAT = "plain", "sat"
 NO_SAT_EXIT = 2
@@ -158,8 +158,8 @@ async def run_bench_sdsat(args) -> int:
     from edge_client.connection import Connection
     from edge_client.session import VerifyError
     from sled.models import resolve_model
-    from sled_cli.procs import ServerProcess
-    from sled_cli.trace import workload_ids
+    from lab.server_process import ServerProcess
+    from lab.traces.record import workload_ids
 
     console = Console()
     try:

@@ -65,8 +65,8 @@ async def run_demo(args) -> int:
 
     from drafters.onnx_export import export_alias
     from sled.models import gguf_path, hf_checkpoint
-    from sled_cli.procs import ServerProcess
-    from sled_cli.workload import load_workload
+    from lab.server_process import ServerProcess
+    from lab.workload import load_workload
 
     hf_logging.disable_progress_bar()
     console = Console()

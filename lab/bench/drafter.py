@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from sled_cli.report import write_json
+from lab.report import write_json
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 

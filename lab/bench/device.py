@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from sled_cli.report import save_figure, subplots, write_json
+from lab.report import save_figure, subplots, write_json
 
 PARTS = ("adaptive", "pipeline")
 
@@ -85,7 +85,7 @@ async def run_unit(stub, config: Config, traces: list, *, device, max_new_tokens
                    on_tokens=None) -> list:
     """Every device generates its trace's prompt at once; (result, expected output) per device.
     policies[j], when given, is device j's DraftPolicy, kept across its sessions."""
-    from drafters.trace import TraceDrafter
+    from lab.traces import TraceDrafter
     from edge_client.profiles import Link, link_profile
     from edge_client.session import generate
 
@@ -257,10 +257,10 @@ async def run_bench_device(args) -> int:
     from rich.console import Console
 
     from edge_client.session import VerifyError
-    from sled_cli.bench_serve import _short
+    from lab.bench.serve import _short
     from sled.models import resolve_model
-    from sled_cli.procs import ServerProcess
-    from sled_cli.trace import traces_for
+    from lab.server_process import ServerProcess
+    from lab.traces.record import traces_for
 
     console = Console()
     try:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from sled_cli.bench import percentile
-from sled_cli.report import save_figure, subplots, write_json
+from lab.bench.overhead import percentile
+from lab.report import save_figure, subplots, write_json
 
 
 def _engines(model, budget_bytes: int, block_tokens: int):
@@ -55,7 +55,7 @@ def run_engine_bench(args) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from sled_cli.bench import default_target
+    from lab.bench.overhead import default_target
     from sled.models import resolve_model
     from verify_server.blocks import KVShape
     from verify_server.target import Target

@@ -19,7 +19,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def default_target() -> str:
     from sled.cache import cache_dir
-    from sled_cli.tiny import save_pair
+    from lab.tiny import save_pair
 
     target, _ = save_pair(cache_dir() / "tiny")
     return str(target)
@@ -33,8 +33,8 @@ async def run_overhead(args) -> int:
     from drafters import load_drafter
     from edge_client.connection import Connection
     from edge_client.session import generate
-    from sled_cli.procs import ServerProcess
-    from sled_cli.tiny import CORPUS
+    from lab.server_process import ServerProcess
+    from lab.tiny import CORPUS
 
     console = Console()
     model = args.model or default_target()

@@ -10,7 +10,7 @@ async def run_device(args) -> int:
     from drafters import load_drafter
     from edge_client.connection import Connection
     from edge_client.session import VerifyError, generate
-    from sled_cli.workload import load_workload
+    from lab.workload import load_workload
 
     drafter = load_drafter(args.drafter)
     prompts = load_workload(args.workload)

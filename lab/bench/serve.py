@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from dataclasses import dataclass
 
-from sled_cli.bench import percentile
-from sled_cli.report import save_figure, subplots, write_json
+from lab.bench.overhead import percentile
+from lab.report import save_figure, subplots, write_json
 
 MODES = ("sled", "centralized")
 
@@ -58,7 +58,7 @@ async def run_fleet(stub, mode: str, n: int, traces, *, max_new_tokens: int, dra
                     device, link, fingerprint: str, on_tokens=None) -> tuple[list, list[list[int]], float]:
     """N devices at once; device j serves trace j mod len(traces). Returns results, expected
     outputs and the makespan in seconds."""
-    from drafters.trace import TraceDrafter
+    from lab.traces import TraceDrafter
     from edge_client.profiles import Link
     from edge_client.session import generate, generate_server_side
 
@@ -157,8 +157,8 @@ async def run_bench_serve(args) -> int:
     from edge_client.profiles import device_profile, link_profile
     from edge_client.session import VerifyError
     from sled.models import resolve_model
-    from sled_cli.procs import ServerProcess
-    from sled_cli.trace import traces_for
+    from lab.server_process import ServerProcess
+    from lab.traces.record import traces_for
 
     console = Console()
     try:

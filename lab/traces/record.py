@@ -1,16 +1,64 @@
 """`sled trace record`: the target's greedy output for each workload prompt, and a real drafter's
 proposal at every position of it, saved as a trace file that emulated devices replay
-(drafters/trace.py). With no --model, a tiny random target + drafter pair made on the fly."""
+(lab.traces.replay). With no --model, a tiny random target + drafter pair made on the fly."""
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
+
+from drafters.base import reports_confidence
+from lab.traces.format import Trace, TraceSet
+from sled.sampling import Sampling
+
+
+def record_traces(drafter, prompts_ids: Sequence[Sequence[int]],
+                  target_outputs: Sequence[Sequence[int]], max_k: int, progress=None) -> list[Trace]:
+    """Drive a real drafter greedily along each target output, one proposal per position.
+
+    The context grows by one target token per position; rolling the drafter back to the context
+    after each proposal keeps the KV of the context, so each position costs one fed token plus
+    max_k - 1 drafted ones, not a prefill. A drafter that reports confidences
+    (drafters.base.reports_confidence) has them recorded too. `progress` is an optional rich
+    Progress.
+    """
+    if max_k < 1:
+        raise ValueError(f"max_k must be >= 1, got {max_k}")
+    greedy = Sampling()
+    options = {"with_confidence": True} if reports_confidence(drafter) else {}
+    task = progress.add_task(f"recording {drafter.name}", total=sum(map(len, target_outputs))) \
+        if progress is not None else None
+    traces = []
+    for prompt, target in zip(prompts_ids, target_outputs, strict=True):
+        context = list(prompt)
+        drafter.rollback(0)
+        proposals: list[list[int]] = []
+        confidences: list[list[float]] | None = [] if options else None
+        seconds = 0.0
+        for token in target:
+            started = time.perf_counter()
+            proposal = drafter.propose(context, max_k, greedy, **options)
+            seconds += time.perf_counter() - started
+            proposals.append(list(proposal.token_ids))
+            if confidences is not None:
+                confidences.append([round(c, 6) for c in proposal.confidence])
+            drafter.rollback(len(context))
+            context.append(token)
+            if task is not None:
+                progress.advance(task)
+        drafted = sum(map(len, proposals))
+        traces.append(Trace(list(prompt), list(target), proposals,
+                            seconds * 1e3 / drafted if drafted else 0.0, drafter.name,
+                            drafter.tokenizer_fingerprint, confidences))
+    return traces
+
 
 
 def tiny_pair() -> tuple[str, str]:
     """The cached tiny random target and its perturbed drafter (written on first use)."""
     from sled.cache import cache_dir
-    from sled_cli.tiny import save_pair
+    from lab.tiny import save_pair
 
     target, drafter = save_pair(cache_dir() / "tiny")
     return str(target), str(drafter)
@@ -26,8 +74,8 @@ def default_specs(model: str | None, drafter: str | None) -> tuple[str, str]:
 
 def workload_ids(workload: str, tokenizer, limit: int | None = None) -> list[list[int]]:
     """Prompt ids of a workload spec (sled_cli/workload.py) or, for "tiny", the tiny corpus."""
-    from sled_cli.tiny import CORPUS
-    from sled_cli.workload import load_workload
+    from lab.tiny import CORPUS
+    from lab.workload import load_workload
 
     texts = list(dict.fromkeys(CORPUS)) if workload == "tiny" else load_workload(workload)
     return [tokenizer(text).input_ids for text in texts[:limit]]
@@ -60,7 +108,7 @@ def record_trace_set(model: str, drafter_spec: str, workload: str, max_new_token
     from transformers.utils import logging as hf_logging
 
     from drafters import load_drafter
-    from drafters.trace import TraceSet, record_traces
+    from lab.traces import TraceSet, record_traces
     from sled.models import resolve_model
     from verify_server.target import Target
 
@@ -101,7 +149,7 @@ def run_trace_record(args) -> int:
 def traces_for(args, console):
     """(target, TraceSet) for a benchmark: --traces FILE, else recorded now with the default
     (or --model/--drafter) pair over --workload."""
-    from drafters.trace import TraceSet
+    from lab.traces import TraceSet
 
     if args.traces:
         traces = TraceSet.load(args.traces)

@@ -339,7 +339,7 @@ def write_log(folder: Path, log: list[dict]) -> Path:
 
 def plot_log(path: Path, log: list[dict], title: str) -> Path:
     """Loss, per-slot held-out acceptance and accepted run length against the step."""
-    from sled_cli.report import save_figure, subplots
+    from lab.report import save_figure, subplots
 
     fig, axes = subplots(3, figsize=(15, 4))
     trained = [e for e in log if "loss" in e]
@@ -377,8 +377,8 @@ def run_sdsat_train(args) -> int:
 
     from sled.fingerprint import fingerprint_tokenizer
     from sled.models import resolve_model
-    from sled_cli.report import write_json
-    from sled_cli.sdsat_corpus import load_documents, split_heldout, tokenize_documents
+    from lab.report import write_json
+    from verify_server.sdsat_corpus import load_documents, split_heldout, tokenize_documents
     from verify_server.target import DTYPES
 
     console = Console(stderr=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from sled_cli.report import save_figure, subplots, write_json
+from lab.report import save_figure, subplots, write_json
 
 
 async def _measure(stub, spec: str, prompts: list[list[int]], k: int, max_new: int,
@@ -41,8 +41,8 @@ async def run_acceptance(args) -> int:
     from rich.table import Table
 
     from edge_client.connection import Connection
-    from sled_cli.procs import ServerProcess
-    from sled_cli.workload import load_workload
+    from lab.server_process import ServerProcess
+    from lab.workload import load_workload
 
     console = Console()
     specs = args.drafters.split(",")
