@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install mosquitto protos clean
+.PHONY: demo test install models mosquitto protos clean
 
 install: $(STAMP)
 
@@ -20,8 +20,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/sled demo
 
-test: $(STAMP) mosquitto
+test: $(STAMP) mosquitto models
 	$(BIN)/python -m pytest -q
+
+# The built-in models the slow tests and the demo use, made once into the sled cache (each step
+# is skipped when its result is there): assemble the GGUFs, convert them to transformers
+# checkpoints, export the int4 ONNX drafters.
+models: $(STAMP)
+	$(BIN)/sled models prepare --onnx
 
 # The MQTT tests start a real Mosquitto broker; install it from the Debian packages when missing
 # (as root, else through passwordless sudo). The demo does not need it.
