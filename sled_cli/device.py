@@ -90,3 +90,8 @@ async def serve_device(settings, ready: asyncio.Event | None = None) -> int:
         await runner.cleanup()
         await device.close()
     return 0
+
+
+def run(argv: list[str]) -> int:
+    """`sled device ...`: main hands over the words after `device`, flags named after settings."""
+    return run_device_daemon(argv)

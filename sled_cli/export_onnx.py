@@ -1,11 +1,19 @@
 """`sled export-onnx`: an HF checkpoint or built-in model to an int4/int8/fp32 ONNX drafter."""
 from __future__ import annotations
 
-from drafters.onnx_export import alias_dir, export
-from sled.models import BUILTIN
+
+def add_arguments(parser) -> None:
+    parser.add_argument("source", help="HF checkpoint folder, or a built-in model alias")
+    parser.add_argument("out", nargs="?", default=None,
+                        help="output folder (default for an alias: the cache onnx:ALIAS loads)")
+    parser.add_argument("--precision", default="int4", choices=["int4", "int8", "fp32"])
+    parser.add_argument("--execution-provider", default="cpu", help="onnxruntime-genai EP (cpu)")
 
 
-def run_export_onnx(args) -> int:
+def run(args) -> int:
+    from drafters.onnx_export import alias_dir, export
+    from sled.models import BUILTIN
+
     if args.out is None and args.source not in BUILTIN:
         raise SystemExit("sled export-onnx: OUT_DIR is required unless SOURCE is a built-in model")
     out = args.out or alias_dir(args.source, args.precision)

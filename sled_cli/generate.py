@@ -7,7 +7,28 @@ import sys
 import grpc
 
 
-async def run_generate(args) -> int:
+def add_arguments(parser) -> None:
+    parser.add_argument("--server", required=True, help="HOST:PORT of a sled server")
+    parser.add_argument("--drafter", default="ngram",
+                        help="ngram, ngram:N, hf:PATH_OR_ID, gguf:ALIAS_OR_FILE, onnx:ALIAS_OR_DIR; "
+                             "or server (no drafter: the server generates) or sat (the server "
+                             "drafts with its semantic adaptive tokens)")
+    parser.add_argument("--lookahead", type=int, default=0,
+                        help="ask for this many SAT hints per verdict to start the next draft with")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--draft-len", type=int, default=4, help="tokens drafted per round (k)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop-id", type=int, action="append", default=[],
+                        help="extra stop token id")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object instead of text")
+
+
+async def run(args) -> int:
     from drafters import load_drafter
     from edge_client.connection import Connection
     from edge_client.session import VerifyError, generate, generate_server_side
@@ -50,10 +71,10 @@ async def run_generate(args) -> int:
                     stop_ids=args.stop_id, on_tokens=stream, mode=server_modes[args.drafter])
             else:
                 result = await generate(conn.stub, drafter, prompt_ids,
-                                        max_new_tokens=args.max_new_tokens, draft_len=args.draft_len,
+                                        max_new_tokens=args.max_new_tokens, settings=RoundSettings(draft_len=args.draft_len, lookahead=args.lookahead),
                                         sampling=sampling, stop_ids=args.stop_id,
                                         target_fingerprint=info.tokenizer_fingerprint,
-                                        on_tokens=stream, lookahead=args.lookahead)
+                                        on_tokens=stream)
         except VerifyError as exc:
             print(f"\nsled generate: server refused: {exc}", file=sys.stderr)
             return 4

@@ -1,4 +1,4 @@
-"""`sled sdsat train`: teach a causal LM semantic adaptive tokens (SATs).
+"""Teaching a causal LM semantic adaptive tokens (SATs); `sled sdsat train` runs it.
 
 One training example is a cut c in a token sequence x: the real tokens x[0..c-1], then m SAT slots
 at positions c..c+m-1 (position ids continue). With the normal shift the output at slot j
@@ -30,8 +30,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import math
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -329,7 +327,7 @@ def train_sat(model: torch.nn.Module, sequences: list[list[int]], config: SatTra
     return spec, run.log
 
 
-# --- the command -------------------------------------------------------------------------------
+# --- a training run's folder --------------------------------------------------------------------
 
 def write_log(folder: Path, log: list[dict]) -> Path:
     path = folder / LOG_FILE
@@ -337,119 +335,32 @@ def write_log(folder: Path, log: list[dict]) -> Path:
     return path
 
 
-def plot_log(path: Path, log: list[dict], title: str) -> Path:
-    """Loss, per-slot held-out acceptance and accepted run length against the step."""
-    from lab.report import save_figure, subplots
+@dataclass(slots=True)
+class TrainingFolder:
+    """What a run writes under `out`: the adapter (with `metadata`), the log and a summary, and
+    in full mode the tuned model beside them. At a checkpoint, the adapter and log so far."""
+    out: Path
+    metadata: dict
 
-    fig, axes = subplots(3, figsize=(15, 4))
-    trained = [e for e in log if "loss" in e]
-    steps = [e["step"] for e in log]
-    axes[0].plot([e["step"] for e in trained], [e["loss"] for e in trained], label="training loss")
-    axes[0].plot(steps, [e["heldout"]["loss"] for e in log], label="held-out SAT loss")
-    if trained and "kl" in trained[0]:
-        axes[0].plot([e["step"] for e in trained], [e["kl"] for e in trained], label="KL to original")
-    axes[0].set_xlabel("step")
-    axes[0].set_ylabel("cross-entropy (nats)")
-    axes[1].plot(steps, [e["heldout"]["slot_accuracy"] for e in log], "k-", lw=2, label="all slots")
-    for j in range(len(log[0]["heldout"]["per_slot"])):
-        axes[1].plot(steps, [e["heldout"]["per_slot"][j] for e in log], lw=1, label=f"slot {j + 1}")
-    axes[1].set_xlabel("step")
-    axes[1].set_ylabel("held-out greedy acceptance")
-    axes[2].plot(steps, [e["heldout"]["accepted_run"] for e in log], label="accepted run")
-    axes[2].axhline(log[0]["heldout"]["accepted_run"], ls="--", color="gray", label="untrained")
-    axes[2].set_xlabel("step")
-    axes[2].set_ylabel("leading slots all correct (mean)")
-    return save_figure(fig, axes, path, title)
+    def __post_init__(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
 
+    def on_checkpoint(self, step: int, adapter: torch.Tensor, log: list[dict]) -> None:
+        save_adapter(self.out / ADAPTER_FILE, adapter, {**self.metadata, "steps": step})
+        write_log(self.out, log)
 
-def _progress():
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
-
-    return Progress(TextColumn("[bold]SAT training"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
-
-
-def run_sdsat_train(args) -> int:
-    """`sled sdsat train`: load, tokenize, train, then write the adapter, log, plot and summary."""
-    from rich.console import Console
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from sled.fingerprint import fingerprint_tokenizer
-    from sled.models import resolve_model
-    from lab.report import write_json
-    from verify_server.sdsat_corpus import load_documents, split_heldout, tokenize_documents
-    from verify_server.target import DTYPES
-
-    console = Console(stderr=True)
-    try:
-        config = SatTrainConfig(slots=args.slots, mode=args.mode, steps=args.steps, batch=args.batch,
-                                lr=args.lr, kl_weight=args.kl_weight, seed=args.seed,
-                                eval_every=args.eval_every or max(1, args.steps // 20),
-                                eval_samples=args.eval_samples, save_every=args.save_every)
-        if args.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {args.dtype!r}; choose one of {', '.join(DTYPES)}")
-        documents = load_documents(args.corpus)
-    except ValueError as exc:
-        console.print(f"[red]error:[/] {exc}")
-        return 2
-    out = Path(args.out)
-    checkpoint_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else out / "checkpoint"
-    path = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).eval()
-    try:
-        sequences = tokenize_documents(tokenizer, documents, args.seq_len, min_len=config.slots + 2)
-        train, heldout = split_heldout(sequences, args.heldout)
-    except ValueError as exc:
-        console.print(f"[red]error:[/] {exc}")
-        return 2
-    console.print(f"{args.model}: {len(documents)} documents -> {len(train)} training and "
-                  f"{len(heldout)} held-out sequences of <= {args.seq_len} tokens; mode {config.mode}, "
-                  f"{config.slots} slots, lr {config.lr}")
-    metadata = {"base_model": args.model, "mode": config.mode, "slots": config.slots,
-                "corpus": args.corpus, "seed": config.seed, "seq_len": args.seq_len,
-                "batch": config.batch, "lr": config.lr, "tokenizer": fingerprint_tokenizer(tokenizer)}
-    out.mkdir(parents=True, exist_ok=True)
-
-    def on_checkpoint(step: int, adapter: torch.Tensor, log: list[dict]) -> None:
-        save_adapter(out / ADAPTER_FILE, adapter, {**metadata, "steps": step})
-        write_log(out, log)
-
-    with _progress() as progress:
-        task = progress.add_task("train", total=config.steps, status="")
-        status = {"acc": float("nan"), "run": float("nan")}
-
-        def on_step(step: int, parts: dict, held: dict | None) -> None:
-            if held is not None:
-                status.update(acc=held["slot_accuracy"], run=held["accepted_run"])
-            progress.update(task, completed=step, status=(
-                f"loss {parts['loss']:.3f}  held-out acc {status['acc']:.3f}  run {status['run']:.2f}"))
-
-        try:
-            spec, log = train_sat(model, train, config, heldout, checkpoint_dir=checkpoint_dir,
-                                  resume=args.resume, on_step=on_step, on_checkpoint=on_checkpoint)
-        except ValueError as exc:
-            console.print(f"[red]error:[/] {exc}")
-            return 2
-    metadata["steps"] = config.steps
-    adapter_path = save_adapter(out / ADAPTER_FILE, spec.embeddings, metadata)
-    write_log(out, log)
-    if config.mode == "full":
-        setattr(model.config, CONFIG_KEY, {"slots": config.slots, "adapter": ADAPTER_FILE})
-        model.save_pretrained(out, safe_serialization=True)
-        tokenizer.save_pretrained(out)
-    plot = plot_log(out / PLOT_FILE, log, f"SAT training: {args.model}, {config.mode}, "
-                    f"{config.slots} slots, {args.corpus}")
-    first, last = log[0]["heldout"], log[-1]["heldout"]
-    write_json(out / SUMMARY_FILE, {"metadata": metadata, "config": asdict(config),
-                                    "sequences": {"train": len(train), "heldout": len(heldout)},
-                                    "untrained": first, "trained": last,
-                                    "elapsed_s": log[-1]["elapsed_s"]})
-    if not args.keep_checkpoint and checkpoint_dir.exists():
-        shutil.rmtree(checkpoint_dir)
-    console.print(f"held-out greedy SAT acceptance {first['slot_accuracy']:.3f} -> "
-                  f"{last['slot_accuracy']:.3f}, accepted run {first['accepted_run']:.2f} -> "
-                  f"{last['accepted_run']:.2f} of {config.slots}")
-    console.print(f"wrote {adapter_path}, {out / LOG_FILE}, {plot}")
-    return 0 if math.isfinite(log[-1].get("loss", 0.0)) else 1
+    def save(self, spec: SatSpec, log: list[dict], config: SatTrainConfig, sequences: dict,
+             model: torch.nn.Module, tokenizer) -> Path:
+        """The finished run; sequences: {"train": count, "heldout": count}. Returns the adapter."""
+        self.metadata["steps"] = config.steps
+        adapter = save_adapter(self.out / ADAPTER_FILE, spec.embeddings, self.metadata)
+        write_log(self.out, log)
+        if config.mode == "full":
+            setattr(model.config, CONFIG_KEY, {"slots": config.slots, "adapter": ADAPTER_FILE})
+            model.save_pretrained(self.out, safe_serialization=True)
+            tokenizer.save_pretrained(self.out)
+        summary = {"metadata": self.metadata, "config": asdict(config), "sequences": sequences,
+                   "untrained": log[0]["heldout"], "trained": log[-1]["heldout"],
+                   "elapsed_s": log[-1]["elapsed_s"]}
+        (self.out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        return adapter

@@ -9,7 +9,22 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from lab.report import save_figure, subplots, write_json
+from lab.bench import harness
+from lab.bench.report import save_figure, subplots
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--target", default="gemma3-270m", help="alias or checkpoint path")
+    parser.add_argument("--drafters", default="gguf:gemma3-270m,onnx:gemma3-270m,ngram",
+                        help="comma-separated drafter specs")
+    parser.add_argument("--k", default="2,4,6,8", help="comma-separated draft lengths")
+    harness.add_workload_flags(parser, default="humaneval:20", max_new_tokens=64)
+    parser.add_argument("--devices", type=int, default=4, help="concurrent sessions per drafter")
+    harness.add_out_flag(parser, "acceptance")
+
+
+def run(args) -> int:
+    return harness.run_bench("acceptance", bench, args)
 
 
 async def _measure(stub, spec: str, prompts: list[list[int]], k: int, max_new: int,
@@ -23,7 +38,7 @@ async def _measure(stub, spec: str, prompts: list[list[int]], k: int, max_new: i
     async def device(slot: int) -> None:
         for i in range(slot, len(prompts), devices):
             results.append(await generate(stub, drafters[slot], prompts[i], max_new_tokens=max_new,
-                                          draft_len=k, target_fingerprint=fingerprint))
+                                          settings=RoundSettings(draft_len=k), target_fingerprint=fingerprint))
 
     await asyncio.gather(*(device(s) for s in range(devices)))
     rounds = sum(r.rounds for r in results)
@@ -35,31 +50,42 @@ async def _measure(stub, spec: str, prompts: list[list[int]], k: int, max_new: i
             "mean_accepted": accepted / rounds, "tokens_per_round": tokens / rounds}
 
 
-async def run_acceptance(args) -> int:
-    from rich.console import Console
+async def bench(args) -> int:
+    from lab.workload import prompt_texts
+
+    console = harness.bench_console()
+    specs = harness.split_list(args.drafters)
+    with harness.flag_errors():
+        ks = harness.split_list(args.k, int)
+        texts = prompt_texts(args.workload)
+    async with harness.serving(args.target) as served:
+        rows = await _sweep(served, specs, ks, await served.prompt_ids(texts), args, console)
+    console.print(_table(rows, args))
+    harness.write_results(console, args.out, {
+        "target": args.target, "workload": args.workload, "max_new_tokens": args.max_new_tokens,
+        "results": rows}, lambda png: _plot(rows, specs, png, f"{args.target} on {args.workload}"))
+    return harness.DONE
+
+
+async def _sweep(served, specs: list[str], ks: list[int], prompts: list[list[int]], args,
+                 console) -> list[dict]:
+    """Every drafter at every k, one after another."""
     from rich.progress import Progress
-    from rich.table import Table
 
-    from edge_client.connection import Connection
-    from lab.server_process import ServerProcess
-    from lab.workload import load_workload
-
-    console = Console()
-    specs = args.drafters.split(",")
-    ks = [int(k) for k in args.k.split(",")]
     rows = []
-    async with ServerProcess(args.target) as server, Connection(server.address) as conn:
-        info = await conn.model_info()
-        tokenizer = await conn.tokenizer()
-        prompts = [tokenizer(p).input_ids for p in load_workload(args.workload)]
-        with Progress(console=console) as progress:
-            task = progress.add_task("drafter x k", total=len(specs) * len(ks))
-            for spec in specs:
-                for k in ks:
-                    progress.update(task, description=f"{spec} k={k}")
-                    rows.append(await _measure(conn.stub, spec, prompts, k, args.max_new_tokens,
-                                               info.tokenizer_fingerprint, args.devices))
-                    progress.advance(task)
+    with Progress(console=console) as progress:
+        task = progress.add_task("drafter x k", total=len(specs) * len(ks))
+        for spec in specs:
+            for k in ks:
+                progress.update(task, description=f"{spec} k={k}")
+                rows.append(await _measure(served.stub, spec, prompts, k, args.max_new_tokens,
+                                           served.fingerprint, args.devices))
+                progress.advance(task)
+    return rows
+
+
+def _table(rows: list[dict], args):
+    from rich.table import Table
 
     table = Table(title=f"acceptance on {args.workload}, target {args.target}, "
                         f"{args.max_new_tokens} new tokens, greedy")
@@ -68,12 +94,7 @@ async def run_acceptance(args) -> int:
     for r in rows:
         table.add_row(r["drafter"], str(r["k"]), f"{r['acceptance_rate']:.1%}",
                       f"{r['mean_accepted']:.2f}", f"{r['tokens_per_round']:.2f}", str(r["rounds"]))
-    console.print(table)
-    out = write_json(args.out, {"target": args.target, "workload": args.workload,
-                                "max_new_tokens": args.max_new_tokens, "results": rows})
-    _plot(rows, specs, out.with_suffix(".png"), f"{args.target} on {args.workload}")
-    console.print(f"wrote {out} and {out.with_suffix('.png')}")
-    return 0
+    return table
 
 
 def _plot(rows: list[dict], specs: list[str], path: Path, title: str) -> None:

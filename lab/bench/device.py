@@ -17,14 +17,97 @@ from __future__ import annotations
 
 import asyncio
 import random
-import shlex
-import sys
 import time
 from dataclasses import dataclass, field
 
-from lab.report import save_figure, subplots, write_json
+from lab.bench import harness
+from lab.bench.report import save_figure, short_name, subplots
 
 PARTS = ("adaptive", "pipeline")
+
+
+def add_arguments(parser) -> None:
+    harness.add_server_flags(parser, model_help="target alias or path (default: the traces' "
+                             "target, else a tiny random one)",
+                             dtype_help="the target's dtype, recording and serving")
+    harness.add_trace_flags(parser, max_new_tokens=48)
+    parser.add_argument("--device-profile", default="pi5", help="pi4, pi5, orin-nano, instant; "
+                        "NAME:draft_ms_per_token=X,round_overhead_ms=Y")
+    parser.add_argument("--devices", type=int, default=1, help="devices running at once")
+    parser.add_argument("--reps", type=int, default=1, help="passes over the prompts")
+    parser.add_argument("--parts", default="adaptive,pipeline",
+                        help="which of adaptive,pipeline to run")
+    parser.add_argument("--links", default="ethernet,lte", help="link profiles for the "
+                        "draft-length table (NAME:rtt_ms=X,... overrides)")
+    parser.add_argument("--k", default="1,2,4,6,8",
+                        help="fixed draft lengths to compare adaptive with")
+    parser.add_argument("--rtts", default="5,20,50",
+                        help="round trip times (ms) for the pipelining table")
+    parser.add_argument("--pipeline-link", default="wifi", help="link whose round trip --rtts sets")
+    parser.add_argument("--pipeline-draft-len", default="4",
+                        help="k for the pipelining table, or adaptive")
+    parser.add_argument("--min-confidence", type=float, default=0.0, help="stop drafts early "
+                        "below this drafter confidence, every configuration (0: never)")
+    harness.add_out_flag(parser, "device")
+
+
+def run(args) -> int:
+    return harness.run_bench("device", bench, args)
+
+
+async def bench(args) -> int:
+    from lab.traces.record import traces_for
+    from sled.models import resolve_model
+
+    console = harness.bench_console()
+    with harness.flag_errors():
+        settings = parse_args(args)
+        model, traces = traces_for(args, console)
+        if args.prompts:
+            traces.traces = traces.traces[:args.prompts]
+        ks = _usable_lengths(settings["ks"], traces.max_k, console)
+    configs = configurations(settings["parts"], settings["links"], ks, settings["rtts"],
+                             args.pipeline_link, settings["pipeline_draft_len"])
+    started = time.perf_counter()
+    async with harness.serving(resolve_model(model), harness.server_flags(args), console) as served:
+        with harness.server_errors():
+            # The adaptive policy chooses from the same range as the fixed lengths it is compared with.
+            results = await sweep(served, traces, configs, args, settings["device"],
+                                  max(ks, default=traces.max_k), console)
+    rows = [summarize(s) for s in results.values()]
+    adaptive = adaptive_rows(results, settings["links"], ks) if "adaptive" in settings["parts"] else []
+    pipelined = pipeline_rows(results, args.pipeline_link, settings["rtts"],
+                              settings["pipeline_draft_len"]) if "pipeline" in settings["parts"] else []
+    info = served.info
+    setup = (f"{short_name(model)} on {info.device}, drafter {short_name(traces.drafter)}, device "
+             f"{args.device_profile}, {args.devices} device(s), {len(traces.traces)} prompts x "
+             f"{args.reps}")
+    if adaptive:
+        console.print(_adaptive_table(adaptive, ks, setup))
+    if pipelined:
+        console.print(_pipeline_table(pipelined, setup, settings["pipeline_draft_len"]))
+    harness.write_results(console, args.out, {
+        "model": model, "server_device": info.device, "dtype": info.dtype, "drafter": traces.drafter,
+        "traces": args.traces or "recorded", "prompts": len(traces.traces), "reps": args.reps,
+        "max_k": traces.max_k, "device_profile": args.device_profile, "devices": args.devices,
+        "max_new_tokens": args.max_new_tokens, "min_confidence": args.min_confidence,
+        "pipeline_link": args.pipeline_link, "pipeline_draft_len": settings["pipeline_draft_len"],
+        "wall_s": time.perf_counter() - started,
+        "adaptive_vs_fixed": adaptive, "pipelining": pipelined, "results": rows},
+        lambda png: _plot(adaptive, pipelined, ks, png, setup))
+    return harness.lossless_exit(console, [
+        f"{r['link']} draft length {r['draft_len']}{' pipelined' if r['pipeline'] else ''}: "
+        f"{r['mismatches']} output(s)" for r in rows if r["mismatches"]])
+
+
+def _usable_lengths(ks: list[int], max_k: int, console) -> list[int]:
+    """The fixed draft lengths the traces can serve (ValueError: none)."""
+    usable = [k for k in ks if k <= max_k]
+    if not usable:
+        raise ValueError(f"every --k is above the traces' max_k {max_k}")
+    if usable != ks:
+        console.print(f"[yellow]fixed k above the traces' max_k {max_k} dropped[/]")
+    return usable
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +169,7 @@ async def run_unit(stub, config: Config, traces: list, *, device, max_new_tokens
     """Every device generates its trace's prompt at once; (result, expected output) per device.
     policies[j], when given, is device j's DraftPolicy, kept across its sessions."""
     from lab.traces import TraceDrafter
-    from edge_client.profiles import Link, link_profile
+    from lab.profiles import Link, link_profile
     from edge_client.session import generate
 
     link = link_profile(config.link)
@@ -94,10 +177,7 @@ async def run_unit(stub, config: Config, traces: list, *, device, max_new_tokens
     async def one(j: int, trace):
         expected = trace.target_ids[:max_new_tokens]
         result = await generate(stub, TraceDrafter(trace, device), trace.prompt_ids,
-                                max_new_tokens=len(expected), draft_len=config.draft_len,
-                                max_draft_len=max_draft_len, target_fingerprint=fingerprint,
-                                link=Link(link, seed=seed * 1000 + j), pipeline=config.pipeline,
-                                min_confidence=min_confidence, on_tokens=on_tokens,
+                                max_new_tokens=len(expected), settings=RoundSettings(draft_len=config.draft_len, max_draft_len=max_draft_len, pipeline=config.pipeline, min_confidence=min_confidence), transport=link_transport(Link(link, seed=seed * 1000 + j)), target_fingerprint=fingerprint, on_tokens=on_tokens,
                                 policy=policies[j] if policies else None)
         return result, expected
 
@@ -181,8 +261,8 @@ def pipeline_rows(results: dict[Config, Samples], pipeline_link: str, rtts: list
     return rows
 
 
-async def sweep(server, traces, configs: list[Config], args, device, max_draft_len: int,
-                console) -> tuple[dict, object]:
+async def sweep(served, traces, configs: list[Config], args, device, max_draft_len: int,
+                console) -> dict:
     """Every configuration on every unit, interleaved, after one unmeasured warm-up each and one
     unmeasured session per prompt (so every measured session finds its prompt in the server's
     prefix cache, whichever configuration happens to run it first).
@@ -193,7 +273,6 @@ async def sweep(server, traces, configs: list[Config], args, device, max_draft_l
     """
     from rich.progress import Progress
 
-    from edge_client.connection import Connection
     from edge_client.draft_policy import DraftPolicy
 
     n, pool = args.devices, traces.traces
@@ -201,33 +280,29 @@ async def sweep(server, traces, configs: list[Config], args, device, max_draft_l
     common = dict(device=device, max_draft_len=max_draft_len, min_confidence=args.min_confidence)
     results = {c: Samples(c) for c in configs}
     policies = {c: [DraftPolicy(max_k=max_draft_len) for _ in range(n)] for c in configs}
-    async with Connection(server.address) as conn:
-        info = await conn.model_info()
-        if traces.tokenizer_fingerprint not in (None, info.tokenizer_fingerprint):
-            raise ValueError(f"the traces were recorded for another tokenizer than the server's "
-                             f"({traces.target} vs {info.model_id})")
-        common["fingerprint"] = info.tokenizer_fingerprint
-        for config in configs:
-            await run_unit(conn.stub, config, units[0], max_new_tokens=4, seed=0,
-                           policies=policies[config], **common)
-        for trace in pool:
-            await run_unit(conn.stub, configs[0], [trace], max_new_tokens=1, seed=0, **common)
-        total = len(configs) * sum(min(len(t.target_ids), args.max_new_tokens) for unit in units for t in unit)
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("devices", total=total)
-            for u, unit in enumerate(units):
-                for config in rotated(configs, u):
-                    progress.update(task, description=f"prompt {u + 1}/{len(units)}: {config.label}")
-                    runs = await run_unit(conn.stub, config, unit, max_new_tokens=args.max_new_tokens,
-                                          seed=u, policies=policies[config],
-                                          on_tokens=lambda t: progress.advance(task, len(t)), **common)
-                    record(results[config], runs)
-    return results, info
+    served.check_traces(traces)
+    common["fingerprint"] = served.fingerprint
+    for config in configs:
+        await run_unit(served.stub, config, units[0], max_new_tokens=4, seed=0,
+                       policies=policies[config], **common)
+    for trace in pool:
+        await run_unit(served.stub, configs[0], [trace], max_new_tokens=1, seed=0, **common)
+    total = len(configs) * sum(min(len(t.target_ids), args.max_new_tokens) for unit in units for t in unit)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("devices", total=total)
+        for u, unit in enumerate(units):
+            for config in rotated(configs, u):
+                progress.update(task, description=f"prompt {u + 1}/{len(units)}: {config.label}")
+                runs = await run_unit(served.stub, config, unit, max_new_tokens=args.max_new_tokens,
+                                      seed=u, policies=policies[config],
+                                      on_tokens=lambda t: progress.advance(task, len(t)), **common)
+                record(results[config], runs)
+    return results
 
 
 def parse_args(args) -> dict:
     """The sweep's settings from the command line; ValueError names the bad flag."""
-    from edge_client.profiles import device_profile, link_profile
+    from lab.profiles import device_profile, link_profile
 
     parts = args.parts.split(",")
     if not parts or set(parts) - set(PARTS):
@@ -251,78 +326,6 @@ def parse_args(args) -> dict:
     return {"parts": [p for p in PARTS if p in parts], "ks": ks, "rtts": rtts, "links": links,
             "pipeline_draft_len": draft_len if draft_len == "adaptive" else int(draft_len),
             "device": device_profile(args.device_profile)}
-
-
-async def run_bench_device(args) -> int:
-    from rich.console import Console
-
-    from edge_client.session import VerifyError
-    from lab.bench.serve import _short
-    from sled.models import resolve_model
-    from lab.server_process import ServerProcess
-    from lab.traces.record import traces_for
-
-    console = Console()
-    try:
-        settings = parse_args(args)
-        model, traces = traces_for(args, console)
-        if args.prompts:
-            traces.traces = traces.traces[:args.prompts]
-    except (ValueError, OSError) as exc:
-        print(f"sled bench device: {exc}", file=sys.stderr)
-        return 2
-    ks = [k for k in settings["ks"] if k <= traces.max_k]
-    if not ks:
-        print(f"sled bench device: every --k is above the traces' max_k {traces.max_k}", file=sys.stderr)
-        return 2
-    if ks != settings["ks"]:
-        console.print(f"[yellow]fixed k above the traces' max_k {traces.max_k} dropped[/]")
-    configs = configurations(settings["parts"], settings["links"], ks, settings["rtts"],
-                             args.pipeline_link, settings["pipeline_draft_len"])
-
-    server_args = ["--dtype", args.dtype, *shlex.split(args.server_args)]
-    started = time.perf_counter()
-    with console.status("starting the verify server"):
-        server = await ServerProcess(resolve_model(model), *server_args).__aenter__()
-    try:
-        # The adaptive policy chooses from the same range as the fixed lengths it is compared with.
-        results, info = await sweep(server, traces, configs, args, settings["device"],
-                                    max(ks, default=traces.max_k), console)
-    except (VerifyError, ValueError) as exc:
-        print(f"sled bench device: {exc}", file=sys.stderr)
-        return 3
-    finally:
-        await server.__aexit__(None, None, None)
-
-    rows = [summarize(s) for s in results.values()]
-    adaptive = adaptive_rows(results, settings["links"], ks) if "adaptive" in settings["parts"] else []
-    pipelined = pipeline_rows(results, args.pipeline_link, settings["rtts"],
-                              settings["pipeline_draft_len"]) if "pipeline" in settings["parts"] else []
-    setup = (f"{_short(model)} on {info.device}, drafter {_short(traces.drafter)}, device "
-             f"{args.device_profile}, {args.devices} device(s), {len(traces.traces)} prompts x "
-             f"{args.reps}")
-    if not console.is_terminal:
-        console.width = max(console.width, 120)  # a log file gets the whole table
-    if adaptive:
-        console.print(_adaptive_table(adaptive, ks, setup))
-    if pipelined:
-        console.print(_pipeline_table(pipelined, setup, settings["pipeline_draft_len"]))
-    out = write_json(args.out, {
-        "model": model, "server_device": info.device, "dtype": info.dtype, "drafter": traces.drafter,
-        "traces": args.traces or "recorded", "prompts": len(traces.traces), "reps": args.reps,
-        "max_k": traces.max_k, "device_profile": args.device_profile, "devices": args.devices,
-        "max_new_tokens": args.max_new_tokens, "min_confidence": args.min_confidence,
-        "pipeline_link": args.pipeline_link, "pipeline_draft_len": settings["pipeline_draft_len"],
-        "wall_s": time.perf_counter() - started,
-        "adaptive_vs_fixed": adaptive, "pipelining": pipelined, "results": rows})
-    _plot(adaptive, pipelined, ks, out.with_suffix(".png"), setup)
-    console.print(f"wrote {out} and {out.with_suffix('.png')}")
-    bad = [r for r in rows if r["mismatches"]]
-    for r in bad:
-        console.print(f"[red]{r['link']} draft length {r['draft_len']}"
-                      f"{' pipelined' if r['pipeline'] else ''}: {r['mismatches']} output(s) differ "
-                      "from the target's greedy output[/]")
-    return 1 if bad else 0
 
 
 def _adaptive_table(rows: list[dict], ks: list[int], setup: str):

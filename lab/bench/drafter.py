@@ -15,11 +15,74 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from lab.report import write_json
+from lab.bench import harness
 
+RUNTIMES = {"gguf": "llama.cpp", "onnx": "onnxruntime-genai"}
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="gguf:ALIAS, gguf:FILE, onnx:ALIAS or onnx:DIR")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="runtime threads (default: all cores)")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
+    parser.add_argument("--draft-len", type=int, default=4, help="tokens drafted per round (k)")
+    parser.add_argument("--accept", type=int, default=None,
+                        help="drafts accepted per simulated verdict (default: all)")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions of each, interleaved")
+    parser.add_argument("--out", default=None, help="default: bench-results/drafter-MODEL-tN.json")
+
+
+def run(args) -> int:
+    return harness.run_bench("drafter", bench, args)
+
+
+def bench(args) -> int:
+    from drafters import resolve_spec
+
+    kind, _, path = resolve_spec(args.model).partition(":")
+    if kind not in ("gguf", "onnx") or not path:
+        raise harness.Stop(f"need gguf:ALIAS, gguf:FILE, onnx:ALIAS or onnx:DIR, got {args.model!r}")
+    console = harness.bench_console()
+    setup = Setup.of(args, path)
+    drafter, prompt, native = (_gguf if kind == "gguf" else _onnx)(setup)
+    race = Race(RUNTIMES[kind], [], [], True)
+    _race(race, console, native, drafter, prompt, setup, args)
+    summarize = _gguf_summary if kind == "gguf" else _onnx_summary
+    table, data, name = summarize(race, setup, args)
+    console.print(table)
+    console.print(f"same greedy text as {race.runtime}: {'yes' if race.same_text else 'NO'}")
+    harness.write_results(console, args.out or f"bench-results/{name}-t{setup.threads}.json", {
+        **data, "native_tokens_per_s": race.native_tps, "drafter_tokens_per_s": race.drafter_tps,
+        **_ratios(race, kind), "same_text": race.same_text})
+    return harness.DONE
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """One drafter file under test: its path, threads, k and drafts accepted per round."""
+    path: str
+    threads: int
+    draft_len: int
+    accept: int
+
+    @classmethod
+    def of(cls, args, path: str) -> "Setup":
+        accept = min(args.accept if args.accept is not None else args.draft_len, args.draft_len - 1)
+        return cls(path, args.threads or os.cpu_count(), args.draft_len, accept)
+
+
+@dataclass(slots=True)
+class Race:
+    """Tokens/s of the runtime's own loop and of the drafter, repetition by repetition."""
+    runtime: str
+    native_tps: list[float]
+    drafter_tps: list[float]
+    same_text: bool
 
 
 def native_run(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:
@@ -52,70 +115,102 @@ def drafter_run(drafter, prompt: list[int], n: int, k: int, accept: int) -> tupl
     return time.perf_counter() - start, drafted, context[len(prompt):len(prompt) + n]
 
 
-def run_drafter_bench(args) -> int:
-    if args.model.startswith("onnx:"):
-        return run_onnx_bench(args)
-    from rich.console import Console
-    from rich.table import Table
-
-    from drafters import resolve_spec
+def _gguf(setup: Setup):
+    """The GGUF drafter, the prompt, and llama.cpp's own loop on the same file and threads."""
     from drafters.gguf import GGUFDrafter, open_llama
 
-    console = Console()
-    kind, _, file = resolve_spec(args.model).partition(":")
-    if kind != "gguf" or not file:
-        console.print(f"sled bench drafter: need gguf:ALIAS or gguf:FILE, got {args.model!r}")
-        return 2
-    k, accept = args.draft_len, min(args.accept if args.accept is not None else args.draft_len,
-                                     args.draft_len - 1)
-    threads = args.threads or os.cpu_count()
-    drafter = GGUFDrafter(file, n_threads=threads)
-    native = open_llama(Path(file), threads, drafter.n_ctx)
-    prompt = native.tokenize(PROMPT.encode(), add_bos=True)
+    drafter = GGUFDrafter(setup.path, n_threads=setup.threads)
+    llm = open_llama(Path(setup.path), setup.threads, drafter.n_ctx)
+    prompt = llm.tokenize(PROMPT.encode(), add_bos=True)
+    return drafter, prompt, lambda n: native_run(llm, prompt, n)
 
-    native_tps: list[float] = []
-    drafter_tps: list[float] = []
-    same_text = True
-    native_run(native, prompt, 8)  # warm up both: page in the weights, size the buffers
+
+def _onnx(setup: Setup):
+    """The ONNX drafter, the prompt, and onnxruntime-genai's own loop on the drafter's og.Model
+    (the same session and threads)."""
+    from transformers import AutoTokenizer
+
+    from drafters.onnx import ONNXDrafter
+
+    drafter = ONNXDrafter(setup.path, n_threads=setup.threads)
+    prompt = AutoTokenizer.from_pretrained(setup.path)(PROMPT).input_ids
+    return drafter, prompt, lambda n: onnx_native_run(drafter.model, prompt, n, drafter.max_length)
+
+
+def _race(race: Race, console, native, drafter, prompt: list[int], setup: Setup, args) -> None:
+    """Warm both up, then alternate which goes first, repetition by repetition, into `race`.
+    The native loop may stop early at EOS; its tokens/s counts the tokens it did generate."""
+    k, accept = setup.draft_len, setup.accept
+    native(8)  # warm up both: page in the weights, size the buffers
     drafter_run(drafter, prompt, 8, k, accept)
     for rep in range(args.reps):  # no spinner: its refresh thread would compete for the cores
         for which in ("native", "drafter") if rep % 2 == 0 else ("drafter", "native"):
             if which == "native":
-                seconds, native_tokens = native_run(native, prompt, args.tokens)
-                native_tps.append(args.tokens / seconds)
+                seconds, native_tokens = native(args.tokens)
+                race.native_tps.append(len(native_tokens) / seconds)
             else:
                 seconds, drafted, committed = drafter_run(drafter, prompt, args.tokens, k, accept)
-                drafter_tps.append(drafted / seconds)
-        same_text &= committed == native_tokens
-        console.print(f"repetition {rep + 1}/{args.reps}: native {native_tps[-1]:.1f}, "
-                      f"drafter {drafter_tps[-1]:.1f} tokens/s")
+                race.drafter_tps.append(drafted / seconds)
+        race.same_text &= committed[:len(native_tokens)] == native_tokens
+        console.print(f"repetition {rep + 1}/{args.reps}: native {race.native_tps[-1]:.1f}, "
+                      f"drafter {race.drafter_tps[-1]:.1f} tokens/s")
 
-    # Median: the typical run; best: the run least disturbed by anything else on the machine.
-    median = {"native": statistics.median(native_tps), "drafter": statistics.median(drafter_tps)}
-    best = {"native": max(native_tps), "drafter": max(drafter_tps)}
-    table = Table(title=f"{Path(file).name}, {threads} thread(s)",
-                  caption=f"{args.tokens} tokens per run, k={k}, {accept + 1} committed per round, "
-                          f"{args.reps} repetitions, load average {os.getloadavg()[0]:.2f}")
+
+def _gguf_summary(race: Race, setup: Setup, args):
+    """Median (the typical run) and best (the run least disturbed by anything else on the
+    machine) of each: (table, JSON fields, file name)."""
+    from rich.table import Table
+
+    median = {"native": statistics.median(race.native_tps), "drafter": statistics.median(race.drafter_tps)}
+    best = {"native": max(race.native_tps), "drafter": max(race.drafter_tps)}
+    table = Table(title=f"{Path(setup.path).name}, {setup.threads} thread(s)",
+                  caption=f"{args.tokens} tokens per run, k={setup.draft_len}, {setup.accept + 1} "
+                          f"committed per round, {args.reps} repetitions, load average "
+                          f"{os.getloadavg()[0]:.2f}")
     for column in ("tokens/s", "median", "best"):
         table.add_column(column, justify="left" if column == "tokens/s" else "right")
     table.add_row("llama.cpp generate", f"{median['native']:.1f}", f"{best['native']:.1f}")
     table.add_row("GGUFDrafter propose", f"{median['drafter']:.1f}", f"{best['drafter']:.1f}")
     table.add_row("drafter / native", f"{median['drafter'] / median['native']:.3f}",
                   f"{best['drafter'] / best['native']:.3f}")
-    console.print(table)
-    console.print(f"same greedy text as llama.cpp: {'yes' if same_text else 'NO'}")
-    out = write_json(args.out or f"bench-results/drafter-{Path(file).stem}-t{threads}.json", {
-        "model": file, "threads": threads, "tokens": args.tokens, "draft_len": k,
-        "committed_per_round": accept + 1, "reps": args.reps, "cpus": os.cpu_count(),
-        "native_tokens_per_s": native_tps, "drafter_tokens_per_s": drafter_tps,
-        "ratio_median": median["drafter"] / median["native"],
-        "ratio_best": best["drafter"] / best["native"], "same_text": same_text,
-    })
-    console.print(f"wrote {out}")
-    return 0
+    data = {"model": setup.path, "threads": setup.threads, "tokens": args.tokens,
+            "draft_len": setup.draft_len, "committed_per_round": setup.accept + 1,
+            "reps": args.reps, "cpus": os.cpu_count()}
+    return table, data, f"drafter-{Path(setup.path).stem}"
 
 
-# --- onnx:DIR_OR_ALIAS: the ONNX drafter next to onnxruntime-genai's own loop -------------------
+def _onnx_summary(race: Race, setup: Setup, args):
+    """p50, min and max of each and of their per-repetition ratio: (table, JSON fields, name)."""
+    from rich.table import Table
+
+    ratios = [d / n for d, n in zip(race.drafter_tps, race.native_tps)]
+    name = Path(setup.path).name
+    table = Table(title=f"{name}: {args.tokens} tokens, {setup.threads} thread(s), "
+                        f"k={setup.draft_len}, {setup.accept + 1} committed per round, "
+                        f"{args.reps} repetitions")
+    for column in ("", "tokens/s p50", "min", "max"):
+        table.add_column(column, justify="right" if column else "left")
+    for label, values in (("onnxruntime-genai generate", race.native_tps),
+                          ("ONNXDrafter propose", race.drafter_tps), ("drafter / native", ratios)):
+        digits = 3 if label == "drafter / native" else 1
+        table.add_row(label, *(f"{v:.{digits}f}" for v in (statistics.median(values), min(values),
+                                                           max(values))))
+    data = {"model": setup.path, "runtime": "onnxruntime-genai", "threads": setup.threads,
+            "tokens": args.tokens, "draft_len": setup.draft_len,
+            "committed_per_round": setup.accept + 1, "reps": args.reps, "cpus": os.cpu_count()}
+    return table, data, f"drafter-onnx-{name}"
+
+
+def _ratios(race: Race, kind: str) -> dict:
+    """gguf: the ratio of the medians and of the bests; onnx: the median per-repetition ratio."""
+    if kind == "onnx":
+        return {"ratio_median": statistics.median(d / n for d, n in zip(race.drafter_tps,
+                                                                         race.native_tps))}
+    return {"ratio_median": statistics.median(race.drafter_tps) / statistics.median(race.native_tps),
+            "ratio_best": max(race.drafter_tps) / max(race.native_tps)}
+
+
+# --- onnx:DIR_OR_ALIAS: onnxruntime-genai's own loop ---------------------------------------------
 
 def onnx_native_run(model, prompt: list[int], n: int, max_length: int) -> tuple[float, list[int]]:
     """onnxruntime-genai's loop: seconds for up to n greedy tokens (prefill included), the tokens.
@@ -134,64 +229,3 @@ def onnx_native_run(model, prompt: list[int], n: int, max_length: int) -> tuple[
         generator.generate_next_token()
     seconds = time.perf_counter() - start
     return seconds, generator.get_sequence(0)[len(prompt):].tolist()
-
-
-def run_onnx_bench(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-    from transformers import AutoTokenizer
-
-    from drafters import resolve_spec
-    from drafters.onnx import ONNXDrafter
-
-    console = Console()
-    folder = resolve_spec(args.model).partition(":")[2]
-    k, accept = args.draft_len, min(args.accept if args.accept is not None else args.draft_len,
-                                     args.draft_len - 1)
-    threads = args.threads or os.cpu_count()
-    drafter = ONNXDrafter(folder, n_threads=threads)  # the native loop runs on its og.Model too
-    prompt = AutoTokenizer.from_pretrained(folder)(PROMPT).input_ids
-
-    def native(n: int) -> tuple[float, list[int]]:
-        return onnx_native_run(drafter.model, prompt, n, drafter.max_length)
-
-    native_tps: list[float] = []
-    drafter_tps: list[float] = []
-    same_text = True
-    native(8)  # warm up both: page in the weights, let onnxruntime size its buffers
-    drafter_run(drafter, prompt, 8, k, accept)
-    for rep in range(args.reps):  # no spinner: its refresh thread would compete for the cores
-        for which in ("native", "drafter") if rep % 2 == 0 else ("drafter", "native"):
-            if which == "native":
-                seconds, native_tokens = native(args.tokens)
-                native_tps.append(len(native_tokens) / seconds)
-            else:
-                seconds, drafted, committed = drafter_run(drafter, prompt, args.tokens, k, accept)
-                drafter_tps.append(drafted / seconds)
-        same_text &= committed[:len(native_tokens)] == native_tokens
-        console.print(f"repetition {rep + 1}/{args.reps}: native {native_tps[-1]:.1f}, "
-                      f"drafter {drafter_tps[-1]:.1f} tokens/s")
-
-    ratios = [d / n for d, n in zip(drafter_tps, native_tps)]
-    name = Path(folder).name
-    table = Table(title=f"{name}: {args.tokens} tokens, {threads} thread(s), k={k}, "
-                        f"{accept + 1} committed per round, {args.reps} repetitions")
-    for column in ("", "tokens/s p50", "min", "max"):
-        table.add_column(column, justify="right" if column else "left")
-    for label, values in (("onnxruntime-genai generate", native_tps),
-                          ("ONNXDrafter propose", drafter_tps)):
-        table.add_row(label, f"{statistics.median(values):.1f}", f"{min(values):.1f}",
-                      f"{max(values):.1f}")
-    table.add_row("drafter / native", f"{statistics.median(ratios):.3f}", f"{min(ratios):.3f}",
-                  f"{max(ratios):.3f}")
-    console.print(table)
-    console.print(f"same greedy text as onnxruntime-genai: {'yes' if same_text else 'NO'}")
-    out = write_json(args.out or f"bench-results/drafter-onnx-{name}-t{threads}.json", {
-        "model": folder, "runtime": "onnxruntime-genai", "threads": threads, "tokens": args.tokens,
-        "draft_len": k, "committed_per_round": accept + 1, "reps": args.reps,
-        "cpus": os.cpu_count(),
-        "native_tokens_per_s": native_tps, "drafter_tokens_per_s": drafter_tps,
-        "ratio_median": statistics.median(ratios), "same_text": same_text,
-    })
-    console.print(f"wrote {out}")
-    return 0

@@ -11,8 +11,26 @@ from __future__ import annotations
 import statistics
 import time
 
-from lab.bench.overhead import percentile
-from lab.report import save_figure, subplots, write_json
+from lab.bench import harness
+from lab.bench.report import percentile, save_figure, subplots
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="target alias or path (default: a tiny random model)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda:0")
+    parser.add_argument("--contexts", default="128,512,2048", help="context tokens per session")
+    parser.add_argument("--sessions", default="1,8", help="sessions verifying in one step")
+    parser.add_argument("-k", type=int, default=4, help="draft tokens per session (k)")
+    parser.add_argument("--block-tokens", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=5,
+                        help="timed steps per engine and cell, interleaved")
+    harness.add_out_flag(parser, "engine")
+
+
+def run(args) -> int:
+    return harness.run_bench("engine", bench, args)
 
 
 def _engines(model, budget_bytes: int, block_tokens: int):
@@ -50,48 +68,66 @@ def _step(engine, kvs, k: int) -> tuple[float, int]:
     return elapsed, engine.bytes_copied - copied
 
 
-def run_engine_bench(args) -> int:
-    from rich.console import Console
+def bench(args) -> int:
     from rich.progress import Progress
-    from rich.table import Table
 
-    from lab.bench.overhead import default_target
+    from lab.tiny import cached_pair
     from sled.models import resolve_model
-    from verify_server.blocks import KVShape
     from verify_server.target import Target
 
-    console = Console()
-    target = Target.load(resolve_model(args.model) if args.model else default_target(),
+    console = harness.bench_console()
+    target = Target.load(resolve_model(args.model) if args.model else cached_pair()[0],
                          dtype=args.dtype, device=args.device)
-    contexts = [int(c) for c in args.contexts.split(",")]
-    sessions = [int(s) for s in args.sessions.split(",")]
-    per_token = None
+    contexts = harness.split_list(args.contexts, int)
+    sessions = harness.split_list(args.sessions, int)
     cells = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("engine steps", total=len(contexts) * len(sessions))
         for n in sessions:
             for context in contexts:
-                per_token = KVShape.of(target.model).bytes_per_token
-                need = (n * (context + args.k + 1 + args.block_tokens) + args.block_tokens) * per_token
-                engines = _engines(target.model, need, args.block_tokens)
-                kvs = {kind: _fill(engine, n, context, args.k) for kind, engine in engines.items()}
-                times = {kind: [] for kind in engines}
-                copied = {}
-                for rep in range(args.reps + 1):
-                    for kind, engine in engines.items():
-                        elapsed, moved = _step(engine, kvs[kind], args.k)
-                        if rep:                     # the first pass warms up
-                            times[kind].append(elapsed * 1e3)
-                        copied[kind] = moved
-                cells.append({
-                    "sessions": n, "context": context, "k": args.k,
-                    **{f"{kind}_ms_p50": statistics.median(t) for kind, t in times.items()},
-                    **{f"{kind}_ms_p90": percentile(t, 90) for kind, t in times.items()},
-                    **{f"{kind}_bytes_copied": copied[kind] for kind in engines},
-                    "padded_over_paged": statistics.median(times["padded"]) / statistics.median(times["paged"]),
-                })
+                cells.append(_cell(target.model, n, context, args))
                 progress.update(task, advance=1)
-    table = Table(title=f"verify step (k={args.k}): paged vs padded engine, {target.model_id} "
+    console.print(_table(cells, target, args.k))
+    harness.write_results(console, args.out, {
+        "model": target.model_id, "device": target.device, "dtype": target.dtype,
+        "bytes_per_token": _bytes_per_token(target.model), "reps": args.reps, "cells": cells},
+        lambda png: _plot(cells, png, target.model_id))
+    return harness.DONE
+
+
+def _bytes_per_token(model) -> int:
+    from verify_server.blocks import KVShape
+
+    return KVShape.of(model).bytes_per_token
+
+
+def _cell(model, n: int, context: int, args) -> dict:
+    """Both engines on n sessions of `context` tokens: step times and bytes moved."""
+    per_token = _bytes_per_token(model)
+    need = (n * (context + args.k + 1 + args.block_tokens) + args.block_tokens) * per_token
+    engines = _engines(model, need, args.block_tokens)
+    kvs = {kind: _fill(engine, n, context, args.k) for kind, engine in engines.items()}
+    times = {kind: [] for kind in engines}
+    copied = {}
+    for rep in range(args.reps + 1):
+        for kind, engine in engines.items():
+            elapsed, moved = _step(engine, kvs[kind], args.k)
+            if rep:                     # the first pass warms up
+                times[kind].append(elapsed * 1e3)
+            copied[kind] = moved
+    return {
+        "sessions": n, "context": context, "k": args.k,
+        **{f"{kind}_ms_p50": statistics.median(t) for kind, t in times.items()},
+        **{f"{kind}_ms_p90": percentile(t, 90) for kind, t in times.items()},
+        **{f"{kind}_bytes_copied": copied[kind] for kind in engines},
+        "padded_over_paged": statistics.median(times["padded"]) / statistics.median(times["paged"]),
+    }
+
+
+def _table(cells: list[dict], target, k: int):
+    from rich.table import Table
+
+    table = Table(title=f"verify step (k={k}): paged vs padded engine, {target.model_id} "
                         f"on {target.device}")
     for column in ("sessions", "context", "paged ms", "padded ms", "ratio", "paged copied",
                    "padded copied"):
@@ -100,13 +136,7 @@ def run_engine_bench(args) -> int:
         table.add_row(str(c["sessions"]), str(c["context"]), f"{c['paged_ms_p50']:.2f}",
                       f"{c['padded_ms_p50']:.2f}", f"{c['padded_over_paged']:.2f}x",
                       _size(c["paged_bytes_copied"]), _size(c["padded_bytes_copied"]))
-    console.print(table)
-    result = {"model": target.model_id, "device": target.device, "dtype": target.dtype,
-              "bytes_per_token": per_token, "reps": args.reps, "cells": cells}
-    path = write_json(args.out, result)
-    plot = _plot(cells, path.with_suffix(".png"), target.model_id)
-    console.print(f"wrote {path} and {plot}")
-    return 0
+    return table
 
 
 def _size(n: int) -> str:

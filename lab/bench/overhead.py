@@ -7,59 +7,76 @@ serialisation, the event loops and the scheduler's queueing.
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
-from pathlib import Path
+
+from lab.bench import harness
+from lab.bench.report import percentile
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default=None, help="target path (default: a tiny random model)")
+    parser.add_argument("--drafter", default="ngram")
+    parser.add_argument("--sessions", type=int, default=1, help="concurrent device sessions")
+    parser.add_argument("--rounds", type=int, default=300, help="rounds per session (at least)")
+    parser.add_argument("--draft-len", type=int, default=4)
+    harness.add_out_flag(parser, "overhead")
 
 
-def default_target() -> str:
-    from sled.cache import cache_dir
-    from lab.tiny import save_pair
-
-    target, _ = save_pair(cache_dir() / "tiny")
-    return str(target)
+def run(args) -> int:
+    return harness.run_bench("overhead", bench, args)
 
 
-async def run_overhead(args) -> int:
-    from rich.console import Console
+async def bench(args) -> int:
+    from lab.tiny import cached_pair
+
+    console = harness.bench_console()
+    model = args.model or cached_pair()[0]
+    async with harness.serving(model) as served:
+        stats = await _rounds(served, args, console)
+        forward_passes = served.forward_passes()
+        rounds_total = served.server.metric("sled_rounds_total")
+    summary = _summary(stats, args, console)
+    console.print(f"forward passes {forward_passes:.0f} for {rounds_total:.0f} rounds "
+                  f"({forward_passes / rounds_total:.2f} passes per round)")
+    harness.write_results(console, args.out, {
+        "model": model, "drafter": args.drafter, "sessions": args.sessions,
+        "draft_len": args.draft_len, "rounds": len(stats), "forward_passes": forward_passes,
+        "summary": summary})
+    return harness.DONE
+
+
+async def _rounds(served, args, console) -> list:
+    """--sessions devices generating from the tiny corpus until each has --rounds rounds."""
     from rich.progress import Progress
-    from rich.table import Table
 
     from drafters import load_drafter
-    from edge_client.connection import Connection
     from edge_client.session import generate
-    from lab.server_process import ServerProcess
     from lab.tiny import CORPUS
 
-    console = Console()
-    model = args.model or default_target()
+    conn, info = served.conn, served.info
+    prompts = await served.prompt_ids(CORPUS[:7])
     stats = []
-    async with ServerProcess(model) as server, Connection(server.address) as conn:
-        info = await conn.model_info()
-        tokenizer = await conn.tokenizer()
-        prompts = [tokenizer(text).input_ids for text in CORPUS[:7]]
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("rounds", total=args.rounds * args.sessions)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("rounds", total=args.rounds * args.sessions)
 
-            async def device(index: int) -> None:
-                drafter = load_drafter(args.drafter)
-                done = 0
-                while done < args.rounds:
-                    result = await generate(conn.stub, drafter, prompts[(index + done) % len(prompts)],
-                                            max_new_tokens=128, draft_len=args.draft_len, ignore_eos=True,
-                                            target_fingerprint=info.tokenizer_fingerprint)
-                    stats.extend(result.round_stats)
-                    done += result.rounds
-                    progress.update(task, advance=result.rounds)
+        async def device(index: int) -> None:
+            drafter = load_drafter(args.drafter)
+            done = 0
+            while done < args.rounds:
+                result = await generate(conn.stub, drafter, prompts[(index + done) % len(prompts)],
+                                        max_new_tokens=128, settings=RoundSettings(draft_len=args.draft_len), ignore_eos=True,
+                                        target_fingerprint=info.tokenizer_fingerprint)
+                stats.extend(result.round_stats)
+                done += result.rounds
+                progress.update(task, advance=result.rounds)
 
-            await asyncio.gather(*(device(i) for i in range(args.sessions)))
-        forward_passes = server.metric("sled_forward_passes_total")
-        rounds_total = server.metric("sled_rounds_total")
+        await asyncio.gather(*(device(i) for i in range(args.sessions)))
+    return stats
+
+
+def _summary(stats: list, args, console) -> dict:
+    """p50, p95 and mean of each per-round time, printed as a table."""
+    from rich.table import Table
 
     overhead = [s.round_trip_ms - s.forward_ms for s in stats]
     fraction = [(s.round_trip_ms - s.forward_ms) / (s.draft_ms + s.round_trip_ms) for s in stats]
@@ -82,12 +99,4 @@ async def run_overhead(args) -> int:
         fmt = "{:.1%}" if name == "overhead / round" else "{:.2f}"
         table.add_row(name, fmt.format(p50), fmt.format(p95), fmt.format(mean))
     console.print(table)
-    console.print(f"forward passes {forward_passes:.0f} for {rounds_total:.0f} rounds "
-                  f"({forward_passes / rounds_total:.2f} passes per round)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": model, "drafter": args.drafter, "sessions": args.sessions,
-                               "draft_len": args.draft_len, "rounds": len(stats),
-                               "forward_passes": forward_passes, "summary": summary}, indent=2))
-    console.print(f"wrote {out}")
-    return 0
+    return summary

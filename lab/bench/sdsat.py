@@ -19,16 +19,33 @@ prompt, which is the target's own greedy output: a difference fails the benchmar
 from __future__ import annotations
 
 import asyncio
-import shlex
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab.report import save_figure, subplots, write_json
+from lab.bench import harness
+from lab.bench.report import save_figure, short_name, subplots
 
 PLAIN, SAT = "plain", "sat"
-NO_SAT_EXIT = 2
+
+
+def add_arguments(parser) -> None:
+    harness.add_server_flags(parser, model_default="gemma3-270m",
+                             model_help="target alias or checkpoint path")
+    parser.add_argument("--sat-adapter", default=None, help="SAT adapter for the server (default: "
+                        "the one shipped for a built-in target, or one beside the model)")
+    harness.add_workload_flags(parser, default="humaneval:10", max_new_tokens=64)
+    parser.add_argument("--drafters", default="gguf:gemma3-270m,onnx:gemma3-270m,ngram",
+                        help="comma-separated drafter specs for the lookahead part")
+    parser.add_argument("--k", type=int, default=4, help="tokens drafted per round")
+    parser.add_argument("--lookahead", type=int, default=None,
+                        help="SAT hints per verdict (default: the target's SAT slots)")
+    parser.add_argument("--devices", type=int, default=1, help="sessions at once in every mode")
+    harness.add_out_flag(parser, "sdsat")
+
+
+def run(args) -> int:
+    return harness.run_bench("sdsat", bench, args)
 
 
 @dataclass(slots=True)
@@ -69,20 +86,21 @@ def ratio(new: float | None, old: float | None) -> float | None:
     return new / old if new is not None and old else None
 
 
-async def _timed_group(server, coros) -> tuple[list, float, float]:
+async def _timed_group(served, coros) -> tuple[list, float, float]:
     """Run one group of sessions at once: (results, passes they cost, seconds)."""
-    before = server.metric("sled_forward_passes_total")
+    before = served.forward_passes()
     started = time.perf_counter()
     results = await asyncio.gather(*coros)
     seconds = time.perf_counter() - started
-    return list(results), server.metric("sled_forward_passes_total") - before, seconds
+    return list(results), served.forward_passes() - before, seconds
 
 
-async def self_drafting(server, stub, prompts: list[list[int]], args, progress, task) -> dict[str, Run]:
+async def self_drafting(served, prompts: list[list[int]], args, progress, task) -> dict[str, Run]:
     """Plain and SAT server-side decoding of every prompt, alternating per group."""
     from edge_client.session import generate_server_side
     from sled.v1 import verifier_pb2 as pb
 
+    stub = served.stub
     modes = {PLAIN: pb.GENERATION_MODE_SERVER, SAT: pb.GENERATION_MODE_SERVER_SAT}
     for mode in modes.values():   # warm-up, unmeasured
         await generate_server_side(stub, prompts[0], max_new_tokens=4, mode=mode)
@@ -90,7 +108,7 @@ async def self_drafting(server, stub, prompts: list[list[int]], args, progress, 
     for index, group in enumerate(chunks(len(prompts), args.devices)):
         for name in (PLAIN, SAT) if index % 2 == 0 else (SAT, PLAIN):
             progress.update(task, description=f"self-drafting: {name}")
-            results, passes, seconds = await _timed_group(server, (
+            results, passes, seconds = await _timed_group(served, (
                 generate_server_side(stub, prompts[i], max_new_tokens=args.max_new_tokens,
                                      mode=modes[name]) for i in group))
             runs[name].results.update(zip(group, results))
@@ -100,27 +118,28 @@ async def self_drafting(server, stub, prompts: list[list[int]], args, progress, 
     return runs
 
 
-async def lookahead_runs(server, stub, spec: str, prompts: list[list[int]], lookahead: int,
-                         fingerprint: str, args, progress, task) -> dict[int, Run]:
+async def lookahead_runs(served, spec: str, prompts: list[list[int]], lookahead: int, args,
+                         progress, task) -> dict[int, Run]:
     """One drafter with lookahead 0 and `lookahead`, alternating per group."""
     from drafters import load_drafter, resolve_spec
     from edge_client.session import generate
 
+    stub, fingerprint = served.stub, served.fingerprint
     resolved = resolve_spec(spec)   # once: an ONNX alias may export on first use
     drafters = [load_drafter(resolved) for _ in range(args.devices)]
     settings = (0, lookahead)
 
     def one(slot: int, prompt: list[int], ahead: int, max_new: int):
-        return generate(stub, drafters[slot], prompt, max_new_tokens=max_new, draft_len=args.k,
-                        target_fingerprint=fingerprint, lookahead=ahead)
+        return generate(stub, drafters[slot], prompt, max_new_tokens=max_new, settings=RoundSettings(draft_len=args.k, lookahead=ahead),
+                        target_fingerprint=fingerprint)
 
     for ahead in settings:        # warm-up, unmeasured (loads the drafter's runtime too)
         await one(0, prompts[0], ahead, 4)
     runs = {ahead: Run() for ahead in settings}
     for index, group in enumerate(chunks(len(prompts), args.devices)):
         for ahead in settings if index % 2 == 0 else settings[::-1]:
-            progress.update(task, description=f"{_short(spec)}, lookahead {ahead}")
-            results, passes, seconds = await _timed_group(server, (
+            progress.update(task, description=f"{short_name(spec)}, lookahead {ahead}")
+            results, passes, seconds = await _timed_group(served, (
                 one(slot, prompts[i], ahead, args.max_new_tokens) for slot, i in enumerate(group)))
             runs[ahead].results.update(zip(group, results))
             runs[ahead].passes += passes
@@ -139,6 +158,8 @@ def _validate(args) -> list[str]:
         raise ValueError(f"--max-new-tokens must be >= 1, not {args.max_new_tokens}")
     if args.lookahead is not None and args.lookahead < 1:
         raise ValueError(f"--lookahead must be >= 1, not {args.lookahead}")
+    if args.sat_adapter and not Path(args.sat_adapter).is_file():
+        raise ValueError(f"--sat-adapter {args.sat_adapter}: no such file")
     return specs
 
 
@@ -147,69 +168,83 @@ def _server_args(args) -> list[str]:
     from sled.models import builtin_sat_adapter
 
     adapter = args.sat_adapter or builtin_sat_adapter(args.model)
-    extra = ["--dtype", args.dtype, *shlex.split(args.server_args)]
-    return extra + (["--sat-adapter", str(adapter)] if adapter else [])
+    return harness.server_flags(args) + (["--sat-adapter", str(adapter)] if adapter else [])
 
 
-async def run_bench_sdsat(args) -> int:
-    from rich.console import Console
-    from rich.progress import Progress
-
-    from edge_client.connection import Connection
-    from edge_client.session import VerifyError
+async def bench(args) -> int:
+    from lab.workload import prompt_texts
     from sled.models import resolve_model
-    from lab.server_process import ServerProcess
-    from lab.traces.record import workload_ids
 
-    console = Console()
-    try:
+    console = harness.bench_console(width=160)
+    with harness.flag_errors():
         specs = _validate(args)
-        if args.sat_adapter and not Path(args.sat_adapter).is_file():
-            raise ValueError(f"--sat-adapter {args.sat_adapter}: no such file")
         server_args = _server_args(args)
         model_path = resolve_model(args.model)
-    except (ValueError, OSError) as exc:
-        print(f"sled bench sdsat: {exc}", file=sys.stderr)
-        return 2
+    async with harness.serving(model_path, server_args, console,
+                               status=f"starting the verify server ({args.model})") as served:
+        lookahead = _lookahead(served.info, args)
+        with harness.flag_errors():
+            prompts = await served.prompt_ids(prompt_texts(args.workload))
+        with harness.server_errors():
+            modes, by_drafter = await _measure(served, specs, prompts, lookahead, args, console)
+    info = served.info
+    sat_rows, drafter_rows = _rows(modes, by_drafter, lookahead, len(prompts))
+    setup = (f"{short_name(args.model)} on {info.device} ({info.dtype}), {info.sat_slots} SAT "
+             f"slots, {args.workload}, {args.max_new_tokens} new tokens, {args.devices} session(s) "
+             "at once")
+    console.print(_self_drafting_table(sat_rows, setup))
+    console.print(_lookahead_table(drafter_rows, args.k, lookahead))
+    harness.write_results(console, args.out, {
+        "model": args.model, "sat_adapter": _adapter_of(server_args), "server_device": info.device,
+        "dtype": info.dtype, "sat_slots": info.sat_slots, "workload": args.workload,
+        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "devices": args.devices,
+        "lossless": all(r["lossless"] for r in sat_rows + drafter_rows),
+        "self_drafting": {"rows": sat_rows, "lossless": all(r["lossless"] for r in sat_rows)},
+        "lookahead": {"k": args.k, "lookahead": lookahead, "drafters": specs, "rows": drafter_rows,
+                      "lossless": all(r["lossless"] for r in drafter_rows)},
+    }, lambda png: _plot(sat_rows, drafter_rows, lookahead, png, setup))
+    return harness.lossless_exit(console, [
+        f"{_label(r)}: prompts {r['mismatched_prompts']}"
+        for r in sat_rows + drafter_rows if not r["lossless"]],
+        reference="the target's greedy output (plain mode)")
 
-    try:
-        with console.status(f"starting the verify server ({args.model})"):
-            server = await ServerProcess(model_path, *server_args).__aenter__()
-    except RuntimeError as exc:   # the server's own message, e.g. an adapter for another model
-        print(f"sled bench sdsat: {exc}", file=sys.stderr)
-        return 3
-    try:
-        async with Connection(server.address) as conn:
-            info = await conn.model_info()
-            if not info.sat_available:
-                print(f"sled bench sdsat: target {args.model} has no SATs: pass --sat-adapter or "
-                      "train one with sled sdsat train", file=sys.stderr)
-                return NO_SAT_EXIT
-            lookahead = args.lookahead or info.sat_slots
-            if lookahead > info.sat_slots:
-                print(f"sled bench sdsat: --lookahead {lookahead} exceeds the target's "
-                      f"{info.sat_slots} SAT slots", file=sys.stderr)
-                return 2
-            try:
-                prompts = workload_ids(args.workload, await conn.tokenizer())
-            except (ValueError, OSError) as exc:
-                print(f"sled bench sdsat: {exc}", file=sys.stderr)
-                return 2
-            n = len(prompts)
-            with Progress(console=console, transient=True) as progress:
-                task = progress.add_task("generations", total=n * 2 * (1 + len(specs)))
-                modes = await self_drafting(server, conn.stub, prompts, args, progress, task)
-                by_drafter = {}
-                for spec in specs:
-                    by_drafter[spec] = await lookahead_runs(server, conn.stub, spec, prompts, lookahead,
-                                                            info.tokenizer_fingerprint, args,
-                                                            progress, task)
-    except (VerifyError, ValueError) as exc:
-        print(f"sled bench sdsat: {exc}", file=sys.stderr)
-        return 3
-    finally:
-        await server.__aexit__(None, None, None)
 
+def _label(row: dict) -> str:
+    """A row's name: its mode, or its drafter and lookahead."""
+    return row.get("mode") or f"{row['drafter']} lookahead {row['lookahead']}"
+
+
+def _lookahead(info, args) -> int:
+    """SAT hints per verdict: --lookahead, else every SAT slot; a target without SATs, or too
+    few slots, cannot run this benchmark (exit 2)."""
+    if not info.sat_available:
+        raise harness.Stop(f"target {args.model} has no SATs: pass --sat-adapter or train one "
+                           "with sled sdsat train")
+    lookahead = args.lookahead or info.sat_slots
+    if lookahead > info.sat_slots:
+        raise harness.Stop(f"--lookahead {lookahead} exceeds the target's {info.sat_slots} SAT slots")
+    return lookahead
+
+
+async def _measure(served, specs: list[str], prompts: list[list[int]], lookahead: int, args,
+                   console) -> tuple[dict[str, Run], dict[str, dict[int, Run]]]:
+    """Both parts: self-drafting, then each drafter with and without lookahead."""
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("generations", total=len(prompts) * 2 * (1 + len(specs)))
+        modes = await self_drafting(served, prompts, args, progress, task)
+        by_drafter = {}
+        for spec in specs:
+            by_drafter[spec] = await lookahead_runs(served, spec, prompts, lookahead, args,
+                                                    progress, task)
+    return modes, by_drafter
+
+
+def _rows(modes: dict[str, Run], by_drafter: dict[str, dict[int, Run]], lookahead: int,
+          n: int) -> tuple[list[dict], list[dict]]:
+    """The self-drafting rows (plain, sat) and two rows per drafter (no lookahead, lookahead),
+    every output checked against the plain mode's (the target's greedy output)."""
     reference = {i: r.token_ids for i, r in modes[PLAIN].results.items()}
     sat_rows = [{"mode": name, **summarize(run, reference)} for name, run in modes.items()]
     plain_row, sat_row = sat_rows
@@ -225,33 +260,7 @@ async def run_bench_sdsat(args) -> int:
                                                       none_row["tokens_per_round"])
         ahead_row["tokens_per_s_vs_none"] = ratio(ahead_row["tokens_per_s"], none_row["tokens_per_s"])
         drafter_rows += [none_row, ahead_row]
-
-    setup = (f"{_short(args.model)} on {info.device} ({info.dtype}), {info.sat_slots} SAT slots, "
-             f"{args.workload}, {args.max_new_tokens} new tokens, {args.devices} session(s) at once")
-    if not console.is_terminal:
-        console.width = max(console.width, 160)   # a log file gets the whole table
-    console.print(_self_drafting_table(sat_rows, setup))
-    console.print(_lookahead_table(drafter_rows, args.k, lookahead))
-    lossless = all(r["lossless"] for r in sat_rows + drafter_rows)
-    out = write_json(args.out, {
-        "model": args.model, "sat_adapter": _adapter_of(server_args), "server_device": info.device,
-        "dtype": info.dtype, "sat_slots": info.sat_slots, "workload": args.workload,
-        "prompts": n, "max_new_tokens": args.max_new_tokens, "devices": args.devices,
-        "lossless": lossless,
-        "self_drafting": {"rows": sat_rows, "lossless": all(r["lossless"] for r in sat_rows)},
-        "lookahead": {"k": args.k, "lookahead": lookahead, "drafters": specs, "rows": drafter_rows,
-                      "lossless": all(r["lossless"] for r in drafter_rows)},
-    })
-    _plot(sat_rows, drafter_rows, lookahead, out.with_suffix(".png"), setup)
-    console.print(f"wrote {out} and {out.with_suffix('.png')}")
-    if not lossless:
-        for r in sat_rows + drafter_rows:
-            if not r["lossless"]:
-                name = r.get("mode") or f"{r['drafter']} lookahead {r['lookahead']}"
-                console.print(f"[red]{name}: prompts {r['mismatched_prompts']} differ from the "
-                              "target's greedy output (plain mode)[/]")
-        return 1
-    return 0
+    return sat_rows, drafter_rows
 
 
 def _adapter_of(server_args: list[str]) -> str | None:
@@ -296,7 +305,7 @@ def _lookahead_table(rows: list[dict], k: int, lookahead: int):
     for column in columns:
         table.add_column(column, justify="left" if column == "drafter" else "right")
     for r in rows:
-        table.add_row(_short(r["drafter"]), str(r["lookahead"]), str(r["tokens"]), str(r["rounds"]),
+        table.add_row(short_name(r["drafter"]), str(r["lookahead"]), str(r["tokens"]), str(r["rounds"]),
                       _fmt(r["tokens_per_round"], ".2f"), _fmt(r.get("tokens_per_round_vs_none"), ".2f", "x"),
                       _fmt(r["acceptance_rate"], ".0%"), str(r["hint_tokens"]),
                       _fmt(r["passes_per_token"], ".3f"), _fmt(r["tokens_per_s"], ".1f"),
@@ -321,12 +330,6 @@ def _plot(sat_rows: list[dict], drafter_rows: list[dict], lookahead: int, path: 
         bars = right.bar([i + offset for i in range(len(specs))], values, width,
                          label=f"lookahead {ahead}" if ahead else "no lookahead")
         right.bar_label(bars, fmt="%.2f", fontsize=8)
-    right.set_xticks(range(len(specs)), [_short(s) for s in specs])
+    right.set_xticks(range(len(specs)), [short_name(s) for s in specs])
     right.set(ylabel="tokens per round", title="drafting devices with SAT hints")
     save_figure(fig, (left, right), path, title)
-
-
-def _short(spec: str) -> str:
-    """hf:/a/b/llama-drafter -> hf:llama-drafter; gguf:gemma3-270m unchanged."""
-    kind, sep, arg = spec.rpartition(":")
-    return f"{kind}{sep}{Path(arg).name}" if "/" in arg else spec

@@ -14,17 +14,88 @@ largest N whose p5 per-device rate is at least --target-rate.
 from __future__ import annotations
 
 import asyncio
-import shlex
 import statistics
-import sys
 import time
-from pathlib import Path
 from dataclasses import dataclass
 
-from lab.bench.overhead import percentile
-from lab.report import save_figure, subplots, write_json
+from lab.bench import harness
+from lab.bench.report import percentile, save_figure, short_name, subplots
 
 MODES = ("sled", "centralized")
+
+
+def add_arguments(parser) -> None:
+    harness.add_server_flags(parser, model_help="target alias or path (default: the traces' "
+                             "target, else a tiny random one)",
+                             dtype_help="the target's dtype, recording and serving")
+    harness.add_trace_flags(parser, max_new_tokens=48)
+    parser.add_argument("--devices", default="1,4,16,64", help="comma-separated fleet sizes")
+    parser.add_argument("--modes", default="sled,centralized",
+                        help="which of sled,centralized to run")
+    parser.add_argument("--draft-len", default="4", help="tokens drafted per round, or auto (the "
+                        "server's suggestion from the previous verdict)")
+    parser.add_argument("--device-profile", default="pi5",
+                        help="pi4, pi5, orin-nano, instant, recorded (this machine's drafting "
+                             "speed); NAME:draft_ms_per_token=X,round_overhead_ms=Y overrides")
+    parser.add_argument("--link", default="wifi", help="loopback, ethernet, wifi, lte; "
+                        "NAME:rtt_ms=X,jitter_ms=Y,bandwidth_mbps=Z overrides")
+    parser.add_argument("--target-rate", type=float, default=10.0,
+                        help="tokens/s that 95%% of devices must reach for a fleet size to count")
+    harness.add_out_flag(parser, "serve")
+
+
+def run(args) -> int:
+    return harness.run_bench("serve", bench, args)
+
+
+async def bench(args) -> int:
+    from lab.traces.record import traces_for
+    from sled.models import resolve_model
+
+    console = harness.bench_console()
+    with harness.flag_errors():
+        fleet_sizes, modes, device, link = _settings(args)
+        model, traces = traces_for(args, console)
+    if isinstance(args.draft_len, int) and args.draft_len > traces.max_k:
+        console.print(f"[yellow]--draft-len {args.draft_len} is past the traces' max_k "
+                      f"{traces.max_k}: drafts stop at {traces.max_k} tokens[/]")
+    async with harness.serving(resolve_model(model), harness.server_flags(args), console) as served:
+        with harness.server_errors():
+            rows = await sweep(served, traces, fleet_sizes, modes, args, device, link, console)
+    info = served.info
+    capacities = {mode: capacity(rows, mode, args.target_rate) for mode in modes}
+    setup = (f"{short_name(model)} on {info.device}, drafter {short_name(traces.drafter)}, device "
+             f"{args.device_profile}, link {args.link}, draft length {args.draft_len}")
+    console.print(_table(rows, setup))
+    ratio = _print_capacity(console, capacities, args.target_rate, fleet_sizes[-1])
+    harness.write_results(console, args.out, {
+        "model": model, "server_device": info.device, "dtype": info.dtype, "drafter": traces.drafter,
+        "traces": args.traces or "recorded", "prompts": len(traces.traces), "max_k": traces.max_k,
+        "device_profile": args.device_profile, "link": args.link, "draft_len": args.draft_len,
+        "max_new_tokens": args.max_new_tokens, "target_rate": args.target_rate,
+        "capacity": {**capacities, "ratio": ratio, "largest_fleet": fleet_sizes[-1]},
+        "results": rows}, lambda png: _plot(rows, png, setup))
+    return harness.lossless_exit(console, [
+        f"{r['mode']} with {r['devices']} device(s): {r['mismatches']} output(s)"
+        for r in rows if r["mismatches"]])
+
+
+def _settings(args) -> tuple[list[int], list[str], object, object]:
+    """(fleet sizes, modes, device profile, link profile) from the flags; --draft-len becomes
+    a number unless it is auto. ValueError names the bad flag."""
+    from lab.profiles import device_profile, link_profile
+
+    fleet_sizes = sorted({int(n) for n in args.devices.split(",")})
+    if not fleet_sizes or fleet_sizes[0] < 1:
+        raise ValueError("--devices needs fleet sizes >= 1, e.g. 1,4,16,64")
+    modes = [m for m in MODES if m in args.modes.split(",")]
+    if not modes or set(args.modes.split(",")) - set(MODES):
+        raise ValueError(f"--modes takes a comma-separated subset of {','.join(MODES)}")
+    if args.draft_len != "auto" and not (args.draft_len.isdigit() and int(args.draft_len) >= 1):
+        raise ValueError(f"--draft-len takes a number >= 1 or auto, not {args.draft_len!r}")
+    args.draft_len = args.draft_len if args.draft_len == "auto" else int(args.draft_len)
+    device = None if args.device_profile == "recorded" else device_profile(args.device_profile)
+    return fleet_sizes, modes, device, link_profile(args.link)
 
 
 @dataclass(slots=True)
@@ -59,7 +130,7 @@ async def run_fleet(stub, mode: str, n: int, traces, *, max_new_tokens: int, dra
     """N devices at once; device j serves trace j mod len(traces). Returns results, expected
     outputs and the makespan in seconds."""
     from lab.traces import TraceDrafter
-    from edge_client.profiles import Link
+    from lab.profiles import Link
     from edge_client.session import generate, generate_server_side
 
     picked = [traces[j % len(traces)] for j in range(n)]
@@ -69,8 +140,8 @@ async def run_fleet(stub, mode: str, n: int, traces, *, max_new_tokens: int, dra
         trace, limit, wire = picked[j], len(expected[j]), Link(link, seed=j)
         if mode == "sled":
             return await generate(stub, TraceDrafter(trace, device), trace.prompt_ids,
-                                  max_new_tokens=limit, draft_len=draft_len,
-                                  target_fingerprint=fingerprint, link=wire, on_tokens=on_tokens)
+                                  max_new_tokens=limit, settings=RoundSettings(draft_len=draft_len), transport=link_transport(wire),
+                                  target_fingerprint=fingerprint, on_tokens=on_tokens)
         return await generate_server_side(stub, trace.prompt_ids, max_new_tokens=limit, link=wire,
                                           on_tokens=on_tokens)
 
@@ -114,112 +185,47 @@ def add_ratios(rows: list[dict]) -> None:
             r["throughput_vs_centralized"] = r["throughput"] / central[r["devices"]]
 
 
-async def sweep(server, traces, fleet_sizes: list[int], modes: list[str], args, device, link,
-                console):
+async def sweep(served, traces, fleet_sizes: list[int], modes: list[str], args, device, link,
+                console) -> list[dict]:
     """Both modes at every N, alternating which goes first, after one unmeasured warm-up of
-    each; returns the rows and the server's ModelInfo."""
+    each; returns the rows."""
     from rich.progress import Progress
 
-    from edge_client.connection import Connection
-
     cap = args.max_new_tokens
-    async with Connection(server.address) as conn:
-        info = await conn.model_info()
-        if traces.tokenizer_fingerprint not in (None, info.tokenizer_fingerprint):
-            raise ValueError(f"the traces were recorded for another tokenizer than the server's "
-                             f"({traces.target} vs {info.model_id})")
-        common = dict(draft_len=args.draft_len, device=device, link=link,
-                      fingerprint=info.tokenizer_fingerprint)
-        for mode in modes:
-            await run_fleet(conn.stub, mode, 1, traces.traces, max_new_tokens=min(cap, 4), **common)
-        rows = []
-        total = sum(len(modes) * min(cap, len(traces.traces[j % len(traces.traces)].target_ids))
-                    for n in fleet_sizes for j in range(n))
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("devices", total=total)
-            for index, n in enumerate(fleet_sizes):
-                for mode in modes if index % 2 == 0 else modes[::-1]:
-                    progress.update(task, description=f"{mode}, {n} device(s)")
-                    before = server.metric("sled_forward_passes_total")
-                    results, expected, makespan = await run_fleet(
-                        conn.stub, mode, n, traces.traces, max_new_tokens=cap, **common,
-                        on_tokens=lambda tokens: progress.advance(task, len(tokens)))
-                    passes = server.metric("sled_forward_passes_total") - before
-                    rows.append(summarize(FleetRun(mode, n, results, expected, makespan, passes)))
+    served.check_traces(traces)
+    common = dict(draft_len=args.draft_len, device=device, link=link, fingerprint=served.fingerprint)
+    for mode in modes:
+        await run_fleet(served.stub, mode, 1, traces.traces, max_new_tokens=min(cap, 4), **common)
+    rows = []
+    total = sum(len(modes) * min(cap, len(traces.traces[j % len(traces.traces)].target_ids))
+                for n in fleet_sizes for j in range(n))
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("devices", total=total)
+        for index, n in enumerate(fleet_sizes):
+            for mode in modes if index % 2 == 0 else modes[::-1]:
+                progress.update(task, description=f"{mode}, {n} device(s)")
+                before = served.forward_passes()
+                results, expected, makespan = await run_fleet(
+                    served.stub, mode, n, traces.traces, max_new_tokens=cap, **common,
+                    on_tokens=lambda tokens: progress.advance(task, len(tokens)))
+                passes = served.forward_passes() - before
+                rows.append(summarize(FleetRun(mode, n, results, expected, makespan, passes)))
     rows.sort(key=lambda r: (r["devices"], MODES.index(r["mode"])))
     add_ratios(rows)
-    return rows, info
+    return rows
 
 
-async def run_bench_serve(args) -> int:
-    from rich.console import Console
-
-    from edge_client.profiles import device_profile, link_profile
-    from edge_client.session import VerifyError
-    from sled.models import resolve_model
-    from lab.server_process import ServerProcess
-    from lab.traces.record import traces_for
-
-    console = Console()
-    try:
-        fleet_sizes = sorted({int(n) for n in args.devices.split(",")})
-        if not fleet_sizes or fleet_sizes[0] < 1:
-            raise ValueError("--devices needs fleet sizes >= 1, e.g. 1,4,16,64")
-        modes = [m for m in MODES if m in args.modes.split(",")]
-        if not modes or set(args.modes.split(",")) - set(MODES):
-            raise ValueError(f"--modes takes a comma-separated subset of {','.join(MODES)}")
-        if args.draft_len != "auto" and not (args.draft_len.isdigit() and int(args.draft_len) >= 1):
-            raise ValueError(f"--draft-len takes a number >= 1 or auto, not {args.draft_len!r}")
-        draft_len = args.draft_len if args.draft_len == "auto" else int(args.draft_len)
-        device = None if args.device_profile == "recorded" else device_profile(args.device_profile)
-        link = link_profile(args.link)
-        model, traces = traces_for(args, console)
-    except (ValueError, OSError) as exc:
-        print(f"sled bench serve: {exc}", file=sys.stderr)
-        return 2
-    args.draft_len = draft_len
-    if isinstance(draft_len, int) and draft_len > traces.max_k:
-        console.print(f"[yellow]--draft-len {draft_len} is past the traces' max_k {traces.max_k}: "
-                      f"drafts stop at {traces.max_k} tokens[/]")
-
-    server_args = ["--dtype", args.dtype, *shlex.split(args.server_args)]
-    with console.status("starting the verify server"):
-        server = await ServerProcess(resolve_model(model), *server_args).__aenter__()
-    try:
-        rows, info = await sweep(server, traces, fleet_sizes, modes, args, device, link, console)
-    except (VerifyError, ValueError) as exc:
-        print(f"sled bench serve: {exc}", file=sys.stderr)
-        return 3
-    finally:
-        await server.__aexit__(None, None, None)
-
-    capacities = {mode: capacity(rows, mode, args.target_rate) for mode in modes}
-    setup = (f"{_short(model)} on {info.device}, drafter {_short(traces.drafter)}, device "
-             f"{args.device_profile}, link {args.link}, draft length {args.draft_len}")
-    if not console.is_terminal:
-        console.width = max(console.width, 120)  # a log file gets the whole table
-    console.print(_table(rows, setup))
+def _print_capacity(console, capacities: dict[str, int], target_rate: float,
+                    largest: int) -> float | None:
+    """One line of capacities (and their ratio, returned)."""
     ratio = capacities["sled"] / capacities["centralized"] \
         if capacities.get("sled") and capacities.get("centralized") else None
     # A capacity at the sweep's largest N is only a lower bound: the sweep stopped there.
-    console.print(f"capacity (largest N whose 95% of devices get >= {args.target_rate:g} tok/s): "
-                  + ", ".join(f"{mode} {n}{'+' if n == fleet_sizes[-1] else ''}"
+    console.print(f"capacity (largest N whose 95% of devices get >= {target_rate:g} tok/s): "
+                  + ", ".join(f"{mode} {n}{'+' if n == largest else ''}"
                               for mode, n in capacities.items())
                   + (f"; sled/centralized {ratio:.2f}x" if ratio is not None else ""), highlight=False)
-    out = write_json(args.out, {
-        "model": model, "server_device": info.device, "dtype": info.dtype, "drafter": traces.drafter,
-        "traces": args.traces or "recorded", "prompts": len(traces.traces), "max_k": traces.max_k,
-        "device_profile": args.device_profile, "link": args.link, "draft_len": args.draft_len,
-        "max_new_tokens": args.max_new_tokens, "target_rate": args.target_rate,
-        "capacity": {**capacities, "ratio": ratio, "largest_fleet": fleet_sizes[-1]},
-        "results": rows})
-    _plot(rows, out.with_suffix(".png"), setup)
-    console.print(f"wrote {out} and {out.with_suffix('.png')}")
-    bad = [r for r in rows if r["mismatches"]]
-    for r in bad:
-        console.print(f"[red]{r['mode']} with {r['devices']} device(s): {r['mismatches']} output(s) "
-                      "differ from the target's greedy output[/]")
-    return 1 if bad else 0
+    return ratio
 
 
 def _table(rows: list[dict], setup: str):
@@ -258,9 +264,3 @@ def _plot(rows: list[dict], path, title: str) -> None:
         axis.set_xscale("log", base=2)
         axis.set_xticks(sizes, [str(n) for n in sizes])
     save_figure(fig, (left, right), path, title)
-
-
-def _short(spec: str) -> str:
-    """hf:/a/b/llama-drafter -> hf:llama-drafter; /a/b/llama-target -> llama-target."""
-    kind, sep, arg = spec.rpartition(":")
-    return f"{kind}{sep}{Path(arg).name}" if "/" in arg else spec

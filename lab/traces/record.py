@@ -1,12 +1,11 @@
-"""`sled trace record`: the target's greedy output for each workload prompt, and a real drafter's
-proposal at every position of it, saved as a trace file that emulated devices replay
-(lab.traces.replay). With no --model, a tiny random target + drafter pair made on the fly."""
+"""Recording drafter traces: the target's greedy output for each workload prompt, and a real
+drafter's proposal at every position of it (lab.traces.format), for emulated devices to replay
+(lab.traces.replay). With no model named, the tiny random target + drafter pair (lab.tiny).
+"""
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from drafters.base import reports_confidence
 from lab.traces.format import Trace, TraceSet
@@ -55,30 +54,14 @@ def record_traces(drafter, prompts_ids: Sequence[Sequence[int]],
 
 
 
-def tiny_pair() -> tuple[str, str]:
-    """The cached tiny random target and its perturbed drafter (written on first use)."""
-    from sled.cache import cache_dir
-    from lab.tiny import save_pair
-
-    target, drafter = save_pair(cache_dir() / "tiny")
-    return str(target), str(drafter)
-
-
 def default_specs(model: str | None, drafter: str | None) -> tuple[str, str]:
     """(target, drafter spec): the tiny pair when no model is named; ngram when no drafter is."""
     if model is None:
-        target, tiny_drafter = tiny_pair()
+        from lab.tiny import cached_pair
+
+        target, tiny_drafter = cached_pair()
         return target, drafter or f"hf:{tiny_drafter}"
     return model, drafter or "ngram"
-
-
-def workload_ids(workload: str, tokenizer, limit: int | None = None) -> list[list[int]]:
-    """Prompt ids of a workload spec (sled_cli/workload.py) or, for "tiny", the tiny corpus."""
-    from lab.tiny import CORPUS
-    from lab.workload import load_workload
-
-    texts = list(dict.fromkeys(CORPUS)) if workload == "tiny" else load_workload(workload)
-    return [tokenizer(text).input_ids for text in texts[:limit]]
 
 
 def greedy_outputs(target, prompts: list[list[int]], max_new_tokens: int, progress=None) -> list[list[int]]:
@@ -108,13 +91,13 @@ def record_trace_set(model: str, drafter_spec: str, workload: str, max_new_token
     from transformers.utils import logging as hf_logging
 
     from drafters import load_drafter
-    from lab.traces import TraceSet, record_traces
+    from lab.workload import prompt_texts
     from sled.models import resolve_model
     from verify_server.target import Target
 
     hf_logging.disable_progress_bar()
     target = Target.load(resolve_model(model), dtype=dtype)
-    prompts = workload_ids(workload, target.tokenizer, prompts_limit)
+    prompts = [target.tokenizer(text).input_ids for text in prompt_texts(workload, prompts_limit)]
     drafter = load_drafter(drafter_spec)
     if drafter.tokenizer_fingerprint not in (None, target.fingerprint):
         raise ValueError(f"drafter {drafter_spec} does not share the tokenizer of target {model}")
@@ -127,30 +110,9 @@ def record_trace_set(model: str, drafter_spec: str, workload: str, max_new_token
                     tokenizer_fingerprint=target.fingerprint)
 
 
-def run_trace_record(args) -> int:
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    model, drafter = default_specs(args.model, args.drafter)
-    try:
-        traces = record_trace_set(model, drafter, args.workload, args.max_new_tokens, args.max_k,
-                                  args.dtype, args.prompts, console)
-    except (ValueError, OSError) as exc:
-        print(f"sled trace record: {exc}", file=sys.stderr)
-        return 2
-    path = traces.save(Path(args.out))
-    tokens = sum(len(t.target_ids) for t in traces.traces)
-    ms = sum(t.draft_ms_per_token * len(t.target_ids) for t in traces.traces) / max(tokens, 1)
-    console.print(f"wrote {path}: {len(traces.traces)} prompts, {tokens} target tokens, "
-                  f"drafter {drafter} at {ms:.2f} ms/token here")
-    return 0
-
-
 def traces_for(args, console):
     """(target, TraceSet) for a benchmark: --traces FILE, else recorded now with the default
     (or --model/--drafter) pair over --workload."""
-    from lab.traces import TraceSet
-
     if args.traces:
         traces = TraceSet.load(args.traces)
         return args.model or traces.target, traces

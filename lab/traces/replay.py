@@ -23,7 +23,7 @@ class TraceDivergence(RuntimeError):
 class TraceDrafter:
     """Replays a Trace behind the Drafter protocol; deterministic (q = one-hot).
 
-    `device_profile` (anything with draft_seconds(k), e.g. edge_client.profiles.DeviceProfile)
+    `device_profile` (anything with draft_seconds(k), e.g. lab.profiles.DeviceProfile)
     sets the latency apropose() emulates; without one it is the recorded draft_ms_per_token * k.
     A trace recorded with confidences stops drafts early like its drafter (min_confidence).
     """

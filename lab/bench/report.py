@@ -1,8 +1,22 @@
-"""What every benchmark writes: a JSON file of its results and a PNG of its plots."""
+"""What every benchmark writes and prints: a JSON file of its results, a PNG of its plots,
+percentiles and short model names for its tables."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-th percentile: percentile([1, 2, 3, 4, 5], 50) == 3."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def short_name(spec: str) -> str:
+    """A model or drafter spec for a table: hf:/a/b/llama-drafter -> hf:llama-drafter,
+    /a/b/llama-target -> llama-target; gguf:gemma3-270m unchanged."""
+    kind, sep, arg = spec.rpartition(":")
+    return f"{kind}{sep}{Path(arg).name}" if "/" in arg else spec
 
 
 def write_json(path: str | Path, data: dict) -> Path:

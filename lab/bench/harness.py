@@ -1,0 +1,204 @@
+"""What every benchmark shares: its common flags, a `sled serve` child on loopback with a checked
+connection, a console for wide tables, the JSON + plot it writes, the lossless check against the
+target's greedy output, and the exit codes.
+
+A benchmark module exposes add_arguments(parser) (its own flags plus the shared ones below) and
+run(args), which is run_bench(NAME, its coroutine or function, args). Exit codes: 0 done; 1 an
+output differs from the target's greedy output; 2 bad flags, or a target that cannot run the
+benchmark; 3 the server did not start, or refused the work.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import shlex
+import sys
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from lab.bench.report import write_json
+
+DONE, LOSSY, BAD_FLAGS, SERVER_FAILED = 0, 1, 2, 3
+FORWARD_PASSES = "sled_forward_passes_total"
+
+
+class Stop(Exception):
+    """Ends a benchmark early: its message goes to stderr, its code is the exit code."""
+
+    def __init__(self, message: str, code: int = BAD_FLAGS) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def run_bench(name: str, bench, args) -> int:
+    """`sled bench NAME`: bench(args), a coroutine function or a plain one, to its exit code."""
+    try:
+        result = bench(args)
+        return asyncio.run(result) if inspect.iscoroutine(result) else result
+    except Stop as exc:
+        print(f"sled bench {name}: {exc}", file=sys.stderr)
+        return exc.code
+
+
+@contextmanager
+def flag_errors():
+    """Bad flags or inputs (ValueError, OSError) stop the benchmark with exit code 2."""
+    try:
+        yield
+    except (ValueError, OSError) as exc:
+        raise Stop(str(exc), BAD_FLAGS) from None
+
+
+@contextmanager
+def server_errors():
+    """A refused session or an inconsistent server (VerifyError, ValueError) stops the
+    benchmark with exit code 3."""
+    from edge_client.session import VerifyError
+
+    try:
+        yield
+    except (VerifyError, ValueError) as exc:
+        raise Stop(str(exc), SERVER_FAILED) from None
+
+
+# --- the flags benchmarks share -----------------------------------------------------------------
+
+def add_server_flags(parser, *, model_default: str | None = None, model_help: str,
+                     dtype_help: str = "the target's dtype on the server") -> None:
+    """--model, --dtype and --server-args: what the `sled serve` child runs."""
+    parser.add_argument("--model", default=model_default, help=model_help)
+    parser.add_argument("--dtype", default="float32", help=dtype_help)
+    parser.add_argument("--server-args", default="",
+                        help='extra `sled serve` flags, e.g. "--device cuda"')
+
+
+def add_trace_flags(parser, *, max_new_tokens: int = 48) -> None:
+    """Where emulated devices' drafter traces come from: a `sled trace record` file, or
+    recorded now (--drafter against --model over --workload)."""
+    parser.add_argument("--traces", default=None,
+                        help="a `sled trace record` file (default: record now)")
+    add_recording_flags(parser, max_new_tokens=max_new_tokens)
+
+
+def add_recording_flags(parser, *, max_new_tokens: int = 48) -> None:
+    """What to record: --drafter along --model's greedy output over --workload (--model itself
+    is the caller's: a benchmark's also names the server's target)."""
+    parser.add_argument("--drafter", default=None, help="ngram, hf:PATH, gguf:ALIAS, onnx:ALIAS "
+                        "(default: the tiny pair's drafter, or ngram with --model)")
+    add_workload_flags(parser, default="humaneval:8", max_new_tokens=max_new_tokens)
+    parser.add_argument("--prompts", type=int, default=None, help="use at most this many prompts")
+    parser.add_argument("--max-k", type=int, default=8, help="tokens proposed per position")
+
+
+def add_workload_flags(parser, *, default: str, max_new_tokens: int) -> None:
+    parser.add_argument("--workload", default=default,
+                        help="humaneval[:N], a prompt file or tiny")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+
+
+def add_out_flag(parser, name: str) -> None:
+    parser.add_argument("--out", default=f"bench-results/{name}.json")
+
+
+def server_flags(args) -> list[str]:
+    """The `sled serve` flags from --dtype and --server-args."""
+    return ["--dtype", args.dtype, *shlex.split(args.server_args)]
+
+
+def split_list(text: str, kind=str) -> list:
+    """A comma-separated flag value: split_list("1,4", int) == [1, 4]."""
+    return [kind(item) for item in text.split(",")]
+
+
+# --- the server child and the connection to it ---------------------------------------------------
+
+@dataclass(slots=True)
+class Served:
+    """A running `sled serve` child and one connection to it, with the server's ModelInfo."""
+    server: object          # lab.server_process.ServerProcess
+    conn: object            # edge_client.connection.Connection
+    info: object            # sled.v1 ModelInfo
+
+    @property
+    def stub(self):
+        return self.conn.stub
+
+    @property
+    def fingerprint(self) -> str:
+        return self.info.tokenizer_fingerprint
+
+    def forward_passes(self) -> float:
+        """The server's target forward passes so far (its Prometheus counter)."""
+        return self.server.metric(FORWARD_PASSES)
+
+    def check_traces(self, traces) -> None:
+        """Traces recorded for another tokenizer cannot be replayed against this server."""
+        if traces.tokenizer_fingerprint not in (None, self.fingerprint):
+            raise ValueError(f"the traces were recorded for another tokenizer than the server's "
+                             f"({traces.target} vs {self.info.model_id})")
+
+    async def prompt_ids(self, texts: list[str]) -> list[list[int]]:
+        """Prompts in the target's tokens (the tokenizer comes from the server)."""
+        tokenizer = await self.conn.tokenizer()
+        return [tokenizer(text).input_ids for text in texts]
+
+
+@asynccontextmanager
+async def serving(model: str, server_args: list[str] = (), console=None,
+                  status: str = "starting the verify server"):
+    """`sled serve --model MODEL SERVER_ARGS` on a free loopback port, connected, as Served.
+    A server that does not start stops the benchmark (exit 3) with its own message."""
+    from edge_client.connection import Connection
+    from lab.server_process import ServerProcess
+
+    server = ServerProcess(model, *server_args)
+    try:
+        with console.status(status) if console is not None else _quiet():
+            await server.__aenter__()
+    except RuntimeError as exc:
+        raise Stop(str(exc), SERVER_FAILED) from None
+    try:
+        async with Connection(server.address) as conn:
+            yield Served(server, conn, await conn.model_info())
+    finally:
+        await server.__aexit__(None, None, None)
+
+
+@contextmanager
+def _quiet():
+    yield
+
+
+# --- what a benchmark prints and writes ----------------------------------------------------------
+
+def bench_console(width: int = 120):
+    """A rich console; written to a file or a pipe it gets `width` columns, so a log holds
+    whole tables."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, width)
+    return console
+
+
+def write_results(console, out: str | Path, data: dict, plot=None) -> Path:
+    """The results as JSON at `out` and, when given, plot(png_path) draws its figure beside it."""
+    path = write_json(out, data)
+    if plot is None:
+        console.print(f"wrote {path}")
+        return path
+    png = path.with_suffix(".png")
+    plot(png)
+    console.print(f"wrote {path} and {png}")
+    return path
+
+
+def lossless_exit(console, differences: list[str],
+                  reference: str = "the target's greedy output") -> int:
+    """The exit code of the lossless check: 1 after a red line per difference ("WHERE: N
+    output(s)"), 0 when every output equals the reference."""
+    for where in differences:
+        console.print(f"[red]{where} differ from {reference}[/]")
+    return LOSSY if differences else DONE

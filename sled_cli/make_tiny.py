@@ -1,0 +1,15 @@
+"""`sled make-tiny FOLDER`: a tiny random target + drafter pair with a real tokenizer (testing)."""
+from __future__ import annotations
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("folder")
+    parser.add_argument("--arch", default="llama", choices=["llama", "gemma3"])
+
+
+def run(args) -> int:
+    from lab.tiny import save_pair
+
+    for path in save_pair(args.folder, args.arch):
+        print(path)
+    return 0

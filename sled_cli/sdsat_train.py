@@ -1,0 +1,162 @@
+"""`sled sdsat train`: train SATs into a causal LM (verify_server.sdsat_train), then write the
+adapter, log, plot and summary."""
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", required=True, help="built-in alias or checkpoint path")
+    parser.add_argument("--corpus", required=True,
+                        help="humaneval[:N], a .jsonl (text, or prompt + completion), a text "
+                             "file, or a directory of .py files")
+    parser.add_argument("--out", required=True,
+                        help="folder for the adapter, log, plot (full: model)")
+    parser.add_argument("--mode", default="embeddings", choices=["embeddings", "full", "lora"],
+                        help="embeddings: model frozen, only the SAT embeddings train (standard "
+                             "tokens bit-identical); full: all weights + a KL term on standard "
+                             "tokens")
+    parser.add_argument("--slots", type=int, default=4, help="SAT slots m (tokens drafted per pass)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=4, help="examples per step (they share one cut)")
+    parser.add_argument("--seq-len", type=int, default=256, help="longest token sequence")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="Adam lr (default: 3e-2 embeddings, 1e-5 full)")
+    parser.add_argument("--kl-weight", type=float, default=1.0,
+                        help="full mode: weight of the KL term")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heldout", type=float, default=0.1,
+                        help="fraction of sequences held out")
+    parser.add_argument("--eval-every", type=int, default=None, help="default: steps / 20")
+    parser.add_argument("--eval-samples", type=int, default=64,
+                        help="held-out cuts per evaluation")
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="checkpoint every N steps (0: never)")
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
+    parser.add_argument("--checkpoint-dir", default=None, help="default: OUT/checkpoint")
+    parser.add_argument("--keep-checkpoint", action="store_true",
+                        help="keep the checkpoint after a finished run (default: removed)")
+    parser.add_argument("--dtype", default="float32", help="float32, float64, bfloat16, float16")
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    try:
+        return _train(args, console)
+    except ValueError as exc:   # bad settings, corpus or checkpoint
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+
+
+def _train(args, console) -> int:
+    """Load, tokenize, train, then write the run's folder and plot."""
+    from sled.fingerprint import fingerprint_tokenizer
+    from verify_server.sdsat_corpus import load_documents, split_heldout, tokenize_documents
+    from verify_server.sdsat_train import LOG_FILE, PLOT_FILE, TrainingFolder, train_sat
+
+    config = _config(args)
+    documents = load_documents(args.corpus)
+    model, tokenizer = _load(args.model, args.dtype)
+    sequences = tokenize_documents(tokenizer, documents, args.seq_len, min_len=config.slots + 2)
+    train, heldout = split_heldout(sequences, args.heldout)
+    console.print(f"{args.model}: {len(documents)} documents -> {len(train)} training and "
+                  f"{len(heldout)} held-out sequences of <= {args.seq_len} tokens; mode "
+                  f"{config.mode}, {config.slots} slots, lr {config.lr}")
+    folder = TrainingFolder(Path(args.out), {
+        "base_model": args.model, "mode": config.mode, "slots": config.slots, "corpus": args.corpus,
+        "seed": config.seed, "seq_len": args.seq_len, "batch": config.batch, "lr": config.lr,
+        "tokenizer": fingerprint_tokenizer(tokenizer)})
+    checkpoint_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else folder.out / "checkpoint"
+    with _progress() as progress:
+        spec, log = train_sat(model, train, config, heldout, checkpoint_dir=checkpoint_dir,
+                              resume=args.resume, on_step=_on_step(progress, config.steps),
+                              on_checkpoint=folder.on_checkpoint)
+    adapter = folder.save(spec, log, config, {"train": len(train), "heldout": len(heldout)},
+                          model, tokenizer)
+    plot = plot_log(folder.out / PLOT_FILE, log, f"SAT training: {args.model}, {config.mode}, "
+                    f"{config.slots} slots, {args.corpus}")
+    if not args.keep_checkpoint and checkpoint_dir.exists():
+        shutil.rmtree(checkpoint_dir)
+    first, last = log[0]["heldout"], log[-1]["heldout"]
+    console.print(f"held-out greedy SAT acceptance {first['slot_accuracy']:.3f} -> "
+                  f"{last['slot_accuracy']:.3f}, accepted run {first['accepted_run']:.2f} -> "
+                  f"{last['accepted_run']:.2f} of {config.slots}")
+    console.print(f"wrote {adapter}, {folder.out / LOG_FILE}, {plot}")
+    return 0 if math.isfinite(log[-1].get("loss", 0.0)) else 1
+
+
+def _config(args):
+    """The training settings from the flags (ValueError names the bad one)."""
+    from verify_server.sdsat_train import SatTrainConfig
+    from verify_server.target import DTYPES
+
+    config = SatTrainConfig(slots=args.slots, mode=args.mode, steps=args.steps, batch=args.batch,
+                            lr=args.lr, kl_weight=args.kl_weight, seed=args.seed,
+                            eval_every=args.eval_every or max(1, args.steps // 20),
+                            eval_samples=args.eval_samples, save_every=args.save_every)
+    if args.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {args.dtype!r}; choose one of {', '.join(DTYPES)}")
+    return config
+
+
+def _load(model: str, dtype: str):
+    """(model in eval mode, tokenizer) from a built-in alias or a checkpoint path."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sled.models import resolve_model
+    from verify_server.target import DTYPES
+
+    path = resolve_model(model)
+    return (AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval(),
+            AutoTokenizer.from_pretrained(path))
+
+
+def _on_step(progress, steps: int):
+    """train_sat's on_step: the bar's position, the last loss and held-out acceptance."""
+    task = progress.add_task("train", total=steps, status="")
+    status = {"acc": float("nan"), "run": float("nan")}
+
+    def on_step(step: int, parts: dict, held: dict | None) -> None:
+        if held is not None:
+            status.update(acc=held["slot_accuracy"], run=held["accepted_run"])
+        progress.update(task, completed=step, status=(
+            f"loss {parts['loss']:.3f}  held-out acc {status['acc']:.3f}  run {status['run']:.2f}"))
+
+    return on_step
+
+
+def plot_log(path: Path, log: list[dict], title: str) -> Path:
+    """Loss, per-slot held-out acceptance and accepted run length against the step."""
+    from lab.bench.report import save_figure, subplots
+
+    fig, axes = subplots(3, figsize=(15, 4))
+    trained = [e for e in log if "loss" in e]
+    steps = [e["step"] for e in log]
+    axes[0].plot([e["step"] for e in trained], [e["loss"] for e in trained], label="training loss")
+    axes[0].plot(steps, [e["heldout"]["loss"] for e in log], label="held-out SAT loss")
+    if trained and "kl" in trained[0]:
+        axes[0].plot([e["step"] for e in trained], [e["kl"] for e in trained], label="KL to original")
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("cross-entropy (nats)")
+    axes[1].plot(steps, [e["heldout"]["slot_accuracy"] for e in log], "k-", lw=2, label="all slots")
+    for j in range(len(log[0]["heldout"]["per_slot"])):
+        axes[1].plot(steps, [e["heldout"]["per_slot"][j] for e in log], lw=1, label=f"slot {j + 1}")
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel("held-out greedy acceptance")
+    axes[2].plot(steps, [e["heldout"]["accepted_run"] for e in log], label="accepted run")
+    axes[2].axhline(log[0]["heldout"]["accepted_run"], ls="--", color="gray", label="untrained")
+    axes[2].set_xlabel("step")
+    axes[2].set_ylabel("leading slots all correct (mean)")
+    return save_figure(fig, axes, path, title)
+
+
+def _progress():
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    return Progress(TextColumn("[bold]SAT training"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
