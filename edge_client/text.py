@@ -1,5 +1,8 @@
-"""Text of a growing output, safe to hand out piece by piece (the local API, MQTT responses)."""
+"""Text of a growing output, safe to hand out piece by piece (the local API, MQTT responses,
+`sled generate`): the one incremental detokeniser."""
 from __future__ import annotations
+
+from collections.abc import Collection, Sequence
 
 
 class OutputText:
@@ -11,12 +14,17 @@ class OutputText:
 
     With stops=["\\n\\n"], outputs "a", "b\\n", "\\nc": take() gives "a", then "b" (the "\\n"
     may start a stop), then nothing more: the text is "ab" and stopped is True.
+
+    `decode_options` go to tokenizer.decode (default: special tokens skipped, spaces as they are).
     """
 
-    def __init__(self, tokenizer, stops: list[str], end_ids: set[int]) -> None:
+    def __init__(self, tokenizer, stops: Sequence[str] = (), end_ids: Collection[int] = (),
+                 **decode_options) -> None:
         self.tokenizer = tokenizer
-        self.stops = stops
-        self.end_ids = end_ids
+        self.stops = list(stops)
+        self.end_ids = set(end_ids)
+        self.decode_options = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False,
+                               **decode_options}
         self.ids: list[int] = []       # tokens whose text is part of the output
         self.tokens = 0                # completion tokens, end ids included
         self.text = ""
@@ -31,8 +39,7 @@ class OutputText:
             if token in self.end_ids:
                 continue
             self.ids.append(token)
-            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True,
-                                              clean_up_tokenization_spaces=False)
+            self.text = self.tokenizer.decode(self.ids, **self.decode_options)
             self._cut_at_stop()
 
     def _cut_at_stop(self) -> None:
