@@ -203,7 +203,7 @@ class Device:
     async def _keep_probing(self) -> None:
         while True:
             await asyncio.sleep(PROBE_S)
-            stale = [s for s in self.directory.servers.values() if s.reachable is not True or s.problem]
+            stale = [s for s in self.directory.servers.values() if s.reachable is not True or s.mismatch]
             await asyncio.gather(*(self.directory.probe(s) for s in stale))
             await self.servers_changed()
 

@@ -39,7 +39,8 @@ class Server:
     load: float = 0.0                   # announced load in [0, 1] (0 when unknown)
     online: bool = True                 # announced online (config servers: until probed down)
     reachable: bool | None = None       # last probe: True, False, or None (not probed yet)
-    problem: str = ""                   # why it cannot be used, when it cannot
+    unreachable: str = ""               # why the last probe failed ("" when it answered)
+    mismatch: str = ""                  # how its tokenizer differs from the device's ("" if not)
     failed_at: float = 0.0              # monotonic time of the last lost session
     connection: Connection | None = field(default=None, repr=False)
 
@@ -52,6 +53,11 @@ class Server:
     @property
     def stub(self):
         return self.connect().stub
+
+    @property
+    def problem(self) -> str:
+        """Why it cannot be used ("" when it can, as far as is known)."""
+        return self.mismatch or self.unreachable
 
     def summary(self) -> dict:
         return {"id": self.id or self.endpoint, "endpoint": self.endpoint, "source": self.source,
@@ -117,11 +123,13 @@ class ServerDirectory:
             info = await server.connect().model_info(timeout=timeout, wait_for_ready=False, refresh=True)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else "timed out"
-            server.reachable, server.problem = False, f"unreachable: {detail}"
+            server.reachable, server.unreachable = False, f"unreachable: {detail}"
             self._notify()
             return
-        server.reachable, server.model, server.fingerprint = True, info.model_id, info.tokenizer_fingerprint
-        server.failed_at = 0.0 if server.problem.startswith("unreachable") else server.failed_at
+        if server.unreachable:
+            server.failed_at = 0.0          # it is back: no longer passed over for failing
+        server.reachable, server.unreachable = True, ""
+        server.model, server.fingerprint = info.model_id, info.tokenizer_fingerprint
         self._check(server)
         self._notify()
 
@@ -133,7 +141,7 @@ class ServerDirectory:
         """Usable servers, best first: not recently failed, then least loaded."""
         now = time.monotonic()
         usable = [s for s in self.servers.values()
-                  if s.online and s.reachable is not False and not s.problem]
+                  if s.online and s.reachable is not False and not s.mismatch]
         return sorted(usable, key=lambda s: (now - s.failed_at < AVOID_S, s.load, s.endpoint))
 
     def pick(self) -> Server:
@@ -168,16 +176,13 @@ class ServerDirectory:
     # -- internals -----------------------------------------------------------------------
     def _check(self, server: Server) -> None:
         """A server whose tokenizer differs from the device's can never verify its drafts."""
+        mismatch = ""
         if self.fingerprint and server.fingerprint and server.fingerprint != self.fingerprint:
-            problem = (f"tokenizer {short(server.fingerprint)} does not match this device's "
-                       f"{short(self.fingerprint)}: it cannot verify these drafts")
-            if server.problem != problem:
-                log.warning("server %s: %s", server.endpoint, problem)
-            server.problem = problem
-        elif server.problem and not server.problem.startswith("unreachable"):
-            server.problem = ""
-        elif server.reachable:
-            server.problem = ""
+            mismatch = (f"tokenizer {short(server.fingerprint)} does not match this device's "
+                        f"{short(self.fingerprint)}: it cannot verify these drafts")
+            if server.mismatch != mismatch:
+                log.warning("server %s: %s", server.endpoint, mismatch)
+        server.mismatch = mismatch
 
     def _drop(self, endpoint: str) -> None:
         server = self.servers.pop(endpoint)
