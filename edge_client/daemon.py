@@ -63,10 +63,11 @@ class Request:
 
 @dataclass(slots=True)
 class Chunk:
-    """Tokens committed by one verdict (or drafted alone, verified=False)."""
+    """Tokens committed by one verdict, or drafted alone (lossless=False)."""
     token_ids: list[int]
     finish_reason: str | None = None           # "eos", "stop" or "length" on the last chunk
-    verified: bool = True
+    # the target's own output; False only for the opt-in drafting-alone fallback
+    lossless: bool = True
 
 
 class DeviceMetrics:
@@ -77,7 +78,7 @@ class DeviceMetrics:
         self.requests = Counter("sled_device_requests", "Local requests by outcome", ["outcome"],
                                 registry=r)
         self.prompt_tokens = Counter("sled_device_prompt_tokens", "Prompt tokens received", registry=r)
-        self.tokens = Counter("sled_device_generated_tokens", "Tokens generated", ["verified"],
+        self.tokens = Counter("sled_device_generated_tokens", "Tokens generated", ["lossless"],
                               registry=r)
         self.rounds = Counter("sled_device_rounds", "Verify rounds", registry=r)
         self.draft_tokens = Counter("sled_device_draft_tokens", "Draft tokens verified", registry=r)
@@ -220,7 +221,7 @@ class Device:
             server = self.directory.pick()
             self._set_state("ready", f"verifying on {server.id or server.endpoint}")
         except NoServer as exc:
-            fallback = " (drafting alone, unverified)" if self.settings.unverified_fallback else ""
+            fallback = " (drafting alone: lossy output)" if self.settings.unverified_fallback else ""
             self._set_state("waiting", str(exc) + fallback)
 
     def _set_state(self, state: str, reason: str) -> None:
@@ -259,13 +260,13 @@ class Device:
             self.metrics.requests.labels(outcome).inc()
 
     async def complete(self, request: Request) -> tuple[list[int], str, bool]:
-        """The whole output: (token ids, finish reason, verified)."""
-        tokens, finish, verified = [], "", True
+        """The whole output: (token ids, finish reason, lossless)."""
+        tokens, finish, lossless = [], "", True
         async for chunk in self.stream(request):
             tokens.extend(chunk.token_ids)
-            verified = verified and chunk.verified
+            lossless = lossless and chunk.lossless
             finish = chunk.finish_reason or finish
-        return tokens, finish, verified
+        return tokens, finish, lossless
 
     def _validate(self, request: Request) -> None:
         if not self.ready:
@@ -300,7 +301,7 @@ class Device:
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         committed: list[int] = []
         server = await self._server_for(request)
-        if server is None:   # unverified fallback: no server, drafting alone was asked for
+        if server is None:   # no server, and drafting alone (lossy) was asked for
             await self._draft_alone(request, request.prompt_ids, max_tokens, queue)
             return
         current = {"server": server}
@@ -317,7 +318,7 @@ class Device:
 
         def on_tokens(tokens: list[int]) -> None:
             committed.extend(tokens)
-            self.metrics.tokens.labels("true").inc(len(tokens))
+            self.metrics.tokens.labels(lossless="true").inc(len(tokens))
             self.window.emitted(len(tokens))
             queue.put_nowait(Chunk(list(tokens)))
 
@@ -364,7 +365,7 @@ class Device:
 
     async def _draft_alone(self, request: Request, context: list[int], budget: int,
                            queue: asyncio.Queue) -> None:
-        """No server: the drafter's own tokens, marked unverified (opt-in only)."""
+        """No server: the drafter's own tokens, marked lossless=False (opt-in only)."""
         generator = None
         if not request.sampling.greedy:
             generator = torch.Generator()
@@ -376,14 +377,14 @@ class Device:
             proposal = await asyncio.to_thread(self.drafter.propose, context, 1, request.sampling, generator)
             token = proposal.token_ids[0]
             context.append(token)
-            self.metrics.tokens.labels("false").inc()
+            self.metrics.tokens.labels(lossless="false").inc()
             self.window.emitted(1)
             finish = "eos" if token in self.eos_ids and not request.ignore_eos else \
                 "stop" if token in ends else "length" if produced == budget else None
-            queue.put_nowait(Chunk([token], finish, verified=False))
+            queue.put_nowait(Chunk([token], finish, lossless=False))
             if finish:
                 return
-        queue.put_nowait(Chunk([], "length", verified=False))
+        queue.put_nowait(Chunk([], "length", lossless=False))
 
     # -- settings and status --------------------------------------------------------------
     async def apply(self, changes: dict) -> DeviceSettings:

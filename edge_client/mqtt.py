@@ -14,7 +14,8 @@ Topics under `<prefix>/devices/<id>/` (prefix: settings.mqtt.topic_prefix, "sled
     requests          in: {"request_id", "prompt" | "prompt_ids", "max_tokens", "temperature",
                       "top_p", "top_k", "seed", "stop_ids", "ignore_eos"}
     responses/<id>    out: one message per chunk {"request_id", "index", "token_ids", "text"};
-                      the last adds "finish_reason", "usage" and "verified"; a failure is
+                      the last adds "finish_reason", "usage" and "lossless" (false only
+                      for the opt-in drafting-alone fallback); a failure is
                       {"request_id", "error", "kind"} (on responses/invalid when the request
                       has no usable request_id)
 
@@ -244,17 +245,17 @@ class DeviceMqtt:
         """One message per chunk of committed tokens; the last carries how it ended."""
         topic = self.topic(f"responses/{request.request_id}")
         text = OutputText(self.device.tokenizer, stops=[], end_ids=set())
-        index, produced, verified = 0, 0, True
+        index, produced, lossless = 0, 0, True
         async for chunk in self.device.stream(request):
             produced += len(chunk.token_ids)
-            verified = verified and chunk.verified
+            lossless = lossless and chunk.lossless
             if not chunk.token_ids and chunk.finish_reason is None:
                 continue
             text.add(chunk.token_ids)
             message = {"request_id": request.request_id, "index": index, "token_ids": chunk.token_ids,
                        "text": text.take(final=chunk.finish_reason is not None)}
             if chunk.finish_reason is not None:
-                message.update(finish_reason=chunk.finish_reason, verified=verified, usage={
+                message.update(finish_reason=chunk.finish_reason, lossless=lossless, usage={
                     "prompt_tokens": len(request.prompt_ids), "completion_tokens": produced,
                     "total_tokens": len(request.prompt_ids) + produced})
             await client.publish(topic, encode(message), qos=1)

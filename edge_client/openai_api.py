@@ -1,7 +1,7 @@
 """The device's local OpenAI-compatible HTTP API, on aiohttp.
 
 Local apps talk to `sled device` as they would to OpenAI; every token still comes from the
-server's lossless verification (or, opted in, from the drafter alone, marked unverified):
+server's lossless verification (or, opted in, from the drafter alone, marked as not lossless):
 
     runner, port = await start_api(device, "127.0.0.1", 0)
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
@@ -10,8 +10,9 @@ server's lossless verification (or, opted in, from the drafter alone, marked unv
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with SSE
 streaming), GET /health (the device's status; 503 unless ready), GET /metrics (Prometheus).
-Extensions beyond OpenAI's fields: top_k, ignore_eos, stop_token_ids; an unverified answer
-carries `"sled": {"verified": false}` (and, when not streamed, `X-Sled-Verified: false`).
+Extensions beyond OpenAI's fields: top_k, ignore_eos, stop_token_ids; an answer drafted alone
+(the opt-in fallback, the one lossy mode) carries `"sled": {"lossless": false}` (and, when not
+streamed, `X-Sled-Lossless: false`).
 """
 from __future__ import annotations
 
@@ -256,25 +257,25 @@ class Piece:
     """Text ready to send; the last piece has a finish reason."""
     text: str
     finish_reason: str | None
-    verified: bool
+    lossless: bool                    # False once any token came from the drafter alone
 
 
 async def generate_pieces(device: Device, request: Request, output: OutputText) -> AsyncIterator[Piece]:
     """The request's text as it becomes safe to send. Leaving early (a stop string, a closed
     connection) closes the device's stream, which cancels the generation."""
-    verified, last = True, None
+    lossless, last = True, None
     async with aclosing(device.stream(request)) as chunks:
         async for chunk in chunks:
-            verified = verified and chunk.verified
+            lossless = lossless and chunk.lossless
             output.add(chunk.token_ids)
             if chunk.finish_reason is not None:   # the device's stream ends after this chunk
                 finish = "stop" if output.stopped else FINISH_REASONS.get(chunk.finish_reason, "stop")
-                last = Piece(output.take(final=True), finish, verified)
+                last = Piece(output.take(final=True), finish, lossless)
             elif output.stopped:
-                yield Piece(output.take(final=True), "stop", verified)
+                yield Piece(output.take(final=True), "stop", lossless)
                 return
             elif text := output.take():
-                yield Piece(text, None, verified)
+                yield Piece(text, None, lossless)
     if last is None:
         raise DeviceError("unavailable", "the generation ended without a finish reason")
     yield last
@@ -299,7 +300,7 @@ class Job:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
-    def whole(self, text: str, finish: str, verified: bool, output: OutputText) -> dict:
+    def whole(self, text: str, finish: str, lossless: bool, output: OutputText) -> dict:
         """The non-streamed answer."""
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -308,9 +309,9 @@ class Job:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             body = self.head("text_completion")
-        return {**body, "choices": [choice], "usage": self.usage(output), **_sled(verified)}
+        return {**body, "choices": [choice], "usage": self.usage(output), **_sled(lossless)}
 
-    def chunk(self, verified: bool, *, text: str | None = None, role: bool = False,
+    def chunk(self, lossless: bool, *, text: str | None = None, role: bool = False,
               finish: str | None = None) -> dict:
         """One streamed chunk: a role (chat only), some text, or the finish reason."""
         if self.kind == "chat":
@@ -321,15 +322,15 @@ class Job:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             body = self.head("text_completion")
         usage = {"usage": None} if self.include_usage else {}
-        return {**body, "choices": [choice], **usage, **_sled(verified)}
+        return {**body, "choices": [choice], **usage, **_sled(lossless)}
 
     def usage_chunk(self, output: OutputText) -> dict:
         object_name = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self.head(object_name), "choices": [], "usage": self.usage(output)}
 
 
-def _sled(verified: bool) -> dict:
-    return {} if verified else {"sled": {"verified": False}}
+def _sled(lossless: bool) -> dict:
+    return {} if lossless else {"sled": {"lossless": False}}
 
 
 async def answer_whole(job: Job, pieces: AsyncIterator[Piece], output: OutputText,
@@ -337,8 +338,8 @@ async def answer_whole(job: Job, pieces: AsyncIterator[Piece], output: OutputTex
     texts = [prefix]
     async for piece in pieces:
         texts.append(piece.text)
-    body = job.whole("".join(texts), piece.finish_reason, piece.verified, output)
-    headers = {} if piece.verified else {"X-Sled-Verified": "false"}
+    body = job.whole("".join(texts), piece.finish_reason, piece.lossless, output)
+    headers = {} if piece.lossless else {"X-Sled-Lossless": "false"}
     return web.json_response(body, headers=headers)
 
 
@@ -353,9 +354,9 @@ async def answer_stream(request: web.Request, job: Job, pieces: AsyncIterator[Pi
     send = _sender(response)
     try:
         if job.kind == "chat":
-            await send(job.chunk(piece.verified, role=True))
+            await send(job.chunk(piece.lossless, role=True))
         if prefix:
-            await send(job.chunk(piece.verified, text=prefix))
+            await send(job.chunk(piece.lossless, text=prefix))
         await _send_pieces(send, job, piece, pieces)
         if job.include_usage:
             await send(job.usage_chunk(output))
@@ -371,9 +372,9 @@ async def answer_stream(request: web.Request, job: Job, pieces: AsyncIterator[Pi
 async def _send_pieces(send, job: Job, piece: Piece, pieces: AsyncIterator[Piece]) -> None:
     while True:
         if piece.text:
-            await send(job.chunk(piece.verified, text=piece.text))
+            await send(job.chunk(piece.lossless, text=piece.text))
         if piece.finish_reason is not None:
-            await send(job.chunk(piece.verified, finish=piece.finish_reason))
+            await send(job.chunk(piece.lossless, finish=piece.finish_reason))
             return
         piece = await anext(pieces)
 

@@ -101,7 +101,7 @@ class DeviceSettings(BaseSettings):
     max_new_tokens: int = Field(256, ge=1)
     # how long a session waits for a server (first open or resume) before it fails
     reconnect_s: float = Field(30.0, ge=0)
-    # with no server reachable, go on with the drafter alone and mark the output unverified
+    # with no server reachable, go on with the drafter alone: lossy, marked "lossless": false
     unverified_fallback: bool = False
     policy: PolicySettings = PolicySettings()
     mqtt: MqttSettings = MqttSettings()

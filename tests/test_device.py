@@ -1,5 +1,5 @@
 """The device daemon's core: concurrent local requests on one drafter, server choice, resume
-after a restart, tokenizer mismatch, live settings, the unverified fallback."""
+after a restart, tokenizer mismatch, live settings, the drafting-alone fallback."""
 from __future__ import annotations
 
 import asyncio
@@ -29,11 +29,11 @@ async def test_concurrent_requests_share_one_drafter_and_stay_lossless(serve, mo
                                          for p in prompts[:5]))
     finally:
         await device.close()
-    for prompt, (tokens, finish, verified) in zip(prompts, outputs):
+    for prompt, (tokens, finish, lossless) in zip(prompts, outputs):
         assert tokens == greedy_reference(models["llama"], prompt, 20)
-        assert finish == "length" and verified
+        assert finish == "length" and lossless
     assert device.metrics.value("sled_device_requests_total", {"outcome": "ok"}) == 5
-    assert device.metrics.value("sled_device_generated_tokens_total", {"verified": "true"}) == 100
+    assert device.metrics.value("sled_device_generated_tokens_total", {"lossless": "true"}) == 100
     assert device.metrics.value("sled_device_rounds_total") > 0
 
 
@@ -62,8 +62,8 @@ async def test_tokenizer_mismatch_server_is_passed_over_with_a_reason(serve, mod
         good = await serve(models["llama"])
         await device.apply({"servers": [other.address, good.address]})
         assert device.state == "ready"
-        tokens, _, verified = await device.complete(Request(prompts[0], max_tokens=8, ignore_eos=True))
-        assert tokens == greedy_reference(models["llama"], prompts[0], 8) and verified
+        tokens, _, lossless = await device.complete(Request(prompts[0], max_tokens=8, ignore_eos=True))
+        assert tokens == greedy_reference(models["llama"], prompts[0], 8) and lossless
         await device.close()
     finally:
         await other.stop(grace=0)
@@ -114,10 +114,10 @@ async def test_no_server_waits_and_says_why_or_drafts_alone_when_asked(drafter_m
             await device.complete(Request(prompts[0], max_tokens=4))
         assert err.value.kind == "unavailable" and "waited 0.3 s" in err.value.message
         await device.apply({"unverified_fallback": True})
-        tokens, finish, verified = await device.complete(Request(prompts[0], max_tokens=5, ignore_eos=True))
-        assert len(tokens) == 5 and finish == "length" and not verified
+        tokens, finish, lossless = await device.complete(Request(prompts[0], max_tokens=5, ignore_eos=True))
+        assert len(tokens) == 5 and finish == "length" and not lossless
         assert tokens == greedy_reference(drafter_models["llama"], prompts[0], 5)
-        assert device.metrics.value("sled_device_generated_tokens_total", {"verified": "false"}) == 5
+        assert device.metrics.value("sled_device_generated_tokens_total", {"lossless": "false"}) == 5
     finally:
         await device.close()
 

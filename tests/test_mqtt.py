@@ -175,7 +175,7 @@ async def test_requests_stream_the_targets_greedy_output_and_bad_ones_get_errors
             assert [m["index"] for m in messages] == list(range(len(messages)))
             assert "".join(m["text"] for m in messages) == tokenizer.decode(tokens, skip_special_tokens=True)
             last = messages[-1]
-            assert last["finish_reason"] == "length" and last["verified"] is True
+            assert last["finish_reason"] == "length" and last["lossless"] is True
             assert last["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": n,
                                      "total_tokens": len(prompt) + n}
 
@@ -208,8 +208,8 @@ async def test_announced_servers_join_the_directory_and_leave_it(serve, models, 
             (entry,) = device.status()["servers"]
             assert entry["id"] == "gpu-a" and entry["endpoint"] == server.address and entry["source"] == "mqtt"
             assert entry["model"] == "tiny-a" and entry["online"] and "gpu-a" in device.reason
-            tokens, _, verified = await device.complete(Request(prompts[2], max_tokens=8, ignore_eos=True))
-            assert tokens == greedy_reference(models["llama"], prompts[2], 8) and verified
+            tokens, _, lossless = await device.complete(Request(prompts[2], max_tokens=8, ignore_eos=True))
+            assert tokens == greedy_reference(models["llama"], prompts[2], 8) and lossless
         # the announcer stopped cleanly: its retained announcement now says offline
         await eventually(lambda: not device.directory.servers[server.address].online, what="withdrawal")
         await eventually(lambda: device.state == "waiting", what="the device waiting again")
@@ -240,8 +240,8 @@ async def test_refused_credentials_are_reported_and_the_device_keeps_serving(
         problem = device.status()["mqtt"]["problem"]
         assert f"127.0.0.1:{broker.port}" in problem and "user 'device'" in problem
         assert device.status()["mqtt"]["connected"] is False and device.state == "ready"
-        tokens, _, verified = await device.complete(Request(prompts[3], max_tokens=8, ignore_eos=True))
-        assert tokens == greedy_reference(models["llama"], prompts[3], 8) and verified
+        tokens, _, lossless = await device.complete(Request(prompts[3], max_tokens=8, ignore_eos=True))
+        assert tokens == greedy_reference(models["llama"], prompts[3], 8) and lossless
         assert any("refused the credentials" in r.getMessage() for r in caplog.records)
 
     good = mqtt_device(broker, [server.address], drafter_models["llama"], tokenizer, device_id="dev-2",

@@ -229,11 +229,11 @@ async def test_a_client_that_leaves_cancels_its_generation(serve, models, drafte
                 break
             await asyncio.sleep(0.05)
         assert device.metrics.value("sled_device_requests_total", {"outcome": "cancelled"}) == 1
-        assert device.metrics.value("sled_device_generated_tokens_total", {"verified": "true"}) < 900
+        assert device.metrics.value("sled_device_generated_tokens_total", {"lossless": "true"}) < 900
         assert device.status()["active_sessions"] == 0
 
 
-# -- health, metrics, the unverified mark -----------------------------------------------------------
+# -- health, metrics, the lossy mark ---------------------------------------------------------------
 async def test_health_and_metrics(api):
     client, url, _ = api
     await client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0)
@@ -260,9 +260,9 @@ async def test_without_a_server_health_is_503_and_fallback_output_is_marked(draf
         await device.apply({"unverified_fallback": True})
         request = {"model": "tiny-edge", "prompt": "x", "max_tokens": 3, "temperature": 0}
         status, headers, body = await post(url, "/v1/completions", json.dumps(request))
-        assert status == 200 and headers["X-Sled-Verified"] == "false"
-        assert body["sled"] == {"verified": False}
+        assert status == 200 and headers["X-Sled-Lossless"] == "false"
+        assert body["sled"] == {"lossless": False}
         stream = await client.completions.create(model="tiny-edge", prompt="x", max_tokens=3, temperature=0,
                                                  stream=True)
         chunks = [chunk async for chunk in stream]
-    assert chunks and all(chunk.model_extra["sled"] == {"verified": False} for chunk in chunks)
+    assert chunks and all(chunk.model_extra["sled"] == {"lossless": False} for chunk in chunks)
