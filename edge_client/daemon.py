@@ -23,17 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from drafters.base import Drafter
 from edge_client.drafting import SharedDrafter
+from edge_client.result import RoundStat
 from edge_client.servers import NoServer, Server, ServerDirectory
-from edge_client.session import DRAFTER_SEED_OFFSET, RoundStat, VerifyError, generate
+from edge_client.session import RoundSettings, generate
 from edge_client.settings import DeviceSettings, SettingsError
+from edge_client.transport import VerifyError
 from sled.cache import tokenizer_dir
 from sled.fingerprint import fingerprint_tokenizer, short
-from sled.sampling import Sampling
+from sled.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator
 
 log = logging.getLogger("sled.device")
 
@@ -334,11 +335,13 @@ class Device:
         try:
             result = await generate(
                 server.stub, self.drafter, request.prompt_ids, max_new_tokens=max_tokens,
-                draft_len=policy.draft_len, sampling=request.sampling, stop_ids=request.stop_ids,
+                sampling=request.sampling, stop_ids=request.stop_ids,
                 target_fingerprint=server.fingerprint or None, ignore_eos=request.ignore_eos,
-                on_tokens=on_tokens, on_round=on_round, lookahead=policy.lookahead,
-                reconnect_s=settings.reconnect_s, reopen_on=reopen, max_draft_len=policy.max_draft_len,
-                pipeline=policy.pipeline, min_confidence=policy.min_confidence)
+                settings=RoundSettings(
+                    draft_len=policy.draft_len, max_draft_len=policy.max_draft_len,
+                    min_confidence=policy.min_confidence, pipeline=policy.pipeline,
+                    lookahead=policy.lookahead, reconnect_s=settings.reconnect_s),
+                reopen_on=reopen, on_tokens=on_tokens, on_round=on_round)
         except VerifyError as exc:
             if exc.code == grpc.StatusCode.UNAVAILABLE and settings.unverified_fallback:
                 await self._draft_alone(request, request.prompt_ids + committed,
@@ -366,11 +369,7 @@ class Device:
     async def _draft_alone(self, request: Request, context: list[int], budget: int,
                            queue: asyncio.Queue) -> None:
         """No server: the drafter's own tokens, marked lossless=False (opt-in only)."""
-        generator = None
-        if not request.sampling.greedy:
-            generator = torch.Generator()
-            if request.sampling.seed is not None:
-                generator.manual_seed(request.sampling.seed + DRAFTER_SEED_OFFSET)
+        generator = new_generator(request.sampling, offset=DRAFTER_SEED_OFFSET)
         context = list(context)
         ends = set(request.stop_ids) | (set() if request.ignore_eos else set(self.eos_ids))
         for produced in range(1, budget + 1):

@@ -1,19 +1,20 @@
-"""How many tokens a device drafts next round: the k that maximises expected tokens per second.
+"""How many tokens a device drafts next round: the draft_len that maximises expected tokens per
+second.
 
 With per-token acceptance a, a draft of k tokens yields on average E(k) = (1 - a^(k+1)) / (1 - a)
 tokens (the accepted prefix plus the target's one), and a round costs about k * t_draft + t_round(k)
 (drafting, then the round trip including the server's forward, which grows with the tokens it
 verifies). The policy keeps moving averages of a, t_draft and t_round (overall, and per draft
-length once it has seen that length) from the device's own rounds and picks k in [1, max_k],
-never above the server's suggested length (its view of its own load). One policy may serve a
-device's sessions one after another, so what it learned carries over.
+length once it has seen that length) from the device's own rounds and picks k in
+[1, max_draft_len], never above the server's suggested length (its view of its own load). One
+policy may serve a device's sessions one after another, so what it learned carries over.
 
 a is estimated from what the rounds really judged: a round of v draft tokens with A accepted
 passed A tokens and, if A < v, failed one; the tokens after a rejection were never judged. So
 a = passed / (passed + failed) over decayed counts (the maximum-likelihood per-token rate of a
 run that stops at the first failure), not A / v, which counts every unjudged token as a failure.
 
-    a = 0.9, t_draft = 2 ms,  t_round = 60 ms  -> long drafts pay: k = 16 (max)
+    a = 0.9, t_draft = 2 ms,  t_round = 60 ms  -> long drafts pay: k = 16 (max_draft_len)
     a = 0.6, t_draft = 20 ms, t_round = 5 ms   -> drafting dominates: k = 1
 """
 from __future__ import annotations
@@ -23,16 +24,16 @@ from dataclasses import dataclass, field
 PRIOR_TOKENS = 2.0   # how many judged tokens the prior acceptance weighs
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
+def expected_tokens(acceptance: float, draft_len: int) -> float:
     """Mean tokens a round yields: accepted draft tokens plus the target's correction/bonus."""
     if acceptance >= 1.0:
-        return k + 1.0
-    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+        return draft_len + 1.0
+    return (1.0 - acceptance ** (draft_len + 1)) / (1.0 - acceptance)
 
 
 @dataclass(slots=True)
 class DraftPolicy:
-    max_k: int = 16
+    max_draft_len: int = 16
     acceptance: float = 0.7          # per-token acceptance: prior, then estimated (module doc)
     draft_ms: float = 10.0           # per drafted token
     round_ms: float = 20.0           # send -> verdict, server time included
@@ -42,8 +43,8 @@ class DraftPolicy:
     _round_by_len: dict[int, float] = field(default_factory=dict, init=False)  # verified -> round ms
 
     def __post_init__(self) -> None:
-        if self.max_k < 1 or not 0.0 < self.smoothing <= 1.0:
-            raise ValueError("max_k must be >= 1 and smoothing in (0, 1]")
+        if self.max_draft_len < 1 or not 0.0 < self.smoothing <= 1.0:
+            raise ValueError("max_draft_len must be >= 1 and smoothing in (0, 1]")
         self._passed, self._judged = self.acceptance * PRIOR_TOKENS, PRIOR_TOKENS
 
     def observe(self, verified: int, accepted: int, draft_ms: float, round_ms: float) -> None:
@@ -60,21 +61,22 @@ class DraftPolicy:
             self._round_by_len[verified] = round_ms if before is None else before + w * (round_ms - before)
         self.round_ms += w * (round_ms - self.round_ms)
 
-    def round_cost(self, k: int) -> float:
-        """Expected round trip (ms) for a draft of k: what rounds of k took, else what rounds of
-        the nearest length seen took (the shorter on a tie), else the average."""
+    def round_cost(self, draft_len: int) -> float:
+        """Expected round trip (ms) for a draft of draft_len: what rounds of that length took,
+        else what rounds of the nearest length seen took (the shorter on a tie), else the average."""
         if not self._round_by_len:
             return self.round_ms
-        nearest = min(self._round_by_len, key=lambda seen: (abs(seen - k), seen))
+        nearest = min(self._round_by_len, key=lambda seen: (abs(seen - draft_len), seen))
         return self._round_by_len[nearest]
 
-    def rate(self, k: int) -> float:
-        """Expected tokens per millisecond for a draft of k."""
-        return expected_tokens(self.acceptance, k) / (k * self.draft_ms + self.round_cost(k))
+    def rate(self, draft_len: int) -> float:
+        """Expected tokens per millisecond for a draft of draft_len."""
+        cost = draft_len * self.draft_ms + self.round_cost(draft_len)
+        return expected_tokens(self.acceptance, draft_len) / cost
 
-    def pipelining_pays(self, k: int) -> bool:
-        """Whether drafting ahead while the verdict on a draft of k is in flight is expected to
-        gain more time than it loses.
+    def pipelining_pays(self, draft_len: int) -> bool:
+        """Whether drafting ahead while the verdict on a draft of k = draft_len tokens is in
+        flight is expected to gain more time than it loses.
 
         It gains when the whole draft is accepted and the bonus is the drafter's guess (about
         a^(k+1)): the next draft then starts with the tokens drafted during the round trip, one
@@ -85,13 +87,13 @@ class DraftPolicy:
             a = 0.9, t_draft = 20 ms, t_round = 150 ms, k = 4 -> pays (2.4 steps gained)
             a = 0.4, t_draft = 20 ms, t_round = 50 ms,  k = 4 -> does not (0.02 gained, 0.5 lost)
         """
-        steps = self.round_cost(k) / self.draft_ms if self.draft_ms > 0 else float("inf")
-        keep = self.acceptance ** (k + 1)
-        gained = keep * min(k, max(steps - 1.0, 0.0))
-        lost = (1.0 - keep) * 0.5 if steps < k + 1 else 0.0
+        steps = self.round_cost(draft_len) / self.draft_ms if self.draft_ms > 0 else float("inf")
+        keep = self.acceptance ** (draft_len + 1)
+        gained = keep * min(draft_len, max(steps - 1.0, 0.0))
+        lost = (1.0 - keep) * 0.5 if steps < draft_len + 1 else 0.0
         return gained > lost
 
     def choose(self, suggested: int = 0) -> int:
-        """The best k, capped by the server's suggestion when it gave one."""
-        cap = min(self.max_k, suggested) if suggested > 0 else self.max_k
+        """The best draft_len, capped by the server's suggestion when it gave one."""
+        cap = min(self.max_draft_len, suggested) if suggested > 0 else self.max_draft_len
         return max(range(1, cap + 1), key=self.rate)

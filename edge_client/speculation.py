@@ -10,7 +10,7 @@ verdict. Any other verdict discards them.
 Lossless either way: the server verifies every draft token. In sampling mode a kept token was
 drawn from q given the context it is verified in (the guess only decides whether it is kept,
 and the target's bonus draw is independent of it), and it is sent with that q, so rejection
-sampling stays exact. Seeded sampling sessions do not pipeline (see session.generate).
+sampling stays exact. Seeded sampling sessions do not pipeline (see DeviceSession).
 """
 from __future__ import annotations
 
@@ -88,18 +88,3 @@ class Speculation:
         return Proposal(list(self.tokens), list(self.q) if len(self.q) == n else None,
                         list(self.confidence) if len(self.confidence) == n else None)
 
-
-def joined(head: Proposal, tail: Proposal | None) -> Proposal:
-    """head's tokens, then tail's; q and confidences where both have them."""
-    if tail is None:
-        return head
-    q = head.q + tail.q if head.q is not None and tail.q is not None else None
-    confidence = head.confidence + tail.confidence \
-        if head.confidence is not None and tail.confidence is not None else None
-    return Proposal(head.token_ids + tail.token_ids, q, confidence)
-
-
-def first(proposal: Proposal, k: int) -> Proposal:
-    """The first k tokens of a proposal, with their q and confidences."""
-    return Proposal(proposal.token_ids[:k], proposal.q[:k] if proposal.q is not None else None,
-                    proposal.confidence[:k] if proposal.confidence is not None else None)

@@ -12,7 +12,8 @@ async def run_workload(server: str, drafter_spec: str, prompts: list[str], *, na
     end, each with the running totals. Exit code: 0, or 4 when the server refused a session."""
     from drafters import load_drafter
     from edge_client.connection import Connection
-    from edge_client.session import VerifyError, generate
+    from edge_client.session import RoundSettings, generate
+    from edge_client.transport import VerifyError
 
     drafter = load_drafter(drafter_spec)
     totals = {"device": name, "drafter": drafter_spec, "prompts": 0, "tokens": 0, "rounds": 0,
@@ -33,7 +34,8 @@ async def run_workload(server: str, drafter_spec: str, prompts: list[str], *, na
 
             try:
                 result = await generate(conn.stub, drafter, tokenizer(prompt).input_ids,
-                                        max_new_tokens=max_new_tokens, settings=RoundSettings(draft_len=draft_len),
+                                        max_new_tokens=max_new_tokens,
+                                        settings=RoundSettings(draft_len=draft_len),
                                         target_fingerprint=info.tokenizer_fingerprint, on_tokens=progress)
             except VerifyError as exc:
                 emit(event="error", error=str(exc))

@@ -31,7 +31,9 @@ def add_arguments(parser) -> None:
 async def run(args) -> int:
     from drafters import load_drafter
     from edge_client.connection import Connection
-    from edge_client.session import VerifyError, generate, generate_server_side
+    from edge_client.server_side import generate_server_side
+    from edge_client.session import RoundSettings, generate
+    from edge_client.transport import VerifyError
     from sled.sampling import Sampling
     from sled.v1 import verifier_pb2 as pb
 
@@ -71,7 +73,9 @@ async def run(args) -> int:
                     stop_ids=args.stop_id, on_tokens=stream, mode=server_modes[args.drafter])
             else:
                 result = await generate(conn.stub, drafter, prompt_ids,
-                                        max_new_tokens=args.max_new_tokens, settings=RoundSettings(draft_len=args.draft_len, lookahead=args.lookahead),
+                                        max_new_tokens=args.max_new_tokens,
+                                        settings=RoundSettings(draft_len=args.draft_len,
+                                                               lookahead=args.lookahead),
                                         sampling=sampling, stop_ids=args.stop_id,
                                         target_fingerprint=info.tokenizer_fingerprint,
                                         on_tokens=stream)

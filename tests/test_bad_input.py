@@ -18,7 +18,8 @@ import pytest
 from conftest import greedy_reference
 from drafters.hf import HFDrafter
 from drafters.ngram import NgramDrafter
-from edge_client.session import VerifyError, generate
+from edge_client.session import RoundSettings, generate
+from edge_client.transport import VerifyError
 from sled.fingerprint import fingerprint_vocab, short
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
@@ -479,7 +480,8 @@ async def test_bad_streams_do_not_disturb_good_sessions(raw, prompts, models):
     expected = [greedy_reference(model, p, n) for p in good_prompts]
 
     async def good(prompt):
-        return await generate(stub, NgramDrafter(), prompt, max_new_tokens=n, draft_len=MAX_DRAFT)
+        return await generate(stub, NgramDrafter(), prompt, max_new_tokens=n,
+                              settings=RoundSettings(draft_len=MAX_DRAFT))
 
     bad = [check_case(stub, case, V, prompts[i % len(prompts)]) for i, case in enumerate(CASES)]
     bad += [oversized_open(stub, V) for _ in range(2)]

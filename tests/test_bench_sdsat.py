@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import run_sled
-from edge_client.session import GenerationResult
+from edge_client.result import GenerationResult
 from lab.bench.sdsat import Run, chunks, ratio, summarize
 from verify_server.sdsat import save_adapter
 

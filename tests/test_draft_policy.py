@@ -57,7 +57,7 @@ def test_acceptance_counts_only_the_tokens_a_round_judged():
 
 
 def test_round_cost_is_learned_per_draft_length():
-    policy = DraftPolicy(acceptance=0.9, draft_ms=20, round_ms=150, max_k=8)
+    policy = DraftPolicy(acceptance=0.9, draft_ms=20, round_ms=150, max_draft_len=8)
     assert policy.choose() == 8                    # one round cost for every length: long pays
     for _ in range(3):
         policy.observe(verified=6, accepted=6, draft_ms=120, round_ms=400)
@@ -83,7 +83,7 @@ def test_drafting_ahead_pays_when_whole_drafts_are_often_accepted_and_round_trip
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError):
-        DraftPolicy(max_k=0)
+        DraftPolicy(max_draft_len=0)
 
 
 async def test_adaptive_sessions_stay_lossless_and_vary_k(serve, models, drafter_models, prompts):
@@ -91,8 +91,9 @@ async def test_adaptive_sessions_stay_lossless_and_vary_k(serve, models, drafter
 
     from conftest import greedy_reference
     from drafters.hf import HFDrafter
-    from edge_client.profiles import Link, LinkProfile
-    from edge_client.session import generate
+    from edge_client.session import RoundSettings, generate
+    from lab.link import link_transport
+    from lab.profiles import Link, LinkProfile
     from sled.v1.verifier_pb2_grpc import VerifierStub
 
     model = models["llama"]
@@ -101,7 +102,8 @@ async def test_adaptive_sessions_stay_lossless_and_vary_k(serve, models, drafter
     link = Link(LinkProfile("lan", rtt_ms=4.0, jitter_ms=0.5, bandwidth_mbps=0.0))
     async with grpc.aio.insecure_channel(server.address) as channel:
         result = await generate(VerifierStub(channel), HFDrafter(drafter_models["llama"]), prompts[0],
-                                max_new_tokens=40, draft_len="adaptive", ignore_eos=True, link=link)
+                                max_new_tokens=40, settings=RoundSettings(draft_len="adaptive"),
+                                transport=link_transport(link), ignore_eos=True)
     assert result.token_ids == greedy_reference(model, prompts[0], 40)
     assert len({stat.verified for stat in result.round_stats[:-3]}) > 1   # k chosen per round
 
@@ -111,19 +113,19 @@ async def test_one_policy_carries_over_a_devices_sessions(serve, models, drafter
 
     from conftest import greedy_reference
     from drafters.hf import HFDrafter
-    from edge_client.session import generate
+    from edge_client.session import RoundSettings, generate
     from sled.v1.verifier_pb2_grpc import VerifierStub
 
     model = models["llama"]
     server = await serve(model)
-    policy = DraftPolicy(max_k=6)
+    policy = DraftPolicy(max_draft_len=6)
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         first = await generate(stub, HFDrafter(drafter_models["llama"]), prompts[0], max_new_tokens=16,
-                               draft_len="adaptive", ignore_eos=True, policy=policy)
+                               settings=RoundSettings(draft_len="adaptive"), ignore_eos=True, policy=policy)
         learned, next_k = (policy.acceptance, policy.round_ms), policy.choose()
         second = await generate(stub, HFDrafter(drafter_models["llama"]), prompts[1], max_new_tokens=16,
-                                draft_len="adaptive", ignore_eos=True, policy=policy)
+                                settings=RoundSettings(draft_len="adaptive"), ignore_eos=True, policy=policy)
     assert first.token_ids == greedy_reference(model, prompts[0], 16)
     assert second.token_ids == greedy_reference(model, prompts[1], 16)
     assert learned != (0.7, 20.0)                               # taught by the first session

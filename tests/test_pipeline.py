@@ -13,16 +13,18 @@ import torch
 from conftest import greedy_reference
 from drafters.base import Proposal
 from drafters.hf import HFDrafter
-from lab.traces import Trace, TraceDrafter
-from edge_client.profiles import DeviceProfile, Link, LinkProfile
-from edge_client.session import generate
+from edge_client.session import RoundSettings, generate
 from edge_client.speculation import Speculation
+from lab.link import link_transport
+from lab.profiles import DeviceProfile, Link, LinkProfile
+from lab.traces import Trace, TraceDrafter
 from sled.sampling import Sampling, warp
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from test_sampling_e2e import total_variation
 
 MAX_NEW = 24
 LINK = LinkProfile("test", rtt_ms=6.0, jitter_ms=1.0, bandwidth_mbps=0.0)
+SLOW_LINK = LinkProfile("slow", 30.0, 0.0, 0.0)
 DEVICE = DeviceProfile("test", draft_ms_per_token=2.0, round_overhead_ms=1.0)
 
 
@@ -73,7 +75,8 @@ async def test_pipelined_sessions_match_generate(serve, models, drafter_models, 
         stub = VerifierStub(channel)
         results = await asyncio.gather(*(
             generate(stub, HFDrafter(drafter_models[arch], tokenizer), p, max_new_tokens=MAX_NEW,
-                     draft_len=k, link=Link(LINK, seed=i), pipeline=True)
+                     settings=RoundSettings(draft_len=k, pipeline=True),
+                     transport=link_transport(Link(LINK, seed=i)))
             for i, p in enumerate(prompts)))
     for prompt, result in zip(prompts, results):
         assert result.token_ids == greedy_reference(model, prompt, MAX_NEW)
@@ -88,8 +91,9 @@ async def test_a_drafter_that_agrees_with_the_target_drafts_ahead(serve, models,
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         plain, pipelined = [await generate(stub, HFDrafter(model, tokenizer), prompts[1],
-                                           max_new_tokens=MAX_NEW, draft_len=3, ignore_eos=True,
-                                           link=Link(LinkProfile("slow", 30.0, 0.0, 0.0)), pipeline=on)
+                                           max_new_tokens=MAX_NEW, ignore_eos=True,
+                                           settings=RoundSettings(draft_len=3, pipeline=on),
+                                           transport=link_transport(Link(SLOW_LINK)))
                             for on in (False, True)]
     assert plain.token_ids == pipelined.token_ids == greedy_reference(model, prompts[1], MAX_NEW)
     assert plain.pipelined_tokens == 0
@@ -108,8 +112,9 @@ async def test_emulated_device_drafts_ahead_instead_of_after_the_verdict(serve, 
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         runs = [await generate(stub, TraceDrafter(trace, device), trace.prompt_ids,
-                               max_new_tokens=len(target), draft_len=3, pipeline=on,
-                               link=Link(LinkProfile("slow", 40.0, 0.0, 0.0)))
+                               max_new_tokens=len(target),
+                               settings=RoundSettings(draft_len=3, pipeline=on),
+                               transport=link_transport(Link(LinkProfile("slow", 40.0, 0.0, 0.0))))
                 for on in (False, True)]
     assert runs[0].token_ids == runs[1].token_ids == target
     turns = [sum(s.draft_ms for s in run.round_stats[1:]) for run in runs]
@@ -133,8 +138,9 @@ async def test_wrong_guesses_are_discarded(serve, models, prompts):
     server = await serve(model)
     async with grpc.aio.insecure_channel(server.address) as channel:
         result = await generate(VerifierStub(channel), TraceDrafter(trace, DEVICE), trace.prompt_ids,
-                                max_new_tokens=len(target), draft_len=3, pipeline=True,
-                                link=Link(LinkProfile("slow", 30.0, 0.0, 0.0)))
+                                max_new_tokens=len(target),
+                                settings=RoundSettings(draft_len=3, pipeline=True),
+                                transport=link_transport(Link(SLOW_LINK)))
     assert result.token_ids == target
     assert result.pipelined_tokens == 0
     assert all(s.accepted == s.verified == 3 for s in result.round_stats[:-1])
@@ -147,8 +153,10 @@ async def test_seeded_sampling_does_not_pipeline_and_repeats(serve, models, draf
 
     async def run(seed: int | None):
         return await generate(stub, HFDrafter(drafter_models["gemma3"], tokenizer), prompts[1],
-                              max_new_tokens=30, draft_len=3, ignore_eos=True, pipeline=True,
-                              link=Link(LINK), sampling=Sampling(temperature=0.9, top_p=0.95, seed=seed))
+                              max_new_tokens=30, ignore_eos=True,
+                              settings=RoundSettings(draft_len=3, pipeline=True),
+                              transport=link_transport(Link(LINK)),
+                              sampling=Sampling(temperature=0.9, top_p=0.95, seed=seed))
 
     first, again, unseeded = await asyncio.gather(run(7), run(7), run(None))
     assert first.token_ids == again.token_ids
@@ -180,8 +188,8 @@ async def test_pipelined_sampling_still_follows_the_target_distribution(serve, m
     async def one(_):
         async with gate:
             return await generate(stub, HFDrafter(drafter_models["llama"], tokenizer, q_support=8),
-                                  prompt, max_new_tokens=3, draft_len=1, ignore_eos=True,
-                                  sampling=SAMPLING, pipeline=True)
+                                  prompt, max_new_tokens=3, ignore_eos=True, sampling=SAMPLING,
+                                  settings=RoundSettings(draft_len=1, pipeline=True))
 
     results = await asyncio.gather(*(one(i) for i in range(SAMPLES)))
     ahead = [any(s.pipelined for s in r.round_stats) for r in results]

@@ -12,7 +12,8 @@ import torch
 
 from drafters import load_drafter, resolve_spec
 from sled.cache import cache_dir
-from edge_client.session import VerifyError, generate
+from edge_client.session import RoundSettings, generate
+from edge_client.transport import VerifyError
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from sled.models import hf_checkpoint
 from lab.workload import load_workload
@@ -71,7 +72,8 @@ async def test_real_drafter_output_is_identical_to_generate(server, target, prom
     async def device(slot: int) -> None:
         for i in range(slot, len(prompt_ids), len(drafters)):
             results[i] = await generate(stub, drafters[slot], prompt_ids[i], max_new_tokens=MAX_NEW,
-                                        draft_len=4, target_fingerprint=target.fingerprint)
+                                        settings=RoundSettings(draft_len=4),
+                                        target_fingerprint=target.fingerprint)
 
     await asyncio.gather(*(device(slot) for slot in range(len(drafters))))
     mismatched = [i for i, (r, ref) in enumerate(zip(results, references)) if r.token_ids != ref]

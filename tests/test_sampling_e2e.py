@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from drafters.hf import HFDrafter
-from edge_client.session import generate
+from edge_client.session import RoundSettings, generate
 from sled.sampling import Sampling, warp
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 
@@ -46,7 +46,8 @@ async def sample_pairs(server, drafter_factory, prompt, n: int, concurrency: int
 
     async def one(seed: int):
         async with gate:
-            result = await generate(stub, drafter_factory(), prompt, max_new_tokens=2, draft_len=2,
+            result = await generate(stub, drafter_factory(), prompt, max_new_tokens=2,
+                                    settings=RoundSettings(draft_len=2),
                                     ignore_eos=True, sampling=Sampling(SAMPLING.temperature,
                                                                        SAMPLING.top_k, seed=seed))
             return result.token_ids
@@ -92,7 +93,7 @@ async def test_seeded_requests_repeat_exactly(serve, models, drafter_models, tok
 
     async def run(seed: int):
         return (await generate(stub, HFDrafter(drafter_models["gemma3"], tokenizer), prompts[1],
-                               max_new_tokens=40, draft_len=4, ignore_eos=True,
+                               max_new_tokens=40, settings=RoundSettings(draft_len=4), ignore_eos=True,
                                sampling=Sampling(temperature=0.9, top_p=0.95, seed=seed))).token_ids
 
     first, again, concurrent_a, concurrent_b = await asyncio.gather(run(7), run(7), run(7), run(8))

@@ -11,7 +11,7 @@ import torch
 
 from conftest import greedy_reference
 from drafters.hf import HFDrafter
-from edge_client.session import generate
+from edge_client.session import RoundSettings, generate
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
@@ -77,7 +77,7 @@ async def test_sat_self_drafting_matches_generate(serve, models, drafter_models,
         stub = VerifierStub(channel)
         runs = [server_sat(stub, p, 24) for p in prompts[:5]]
         device = generate(stub, HFDrafter(drafter_models[arch]), prompts[5], max_new_tokens=24,
-                          draft_len=3, ignore_eos=True)
+                          settings=RoundSettings(draft_len=3), ignore_eos=True)
         *outs, device_result = await asyncio.gather(*runs, device)
     for prompt, (tokens, verdicts) in zip(prompts, outs):
         assert tokens == greedy_reference(model, prompt, 24)
@@ -130,8 +130,8 @@ async def test_lookahead_devices_stay_lossless(serve, models, drafter_models, to
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         results = await asyncio.gather(*(
-            generate(stub, HFDrafter(drafter_models["llama"]), p, max_new_tokens=20, draft_len=4,
-                     ignore_eos=True, lookahead=SLOTS) for p in prompts[:4]))
+            generate(stub, HFDrafter(drafter_models["llama"]), p, max_new_tokens=20, ignore_eos=True,
+                     settings=RoundSettings(draft_len=4, lookahead=SLOTS)) for p in prompts[:4]))
     for prompt, result in zip(prompts, results):
         assert result.token_ids == greedy_reference(model, prompt, 20)
     assert sum(r.hint_tokens for r in results) > 0
@@ -271,8 +271,8 @@ async def test_lookahead_hints_start_drafts_and_stay_lossless(serve, tokenizer, 
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         results = await asyncio.gather(*(generate(stub, HFDrafter(drafter_model), p, max_new_tokens=24,
-                                                  draft_len=4, ignore_eos=True, lookahead=3,
-                                                  pipeline=pipeline)
+                                                  ignore_eos=True,
+                                                  settings=RoundSettings(draft_len=4, lookahead=3, pipeline=pipeline))
                                          for p in prompts))
     for prompt, result in zip(prompts, results):
         assert result.token_ids == greedy_reference(model, prompt, 24)

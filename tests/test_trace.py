@@ -11,9 +11,11 @@ import pytest
 
 from conftest import greedy_reference
 from drafters.hf import HFDrafter
+from edge_client.server_side import generate_server_side
+from edge_client.session import RoundSettings, generate
+from lab.link import link_transport
+from lab.profiles import DeviceProfile, Link, LinkProfile, device_profile, link_profile
 from lab.traces import Trace, TraceDivergence, TraceDrafter, TraceSet, record_traces
-from edge_client.profiles import DeviceProfile, Link, LinkProfile, device_profile, link_profile
-from edge_client.session import generate, generate_server_side
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 
@@ -132,8 +134,8 @@ async def test_emulated_devices_through_the_server_are_lossless(serve, models, t
         stub = pb_grpc.VerifierStub(channel)
         results = await asyncio.gather(*(
             generate(stub, TraceDrafter(trace, FAST_DEVICE), trace.prompt_ids,
-                     max_new_tokens=len(trace.target_ids), draft_len=draft_len,
-                     link=Link(FAST_LINK, seed=i))
+                     max_new_tokens=len(trace.target_ids), settings=RoundSettings(draft_len=draft_len),
+                     transport=link_transport(Link(FAST_LINK, seed=i)))
             for i, trace in enumerate(traces)))
     for result, trace in zip(results, traces):
         assert result.token_ids == trace.target_ids
@@ -150,7 +152,8 @@ async def test_server_side_generation_matches_generate_for_concurrent_devices(se
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = pb_grpc.VerifierStub(channel)
         results = await asyncio.gather(*(
-            generate_server_side(stub, prompt, max_new_tokens=MAX_NEW, link=Link(FAST_LINK, seed=i))
+            generate_server_side(stub, prompt, max_new_tokens=MAX_NEW,
+                                 transport=link_transport(Link(FAST_LINK, seed=i)))
             for i, prompt in enumerate(prompts)))
     for result, prompt in zip(results, prompts):
         reference = greedy_reference(model, prompt, MAX_NEW)

@@ -1,5 +1,6 @@
 """Device and link profiles for emulated devices: how long drafting takes on a board, and what
-the network between a device and the server adds to every message.
+the network between a device and the server adds to every message (a Link; lab.link puts one
+under a device session's stream).
 
 Specs are a built-in name ("pi5", "wifi") or a name with overrides ("wifi:rtt_ms=20,jitter_ms=5").
 """
@@ -22,9 +23,9 @@ class DeviceProfile:
         if self.draft_ms_per_token < 0 or self.round_overhead_ms < 0:
             raise ValueError(f"device profile {self.name!r}: latencies must be >= 0")
 
-    def draft_seconds(self, k: int) -> float:
-        """Drafting k tokens in one round: draft_seconds(4) on pi5 = (4 * 20 + 3) ms."""
-        return (k * self.draft_ms_per_token + self.round_overhead_ms) / 1e3
+    def draft_seconds(self, draft_len: int) -> float:
+        """Drafting draft_len tokens in one round: draft_seconds(4) on pi5 = (4 * 20 + 3) ms."""
+        return (draft_len * self.draft_ms_per_token + self.round_overhead_ms) / 1e3
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,72 @@
+"""What a session produced: its tokens, why it ended, and what each round cost."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from sled.v1 import verifier_pb2 as pb
+
+FINISH_NAMES = {pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_STOP: "stop",
+                pb.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass(frozen=True, slots=True)
+class RoundStat:
+    draft_ms: float          # the device's turn: from the previous verdict to this draft sent
+    round_trip_ms: float     # draft sent -> verdict received
+    forward_ms: float        # the server's batched forward + acceptance
+    queue_ms: float          # waiting on the server for a place in a forward
+    verified: int            # draft tokens the server checked
+    accepted: int            # ... and accepted
+    suggested_draft_len: int = 0   # the server's advice for the next draft (0 = none)
+    pipelined: int = 0             # draft tokens drafted while the previous verdict was in flight
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    rounds: int = 0
+    draft_tokens: int = 0          # draft tokens the server verified
+    accepted_tokens: int = 0
+    elapsed_s: float = 0.0
+    server_forward_ms: float = 0.0
+    resumes: int = 0               # sessions reopened after an eviction or a lost server
+    hint_tokens: int = 0           # draft tokens that came from the server's SAT hints
+    pipelined_tokens: int = 0      # draft tokens drafted ahead while a verdict was in flight
+    text: str = ""
+    round_stats: list[RoundStat] = field(default_factory=list)
+    # perf_counter seconds since the session started at which each token arrived (one stamp per
+    # token; the tokens of one verdict share it)
+    token_times: list[float] = field(default_factory=list)
+
+    def add(self, verdict: pb.Verdict, started: float) -> bool:
+        """Count one verdict's tokens and stats (arrival stamped against `started`, a
+        perf_counter time); True when the verdict ends the session."""
+        self.rounds += 1
+        self.server_forward_ms += verdict.timings.forward_ms
+        self.draft_tokens += verdict.verified        # device drafts, or the server's SAT guesses
+        self.accepted_tokens += verdict.accepted
+        self.token_ids.extend(verdict.emitted_ids)
+        self.token_times.extend([time.perf_counter() - started] * len(verdict.emitted_ids))
+        if verdict.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            return False
+        self.finish_reason = FINISH_NAMES[verdict.finish_reason]
+        return True
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return len(self.token_ids) / self.rounds if self.rounds else 0.0
+
+    def summary(self) -> dict:
+        out = asdict(self)
+        out.pop("round_stats")
+        out.pop("token_times")
+        out.update(acceptance_rate=round(self.acceptance_rate, 4),
+                   tokens_per_round=round(self.tokens_per_round, 4),
+                   tokens_per_s=round(len(self.token_ids) / self.elapsed_s, 2) if self.elapsed_s else 0.0)
+        return out

@@ -1,0 +1,84 @@
+"""The device's transport: one Generate call seen as messages, a DeviceMessage out and a
+ServerMessage in, with every way the call can fail turned into a VerifyError.
+
+A session opens its streams through a Transport, `Stream.open` unless it is given another: an
+emulated network (lab) wraps the same stream with its delays, and nothing here knows about it.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+
+from sled.v1 import verifier_pb2 as pb
+
+
+class VerifyError(Exception):
+    """The server ended the session with an error status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.reason = reason
+
+
+class Stream:
+    """One Generate call: send DeviceMessages, receive ServerMessages, then close or cancel."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+
+    @classmethod
+    def open(cls, stub, *, timeout: float | None = None, wait_for_ready: bool = False) -> "Stream":
+        """A new Generate call on stub; wait_for_ready waits for a server that is not up yet."""
+        return cls(stub.Generate(timeout=timeout, wait_for_ready=wait_for_ready))
+
+    async def send(self, msg: pb.DeviceMessage) -> None:
+        """Write one message; a stream the server already ended becomes a VerifyError with the
+        status it ended with (as a failed read does)."""
+        try:
+            await self.call.write(msg)
+        except asyncio.InvalidStateError:
+            raise VerifyError(await self.call.code(),
+                              await self.call.details() or "stream already ended") from None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.INTERNAL:
+                raise
+            # The transport broke under the write (grpc core's failed send batch): the server is
+            # gone or going, and it never saw this message.
+            raise VerifyError(grpc.StatusCode.UNAVAILABLE,
+                              f"the stream broke while sending: {exc.details()}") from None
+
+    async def receive(self) -> pb.ServerMessage:
+        """The next server message; an error message or a broken stream becomes a VerifyError."""
+        try:
+            msg = await self.call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise VerifyError(exc.code(), exc.details() or "") from None
+        if msg is grpc.aio.EOF:
+            raise VerifyError(await self.call.code(),
+                              await self.call.details() or "stream ended before the session finished")
+        if msg.WhichOneof("kind") == "error":
+            reason = pb.ErrorDetail.Reason.Name(msg.error.reason)
+            raise VerifyError(await self.call.code(), msg.error.message, reason)
+        return msg
+
+    async def done_writing(self) -> None:
+        """The session is over: nothing more will be sent."""
+        await self.call.done_writing()
+
+    def cancel(self) -> None:
+        """Drop the call (the server frees the session)."""
+        self.call.cancel()
+
+
+# transport(stub, timeout=..., wait_for_ready=...) -> a Stream (or anything with its methods)
+Transport = Callable[..., Stream]
+
+
+def lost_server(error: Exception) -> bool:
+    """The server is gone or going (as opposed to refusing this session)."""
+    code = error.code if isinstance(error, VerifyError) else error.code()
+    return code == grpc.StatusCode.UNAVAILABLE

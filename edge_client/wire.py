@@ -1,0 +1,45 @@
+"""What a device sends: the request that opens a session, and each round's draft."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from drafters.base import Proposal
+from sled.sampling import Sampling
+from sled.v1 import verifier_pb2 as pb
+
+
+def open_message(prompt_ids: Sequence[int], sampling: Sampling, max_new_tokens: int,
+                 stop_ids: Sequence[int] = (), fingerprint: str = "", drafter: str = "",
+                 ignore_eos: bool = False,
+                 mode: int = pb.GENERATION_MODE_DEVICE_DRAFTS) -> pb.DeviceMessage:
+    msg = pb.DeviceMessage(open=pb.Open(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
+                                        stop_ids=list(stop_ids), tokenizer_fingerprint=fingerprint,
+                                        drafter=drafter, ignore_eos=ignore_eos, mode=mode))
+    sampling.to_proto(msg.open.sampling)
+    return msg
+
+
+def draft_message(round: int, proposal: Proposal, lookahead: int = 0) -> pb.DeviceMessage:
+    """Round r's draft, with q per position in sampling mode and m SAT hints asked for."""
+    q = [pb.SparseDistribution(ids=d.ids, probs=d.probs) for d in proposal.q or ()]
+    return pb.DeviceMessage(draft=pb.Draft(round=round, token_ids=proposal.token_ids, q=q,
+                                           lookahead=lookahead))
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRequest:
+    """What a device session asks the server for; the same request reopens it after a loss."""
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    stop_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    fingerprint: str = ""          # the drafter's tokenizer (or the target's when it has none)
+    drafter: str = ""              # the drafter's name, for the server's logs and metrics
+
+    def open_message(self, committed: Sequence[int]) -> pb.DeviceMessage:
+        """Open (or reopen) the session for what is left after the committed tokens."""
+        return open_message(list(self.prompt_ids) + list(committed), self.sampling,
+                            self.max_new_tokens - len(committed), self.stop_ids, self.fingerprint,
+                            self.drafter, self.ignore_eos)

@@ -1,0 +1,1 @@
+"""What emulates and measures: device and link profiles, traces, workloads, benchmarks."""
