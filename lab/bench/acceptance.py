@@ -30,7 +30,7 @@ def run(args) -> int:
 async def _measure(stub, spec: str, prompts: list[list[int]], k: int, max_new: int,
                    fingerprint: str, devices: int) -> dict:
     from drafters import load_drafter
-    from edge_client.session import generate
+    from edge_client.session import RoundSettings, generate
 
     drafters = [load_drafter(spec) for _ in range(devices)]
     results = []
@@ -38,7 +38,8 @@ async def _measure(stub, spec: str, prompts: list[list[int]], k: int, max_new: i
     async def device(slot: int) -> None:
         for i in range(slot, len(prompts), devices):
             results.append(await generate(stub, drafters[slot], prompts[i], max_new_tokens=max_new,
-                                          settings=RoundSettings(draft_len=k), target_fingerprint=fingerprint))
+                                          settings=RoundSettings(draft_len=k),
+                                          target_fingerprint=fingerprint))
 
     await asyncio.gather(*(device(s) for s in range(devices)))
     rounds = sum(r.rounds for r in results)

@@ -27,10 +27,7 @@ PARTS = ("adaptive", "pipeline")
 
 
 def add_arguments(parser) -> None:
-    harness.add_server_flags(parser, model_help="target alias or path (default: the traces' "
-                             "target, else a tiny random one)",
-                             dtype_help="the target's dtype, recording and serving")
-    harness.add_trace_flags(parser, max_new_tokens=48)
+    harness.add_replay_flags(parser)
     parser.add_argument("--device-profile", default="pi5", help="pi4, pi5, orin-nano, instant; "
                         "NAME:draft_ms_per_token=X,round_overhead_ms=Y")
     parser.add_argument("--devices", type=int, default=1, help="devices running at once")
@@ -56,20 +53,15 @@ def run(args) -> int:
 
 
 async def bench(args) -> int:
-    from lab.traces.record import traces_for
-    from sled.models import resolve_model
-
     console = harness.bench_console()
-    with harness.flag_errors():
-        settings = parse_args(args)
-        model, traces = traces_for(args, console)
-        if args.prompts:
-            traces.traces = traces.traces[:args.prompts]
-        ks = _usable_lengths(settings["ks"], traces.max_k, console)
+    settings, model, traces = harness.replay_inputs(args, console, parse_args)
+    if args.prompts:
+        traces.traces = traces.traces[:args.prompts]
+    ks = _usable_lengths(settings["ks"], traces.max_k, console)
     configs = configurations(settings["parts"], settings["links"], ks, settings["rtts"],
                              args.pipeline_link, settings["pipeline_draft_len"])
     started = time.perf_counter()
-    async with harness.serving(resolve_model(model), harness.server_flags(args), console) as served:
+    async with harness.serving_target(model, args, console) as served:
         with harness.server_errors():
             # The adaptive policy chooses from the same range as the fixed lengths it is compared with.
             results = await sweep(served, traces, configs, args, settings["device"],
@@ -101,10 +93,10 @@ async def bench(args) -> int:
 
 
 def _usable_lengths(ks: list[int], max_k: int, console) -> list[int]:
-    """The fixed draft lengths the traces can serve (ValueError: none)."""
+    """The fixed draft lengths the traces can serve (none: exit 2)."""
     usable = [k for k in ks if k <= max_k]
     if not usable:
-        raise ValueError(f"every --k is above the traces' max_k {max_k}")
+        raise harness.Stop(f"every --k is above the traces' max_k {max_k}")
     if usable != ks:
         console.print(f"[yellow]fixed k above the traces' max_k {max_k} dropped[/]")
     return usable
@@ -169,16 +161,21 @@ async def run_unit(stub, config: Config, traces: list, *, device, max_new_tokens
     """Every device generates its trace's prompt at once; (result, expected output) per device.
     policies[j], when given, is device j's DraftPolicy, kept across its sessions."""
     from lab.traces import TraceDrafter
+    from edge_client.session import RoundSettings, generate
+    from lab.link import link_transport
     from lab.profiles import Link, link_profile
-    from edge_client.session import generate
 
     link = link_profile(config.link)
+    round_settings = RoundSettings(draft_len=config.draft_len, max_draft_len=max_draft_len,
+                                   pipeline=config.pipeline, min_confidence=min_confidence)
 
     async def one(j: int, trace):
         expected = trace.target_ids[:max_new_tokens]
         result = await generate(stub, TraceDrafter(trace, device), trace.prompt_ids,
-                                max_new_tokens=len(expected), settings=RoundSettings(draft_len=config.draft_len, max_draft_len=max_draft_len, pipeline=config.pipeline, min_confidence=min_confidence), transport=link_transport(Link(link, seed=seed * 1000 + j)), target_fingerprint=fingerprint, on_tokens=on_tokens,
-                                policy=policies[j] if policies else None)
+                                max_new_tokens=len(expected), target_fingerprint=fingerprint,
+                                settings=round_settings,
+                                transport=link_transport(Link(link, seed=seed * 1000 + j)),
+                                on_tokens=on_tokens, policy=policies[j] if policies else None)
         return result, expected
 
     return await asyncio.gather(*(one(j, t) for j, t in enumerate(traces)))
@@ -279,7 +276,7 @@ async def sweep(served, traces, configs: list[Config], args, device, max_draft_l
     units = [[pool[(u + j) % len(pool)] for j in range(n)] for u in range(len(pool) * args.reps)]
     common = dict(device=device, max_draft_len=max_draft_len, min_confidence=args.min_confidence)
     results = {c: Samples(c) for c in configs}
-    policies = {c: [DraftPolicy(max_k=max_draft_len) for _ in range(n)] for c in configs}
+    policies = {c: [DraftPolicy(max_draft_len=max_draft_len) for _ in range(n)] for c in configs}
     served.check_traces(traces)
     common["fingerprint"] = served.fingerprint
     for config in configs:

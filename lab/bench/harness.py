@@ -54,7 +54,7 @@ def flag_errors():
 def server_errors():
     """A refused session or an inconsistent server (VerifyError, ValueError) stops the
     benchmark with exit code 3."""
-    from edge_client.session import VerifyError
+    from edge_client.transport import VerifyError
 
     try:
         yield
@@ -71,6 +71,13 @@ def add_server_flags(parser, *, model_default: str | None = None, model_help: st
     parser.add_argument("--dtype", default="float32", help=dtype_help)
     parser.add_argument("--server-args", default="",
                         help='extra `sled serve` flags, e.g. "--device cuda"')
+
+
+def add_replay_flags(parser) -> None:
+    """The flags of benchmarks whose devices replay traces: the server's target and the traces."""
+    add_server_flags(parser, model_help="target alias or path (default: the traces' target, "
+                     "else a tiny random one)", dtype_help="the target's dtype, recording and serving")
+    add_trace_flags(parser, max_new_tokens=48)
 
 
 def add_trace_flags(parser, *, max_new_tokens: int = 48) -> None:
@@ -163,6 +170,23 @@ async def serving(model: str, server_args: list[str] = (), console=None,
             yield Served(server, conn, await conn.model_info())
     finally:
         await server.__aexit__(None, None, None)
+
+
+def replay_inputs(args, console, parse) -> tuple:
+    """For benchmarks of devices that replay traces: (parse(args), target, TraceSet), the traces
+    from --traces or recorded now; bad flags or files stop the benchmark (exit 2)."""
+    from lab.traces.record import traces_for
+
+    with flag_errors():
+        settings = parse(args)
+        return (settings, *traces_for(args, console))
+
+
+def serving_target(model: str, args, console):
+    """serving() for a target alias or path with the --dtype and --server-args flags."""
+    from sled.models import resolve_model
+
+    return serving(resolve_model(model), server_flags(args), console)
 
 
 @contextmanager

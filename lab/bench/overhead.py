@@ -50,7 +50,7 @@ async def _rounds(served, args, console) -> list:
     from rich.progress import Progress
 
     from drafters import load_drafter
-    from edge_client.session import generate
+    from edge_client.session import RoundSettings, generate
     from lab.tiny import CORPUS
 
     conn, info = served.conn, served.info
@@ -64,7 +64,8 @@ async def _rounds(served, args, console) -> list:
             done = 0
             while done < args.rounds:
                 result = await generate(conn.stub, drafter, prompts[(index + done) % len(prompts)],
-                                        max_new_tokens=128, settings=RoundSettings(draft_len=args.draft_len), ignore_eos=True,
+                                        max_new_tokens=128, ignore_eos=True,
+                                        settings=RoundSettings(draft_len=args.draft_len),
                                         target_fingerprint=info.tokenizer_fingerprint)
                 stats.extend(result.round_stats)
                 done += result.rounds

@@ -97,7 +97,7 @@ async def _timed_group(served, coros) -> tuple[list, float, float]:
 
 async def self_drafting(served, prompts: list[list[int]], args, progress, task) -> dict[str, Run]:
     """Plain and SAT server-side decoding of every prompt, alternating per group."""
-    from edge_client.session import generate_server_side
+    from edge_client.server_side import generate_server_side
     from sled.v1 import verifier_pb2 as pb
 
     stub = served.stub
@@ -122,7 +122,7 @@ async def lookahead_runs(served, spec: str, prompts: list[list[int]], lookahead:
                          progress, task) -> dict[int, Run]:
     """One drafter with lookahead 0 and `lookahead`, alternating per group."""
     from drafters import load_drafter, resolve_spec
-    from edge_client.session import generate
+    from edge_client.session import RoundSettings, generate
 
     stub, fingerprint = served.stub, served.fingerprint
     resolved = resolve_spec(spec)   # once: an ONNX alias may export on first use
@@ -130,7 +130,8 @@ async def lookahead_runs(served, spec: str, prompts: list[list[int]], lookahead:
     settings = (0, lookahead)
 
     def one(slot: int, prompt: list[int], ahead: int, max_new: int):
-        return generate(stub, drafters[slot], prompt, max_new_tokens=max_new, settings=RoundSettings(draft_len=args.k, lookahead=ahead),
+        return generate(stub, drafters[slot], prompt, max_new_tokens=max_new,
+                        settings=RoundSettings(draft_len=args.k, lookahead=ahead),
                         target_fingerprint=fingerprint)
 
     for ahead in settings:        # warm-up, unmeasured (loads the drafter's runtime too)

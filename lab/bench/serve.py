@@ -25,10 +25,7 @@ MODES = ("sled", "centralized")
 
 
 def add_arguments(parser) -> None:
-    harness.add_server_flags(parser, model_help="target alias or path (default: the traces' "
-                             "target, else a tiny random one)",
-                             dtype_help="the target's dtype, recording and serving")
-    harness.add_trace_flags(parser, max_new_tokens=48)
+    harness.add_replay_flags(parser)
     parser.add_argument("--devices", default="1,4,16,64", help="comma-separated fleet sizes")
     parser.add_argument("--modes", default="sled,centralized",
                         help="which of sled,centralized to run")
@@ -49,17 +46,12 @@ def run(args) -> int:
 
 
 async def bench(args) -> int:
-    from lab.traces.record import traces_for
-    from sled.models import resolve_model
-
     console = harness.bench_console()
-    with harness.flag_errors():
-        fleet_sizes, modes, device, link = _settings(args)
-        model, traces = traces_for(args, console)
+    (fleet_sizes, modes, device, link), model, traces = harness.replay_inputs(args, console, _settings)
     if isinstance(args.draft_len, int) and args.draft_len > traces.max_k:
         console.print(f"[yellow]--draft-len {args.draft_len} is past the traces' max_k "
                       f"{traces.max_k}: drafts stop at {traces.max_k} tokens[/]")
-    async with harness.serving(resolve_model(model), harness.server_flags(args), console) as served:
+    async with harness.serving_target(model, args, console) as served:
         with harness.server_errors():
             rows = await sweep(served, traces, fleet_sizes, modes, args, device, link, console)
     info = served.info
@@ -130,20 +122,22 @@ async def run_fleet(stub, mode: str, n: int, traces, *, max_new_tokens: int, dra
     """N devices at once; device j serves trace j mod len(traces). Returns results, expected
     outputs and the makespan in seconds."""
     from lab.traces import TraceDrafter
+    from edge_client.server_side import generate_server_side
+    from edge_client.session import RoundSettings, generate
+    from lab.link import link_transport
     from lab.profiles import Link
-    from edge_client.session import generate, generate_server_side
 
     picked = [traces[j % len(traces)] for j in range(n)]
     expected = [t.target_ids[:max_new_tokens] for t in picked]
 
     async def one(j: int):
-        trace, limit, wire = picked[j], len(expected[j]), Link(link, seed=j)
+        trace, limit, wire = picked[j], len(expected[j]), link_transport(Link(link, seed=j))
         if mode == "sled":
             return await generate(stub, TraceDrafter(trace, device), trace.prompt_ids,
-                                  max_new_tokens=limit, settings=RoundSettings(draft_len=draft_len), transport=link_transport(wire),
-                                  target_fingerprint=fingerprint, on_tokens=on_tokens)
-        return await generate_server_side(stub, trace.prompt_ids, max_new_tokens=limit, link=wire,
-                                          on_tokens=on_tokens)
+                                  max_new_tokens=limit, settings=RoundSettings(draft_len=draft_len),
+                                  transport=wire, target_fingerprint=fingerprint, on_tokens=on_tokens)
+        return await generate_server_side(stub, trace.prompt_ids, max_new_tokens=limit,
+                                          transport=wire, on_tokens=on_tokens)
 
     started = time.perf_counter()
     results = await asyncio.gather(*(one(j) for j in range(n)))

@@ -13,17 +13,18 @@ from sled.sampling import Sampling
 
 
 def record_traces(drafter, prompts_ids: Sequence[Sequence[int]],
-                  target_outputs: Sequence[Sequence[int]], max_k: int, progress=None) -> list[Trace]:
+                  target_outputs: Sequence[Sequence[int]], max_draft_len: int,
+                  progress=None) -> list[Trace]:
     """Drive a real drafter greedily along each target output, one proposal per position.
 
     The context grows by one target token per position; rolling the drafter back to the context
     after each proposal keeps the KV of the context, so each position costs one fed token plus
-    max_k - 1 drafted ones, not a prefill. A drafter that reports confidences
+    max_draft_len - 1 drafted ones, not a prefill. A drafter that reports confidences
     (drafters.base.reports_confidence) has them recorded too. `progress` is an optional rich
     Progress.
     """
-    if max_k < 1:
-        raise ValueError(f"max_k must be >= 1, got {max_k}")
+    if max_draft_len < 1:
+        raise ValueError(f"max_k must be >= 1, got {max_draft_len}")
     greedy = Sampling()
     options = {"with_confidence": True} if reports_confidence(drafter) else {}
     task = progress.add_task(f"recording {drafter.name}", total=sum(map(len, target_outputs))) \
@@ -37,7 +38,7 @@ def record_traces(drafter, prompts_ids: Sequence[Sequence[int]],
         seconds = 0.0
         for token in target:
             started = time.perf_counter()
-            proposal = drafter.propose(context, max_k, greedy, **options)
+            proposal = drafter.propose(context, max_draft_len, greedy, **options)
             seconds += time.perf_counter() - started
             proposals.append(list(proposal.token_ids))
             if confidences is not None:
@@ -84,8 +85,9 @@ def greedy_outputs(target, prompts: list[list[int]], max_new_tokens: int, progre
     return outputs
 
 
-def record_trace_set(model: str, drafter_spec: str, workload: str, max_new_tokens: int, max_k: int,
-                     dtype: str = "float32", prompts_limit: int | None = None, console=None):
+def record_trace_set(model: str, drafter_spec: str, workload: str, max_new_tokens: int,
+                     max_draft_len: int, dtype: str = "float32", prompts_limit: int | None = None,
+                     console=None):
     """Load the target (alias or path), take its greedy outputs, drive the drafter along them."""
     from rich.progress import Progress
     from transformers.utils import logging as hf_logging
@@ -103,10 +105,10 @@ def record_trace_set(model: str, drafter_spec: str, workload: str, max_new_token
         raise ValueError(f"drafter {drafter_spec} does not share the tokenizer of target {model}")
     with Progress(console=console, transient=True) as progress:
         outputs = greedy_outputs(target, prompts, max_new_tokens, progress)
-        traces = record_traces(drafter, prompts, outputs, max_k, progress)
+        traces = record_traces(drafter, prompts, outputs, max_draft_len, progress)
     for trace in traces:
         trace.tokenizer_fingerprint = target.fingerprint
-    return TraceSet(target=model, drafter=drafter_spec, max_k=max_k, traces=traces,
+    return TraceSet(target=model, drafter=drafter_spec, max_k=max_draft_len, traces=traces,
                     tokenizer_fingerprint=target.fingerprint)
 
 

@@ -23,8 +23,9 @@ class TraceDivergence(RuntimeError):
 class TraceDrafter:
     """Replays a Trace behind the Drafter protocol; deterministic (q = one-hot).
 
-    `device_profile` (anything with draft_seconds(k), e.g. lab.profiles.DeviceProfile)
-    sets the latency apropose() emulates; without one it is the recorded draft_ms_per_token * k.
+    `device_profile` (anything with draft_seconds(draft_len), e.g. lab.profiles.DeviceProfile)
+    sets the latency apropose() emulates; without one it is the recorded draft_ms_per_token per
+    drafted token.
     A trace recorded with confidences stops drafts early like its drafter (min_confidence).
     """
 
@@ -85,12 +86,12 @@ class TraceDrafter:
         await asyncio.sleep(self.draft_seconds(len(proposal.token_ids) if stopped_early else k, warm))
         return proposal
 
-    def draft_seconds(self, k: int, warm: bool = False) -> float:
-        """Emulated time to draft k tokens; warm: without the per-round overhead."""
+    def draft_seconds(self, draft_len: int, warm: bool = False) -> float:
+        """Emulated time to draft draft_len tokens; warm: without the per-round overhead."""
         if self.device_profile is not None:
             overhead = self.device_profile.draft_seconds(0) if warm else 0.0
-            return self.device_profile.draft_seconds(k) - overhead
-        return k * self.trace.draft_ms_per_token / 1e3
+            return self.device_profile.draft_seconds(draft_len) - overhead
+        return draft_len * self.trace.draft_ms_per_token / 1e3
 
     def rollback(self, length: int) -> None:
         """Stateless: the position comes from the context length."""
