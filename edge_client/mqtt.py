@@ -39,8 +39,9 @@ import aiomqtt
 
 from edge_client.daemon import Device, DeviceError, Request
 from edge_client.text import OutputText
-from sled.mqtt import (Backoff, Broker, decode, describe, device_topic, encode, refused_credentials,
-                       server_topic, topic_safe)
+from sled.endpoint import parse_endpoint
+from sled.mqtt import (Backoff, Broker, MqttConnection, check_topic_level, decode, device_topic,
+                       encode, is_topic_level, server_topic)
 from sled.sampling import Sampling
 
 log = logging.getLogger("sled.device.mqtt")
@@ -64,11 +65,11 @@ class DeviceMqtt:
         self.device = device
         self.broker = broker_of(device)
         self.prefix = device.settings.mqtt.topic_prefix
-        self.backoff = backoff or Backoff()
-        self.client: aiomqtt.Client | None = None    # the live connection, if any
-        self.connected = False
-        self.problem = ""                            # what went wrong last ("" once connected)
-        self._refused = False                        # the last attempt's credentials were refused
+        self.connection = MqttConnection(
+            self.broker, f"sled-device-{device.settings.id}", self.topic("status"),
+            will=self._offline("the device lost its MQTT connection"),
+            goodbye=self._offline("the device stopped"), backoff=backoff,
+            meanwhile="the device keeps serving locally", logger=log)
         self._status_changed = asyncio.Event()
         self._servers_changed = asyncio.Event()
         self._config_lock = asyncio.Lock()
@@ -78,46 +79,27 @@ class DeviceMqtt:
     def topic(self, leaf: str) -> str:
         return device_topic(self.prefix, self.device.settings.id, leaf)
 
+    @property
+    def client(self) -> aiomqtt.Client | None:
+        """The live connection, if any."""
+        return self.connection.client
+
+    @property
+    def connected(self) -> bool:
+        return self.connection.connected
+
+    @property
+    def problem(self) -> str:
+        """What went wrong last ("" once connected)."""
+        return self.connection.problem
+
     def summary(self) -> dict:
-        return {"broker": self.broker.address, "connected": self.connected, "problem": self.problem}
+        return self.connection.summary()
 
-    # -- the connection -------------------------------------------------------------------
     async def run(self) -> None:
-        """Stay connected until cancelled; back off between attempts, slowly after the broker
-        refused the credentials (retrying fast cannot fix a password)."""
-        while True:
-            try:
-                await self._connection()
-            except aiomqtt.MqttError as error:
-                self._lost(describe(error, self.broker), refused_credentials(error))
-            except Exception as error:   # a bad TLS file, a bug: report it and keep trying
-                log.exception("MQTT control plane failed")
-                self._lost(describe(error, self.broker), False)
-            await asyncio.sleep(self.backoff.next(self._refused))
-
-    async def _connection(self) -> None:
-        will = aiomqtt.Will(self.topic("status"), encode(self._offline("the device lost its MQTT "
-                                                                        "connection")),
-                            qos=1, retain=True)
-        async with self.broker.client(f"sled-device-{self.device.settings.id}", will) as client:
-            self.client, self.connected, self.problem = client, True, ""
-            self._refused = False
-            self.backoff.reset()
-            log.info("MQTT: connected to %s as device %s", self.broker.address, self.device.settings.id)
-            try:
-                await self._serve(client)
-            except asyncio.CancelledError:
-                await self._say_offline(client)
-                raise
-            finally:
-                self.client, self.connected = None, False
-
-    def _lost(self, problem: str, refused: bool) -> None:
-        if problem != self.problem:
-            (log.error if refused else log.warning)("%s (the device keeps serving locally; "
-                                                    "retrying)", problem)
-        self.problem, self._refused, self.connected = problem, refused, False
-        self._status_changed.set()
+        """Stay connected until cancelled (then say offline); the device serves its local API
+        whatever the broker does."""
+        await self.connection.run(self._serve)
 
     async def _serve(self, client: aiomqtt.Client) -> None:
         """One connection's work; returns only by raising (a lost connection, a cancel)."""
@@ -154,14 +136,6 @@ class DeviceMqtt:
             self._status_changed.clear()
             await client.publish(self.topic("status"), encode(self._online()), qos=1, retain=True)
 
-    async def _say_offline(self, client: aiomqtt.Client) -> None:
-        """A clean stop leaves the same retained offline status the last will would."""
-        try:
-            await client.publish(self.topic("status"), encode(self._offline("the device stopped")),
-                                 qos=1, retain=True, timeout=2.0)
-        except aiomqtt.MqttError as error:
-            log.warning("MQTT: could not say offline: %s", error)
-
     async def _send_telemetry(self, client: aiomqtt.Client) -> None:
         while True:
             await client.publish(self.topic("telemetry"), encode({**self.device.status(),
@@ -191,7 +165,7 @@ class DeviceMqtt:
                 if announcement.get("online") is False:
                     directory.withdraw(server_id)    # a last will or a clean stop
                 else:
-                    directory.announce(server_id, _endpoint(announcement),
+                    directory.announce(server_id, str(parse_endpoint(announcement.get("endpoint"))),
                                        model=str(announcement.get("model") or ""),
                                        fingerprint=str(announcement.get("fingerprint") or ""),
                                        load=float(announcement.get("load") or 0.0))
@@ -244,7 +218,7 @@ class DeviceMqtt:
     async def _stream(self, client: aiomqtt.Client, request: Request) -> None:
         """One message per chunk of committed tokens; the last carries how it ended."""
         topic = self.topic(f"responses/{request.request_id}")
-        text = OutputText(self.device.tokenizer, stops=[], end_ids=set())
+        text = OutputText(self.device.tokenizer)
         index, produced, lossless = 0, 0, True
         async for chunk in self.device.stream(request):
             produced += len(chunk.token_ids)
@@ -262,8 +236,7 @@ class DeviceMqtt:
             index += 1
 
     async def _respond_error(self, client: aiomqtt.Client, request_id, kind: str, error: str) -> None:
-        usable = isinstance(request_id, str) and topic_safe(request_id)
-        topic = self.topic(f"responses/{request_id if usable else 'invalid'}")
+        topic = self.topic(f"responses/{request_id if is_topic_level(request_id) else 'invalid'}")
         await client.publish(topic, encode({"request_id": request_id, "error": error, "kind": kind}),
                              qos=1)
 
@@ -281,14 +254,6 @@ def _spawn(jobs: set[asyncio.Task], work) -> None:
     task.add_done_callback(forget)
 
 
-def _endpoint(announcement: dict) -> str:
-    endpoint = announcement.get("endpoint")
-    host, _, port = endpoint.rpartition(":") if isinstance(endpoint, str) else ("", "", "")
-    if not host or not port.isdigit():
-        raise ValueError(f"endpoint {endpoint!r} is not HOST:PORT")
-    return endpoint
-
-
 # -- requests -----------------------------------------------------------------------------
 def parse_request(message: dict, tokenizer) -> Request:
     """A Request from an MQTT request message; DeviceError("invalid") names what is wrong."""
@@ -296,10 +261,8 @@ def parse_request(message: dict, tokenizer) -> Request:
     if unknown:
         raise DeviceError("invalid", f"unknown field {', '.join(unknown)} "
                                      f"(known: {', '.join(sorted(REQUEST_FIELDS))})")
-    request_id = message.get("request_id")
-    if not isinstance(request_id, str) or not topic_safe(request_id):
-        raise DeviceError("invalid", "request_id must be a non-empty string without '/', '+' or '#'")
     try:
+        request_id = check_topic_level(message.get("request_id"), "request_id")
         sampling = Sampling(temperature=_number(message, "temperature", 0.0),
                             top_k=_integer(message, "top_k", 0), top_p=_number(message, "top_p", 1.0),
                             seed=_integer(message, "seed", None))

@@ -26,6 +26,9 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from sled.endpoint import parse_endpoint
+from sled.mqtt import DEFAULT_PREFIX, check_topic_level, check_topic_prefix
+
 ENV_PREFIX = "SLED_DEVICE_"
 
 
@@ -69,7 +72,12 @@ class MqttSettings(Section):
     key_file: Path | None = None
     keepalive_s: int = Field(15, ge=2, le=3600)
     telemetry_s: float = Field(10.0, gt=0)
-    topic_prefix: str = "sled"
+    topic_prefix: str = DEFAULT_PREFIX
+
+    @field_validator("topic_prefix")
+    @classmethod
+    def _topic_levels(cls, value: str) -> str:
+        return check_topic_prefix(value)
 
     @field_validator("ca_file", "cert_file", "key_file", mode="before")
     @classmethod
@@ -86,7 +94,7 @@ class DeviceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__",
                                       extra="forbid", validate_assignment=True)
 
-    id: str = Field(default_factory=socket.gethostname, min_length=1, pattern=r"^[^/#+\s]+$")
+    id: str = Field(default_factory=socket.gethostname)      # one MQTT topic level
     # verify servers, HOST:PORT; MQTT announcements add more
     servers: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
     drafter: str = "ngram"
@@ -106,14 +114,15 @@ class DeviceSettings(BaseSettings):
     policy: PolicySettings = PolicySettings()
     mqtt: MqttSettings = MqttSettings()
 
+    @field_validator("id")
+    @classmethod
+    def _topic_level(cls, value: str) -> str:
+        return check_topic_level(value, "the device id")
+
     @field_validator("servers")
     @classmethod
-    def _addresses(cls, value: list[str]) -> list[str]:
-        for address in value:
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"server {address!r} is not HOST:PORT")
-        return value
+    def _endpoints(cls, value: list[str]) -> list[str]:
+        return [str(parse_endpoint(address, "server")) for address in value]
 
     def public(self) -> dict[str, Any]:
         """The settings as plain data with secrets masked (status, the MQTT echo)."""

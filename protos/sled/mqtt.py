@@ -1,5 +1,6 @@
-"""The MQTT side of the contract, shared by verify servers and devices: the topic layout, one way
-to reach a broker (credentials, TLS, last will) and messages that say what a broker refused.
+"""The MQTT side of the contract, shared by verify servers and devices: the topic layout and the
+one check of a topic level, one way to reach a broker (credentials, TLS, last will), one
+connection that stays up (MqttConnection) and messages that say what a broker refused.
 
     <prefix>/servers/<server_id>                     retained announcement of a verify server
     <prefix>/devices/<device_id>/status              retained device status (last will: offline)
@@ -13,11 +14,16 @@ Payloads are UTF-8 JSON objects; an empty retained payload clears a topic.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiomqtt
+
+log = logging.getLogger("sled.mqtt")
 
 DEFAULT_PREFIX = "sled"
 
@@ -33,9 +39,26 @@ def device_topic(prefix: str, device_id: str, leaf: str) -> str:
     return f"{prefix}/devices/{device_id}/{leaf}"
 
 
-def topic_safe(name: str) -> bool:
-    """Whether `name` can be one topic level (no separators or wildcards)."""
-    return bool(name) and not any(c in name for c in "/#+\0")
+def is_topic_level(name: object) -> bool:
+    """Whether `name` can be one topic level: a non-empty string of printable characters without
+    whitespace, the separator '/' or the wildcards '+' and '#'."""
+    return isinstance(name, str) and bool(name) and all(
+        c.isprintable() and not c.isspace() and c not in "/+#" for c in name)
+
+
+def check_topic_level(name: object, what: str) -> str:
+    """`name` when it can be one topic level (an id: device, server, request); else ValueError."""
+    if not is_topic_level(name):
+        raise ValueError(f"{what} must be a non-empty string without whitespace, '/', '+' or '#'")
+    return name
+
+
+def check_topic_prefix(prefix: object) -> str:
+    """`prefix` when it is one or more topic levels joined by '/' ("sled", "site-3/sled")."""
+    if not isinstance(prefix, str) or not all(is_topic_level(level) for level in prefix.split("/")):
+        raise ValueError("the topic prefix must be topic levels joined by '/', each non-empty "
+                         "without whitespace, '+' or '#'")
+    return prefix
 
 
 def encode(message: dict) -> bytes:
@@ -119,3 +142,79 @@ class Backoff:
 
     def reset(self) -> None:
         self.current = self.first
+
+
+class MqttConnection:
+    """One client's connection to the broker, kept up until cancelled.
+
+    run(work) connects with a last will (`will` retained on `presence_topic`), hands the client
+    to `work`, which returns only by raising, and when the connection is lost records the problem,
+    backs off (slowly after refused credentials) and connects again. A cancel, the clean stop,
+    leaves `goodbye` (default: the will) on the same retained topic before it propagates.
+
+        connection = MqttConnection(broker, "sled-server-gpu-1", "sled/servers/gpu-1",
+                                    will={"id": "gpu-1", "online": False})
+        task = asyncio.create_task(connection.run(announce))   # announce(client) publishes
+    """
+
+    def __init__(self, broker: Broker, identifier: str, presence_topic: str, will: dict,
+                 goodbye: dict | None = None, backoff: Backoff | None = None,
+                 meanwhile: str = "", logger: logging.Logger = log) -> None:
+        self.broker, self.identifier, self.presence_topic = broker, identifier, presence_topic
+        self.will, self.goodbye = will, will if goodbye is None else goodbye
+        self.backoff = backoff or Backoff()
+        self.meanwhile = meanwhile             # what goes on without the broker, for the log
+        self.log = logger
+        self.client: aiomqtt.Client | None = None    # the live connection, if any
+        self.connected = False
+        self.problem = ""                      # what went wrong last ("" once connected)
+        self.refused = False                   # the last attempt's credentials were refused
+
+    def summary(self) -> dict:
+        return {"broker": self.broker.address, "connected": self.connected, "problem": self.problem}
+
+    async def run(self, work: Callable[[aiomqtt.Client], Awaitable[None]]) -> None:
+        """Stay connected and working until cancelled."""
+        while True:
+            try:
+                await self._session(work)
+            except aiomqtt.MqttError as error:
+                self._lost(error)
+            except Exception as error:   # a bad TLS file, a bug: report it and keep trying
+                self.log.exception("MQTT connection %s failed", self.identifier)
+                self._lost(error)
+            await asyncio.sleep(self.backoff.next(self.refused))
+
+    async def _session(self, work: Callable[[aiomqtt.Client], Awaitable[None]]) -> None:
+        """One connection: connect with the will, work, say goodbye when cancelled."""
+        will = aiomqtt.Will(self.presence_topic, encode(self.will), qos=1, retain=True)
+        async with self.broker.client(self.identifier, will) as client:
+            self._connected(client)
+            try:
+                await work(client)
+            except asyncio.CancelledError:
+                await self._say_goodbye(client)
+                raise
+            finally:
+                self.client, self.connected = None, False
+
+    def _connected(self, client: aiomqtt.Client) -> None:
+        self.client, self.connected, self.problem, self.refused = client, True, "", False
+        self.backoff.reset()
+        self.log.info("MQTT: connected to %s as %s", self.broker.address, self.identifier)
+
+    def _lost(self, error: BaseException) -> None:
+        """Record what went wrong; log it once, as an error when the credentials were refused."""
+        problem, refused = describe(error, self.broker), refused_credentials(error)
+        if problem != self.problem:
+            meanwhile = f"{self.meanwhile}; " if self.meanwhile else ""
+            (self.log.error if refused else self.log.warning)("%s (%sretrying)", problem, meanwhile)
+        self.problem, self.refused, self.connected = problem, refused, False
+
+    async def _say_goodbye(self, client: aiomqtt.Client) -> None:
+        """A clean stop leaves the same kind of retained message the last will would."""
+        try:
+            await client.publish(self.presence_topic, encode(self.goodbye), qos=1, retain=True,
+                                 timeout=2.0)
+        except aiomqtt.MqttError as error:
+            self.log.warning("MQTT: could not say offline on %s: %s", self.presence_topic, error)
