@@ -9,6 +9,7 @@ import pytest
 from drafters.hf import HFDrafter
 from edge_client.daemon import Device, DeviceError, Request
 from edge_client.settings import DeviceSettings, SettingsError
+from sled.sampling import Sampling
 from tests.conftest import greedy_reference
 
 
@@ -120,6 +121,29 @@ async def test_no_server_waits_and_says_why_or_drafts_alone_when_asked(drafter_m
         assert device.metrics.value("sled_device_generated_tokens_total", {"lossless": "false"}) == 5
     finally:
         await device.close()
+
+
+async def test_drafting_alone_draws_a_fresh_stream_per_unseeded_request(drafter_models, tokenizer,
+                                                                          prompts):
+    """The fallback samples like a session: two unseeded requests draw different random streams,
+    two with the same seed the same one."""
+    device = make_device(["127.0.0.1:1"], drafter_models["llama"], tokenizer, reconnect_s=0.1,
+                         unverified_fallback=True)
+
+    def sampled(seed: int | None = None) -> Request:
+        return Request(prompts[0], max_tokens=24, ignore_eos=True,
+                       sampling=Sampling(temperature=1.0, seed=seed))
+
+    await device.start()
+    try:
+        first, _, lossless = await device.complete(sampled())
+        second, _, _ = await device.complete(sampled())
+        seeded = [(await device.complete(sampled(seed=7)))[0] for _ in range(2)]
+    finally:
+        await device.close()
+    assert not lossless and len(first) == len(second) == 24
+    assert first != second
+    assert seeded[0] == seeded[1] and len(seeded[0]) == 24
 
 
 def test_settings_come_from_file_env_and_flags_in_that_order(tmp_path, monkeypatch):

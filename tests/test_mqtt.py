@@ -15,8 +15,8 @@ import grpc
 from drafters.hf import HFDrafter
 from edge_client.daemon import Device, Request
 from edge_client.mqtt import DeviceMqtt
-from edge_client.session import open_message
 from edge_client.settings import DeviceSettings
+from edge_client.wire import open_message
 from sled.mqtt import Backoff
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2_grpc as pb_grpc
@@ -280,18 +280,15 @@ async def hold_session(address: str, prompt: list[int]):
     return channel, call
 
 
-async def test_failover_between_announced_servers_stays_lossless(drafter_models, models, tokenizer,
-                                                                 prompts, mosquitto):
-    """Two servers with the same target and one with another tokenizer announce themselves; the
-    device picks the least loaded compatible one; when it vanishes mid-generation every request
-    finishes on the other with the target's greedy output; the mismatched one is never used."""
+async def three_servers(models, tokenizer) -> dict:
+    """a and b serve the same target (b allows 8 sessions); odd's target has another tokenizer."""
     from lab.tiny import make_model, make_tokenizer
     from verify_server.config import ServerConfig
     from verify_server.server import start_server
     from verify_server.target import Target
 
     other_tokenizer = make_tokenizer(vocab_size=300)
-    servers = {
+    return {
         "a": await start_server(Target.from_model(models["llama"], tokenizer, "tiny"),
                                 ServerConfig(kv_budget_bytes=64 << 20)),
         "b": await start_server(Target.from_model(models["llama"], tokenizer, "tiny"),
@@ -300,6 +297,14 @@ async def test_failover_between_announced_servers_stays_lossless(drafter_models,
                                                     other_tokenizer, "other"),
                                   ServerConfig(kv_budget_bytes=16 << 20)),
     }
+
+
+async def test_failover_between_announced_servers_stays_lossless(drafter_models, models, tokenizer,
+                                                                 prompts, mosquitto):
+    """Two servers with the same target and one with another tokenizer announce themselves; the
+    device picks the least loaded compatible one; when it vanishes mid-generation every request
+    finishes on the other with the target's greedy output; the mismatched one is never used."""
+    servers = await three_servers(models, tokenizer)
     channel, held = await hold_session(servers["b"].address, prompts[5])   # b: load 1/8
     device = mqtt_device(mosquitto, [], drafter_models["llama"], tokenizer,
                          settings={"reconnect_s": 20, "policy": {"draft_len": 2}})
