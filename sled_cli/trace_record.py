@@ -24,8 +24,8 @@ def run(args) -> int:
     console = Console(stderr=True)
     model, drafter = default_specs(args.model, args.drafter)
     try:
-        traces = record_trace_set(model, drafter, args.workload, args.max_new_tokens, args.max_k,
-                                  args.dtype, args.prompts, console)
+        traces = record_trace_set(model, drafter, args.workload, args.max_new_tokens,
+                                  args.max_draft_len, args.dtype, args.prompts, console)
     except (ValueError, OSError) as exc:
         print(f"sled trace record: {exc}", file=sys.stderr)
         return 2

@@ -17,7 +17,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--target", default="gemma3-270m", help="alias or checkpoint path")
     parser.add_argument("--drafters", default="gguf:gemma3-270m,onnx:gemma3-270m,ngram",
                         help="comma-separated drafter specs")
-    parser.add_argument("--k", default="2,4,6,8", help="comma-separated draft lengths")
+    parser.add_argument("--k", dest="draft_lens", default="2,4,6,8",
+                        help="comma-separated draft lengths")
     harness.add_workload_flags(parser, default="humaneval:20", max_new_tokens=64)
     parser.add_argument("--devices", type=int, default=4, help="concurrent sessions per drafter")
     harness.add_out_flag(parser, "acceptance")
@@ -27,7 +28,7 @@ def run(args) -> int:
     return harness.run_bench("acceptance", bench, args)
 
 
-async def _measure(stub, spec: str, prompts: list[list[int]], k: int, max_new: int,
+async def _measure(stub, spec: str, prompts: list[list[int]], draft_len: int, max_new: int,
                    fingerprint: str, devices: int) -> dict:
     from drafters import load_drafter
     from edge_client.session import RoundSettings, generate
@@ -38,7 +39,7 @@ async def _measure(stub, spec: str, prompts: list[list[int]], k: int, max_new: i
     async def device(slot: int) -> None:
         for i in range(slot, len(prompts), devices):
             results.append(await generate(stub, drafters[slot], prompts[i], max_new_tokens=max_new,
-                                          settings=RoundSettings(draft_len=k),
+                                          settings=RoundSettings(draft_len=draft_len),
                                           target_fingerprint=fingerprint))
 
     await asyncio.gather(*(device(s) for s in range(devices)))
@@ -46,8 +47,8 @@ async def _measure(stub, spec: str, prompts: list[list[int]], k: int, max_new: i
     verified = sum(r.draft_tokens for r in results)
     accepted = sum(r.accepted_tokens for r in results)
     tokens = sum(len(r.token_ids) for r in results)
-    return {"drafter": spec, "k": k, "rounds": rounds, "verified": verified, "accepted": accepted,
-            "tokens": tokens, "acceptance_rate": accepted / verified,
+    return {"drafter": spec, "k": draft_len, "rounds": rounds, "verified": verified,
+            "accepted": accepted, "tokens": tokens, "acceptance_rate": accepted / verified,
             "mean_accepted": accepted / rounds, "tokens_per_round": tokens / rounds}
 
 
@@ -57,10 +58,11 @@ async def bench(args) -> int:
     console = harness.bench_console()
     specs = harness.split_list(args.drafters)
     with harness.flag_errors():
-        ks = harness.split_list(args.k, int)
+        draft_lens = harness.split_list(args.draft_lens, int)
         texts = prompt_texts(args.workload)
     async with harness.serving(args.target) as served:
-        rows = await _sweep(served, specs, ks, await served.prompt_ids(texts), args, console)
+        prompts = await served.prompt_ids(texts)
+        rows = await _sweep(served, specs, draft_lens, prompts, args, console)
     console.print(_table(rows, args))
     harness.write_results(console, args.out, {
         "target": args.target, "workload": args.workload, "max_new_tokens": args.max_new_tokens,
@@ -68,19 +70,19 @@ async def bench(args) -> int:
     return harness.DONE
 
 
-async def _sweep(served, specs: list[str], ks: list[int], prompts: list[list[int]], args,
+async def _sweep(served, specs: list[str], draft_lens: list[int], prompts: list[list[int]], args,
                  console) -> list[dict]:
     """Every drafter at every k, one after another."""
     from rich.progress import Progress
 
     rows = []
     with Progress(console=console) as progress:
-        task = progress.add_task("drafter x k", total=len(specs) * len(ks))
+        task = progress.add_task("drafter x k", total=len(specs) * len(draft_lens))
         for spec in specs:
-            for k in ks:
-                progress.update(task, description=f"{spec} k={k}")
-                rows.append(await _measure(served.stub, spec, prompts, k, args.max_new_tokens,
-                                           served.fingerprint, args.devices))
+            for draft_len in draft_lens:
+                progress.update(task, description=f"{spec} k={draft_len}")
+                rows.append(await _measure(served.stub, spec, prompts, draft_len,
+                                           args.max_new_tokens, served.fingerprint, args.devices))
                 progress.advance(task)
     return rows
 
@@ -102,9 +104,9 @@ def _plot(rows: list[dict], specs: list[str], path: Path, title: str) -> None:
     fig, (left, right) = subplots(2)
     for spec in specs:
         mine = [r for r in rows if r["drafter"] == spec]
-        ks = [r["k"] for r in mine]
-        left.plot(ks, [r["acceptance_rate"] for r in mine], marker="o", label=spec)
-        right.plot(ks, [r["tokens_per_round"] for r in mine], marker="o", label=spec)
+        draft_lens = [r["k"] for r in mine]
+        left.plot(draft_lens, [r["acceptance_rate"] for r in mine], marker="o", label=spec)
+        right.plot(draft_lens, [r["tokens_per_round"] for r in mine], marker="o", label=spec)
     left.set(xlabel="draft length k", ylabel="acceptance rate", ylim=(0, 1), title="acceptance")
     right.set(xlabel="draft length k", ylabel="tokens per round", title="tokens per target pass")
     save_figure(fig, (left, right), path, title)

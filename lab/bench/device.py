@@ -36,7 +36,7 @@ def add_arguments(parser) -> None:
                         help="which of adaptive,pipeline to run")
     parser.add_argument("--links", default="ethernet,lte", help="link profiles for the "
                         "draft-length table (NAME:rtt_ms=X,... overrides)")
-    parser.add_argument("--k", default="1,2,4,6,8",
+    parser.add_argument("--k", dest="draft_lens", default="1,2,4,6,8",
                         help="fixed draft lengths to compare adaptive with")
     parser.add_argument("--rtts", default="5,20,50",
                         help="round trip times (ms) for the pipelining table")
@@ -57,17 +57,18 @@ async def bench(args) -> int:
     settings, model, traces = harness.replay_inputs(args, console, parse_args)
     if args.prompts:
         traces.traces = traces.traces[:args.prompts]
-    ks = _usable_lengths(settings["ks"], traces.max_k, console)
-    configs = configurations(settings["parts"], settings["links"], ks, settings["rtts"],
+    draft_lens = _usable_lengths(settings["draft_lens"], traces.max_k, console)
+    configs = configurations(settings["parts"], settings["links"], draft_lens, settings["rtts"],
                              args.pipeline_link, settings["pipeline_draft_len"])
     started = time.perf_counter()
     async with harness.serving_target(model, args, console) as served:
         with harness.server_errors():
             # The adaptive policy chooses from the same range as the fixed lengths it is compared with.
             results = await sweep(served, traces, configs, args, settings["device"],
-                                  max(ks, default=traces.max_k), console)
+                                  max(draft_lens, default=traces.max_k), console)
     rows = [summarize(s) for s in results.values()]
-    adaptive = adaptive_rows(results, settings["links"], ks) if "adaptive" in settings["parts"] else []
+    adaptive = adaptive_rows(results, settings["links"], draft_lens) \
+        if "adaptive" in settings["parts"] else []
     pipelined = pipeline_rows(results, args.pipeline_link, settings["rtts"],
                               settings["pipeline_draft_len"]) if "pipeline" in settings["parts"] else []
     info = served.info
@@ -75,7 +76,7 @@ async def bench(args) -> int:
              f"{args.device_profile}, {args.devices} device(s), {len(traces.traces)} prompts x "
              f"{args.reps}")
     if adaptive:
-        console.print(_adaptive_table(adaptive, ks, setup))
+        console.print(_adaptive_table(adaptive, draft_lens, setup))
     if pipelined:
         console.print(_pipeline_table(pipelined, setup, settings["pipeline_draft_len"]))
     harness.write_results(console, args.out, {
@@ -86,19 +87,19 @@ async def bench(args) -> int:
         "pipeline_link": args.pipeline_link, "pipeline_draft_len": settings["pipeline_draft_len"],
         "wall_s": time.perf_counter() - started,
         "adaptive_vs_fixed": adaptive, "pipelining": pipelined, "results": rows},
-        lambda png: _plot(adaptive, pipelined, ks, png, setup))
+        lambda png: _plot(adaptive, pipelined, draft_lens, png, setup))
     return harness.lossless_exit(console, [
         f"{r['link']} draft length {r['draft_len']}{' pipelined' if r['pipeline'] else ''}: "
         f"{r['mismatches']} output(s)" for r in rows if r["mismatches"]])
 
 
-def _usable_lengths(ks: list[int], max_k: int, console) -> list[int]:
+def _usable_lengths(draft_lens: list[int], max_draft_len: int, console) -> list[int]:
     """The fixed draft lengths the traces can serve (none: exit 2)."""
-    usable = [k for k in ks if k <= max_k]
+    usable = [draft_len for draft_len in draft_lens if draft_len <= max_draft_len]
     if not usable:
-        raise harness.Stop(f"every --k is above the traces' max_k {max_k}")
-    if usable != ks:
-        console.print(f"[yellow]fixed k above the traces' max_k {max_k} dropped[/]")
+        raise harness.Stop(f"every --k is above the traces' max_k {max_draft_len}")
+    if usable != draft_lens:
+        console.print(f"[yellow]fixed k above the traces' max_k {max_draft_len} dropped[/]")
     return usable
 
 
@@ -112,8 +113,8 @@ class Config:
 
     @property
     def label(self) -> str:
-        k = "adaptive" if self.draft_len == "adaptive" else f"k={self.draft_len}"
-        return f"{self.link} {k}" + (" pipelined" if self.pipeline else "")
+        length = "adaptive" if self.draft_len == "adaptive" else f"k={self.draft_len}"
+        return f"{self.link} {length}" + (" pipelined" if self.pipeline else "")
 
 
 @dataclass(slots=True)
@@ -136,11 +137,12 @@ def rtt_link(base: str, rtt_ms: float) -> str:
     return f"{name}:" + ",".join([f"rtt_ms={rtt_ms:g}", *kept])
 
 
-def configurations(parts: list[str], links: list[str], ks: list[int], rtts: list[float],
+def configurations(parts: list[str], links: list[str], draft_lens: list[int], rtts: list[float],
                    pipeline_link: str, pipeline_draft_len: int | str) -> list[Config]:
     configs = []
     if "adaptive" in parts:
-        configs += [Config("adaptive", link, k) for link in links for k in [*ks, "adaptive"]]
+        configs += [Config("adaptive", link, draft_len)
+                    for link in links for draft_len in [*draft_lens, "adaptive"]]
     if "pipeline" in parts:
         configs += [Config("pipeline", rtt_link(pipeline_link, rtt), pipeline_draft_len, on)
                     for rtt in rtts for on in (False, True)]
@@ -227,16 +229,17 @@ def summarize(samples: Samples) -> dict:
     }
 
 
-def adaptive_rows(results: dict[Config, Samples], links: list[str], ks: list[int]) -> list[dict]:
+def adaptive_rows(results: dict[Config, Samples], links: list[str],
+                  draft_lens: list[int]) -> list[dict]:
     """Per link: adaptive's rate against each fixed k and the best of them."""
     rows = []
     for link in links:
-        fixed = {k: results[Config("adaptive", link, k)] for k in ks}
+        fixed = {draft_len: results[Config("adaptive", link, draft_len)] for draft_len in draft_lens}
         adaptive = results[Config("adaptive", link, "adaptive")]
-        best = max(ks, key=lambda k: rate(fixed[k]))
+        best = max(draft_lens, key=lambda draft_len: rate(fixed[draft_len]))
         lo, hi = ratio_interval(adaptive, fixed[best])
         rows.append({"link": link, "adaptive_tps": rate(adaptive),
-                     "fixed_tps": {str(k): rate(fixed[k]) for k in ks}, "best_fixed_k": best,
+                     "fixed_tps": {str(n): rate(fixed[n]) for n in draft_lens}, "best_fixed_k": best,
                      "best_fixed_tps": rate(fixed[best]),
                      "adaptive_vs_best_fixed": rate(adaptive) / rate(fixed[best]),
                      "ratio_ci95": [lo, hi],
@@ -304,8 +307,8 @@ def parse_args(args) -> dict:
     parts = args.parts.split(",")
     if not parts or set(parts) - set(PARTS):
         raise ValueError(f"--parts takes a comma-separated subset of {','.join(PARTS)}")
-    ks = sorted({int(k) for k in args.k.split(",")})
-    if not ks or ks[0] < 1:
+    draft_lens = sorted({int(n) for n in args.draft_lens.split(",")})
+    if not draft_lens or draft_lens[0] < 1:
         raise ValueError("--k needs draft lengths >= 1, e.g. 1,2,4,6,8")
     rtts = [float(r) for r in args.rtts.split(",")]
     if not rtts or min(rtts) < 0:
@@ -320,22 +323,24 @@ def parse_args(args) -> dict:
         raise ValueError("--devices and --reps must be >= 1")
     if not 0.0 <= args.min_confidence < 1.0:
         raise ValueError("--min-confidence must be in [0, 1)")
-    return {"parts": [p for p in PARTS if p in parts], "ks": ks, "rtts": rtts, "links": links,
+    return {"parts": [p for p in PARTS if p in parts], "draft_lens": draft_lens, "rtts": rtts,
+            "links": links,
             "pipeline_draft_len": draft_len if draft_len == "adaptive" else int(draft_len),
             "device": device_profile(args.device_profile)}
 
 
-def _adaptive_table(rows: list[dict], ks: list[int], setup: str):
+def _adaptive_table(rows: list[dict], draft_lens: list[int], setup: str):
     from rich.table import Table
 
     table = Table(title=f"adaptive draft length vs fixed k: {setup}", caption=(
         "tokens/s per device; ratio: adaptive / the best fixed k, with its 95% bootstrap interval "
         "over prompts; mean k: adaptive's mean draft length"))
-    for column in ("link", *(f"k={k}" for k in ks), "adaptive", "mean k", "vs best", "95% CI"):
+    for column in ("link", *(f"k={n}" for n in draft_lens), "adaptive", "mean k", "vs best",
+                   "95% CI"):
         table.add_column(column, justify="left" if column == "link" else "right")
     for r in rows:
-        cells = [f"[bold]{v:.1f}[/]" if k == str(r["best_fixed_k"]) else f"{v:.1f}"
-                 for k, v in r["fixed_tps"].items()]
+        cells = [f"[bold]{v:.1f}[/]" if length == str(r["best_fixed_k"]) else f"{v:.1f}"
+                 for length, v in r["fixed_tps"].items()]
         lo, hi = r["ratio_ci95"]
         table.add_row(r["link"], *cells, f"{r['adaptive_tps']:.1f}", f"{r['adaptive_mean_draft_len']:.1f}",
                       f"{r['adaptive_vs_best_fixed']:.2f}x", f"{lo:.2f}-{hi:.2f}")
@@ -357,10 +362,11 @@ def _pipeline_table(rows: list[dict], setup: str, draft_len):
     return table
 
 
-def _plot(adaptive: list[dict], pipelined: list[dict], ks: list[int], path, title: str) -> None:
+def _plot(adaptive: list[dict], pipelined: list[dict], draft_lens: list[int], path,
+          title: str) -> None:
     fig, (left, right) = subplots(2)
-    width = 0.8 / (len(ks) + 1)
-    for i, label in enumerate([*map(str, ks), "adaptive"]):
+    width = 0.8 / (len(draft_lens) + 1)
+    for i, label in enumerate([*map(str, draft_lens), "adaptive"]):
         values = [r["adaptive_tps"] if label == "adaptive" else r["fixed_tps"][label] for r in adaptive]
         left.bar([j + i * width for j in range(len(adaptive))], values, width,
                  label="adaptive" if label == "adaptive" else f"k={label}")

@@ -95,7 +95,8 @@ def add_recording_flags(parser, *, max_new_tokens: int = 48) -> None:
                         "(default: the tiny pair's drafter, or ngram with --model)")
     add_workload_flags(parser, default="humaneval:8", max_new_tokens=max_new_tokens)
     parser.add_argument("--prompts", type=int, default=None, help="use at most this many prompts")
-    parser.add_argument("--max-k", type=int, default=8, help="tokens proposed per position")
+    parser.add_argument("--max-k", dest="max_draft_len", type=int, default=8,
+                        help="tokens proposed per position")
 
 
 def add_workload_flags(parser, *, default: str, max_new_tokens: int) -> None:

@@ -37,7 +37,8 @@ def add_arguments(parser) -> None:
     harness.add_workload_flags(parser, default="humaneval:10", max_new_tokens=64)
     parser.add_argument("--drafters", default="gguf:gemma3-270m,onnx:gemma3-270m,ngram",
                         help="comma-separated drafter specs for the lookahead part")
-    parser.add_argument("--k", type=int, default=4, help="tokens drafted per round")
+    parser.add_argument("--k", dest="draft_len", type=int, default=4,
+                        help="tokens drafted per round")
     parser.add_argument("--lookahead", type=int, default=None,
                         help="SAT hints per verdict (default: the target's SAT slots)")
     parser.add_argument("--devices", type=int, default=1, help="sessions at once in every mode")
@@ -131,7 +132,7 @@ async def lookahead_runs(served, spec: str, prompts: list[list[int]], lookahead:
 
     def one(slot: int, prompt: list[int], ahead: int, max_new: int):
         return generate(stub, drafters[slot], prompt, max_new_tokens=max_new,
-                        settings=RoundSettings(draft_len=args.k, lookahead=ahead),
+                        settings=RoundSettings(draft_len=args.draft_len, lookahead=ahead),
                         target_fingerprint=fingerprint)
 
     for ahead in settings:        # warm-up, unmeasured (loads the drafter's runtime too)
@@ -151,8 +152,8 @@ async def lookahead_runs(served, spec: str, prompts: list[list[int]], lookahead:
 
 def _validate(args) -> list[str]:
     specs = [s.strip() for s in args.drafters.split(",") if s.strip()]
-    if args.k < 1:
-        raise ValueError(f"--k must be >= 1, not {args.k}")
+    if args.draft_len < 1:
+        raise ValueError(f"--k must be >= 1, not {args.draft_len}")
     if args.devices < 1:
         raise ValueError(f"--devices must be >= 1, not {args.devices}")
     if args.max_new_tokens < 1:
@@ -194,15 +195,15 @@ async def bench(args) -> int:
              f"slots, {args.workload}, {args.max_new_tokens} new tokens, {args.devices} session(s) "
              "at once")
     console.print(_self_drafting_table(sat_rows, setup))
-    console.print(_lookahead_table(drafter_rows, args.k, lookahead))
+    console.print(_lookahead_table(drafter_rows, args.draft_len, lookahead))
     harness.write_results(console, args.out, {
         "model": args.model, "sat_adapter": _adapter_of(server_args), "server_device": info.device,
         "dtype": info.dtype, "sat_slots": info.sat_slots, "workload": args.workload,
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "devices": args.devices,
         "lossless": all(r["lossless"] for r in sat_rows + drafter_rows),
         "self_drafting": {"rows": sat_rows, "lossless": all(r["lossless"] for r in sat_rows)},
-        "lookahead": {"k": args.k, "lookahead": lookahead, "drafters": specs, "rows": drafter_rows,
-                      "lossless": all(r["lossless"] for r in drafter_rows)},
+        "lookahead": {"k": args.draft_len, "lookahead": lookahead, "drafters": specs,
+                      "rows": drafter_rows, "lossless": all(r["lossless"] for r in drafter_rows)},
     }, lambda png: _plot(sat_rows, drafter_rows, lookahead, png, setup))
     return harness.lossless_exit(console, [
         f"{_label(r)}: prompts {r['mismatched_prompts']}"
@@ -295,10 +296,11 @@ def _self_drafting_table(rows: list[dict], setup: str):
     return table
 
 
-def _lookahead_table(rows: list[dict], k: int, lookahead: int):
+def _lookahead_table(rows: list[dict], draft_len: int, lookahead: int):
     from rich.table import Table
 
-    table = Table(title=f"SAT lookahead for drafting devices: k={k}, lookahead 0 vs {lookahead}",
+    table = Table(title=f"SAT lookahead for drafting devices: k={draft_len}, lookahead 0 vs "
+                        f"{lookahead}",
                   caption="hints: SAT hint tokens sent as the start of a draft; vs none: "
                           "lookahead / no lookahead")
     columns = ("drafter", "lookahead", "tokens", "rounds", "tok/round", "tok/round vs none",

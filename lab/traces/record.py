@@ -121,4 +121,4 @@ def traces_for(args, console):
     model, drafter = default_specs(args.model, args.drafter)
     console.print(f"recording {drafter} traces against {model}")
     return model, record_trace_set(model, drafter, args.workload, args.max_new_tokens,
-                                   args.max_k, args.dtype, args.prompts, console)
+                                   args.max_draft_len, args.dtype, args.prompts, console)
