@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from verify_server.acceptance import Outcome, SparseQ, verify_greedy, verify_sampling
+from verify_server.acceptance import DraftQ, Outcome, verify_greedy, verify_sampling
 
 F64 = torch.float64
 COUNTS = (500, 4000, 32000)
@@ -74,9 +74,9 @@ def random_p(k: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def to_sparse(q: torch.Tensor) -> SparseQ:
+def to_sparse(q: torch.Tensor) -> DraftQ:
     ids = q.nonzero().flatten()
-    return SparseQ(ids=ids, probs=q[ids].to(F64))
+    return DraftQ(ids=ids, probs=q[ids].to(F64))
 
 
 def draw_drafts(dists: Sequence[torch.Tensor], n: int, gen: torch.Generator) -> list[list[int]]:
@@ -95,7 +95,7 @@ def bound(vocab: int, n: int) -> float:
     return math.sqrt(vocab / n)
 
 
-Verify = Callable[[torch.Tensor, Sequence[int], Sequence[SparseQ] | None, torch.Generator],
+Verify = Callable[[torch.Tensor, Sequence[int], Sequence[DraftQ] | None, torch.Generator],
                   Outcome]
 
 
@@ -261,7 +261,7 @@ def test_p_equal_to_q_with_zero_listed_draft_token_falls_back_to_p():
     residual max(0, p - q) is all zeros; the correction must still be a valid token of p."""
     vocab = 8
     p = torch.tensor([[0.0, 0.5, 0.25, 0.25, 0, 0, 0, 0]] * 2, dtype=F64)
-    q = SparseQ(ids=torch.tensor([0, 1, 2, 3]),
+    q = DraftQ(ids=torch.tensor([0, 1, 2, 3]),
                 probs=torch.tensor([0.0, 0.5, 0.25, 0.25], dtype=F64))
     gen = torch.Generator().manual_seed(0)
     corrections = []
@@ -278,7 +278,7 @@ def test_p_and_q_equal_up_to_float32_rounding():
     vocab, k = 16, 3
     gen = torch.Generator().manual_seed(4)
     p = torch.stack([random_distribution(vocab, gen, support=6) for _ in range(k + 1)])
-    sparse = [SparseQ(ids=s.ids, probs=s.probs.float().to(F64)) for s in map(to_sparse, p[:k])]
+    sparse = [DraftQ(ids=s.ids, probs=s.probs.float().to(F64)) for s in map(to_sparse, p[:k])]
     for draft in draw_drafts(list(p[:k]), 2000, gen):
         outcome = verify_sampling(p, draft, sparse, gen)
         assert len(outcome.emitted) == outcome.accepted + 1

@@ -14,7 +14,7 @@ from drafters.hf import HFDrafter
 from edge_client.session import generate
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
-from verify_server.draft_policy import suggest_draft_len
+from verify_server.draft_advice import suggest_draft_len
 
 Reason = pb.ErrorDetail.Reason
 SYSTEM = list(range(40, 120))    # an 80-token shared instruction: 5 blocks of 16

@@ -1,11 +1,25 @@
 """Acceptance math: which draft tokens the target keeps, and the one token it adds.
 
 p is the target's distribution at each position, q the drafter's. Both functions take the target
-output at k + 1 positions: position j scores the token that follows context + draft[:j], so
-position k (after the whole draft) gives the bonus token.
+output at draft_len + 1 positions: position j scores the token that follows context + draft[:j],
+so the last position (after the whole draft) gives the bonus token.
+
+Terms, used with these meanings everywhere in verify_server/:
+
+    draft       the tokens a drafter proposes for one round (draft_len of them, at most
+                max_draft_len), each drawn from q
+    verified    how many draft tokens the target checked in a round: a count, draft_len or fewer
+                when the session's length limit leaves less room
+    accepted    how many draft tokens the target keeps: always a prefix of the draft
+    correction  the target's own token at the first rejected position, in its place
+    bonus       the target's token after a fully accepted draft (one position further)
+    emitted     the tokens a round adds to the output: draft[:accepted] + [correction or bonus],
+                so one more than accepted (fewer when an end id or the length limit cuts them)
 
 Example (greedy): draft = [5, 9, 4], argmax p = [5, 9, 7, 2]
-  -> draft[0], draft[1] match, draft[2] = 4 != 7: accepted = 2, emitted = [5, 9, 7].
+  -> verified = 3; draft[0], draft[1] match, draft[2] = 4 != 7: accepted = 2,
+     emitted = [5, 9, 7] (7 is the correction). Had draft[2] been 7: accepted = 3,
+     emitted = [5, 9, 7, 2] (2 is the bonus).
 """
 from __future__ import annotations
 
@@ -23,8 +37,9 @@ class Outcome:
 
 
 @dataclass(frozen=True, slots=True)
-class SparseQ:
-    """The drafter's distribution at one position, zero outside `ids` (probs sum to 1)."""
+class DraftQ:
+    """q at one draft position as tensors, zero outside `ids` (probs sum to 1): the checked
+    form of the wire's SparseDistribution."""
     ids: torch.Tensor        # [n] int64
     probs: torch.Tensor      # [n] float64
 
@@ -39,8 +54,8 @@ class SparseQ:
 
 
 def verify_greedy(logits: torch.Tensor, draft: Sequence[int]) -> Outcome:
-    """logits: [k + 1, vocab]. Accept while draft[j] == argmax p_j, then emit argmax p."""
-    targets = logits.argmax(dim=-1).tolist()  # [k + 1]
+    """logits: [draft_len + 1, vocab]. Accept while draft[j] == argmax p_j, then emit argmax p."""
+    targets = logits.argmax(dim=-1).tolist()  # [draft_len + 1]
     accepted = 0
     while accepted < len(draft) and draft[accepted] == targets[accepted]:
         accepted += 1
@@ -48,15 +63,16 @@ def verify_greedy(logits: torch.Tensor, draft: Sequence[int]) -> Outcome:
 
 
 def verify_sampling(
-    p: torch.Tensor,                    # [k + 1, vocab] target probabilities (already warped)
-    draft: Sequence[int],               # [k]
-    q: Sequence[SparseQ] | None,        # k entries, or None for a deterministic drafter
+    p: torch.Tensor,                    # [draft_len + 1, vocab] target probabilities (warped)
+    draft: Sequence[int],               # [draft_len]
+    q: Sequence[DraftQ] | None,         # [draft_len], or None for a deterministic drafter
     generator: torch.Generator,
 ) -> Outcome:
     """Speculative rejection sampling (Leviathan et al. / Chen et al.), exact for any q.
 
-    Accept draft[j] with probability min(1, p(x)/q(x)); on the first rejection draw from
-    normalize(max(0, p - q)); if all k are accepted draw a bonus token from p at position k.
+    Accept draft[j] with probability min(1, p(x)/q(x)); on the first rejection draw the
+    correction from normalize(max(0, p - q)); if the whole draft is accepted draw the bonus
+    token from p at the position after it.
     A deterministic drafter has q = one-hot(x), so acceptance is p(x) and the residual is p
     with x removed. Draw order per round: one uniform per examined position, then one token.
     """

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from verify_server import errors
-from verify_server.acceptance import Outcome, SparseQ
+from verify_server.acceptance import Outcome, DraftQ
 from verify_server.engine import Engine, Row
 from verify_server.errors import Reason
 from verify_server.metrics import Metrics
@@ -68,7 +68,7 @@ class Scheduler:
         _, info = await self._submit(Prefill(session, self._new_future(), deadline))
         return info
 
-    async def verify(self, session: Session, draft: list[int], q: list[SparseQ] | None,
+    async def verify(self, session: Session, draft: list[int], q: list[DraftQ] | None,
                      deadline: float | None = None, lookahead: int = 0) -> tuple[Outcome, StepInfo]:
         return await self._submit(Verify(session, self._new_future(), deadline, draft=draft, q=q,
                                          lookahead=lookahead))

@@ -14,10 +14,10 @@ from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from verify_server import errors
-from verify_server.acceptance import SparseQ
+from verify_server.acceptance import DraftQ
 from verify_server.blocks import PoolExhausted
 from verify_server.config import ServerConfig
-from verify_server.draft_policy import suggest_draft_len
+from verify_server.draft_advice import suggest_draft_len
 from verify_server.errors import Reason, SessionError
 from verify_server.metrics import Metrics
 from verify_server.scheduler import Scheduler, StepInfo
@@ -330,7 +330,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                           suggested_draft_len=suggested,
                           hint_ids=outcome.hints if not session.finished else [])
 
-    def _draft_q(self, session: Session, draft: pb.Draft, tokens: list[int]) -> list[SparseQ] | None:
+    def _draft_q(self, session: Session, draft: pb.Draft, tokens: list[int]) -> list[DraftQ] | None:
         """The sparse q of a sampling draft; None means a deterministic drafter (one-hot q)."""
         if session.sampling.greedy or not draft.q:
             return None
@@ -361,7 +361,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                 raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
                                      f"draft token {token} at position {j} is outside its q support "
                                      "(q must be the distribution it was drawn from)", draft.round)
-            result.append(SparseQ(ids, probs / probs.sum()))
+            result.append(DraftQ(ids, probs / probs.sum()))
         return result
 
     def _check_ids(self, ids, field: str, round: int = 0) -> None:

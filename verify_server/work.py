@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sled.sampling import warp
-from verify_server.acceptance import Outcome, SparseQ, verify_greedy, verify_sampling
+from verify_server.acceptance import Outcome, DraftQ, verify_greedy, verify_sampling
 from verify_server.engine import Row
 from verify_server.session import Session
 
@@ -62,7 +62,7 @@ class Prefill(Work):
 @dataclass(slots=True, eq=False)
 class Verify(Work):
     draft: list[int] = field(default_factory=list)       # [k], already cut to the budget
-    q: list[SparseQ] | None = None
+    q: list[DraftQ] | None = None
     lookahead: int = 0                                   # m SAT slots after the draft
 
     @property
