@@ -12,7 +12,8 @@ BUDGET = 32 << 20
 
 
 def run_greedy(engine, prompts, new_tokens: int, prefill_chunk: int | None = None):
-    """Prefill every prompt (optionally in chunks), then decode all rows together."""
+    """Prefill every prompt (optionally in chunks), then decode all rows together; every token
+    fed is kept (committed) after its pass."""
     kvs = []
     for prompt in prompts:
         kv = engine.new_kv()
@@ -25,11 +26,14 @@ def run_greedy(engine, prompts, new_tokens: int, prefill_chunk: int | None = Non
         if not rows:
             break
         engine.forward(rows)
+        for row in rows:
+            row.kv.commit(len(row.tokens))
     outputs = [[] for _ in prompts]
     for _ in range(new_tokens):
         last = [o[-1] if o else p[-1] for o, p in zip(outputs, prompts)]
         logits = engine.forward([Row(kv, [t], True) for kv, t in zip(kvs, last)])
-        for out, row_logits in zip(outputs, logits):
+        for kv, out, row_logits in zip(kvs, outputs, logits):
+            kv.commit(1)
             out.append(int(row_logits[-1].argmax()))
     return outputs, kvs
 
@@ -59,14 +63,17 @@ def test_paged_step_writes_only_new_tokens(models):
         kv = engine.new_kv()
         kv.admit([], 700)
         engine.forward([Row(kv, list(range(3, 63)), False)])      # context 60
+        kv.commit(60)
         copied = []
         for target in (60, 600):
             if target > kv.length:
-                engine.forward([Row(kv, [5] * (target - kv.length), False)])
+                grow = target - kv.length
+                engine.forward([Row(kv, [5] * grow, False)])
+                kv.commit(grow)
             before = engine.bytes_copied
             engine.forward([Row(kv, [7, 8, 9], True)])               # one verify step
             copied.append(engine.bytes_copied - before)
-            kv.truncate(kv.length - 3)                                # all rejected
+            assert kv.length == target                                # all rejected: none kept
         per_step[kind] = copied
         assert [t.data_ptr() for t in engine.pool.keys] == storage
     paged_short, paged_long = per_step["paged"]
@@ -76,13 +83,17 @@ def test_paged_step_writes_only_new_tokens(models):
 
 
 def test_rollback_is_a_length_change(models):
+    """A forward writes 20 tokens and leaves the length alone; keeping 9 of them moves no byte."""
     engine = make_engine(models["llama"], kv_budget_bytes=BUDGET, block_tokens=4)
     kv = engine.new_kv()
     kv.admit([], 64)
     engine.forward([Row(kv, list(range(3, 23)), False)])
+    assert kv.length == 0
     table, written = list(kv.table), engine.pool.bytes_written
-    kv.truncate(9)
+    kv.commit(9)
     assert (kv.length, kv.table, engine.pool.bytes_written) == (9, table, written)
+    with pytest.raises(RuntimeError, match="passes the 20 slots"):
+        kv.commit(12)
 
 
 def test_logits_only_where_wanted(models):
@@ -125,7 +136,7 @@ def test_prefix_blocks_are_shared_and_reference_counted():
     prompt = list(range(10, 21))                         # 11 tokens: 2 full blocks
     assert first.admit(prompt, 16) == 0
     first.slots(0, len(prompt))
-    first.length = len(prompt)
+    first.commit(len(prompt))
     first.publish(prompt)
     second = SessionKV(pool)
     assert second.admit(prompt[:9] + [99, 98], 16) == 8  # shares both full blocks
@@ -160,7 +171,7 @@ def test_cached_blocks_are_reused_least_recent_first():
     kv = SessionKV(pool)
     kv.admit([1, 2, 3], 4)
     kv.slots(0, 3)
-    kv.length = 3
+    kv.commit(3)
     kv.publish([1, 2, 3])
     kv.free()
     assert pool.cached_blocks() == 1

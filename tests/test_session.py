@@ -43,4 +43,4 @@ def test_length_limit_cuts_exactly(max_new, emitted):
 def test_verify_budget_leaves_room_for_the_extra_token():
     s = session(max_new=5)
     s.commit(Outcome(1, [7, 8]))
-    assert s.remaining == 3 and s.verify_budget(8) == 2 and s.verify_budget(1) == 1
+    assert s.remaining == 3 and s.verifiable(8) == 2 and s.verifiable(1) == 1

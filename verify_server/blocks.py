@@ -80,6 +80,7 @@ class BlockPool:
         self._digest: dict[int, bytes] = {}       # block -> its prefix digest
         self.outstanding = 0                      # reserved blocks not allocated yet
         self.bytes_written = 0                    # KV bytes written into the pool, ever
+        self.held_tokens = 0                      # sessions' committed tokens (shared blocks count for each)
 
     @property
     def usable_blocks(self) -> int:

@@ -34,12 +34,15 @@ def generate_centralized(engine: Engine, prompts: Sequence[Sequence[int]], max_n
     if prefill:
         engine.forward(prefill)
         passes += 1
+        for row in prefill:
+            row.kv.commit(len(row.tokens))
     live = list(range(len(prompts)))
     while live:
         last = [outputs[i][-1] if outputs[i] else prompts[i][-1] for i in live]
         logits = engine.forward([Row(caches[i], [t], want_logits=True) for i, t in zip(live, last)])
         passes += 1
         for i, row_logits in zip(list(live), logits):
+            caches[i].commit(1)            # the token fed this pass; the new one goes in next
             token = int(row_logits[-1].argmax())
             outputs[i].append(token)
             if token in eos_ids or len(outputs[i]) >= max_new_tokens:

@@ -1,6 +1,9 @@
 """The batched forward: every scheduled session's new tokens through the target in one pass.
 
-Sessions' keys/values live in the block pool (`blocks.py`). Two engines share it:
+Sessions' keys/values live in the block pool (`blocks.py`). A forward writes each row's new tokens
+into the slots after its session's committed length and leaves that length alone: what a round
+keeps is committed afterwards (`SessionKV.commit`), the rest is overwritten by the next forward.
+Two engines share the pool:
 
 - `PagedEngine` (the fast path): the new tokens of all rows are packed into one ragged sequence
   [1, T] with each token's own position id. A registered attention function writes each layer's
@@ -35,7 +38,7 @@ SHORT_ROW = 64   # rows up to this many new tokens share one padded attention ca
 @dataclass(slots=True)
 class Row:
     kv: SessionKV
-    tokens: Sequence[int]     # new tokens, appended after kv
+    tokens: Sequence[int]     # new tokens, written after kv.length
     want_logits: bool         # False for prefill: only the KV is needed
     sat_slots: int = 0        # SAT slots appended after the tokens (their KV is dropped later)
 
@@ -49,12 +52,12 @@ class Engine:
 
     kind = "base"
 
-    def __init__(self, model: torch.nn.Module, pool: BlockPool) -> None:
+    def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None) -> None:
         self.model = model
         self.pool = pool
+        self.sat = sat          # the target's semantic adaptive tokens, if it has them
         self.device = next(model.parameters()).device
         self.bytes_copied = 0   # KV bytes written or copied outside attention, ever
-        self.sat: SatSpec | None = None   # the target's semantic adaptive tokens, if it has them
 
     def _inputs(self, input_ids: torch.Tensor, sat_at: list[tuple[tuple[int, ...], int]]) -> dict:
         """Model inputs: plain ids, or embeddings with SAT slots written in at `sat_at`
@@ -74,7 +77,8 @@ class Engine:
         return SessionKV(self.pool)
 
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor | None]:
-        """One pass over all rows; returns logits [len(tokens), vocab] for rows that want them."""
+        """One pass over all rows; returns logits [row.width, vocab] for rows that want them.
+        Each row's KV is written after kv.length; no row's length changes."""
         raise NotImplementedError
 
     def _logit_index(self, rows: Sequence[Row]) -> tuple[torch.Tensor, list[slice | None]]:
@@ -173,8 +177,8 @@ _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 class PagedEngine(Engine):
     kind = "paged"
 
-    def __init__(self, model: torch.nn.Module, pool: BlockPool) -> None:
-        super().__init__(model, pool)
+    def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None) -> None:
+        super().__init__(model, pool, sat)
         model.set_attn_implementation(ATTENTION_NAME)
 
     @staticmethod
@@ -211,8 +215,6 @@ class PagedEngine(Engine):
                   for members in ([short] if short else []) + long]
         dev = self.device
         step = _Step(self.pool, torch.cat(writes).to(dev), groups, offset)
-        for row in rows:
-            row.kv.length += row.width
         return step, torch.tensor(ids, dtype=torch.long), torch.cat(positions), sat_at
 
     def _group(self, rows: Sequence[Row], offsets: Sequence[int]) -> _Group:
@@ -276,7 +278,6 @@ class PaddedEngine(Engine):
                 new = slice(max_past, max_past + width)
                 self.pool.write(layer, slots, cached.keys[b, :, new].transpose(0, 1),
                                 cached.values[b, :, new].transpose(0, 1))
-            row.kv.length += width
             self.bytes_copied += width * self.pool.shape.bytes_per_token
             logits.append(out.logits[b, :width].float() if row.want_logits else None)
         return logits
@@ -313,8 +314,10 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def make_engine(model: torch.nn.Module, *, kv_budget_bytes: int | None = None,
-                kv_fraction: float = 0.25, block_tokens: int = 16, kind: str = "auto") -> Engine:
-    """An engine over a pool of `kv_budget_bytes` (default: `kv_fraction` of free memory)."""
+                kv_fraction: float = 0.25, block_tokens: int = 16, kind: str = "auto",
+                sat: SatSpec | None = None) -> Engine:
+    """An engine over a pool of `kv_budget_bytes` (default: `kv_fraction` of free memory);
+    `sat`: the target's SATs, for rows that append SAT slots."""
     shape = KVShape.of(model)
     device = next(model.parameters()).device
     budget = kv_budget_bytes if kv_budget_bytes is not None else int(free_memory_bytes(device) * kv_fraction)
@@ -327,7 +330,7 @@ def make_engine(model: torch.nn.Module, *, kv_budget_bytes: int | None = None,
     if kind == "auto":
         kind = "paged" if PagedEngine.supports(model) else "padded"
     if kind == "paged":
-        return PagedEngine(model, pool)
+        return PagedEngine(model, pool, sat)
     if kind == "padded":
-        return PaddedEngine(model, pool)
+        return PaddedEngine(model, pool, sat)
     raise ValueError(f"unknown engine kind {kind!r}: use auto, paged or padded")

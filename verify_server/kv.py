@@ -9,18 +9,30 @@ from verify_server.blocks import BlockPool, prefix_hashes
 
 
 class SessionKV:
-    """The KV of the tokens the target has seen for one session. `length` excludes the last
-    committed token, which is fed again with the next draft. Rolling back is a length change."""
+    """The KV of the tokens the target has seen for one session.
 
-    __slots__ = ("pool", "table", "length", "reserved", "shared", "_slot_ids")
+    `length` counts the committed tokens; the last committed token is not among them, it is fed
+    again with the next draft. A forward writes a row's new tokens into the slots after `length`
+    without changing it; `commit(n)` then keeps the first n of them, and the rest are overwritten
+    by the next forward, so rolling back costs nothing. `commit` is the only way `length` grows.
+
+        length 5; a round feeds [t, d1, d2, d3] into slots 5..8; d1 is accepted, d2 rejected
+        -> commit(2): length 7 (t and d1 stay; the correction goes in with the next draft)
+    """
+
+    __slots__ = ("pool", "table", "_length", "reserved", "shared", "_slot_ids")
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self.table: list[int] = []
-        self.length = 0
+        self._length = 0
         self.reserved = 0     # blocks promised by the pool, not yet in the table
         self.shared = 0       # leading blocks found in the prefix cache
         self._slot_ids = torch.empty(0, dtype=torch.long)   # slot of every position the table covers
+
+    @property
+    def length(self) -> int:
+        return self._length
 
     def admit(self, prefill: Sequence[int], max_tokens: int) -> int:
         """Take cached prefix blocks of `prefill` and reserve the rest of `max_tokens`.
@@ -38,12 +50,23 @@ class SessionKV:
         self.table, self.shared, self.reserved = [], len(found), need
         for block in found:
             self._extend(block)
-        self.length = len(found) * self.pool.block_tokens
-        return self.length
+        self._set_length(len(found) * self.pool.block_tokens)
+        return self._length
+
+    def commit(self, tokens: int) -> None:
+        """Keep the first `tokens` of those the last forward wrote after `length`."""
+        if self._length + tokens > len(self._slot_ids):
+            raise RuntimeError(f"commit of {tokens} tokens at length {self._length} passes the "
+                               f"{len(self._slot_ids)} slots the forward wrote")
+        self._set_length(self._length + tokens)
+
+    def _set_length(self, length: int) -> None:
+        self.pool.held_tokens += length - self._length
+        self._length = length
 
     def publish(self, tokens: Sequence[int]) -> None:
         """Offer this session's full blocks of `tokens` (its committed prefix) for sharing."""
-        digests = prefix_hashes(tokens[: self.length], self.pool.block_tokens)
+        digests = prefix_hashes(tokens[: self._length], self.pool.block_tokens)
         for block, digest in zip(self.table[self.shared:len(digests)], digests[self.shared:]):
             self.pool.publish(block, digest)
 
@@ -61,12 +84,9 @@ class SessionKV:
         self.table.append(block)
         self._slot_ids = torch.cat([self._slot_ids, torch.arange(block * bt, (block + 1) * bt)])
 
-    def truncate(self, length: int) -> None:
-        """Roll back to the first `length` tokens (rejected draft tokens fall away)."""
-        self.length = min(self.length, length)
-
     def free(self) -> None:
         self.pool.release(self.table)
         self.pool.unreserve(self.reserved)
-        self.table, self.reserved, self.length, self.shared = [], 0, 0, 0
+        self._set_length(0)
+        self.table, self.reserved, self.shared = [], 0, 0
         self._slot_ids = torch.empty(0, dtype=torch.long)

@@ -1,7 +1,12 @@
 """Prometheus metrics of one server (its own registry, so several servers can share a process)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from verify_server.blocks import BlockPool
 
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 
@@ -32,6 +37,18 @@ class Metrics:
                                     buckets=BATCH_BUCKETS, registry=r)
         self.forward_seconds = Histogram("sled_forward_seconds", "Forward pass + acceptance time",
                                          registry=r)
+
+    def count_round(self, verified: int, accepted: int, emitted: int) -> None:
+        self.rounds.inc()
+        self.draft_tokens.inc(verified)
+        self.accepted_tokens.inc(accepted)
+        self.emitted_tokens.inc(emitted)
+
+    def watch_pool(self, pool: BlockPool) -> None:
+        """The KV gauges read the pool when scraped, so no code path has to keep them current."""
+        self.kv_blocks_total.set_function(lambda: pool.usable_blocks)
+        self.kv_blocks_used.set_function(lambda: pool.used_blocks)
+        self.kv_tokens.set_function(lambda: pool.held_tokens)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """Current value of a sample, e.g. value("sled_forward_passes_total")."""

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from verify_server import errors
-from verify_server.acceptance import Outcome, DraftQ
+from verify_server.acceptance import DraftQ, Outcome
 from verify_server.engine import Engine, Row
 from verify_server.errors import Reason
 from verify_server.metrics import Metrics
@@ -84,9 +84,7 @@ class Scheduler:
             self._free(session)
 
     def _free(self, session: Session) -> None:
-        self.metrics.kv_tokens.dec(session.kv.length)
         session.kv.free()
-        self.metrics.kv_blocks_used.set(self.engine.pool.used_blocks)
 
     def _new_future(self) -> asyncio.Future:
         return asyncio.get_running_loop().create_future()
@@ -154,7 +152,6 @@ class Scheduler:
         started = time.perf_counter()
         sessions = {w.session for w, _ in plan}
         self._in_flight = sessions
-        kv_before = sum(s.kv.length for s in sessions)
         tokens = sum(n for _, n in plan)
         try:
             results = await loop.run_in_executor(self._executor, _run_step, self.engine, plan)
@@ -167,8 +164,6 @@ class Scheduler:
         self.metrics.forward_tokens.inc(tokens)
         self.metrics.batch_size.observe(len(plan))
         self.metrics.forward_seconds.observe(forward_ms / 1e3)
-        self.metrics.kv_tokens.inc(sum(s.kv.length for s in sessions) - kv_before)
-        self.metrics.kv_blocks_used.set(self.engine.pool.used_blocks)
         for session in self._release_after_step:
             self._free(session)
         self._release_after_step.clear()
@@ -189,9 +184,9 @@ def _run_step(engine: Engine, plan: list[tuple[Work, int]]) -> list[tuple[object
     rows: list[Row] = [work.row(share) for work, share in plan]
     logits = engine.forward(rows)
     results: list[tuple[object, Exception | None]] = []
-    for (work, _), row_logits in zip(plan, logits):
+    for (work, _), row, row_logits in zip(plan, rows, logits):
         try:
-            results.append((work.complete(row_logits), None))
+            results.append((work.complete(row, row_logits), None))
         except Exception as exc:
             results.append((None, exc))
     return results

@@ -60,6 +60,7 @@ async def start_server(target: Target, config: ServerConfig | None = None, host:
     if target.sat is not None:
         target.sat.check(target.model)
     engine.sat = target.sat
+    metrics.watch_pool(engine.pool)
     log.info("%s engine, KV pool %d tokens (%.0f MiB)", engine.kind, engine.pool.capacity_tokens,
              engine.pool.nbytes / (1 << 20))
     scheduler = Scheduler(engine, metrics, config.max_batch_sessions, config.max_step_tokens)

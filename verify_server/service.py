@@ -57,7 +57,6 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.accepting = True
         self.pool = scheduler.engine.pool
         self.sat_slots = target.sat.slots if target.sat is not None else 0
-        metrics.kv_blocks_total.set(self.pool.usable_blocks)
 
     # --- unary calls -------------------------------------------------------------------------
 
@@ -152,7 +151,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         lookahead = self.sat_slots if session.mode == pb.GENERATION_MODE_SERVER_SAT else 0
 
         def next_pass(guesses: list[int]) -> tuple[asyncio.Future, list[int]]:
-            draft = guesses[:max(session.verify_budget(len(guesses)), 0)]
+            draft = guesses[:session.verifiable(len(guesses))]
             work = Verify(session, None, _deadline(context), draft=draft, lookahead=lookahead)
             return self.scheduler.enqueue(work), draft
 
@@ -272,7 +271,6 @@ class VerifierService(pb_grpc.VerifierServicer):
                 f"{len(self.sessions)} sessions; retry later, lower max_new_tokens, or use a "
                 "server with a larger --kv-budget") from None
         self.metrics.prefix_hit_tokens.inc(session.cached_prompt_tokens)
-        self.metrics.kv_tokens.inc(session.kv.length)   # shared blocks count for this session too
 
     async def _verify(self, session: Session | None, draft: pb.Draft, context) -> pb.Verdict:
         if session is None:
@@ -312,7 +310,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                                  f"lookahead {draft.lookahead} exceeds the target's {self.sat_slots} "
                                  "SAT slots (ModelInfo.sat_slots)", draft.round)
         q = self._draft_q(session, draft, tokens)
-        budget = session.verify_budget(len(tokens))
+        budget = session.verifiable(len(tokens))
         deadline = _deadline(context, draft.deadline_ms)
         outcome, info = await self.scheduler.verify(session, tokens[:budget],
                                                     q[:budget] if q is not None else None, deadline,

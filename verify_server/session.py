@@ -1,4 +1,7 @@
-"""A generation session on the server: what the device asked for and what has been committed."""
+"""A generation session on the server: what the device asked for and what has been committed.
+
+The session owns its committed state: the tokens generated so far and, through `commit`, how
+much of its KV is context. Nothing else moves either after the prompt is in."""
 from __future__ import annotations
 
 import time
@@ -33,6 +36,16 @@ class Session:
     waiting_since: float | None = None      # waiting for the device's next message since then
     evicted_after: float | None = None      # idle seconds after which the KV was freed
 
+    @classmethod
+    def from_open(cls, request: pb.Open, sampling: Sampling, eos_ids: tuple[int, ...],
+                  kv: SessionKV) -> "Session":
+        """The session a checked Open asks for (see validation.check_open)."""
+        stop = frozenset(request.stop_ids)
+        end = stop if request.ignore_eos else stop | frozenset(eos_ids)
+        return cls(prompt_ids=list(request.prompt_ids), sampling=sampling,
+                   max_new_tokens=request.max_new_tokens, end_ids=end, stop_ids=stop,
+                   drafter=request.drafter, mode=request.mode, kv=kv)
+
     def wait_for_device(self) -> None:
         self.waiting_since = time.monotonic()
 
@@ -66,9 +79,9 @@ class Session:
         """Everything but the last prompt token, which goes in with the first draft."""
         return self.prompt_ids[:-1]
 
-    def verify_budget(self, draft_len: int) -> int:
+    def verifiable(self, draft_len: int) -> int:
         """Draft tokens worth verifying: with the extra token they must fit max_new_tokens."""
-        return min(draft_len, self.remaining - 1)
+        return max(0, min(draft_len, self.remaining - 1))
 
     def observe(self, verified: int, accepted: int) -> None:
         """Track how much of this session's drafts the target keeps."""
@@ -76,7 +89,9 @@ class Session:
             self.acceptance += 0.3 * (accepted / verified - self.acceptance)
 
     def commit(self, outcome: Outcome) -> tuple[list[int], int, int]:
-        """Append the verdict's tokens, cut at the first end id or the length limit.
+        """Append the verdict's tokens, cut at the first end id or the length limit, and keep the
+        KV of the tokens the round fed that stay: the last token and the accepted draft (the
+        correction or bonus goes in with the next draft).
 
         Returns (emitted, finish reason, accepted draft tokens among the emitted): an EOS inside
         an accepted run drops the draft tokens after it, so they do not count as accepted.
@@ -92,6 +107,8 @@ class Session:
                 finish = pb.FINISH_REASON_LENGTH
                 break
         self.generated.extend(emitted)
+        if self.kv is not None:
+            self.kv.commit(1 + outcome.accepted)
         self.round += 1
         self.finish = finish
         return emitted, finish, min(outcome.accepted, len(emitted))

@@ -1,4 +1,9 @@
-"""Work a session puts into the next batched forward: its prompt prefill, or a draft to verify."""
+"""Work a session puts into the next batched forward: its prompt prefill, or a draft to verify.
+
+`complete` runs on the engine thread right after the forward. It decides; it does not commit a
+round: a verified draft's tokens and KV are committed by `Session.commit` when the round
+finishes. A prefill chunk is all kept, so it commits its own KV here.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sled.sampling import warp
-from verify_server.acceptance import Outcome, DraftQ, verify_greedy, verify_sampling
+from verify_server.acceptance import DraftQ, Outcome, verify_greedy, verify_sampling
 from verify_server.engine import Row
 from verify_server.session import Session
 
@@ -28,8 +33,8 @@ class Work:
     def row(self, budget: int) -> Row:
         raise NotImplementedError
 
-    def complete(self, logits: torch.Tensor | None):
-        """Runs on the engine thread right after the forward; the result resolves `future`."""
+    def complete(self, row: Row, logits: torch.Tensor | None):
+        """After the forward of `row`; the result resolves `future`."""
         raise NotImplementedError
 
     @property
@@ -49,7 +54,8 @@ class Prefill(Work):
         start = self.session.kv.length
         return Row(self.session.kv, self.session.prompt_ids[start:start + budget], want_logits=False)
 
-    def complete(self, logits: torch.Tensor | None) -> None:
+    def complete(self, row: Row, logits: torch.Tensor | None) -> None:
+        self.session.kv.commit(len(row.tokens))
         if self.done:
             self.session.kv.publish(self.session.prompt_ids)
         return None
@@ -61,8 +67,8 @@ class Prefill(Work):
 
 @dataclass(slots=True, eq=False)
 class Verify(Work):
-    draft: list[int] = field(default_factory=list)       # [k], already cut to the budget
-    q: list[DraftQ] | None = None
+    draft: list[int] = field(default_factory=list)       # [draft_len], already cut to what fits
+    q: list[DraftQ] | None = None                        # [draft_len], None: deterministic drafter
     lookahead: int = 0                                   # m SAT slots after the draft
 
     @property
@@ -73,19 +79,17 @@ class Verify(Work):
         return Row(self.session.kv, [self.session.last_token, *self.draft], want_logits=True,
                    sat_slots=self.lookahead)
 
-    def complete(self, logits: torch.Tensor | None) -> Outcome:
-        """logits: [k + 1 + m, vocab]. Decide acceptance on the first k + 1, read SAT hints from
-        the last m when the whole draft survived, and drop the rejected tokens' and SATs' KV."""
-        session, k = self.session, len(self.draft)
-        kept_before = session.kv.length - k - 1 - self.lookahead
+    def complete(self, row: Row, logits: torch.Tensor | None) -> Outcome:
+        """logits: [draft_len + 1 + m, vocab]. Decide acceptance on the first draft_len + 1; read
+        SAT hints from the last m when the whole draft survived."""
+        session, draft_len = self.session, len(self.draft)
         if session.sampling.greedy:
-            outcome = verify_greedy(logits[:k + 1], self.draft)
+            outcome = verify_greedy(logits[:draft_len + 1], self.draft)
         else:
-            p = warp(logits[:k + 1], session.sampling)  # [k + 1, vocab]
+            p = warp(logits[:draft_len + 1], session.sampling)  # [draft_len + 1, vocab]
             outcome = verify_sampling(p, self.draft, self.q, session.generator)
-        if self.lookahead and outcome.accepted == k:
+        if self.lookahead and outcome.accepted == draft_len:
             # SAT slot 1 stands for the bonus token; each slot guesses the token after its own.
-            outcome = Outcome(outcome.accepted, outcome.emitted, logits[k + 1:].argmax(-1).tolist())
-        # The last committed token and the accepted draft stay; the new last token goes in next round.
-        session.kv.truncate(kept_before + 1 + outcome.accepted)
+            hints = logits[draft_len + 1:].argmax(-1).tolist()
+            outcome = Outcome(outcome.accepted, outcome.emitted, hints)
         return outcome
