@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lab.tiny import make_model, make_tokenizer, perturbed, save_pair
-from verify_server.config import ServerConfig
+from verify_server.settings import ServerSettings
 from verify_server.server import start_server
 from verify_server.target import Target
 
@@ -74,12 +74,14 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: int | l
 
 @pytest.fixture
 async def serve(tokenizer):
-    """serve(model, **config) -> a running in-process server; all stopped after the test."""
+    """serve(model, **settings) -> a running in-process server (sat: the target's SATs); all
+    stopped after the test."""
     running = []
 
-    async def start(model, model_id: str = "tiny", **config):
-        config.setdefault("kv_budget_bytes", 64 << 20)
-        server = await start_server(Target.from_model(model, tokenizer, model_id), ServerConfig(**config))
+    async def start(model, model_id: str = "tiny", sat=None, **settings):
+        settings.setdefault("kv_budget", 64 << 20)
+        target = Target.from_model(model, tokenizer, model_id, sat=sat)
+        server = await start_server(target, ServerSettings(**settings))
         running.append(server)
         return server
 

@@ -43,14 +43,14 @@ async def test_tokenizer_mismatch_server_is_passed_over_with_a_reason(serve, mod
     """One server's target has another tokenizer: it is never used, the status says why, and
     the device keeps serving through the compatible one."""
     from lab.tiny import make_model, make_tokenizer
-    from verify_server.config import ServerConfig
+    from verify_server.settings import ServerSettings
     from verify_server.server import start_server
     from verify_server.target import Target
 
     other_tokenizer = make_tokenizer(vocab_size=300)
     other = await start_server(Target.from_model(make_model("llama", len(other_tokenizer)),
                                                  other_tokenizer, "other"),
-                               ServerConfig(kv_budget_bytes=16 << 20))
+                               ServerSettings(kv_budget=16 << 20))
     try:
         device = make_device([other.address], drafter_models["llama"], tokenizer, reconnect_s=0.5)
         await device.start()

@@ -283,19 +283,19 @@ async def hold_session(address: str, prompt: list[int]):
 async def three_servers(models, tokenizer) -> dict:
     """a and b serve the same target (b allows 8 sessions); odd's target has another tokenizer."""
     from lab.tiny import make_model, make_tokenizer
-    from verify_server.config import ServerConfig
+    from verify_server.settings import ServerSettings
     from verify_server.server import start_server
     from verify_server.target import Target
 
     other_tokenizer = make_tokenizer(vocab_size=300)
     return {
         "a": await start_server(Target.from_model(models["llama"], tokenizer, "tiny"),
-                                ServerConfig(kv_budget_bytes=64 << 20)),
+                                ServerSettings(kv_budget=64 << 20)),
         "b": await start_server(Target.from_model(models["llama"], tokenizer, "tiny"),
-                                ServerConfig(kv_budget_bytes=64 << 20, max_sessions=8)),
+                                ServerSettings(kv_budget=64 << 20, max_sessions=8)),
         "odd": await start_server(Target.from_model(make_model("llama", len(other_tokenizer)),
                                                     other_tokenizer, "other"),
-                                  ServerConfig(kv_budget_bytes=16 << 20)),
+                                  ServerSettings(kv_budget=16 << 20)),
     }
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import greedy_reference
 from drafters.hf import HFDrafter
-from edge_client.session import generate
+from edge_client.session import RoundSettings, generate
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from verify_server.draft_advice import suggest_draft_len
@@ -57,7 +57,7 @@ async def drive(call, next_draft) -> list[int]:
 
 async def run_device(stub, model, drafter_model, prompt, max_new: int = 12, draft_len: int = 3):
     result = await generate(stub, HFDrafter(drafter_model), prompt, max_new_tokens=max_new,
-                            draft_len=draft_len, ignore_eos=True)
+                            settings=RoundSettings(draft_len=draft_len), ignore_eos=True)
     return result.token_ids
 
 
@@ -85,7 +85,7 @@ async def test_long_prefill_is_chunked_and_does_not_stall_rounds(serve, models, 
     """A 600-token prompt prefills in chunks within a 32-token step budget, and a short
     session's verify rounds share those steps instead of waiting for the whole prompt."""
     model = models["llama"]
-    server = await serve(model, max_step_tokens=32, max_draft_tokens=4)
+    server = await serve(model, max_step_tokens=32, max_draft_len=4)
     engine = server.scheduler.engine
     forward, steps = engine.forward, []
 
@@ -121,7 +121,7 @@ async def test_long_prefill_is_chunked_and_does_not_stall_rounds(serve, models, 
 async def test_kv_budget_refuses_with_the_budget_and_others_carry_on(serve, models, drafter_models):
     model = models["llama"]
     per_token = 2 * 2 * 2 * 16 * 8          # layers * (k, v) * kv heads * head dim * float64
-    server = await serve(model, kv_budget_bytes=(1 + 8) * 16 * per_token, kv_block_tokens=16)
+    server = await serve(model, kv_budget=(1 + 8) * 16 * per_token, kv_block_tokens=16)
     assert server.scheduler.engine.pool.capacity_tokens == 128
     prompt = [5, 6, 7, 8]
     async with grpc.aio.insecure_channel(server.address) as channel:
@@ -145,7 +145,7 @@ async def test_kv_budget_refuses_with_the_budget_and_others_carry_on(serve, mode
 
 async def test_idle_session_is_evicted_and_resumes_losslessly(serve, models):
     model = models["llama"]
-    server = await serve(model, idle_timeout_s=0.2)
+    server = await serve(model, idle_timeout=0.2)
     prompt = [21, 22, 23, 24, 25]
     want = greedy_reference(model, prompt, 10)
     async with grpc.aio.insecure_channel(server.address) as channel:
@@ -263,7 +263,7 @@ async def test_server_mode_matches_generate_alongside_drafting_devices(serve, mo
 
 async def test_verdicts_suggest_a_draft_length(serve, models, drafter_models):
     model = models["llama"]
-    server = await serve(model, max_draft_tokens=8)
+    server = await serve(model, max_draft_len=8)
     seen = []
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
@@ -305,12 +305,12 @@ class StallingDrafter:
 @pytest.mark.parametrize("pipeline", [False, True])
 async def test_device_resumes_after_eviction_without_losing_tokens(serve, models, drafter_models, pipeline):
     model = models["gemma3"]
-    server = await serve(model, idle_timeout_s=0.15)
+    server = await serve(model, idle_timeout=0.15)
     prompt = [61, 62, 63, 64]
     async with grpc.aio.insecure_channel(server.address) as channel:
         result = await generate(VerifierStub(channel), StallingDrafter(drafter_models["gemma3"], 0.6),
-                                prompt, max_new_tokens=20, draft_len=3, ignore_eos=True,
-                                pipeline=pipeline)
+                                prompt, max_new_tokens=20, ignore_eos=True,
+                                settings=RoundSettings(draft_len=3, pipeline=pipeline))
     assert result.resumes == 1
     assert server.metrics.value("sled_evicted_sessions_total") == 1
     assert result.token_ids == greedy_reference(model, prompt, 20)
@@ -340,20 +340,20 @@ class SlowDrafter(HFDrafter):
 async def test_sessions_survive_a_server_restart_without_losing_tokens(models, drafter_models, tokenizer):
     """The server stops mid-generation and comes back on the same port (empty: no sessions, no
     KV); every device reopens with its committed tokens and finishes with the target's output."""
-    from verify_server.config import ServerConfig
+    from verify_server.settings import ServerSettings
     from verify_server.server import start_server
     from verify_server.target import Target
 
     model = models["gemma3"]
-    config = ServerConfig(kv_budget_bytes=16 << 20)
+    config = ServerSettings(kv_budget=16 << 20)
     server = await start_server(Target.from_model(model, tokenizer, "tiny"), config)
     port = server.port
     prompts = [[70 + i, 71, 72 + i] for i in range(4)]
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         tasks = [asyncio.create_task(generate(stub, SlowDrafter(drafter_models["gemma3"]), p,
-                                              max_new_tokens=40, draft_len=2, ignore_eos=True,
-                                              reconnect_s=20))
+                                              max_new_tokens=40, ignore_eos=True,
+                                              settings=RoundSettings(draft_len=2, reconnect_s=20)))
                  for p in prompts]
         await asyncio.sleep(0.3)
         assert not any(t.done() for t in tasks)

@@ -31,12 +31,8 @@ def adapter_spec(model, seed: int = 0) -> SatSpec:
     return SatSpec(slots=SLOTS, embeddings=model.get_input_embeddings()(rows[None])[0].detach())
 
 
-async def serve_sat(serve, model, tokenizer, spec: SatSpec, **config):
-    server = await serve(model, **config)
-    server.service.target.sat = spec
-    server.service.sat_slots = spec.slots
-    server.scheduler.engine.sat = spec
-    return server
+async def serve_sat(serve, model, tokenizer, spec: SatSpec, **settings):
+    return await serve(model, sat=spec, **settings)
 
 
 async def server_sat(stub, prompt, max_new: int, stop_ids=(), sampling: Sampling = Sampling(),
@@ -138,7 +134,7 @@ async def test_lookahead_devices_stay_lossless(serve, models, drafter_models, to
 
 
 async def test_sat_modes_refused_without_sats(serve, models, prompts):
-    server = await serve(models["llama"], max_draft_tokens=4)
+    server = await serve(models["llama"], max_draft_len=4)
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -187,14 +183,14 @@ async def test_sat_self_drafting_samples_the_target_distribution(serve, models, 
 
 
 async def test_an_adapter_for_another_model_is_refused_at_start(models, tokenizer):
-    from verify_server.config import ServerConfig
+    from verify_server.settings import ServerSettings
     from verify_server.server import start_server
 
     model = models["llama"]
     target = Target.from_model(model, tokenizer, "tiny")
     target.sat = SatSpec(slots=2, embeddings=torch.zeros(2, 640), source="other.safetensors")
     with pytest.raises(ValueError, match="640-wide embeddings, the model's are 64"):
-        await start_server(target, ServerConfig(kv_budget_bytes=1 << 20))
+        await start_server(target, ServerSettings(kv_budget=1 << 20))
 
 
 # --- a target that really has SATs: it counts, and its SATs guess the count ahead ---------------

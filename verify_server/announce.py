@@ -67,7 +67,7 @@ class Announcer:
 
     def load(self) -> float:
         """How busy the server is, 0..1: sessions against the limit, or KV committed, the larger."""
-        sessions = len(self.service.sessions) / self.service.config.max_sessions
+        sessions = len(self.service.sessions) / self.service.settings.max_sessions
         pool = self.service.pool
         kv = pool.committed_blocks / pool.usable_blocks if pool.usable_blocks else 1.0
         return round(min(1.0, max(sessions, kv)), 4)

@@ -12,11 +12,11 @@ from grpc_reflection.v1alpha import reflection
 
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
-from verify_server.config import ServerConfig
 from verify_server.engine import make_engine
 from verify_server.metrics import Metrics
 from verify_server.scheduler import Scheduler
 from verify_server.service import VerifierService
+from verify_server.settings import ServerSettings
 from verify_server.target import Target
 
 if TYPE_CHECKING:
@@ -49,25 +49,27 @@ class RunningServer:
         await self.scheduler.stop()
 
 
-async def start_server(target: Target, config: ServerConfig | None = None, host: str = "127.0.0.1",
-                       port: int = 0, metrics: Metrics | None = None) -> RunningServer:
-    """Start serving `target`; port 0 picks a free port (see RunningServer.port)."""
-    config = config or ServerConfig()
+async def start_server(target: Target, settings: ServerSettings | None = None,
+                       host: str = "127.0.0.1", port: int = 0,
+                       metrics: Metrics | None = None) -> RunningServer:
+    """Start serving `target` with `settings` (its limits and KV pool; the address is `host` and
+    `port`: port 0 picks a free port, see RunningServer.port)."""
+    settings = settings or ServerSettings()
     metrics = metrics or Metrics()
-    engine = make_engine(target.model, kv_budget_bytes=config.kv_budget_bytes,
-                         kv_fraction=config.kv_fraction, block_tokens=config.kv_block_tokens,
-                         kind=config.engine)
+    target.cap_context(settings.context_length)
     if target.sat is not None:
         target.sat.check(target.model)
-    engine.sat = target.sat
+    engine = make_engine(target.model, kv_budget_bytes=settings.kv_budget,
+                         kv_fraction=settings.kv_fraction, block_tokens=settings.kv_block_tokens,
+                         kind=settings.engine, sat=target.sat)
     metrics.watch_pool(engine.pool)
     log.info("%s engine, KV pool %d tokens (%.0f MiB)", engine.kind, engine.pool.capacity_tokens,
              engine.pool.nbytes / (1 << 20))
-    scheduler = Scheduler(engine, metrics, config.max_batch_sessions, config.max_step_tokens)
+    scheduler = Scheduler(engine, metrics, settings.max_batch_sessions, settings.max_step_tokens)
     scheduler.start()
-    service = VerifierService(target, scheduler, config, metrics)
+    service = VerifierService(target, scheduler, settings, metrics)
     server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", 64 << 20),
     ])
     pb_grpc.add_VerifierServicer_to_server(service, server)
@@ -87,13 +89,15 @@ async def start_server(target: Target, config: ServerConfig | None = None, host:
     return RunningServer(server, bound, service, scheduler, metrics, health_servicer, evictions)
 
 
-async def serve_forever(target: Target, config: ServerConfig, host: str, port: int,
-                        metrics_port: int | None, announce: AnnounceConfig | None = None) -> None:
-    """Serve until interrupted; with `announce`, also announce the server over MQTT."""
-    running = await start_server(target, config, host, port)
-    if metrics_port is not None:
-        running.metrics.serve_http(metrics_port, addr=host)
-        log.info("metrics on http://%s:%d/metrics", host, metrics_port)
+async def serve_forever(target: Target, settings: ServerSettings,
+                        announce: AnnounceConfig | None = None) -> None:
+    """Serve on settings.host:settings.port until interrupted (metrics on settings.metrics_port);
+    with `announce`, also announce the server over MQTT."""
+    host = settings.host
+    running = await start_server(target, settings, host, settings.port)
+    if settings.metrics_port is not None:
+        running.metrics.serve_http(settings.metrics_port, addr=host)
+        log.info("metrics on http://%s:%d/metrics", host, settings.metrics_port)
     announcing = None
     if announce is not None:
         from verify_server.announce import Announcer

@@ -1,4 +1,7 @@
-"""The target model p: a transformers causal LM with its tokenizer, and what the wire says of it."""
+"""The target model p: a transformers causal LM with its tokenizer, and what the wire says of it.
+
+The target is the one owner of what the server serves: its context length (after any cap) and
+its SATs. The engine is handed the SATs when it is built; everything else asks the target."""
 from __future__ import annotations
 
 import tempfile
@@ -22,43 +25,56 @@ class Target:
     model_id: str
     vocab_size: int
     eos_ids: tuple[int, ...]
-    context_length: int
+    context_length: int            # tokens of context served (the model's limit, or a lower cap)
     fingerprint: str
     sat: SatSpec | None = None     # semantic adaptive tokens, when the target has them
 
     @classmethod
     def load(cls, model_id: str, dtype: str = "float32", device: str = "cpu",
-             trust_remote_code: bool = False, context_length: int | None = None,
-             name: str | None = None, sat_adapter: str | None = None) -> "Target":
+             trust_remote_code: bool = False, name: str | None = None,
+             sat_adapter: str | None = None, sat: bool = True) -> "Target":
         """Load an AutoModelForCausalLM from safetensors (a local path or a hub id); `name` is
         what devices are told the model is called (default: model_id). SATs come from
-        `sat_adapter`, an adapter file beside the model, or the model's config."""
+        `sat_adapter`, an adapter file beside the model, or the model's config; sat=False
+        serves the model without them."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             model_id, dtype=DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code,
         ).to(device).eval()
-        target = cls.from_model(model, tokenizer, name or model_id, context_length)
         local = Path(model_id) if Path(model_id).is_dir() else None
-        target.sat = sat_spec_of(model, local, sat_adapter)
-        return target
+        spec = sat_spec_of(model, local, sat_adapter) if sat else None
+        return cls._of(model, tokenizer, name or model_id, spec)
 
     @classmethod
-    def from_model(cls, model, tokenizer, model_id: str,
-                   context_length: int | None = None) -> "Target":
+    def from_model(cls, model, tokenizer, model_id: str, sat: SatSpec | None = None) -> "Target":
+        """A loaded model as a target; its SATs are `sat`, else the token ids its config names."""
+        return cls._of(model, tokenizer, model_id, sat if sat is not None else sat_spec_of(model))
+
+    @classmethod
+    def _of(cls, model, tokenizer, model_id: str, sat: SatSpec | None) -> "Target":
         config = model.config.get_text_config(decoder=True)
-        limit = getattr(config, "max_position_embeddings", None) or 2048
         return cls(
             model=model,
             tokenizer=tokenizer,
             model_id=model_id,
             vocab_size=int(config.vocab_size),
             eos_ids=eos_ids_of(model),
-            context_length=min(context_length or limit, limit),
+            context_length=getattr(config, "max_position_embeddings", None) or 2048,
             fingerprint=fingerprint_tokenizer(tokenizer),
-            sat=sat_spec_of(model),
+            sat=sat,
         )
+
+    def cap_context(self, limit: int | None) -> None:
+        """Serve at most `limit` tokens of context (never more than the model's own limit)."""
+        if limit is not None:
+            self.context_length = min(self.context_length, limit)
+
+    @property
+    def sat_slots(self) -> int:
+        """SAT slots a forward may append (0: the target has no SATs)."""
+        return self.sat.slots if self.sat is not None else 0
 
     @property
     def dtype(self) -> str:

@@ -1,0 +1,214 @@
+"""The verify server's settings: one validated model, read from a TOML or YAML file, SLED_SERVE_*
+variables and `sled serve` flags (in rising priority). Defaults live here and nowhere else.
+
+Every key has all three spellings:
+
+    max_sessions = 64               SLED_SERVE_MAX_SESSIONS=64          --max-sessions 64
+    kv_budget = "4GiB"              SLED_SERVE_KV_BUDGET=4GiB           --kv-budget 4GiB
+
+A few keys have a second flag kept from earlier releases (`--max-draft-tokens` for
+`max_draft_len`). An unknown key or a bad value stops start-up with one line per key that names
+where the value came from (`SettingsError`).
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic_settings
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic_settings import (BaseSettings, EnvSettingsSource, SettingsConfigDict,
+                               TomlConfigSettingsSource, YamlConfigSettingsSource)
+
+from sled.endpoint import parse_endpoint
+
+ENV_PREFIX = "SLED_SERVE_"
+ANNOUNCE = "MQTT announcements"   # the flag group of the announcement keys
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
+              "mib": 1 << 20, "gib": 1 << 30}
+
+
+class SettingsError(ValueError):
+    """The server's settings cannot be used; the message names every bad key."""
+
+
+def parse_size(text: str) -> int:
+    """'2GiB' -> 2147483648; plain numbers are bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in SIZE_UNITS:
+        raise ValueError(f"cannot read size {text!r}: use e.g. 512MiB, 2GiB or a byte count")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+
+
+def _announce(default: Any = None, description: str = "", **kwargs: Any) -> Any:
+    return Field(default, description=description, json_schema_extra={"group": ANNOUNCE}, **kwargs)
+
+
+class ServerSettings(BaseSettings):
+    """Everything `sled serve` needs; in-process servers (tests) pass only the limits they change."""
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # --- the target ---
+    model: str = Field("", description="target: a built-in alias, local path or HF id "
+                                       "(safetensors); required by sled serve")
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(
+        "float32", description="float32, float64, bfloat16 or float16")
+    device: str = Field("cpu", description="torch device, e.g. cuda:0")
+    trust_remote_code: bool = Field(False, description="run the model repo's own code")
+    context_length: int | None = Field(None, ge=2, description="cap below the model's limit")
+    sat: bool = Field(True, description="serve the target's semantic adaptive tokens, if it has "
+                                        "any")
+    sat_adapter: str | None = Field(
+        None, description="SAT adapter (sat_adapter.safetensors) for self-drafting and lookahead "
+                          "(default: the one shipped for a built-in target, or one beside the model)")
+    # --- where it listens ---
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port")
+    metrics_port: int | None = Field(None, ge=0, le=65535,
+                                     description="serve Prometheus /metrics here")
+    # --- limits ---
+    max_sessions: int = Field(256, ge=1, description="open sessions before RESOURCE_EXHAUSTED")
+    max_draft_len: int = Field(32, ge=1, description="longest draft verified in one round",
+                               json_schema_extra={"flags": ["--max-draft-tokens"]})
+    max_q_support: int = Field(64, ge=1, description="(id, prob) pairs per draft position in "
+                                                     "sampling mode")
+    max_batch_sessions: int = Field(64, ge=1, description="sessions in one forward pass")
+    max_step_tokens: int = Field(2048, ge=1, description="tokens per batched forward; longer "
+                                                         "prompts are prefilled in chunks")
+    max_message_bytes: int = Field(4 << 20, ge=1, description="larger gRPC messages get "
+                                                              "RESOURCE_EXHAUSTED")
+    idle_timeout: float = Field(300.0, ge=0, description="seconds a session may idle before its "
+                                                         "KV is freed (0 = never)")
+    # --- the KV cache ---
+    kv_budget: int | None = Field(None, ge=1, description="KV cache size, e.g. 2GiB or 512MiB "
+                                  "(default: --kv-fraction of free memory)",
+                                  json_schema_extra={"metavar": "SIZE"})
+    kv_fraction: float = Field(0.25, gt=0.0, le=0.95, description="KV cache as a fraction of "
+                                                                  "free device memory")
+    kv_block_tokens: int = Field(16, ge=1, description="tokens per KV block")
+    engine: Literal["auto", "paged", "padded"] = Field(
+        "auto", description="paged KV fast path, or the generic padded fallback (auto: paged if "
+                            "the model supports transformers' attention interface)")
+    # --- MQTT announcements (off without mqtt_host) ---
+    mqtt_host: str = _announce("", "broker host")
+    mqtt_port: int | None = _announce(None, "broker port (default 1883, 8883 with TLS)",
+                                      ge=1, le=65535)
+    mqtt_username: str = _announce("", "broker user name")
+    mqtt_password: SecretStr = Field(
+        default_factory=lambda: SecretStr(os.environ.get("SLED_MQTT_PASSWORD", "")),
+        description="broker password (default: $SLED_MQTT_PASSWORD)",
+        json_schema_extra={"group": ANNOUNCE})
+    mqtt_tls: bool = _announce(False, "connect with TLS (system CAs unless --mqtt-ca-file)")
+    mqtt_ca_file: str | None = _announce(None, "CA bundle for the broker's certificate "
+                                               "(implies TLS)")
+    mqtt_cert_file: str | None = _announce(None, "client certificate (implies TLS)")
+    mqtt_key_file: str | None = _announce(None, "the client certificate's key")
+    mqtt_topic_prefix: str = _announce("sled", "topic prefix")
+    server_id: str | None = _announce(None, "id in the announcement topic (default: HOSTNAME-PORT)")
+    announce_endpoint: str | None = _announce(
+        None, "HOST:PORT devices should dial (default: host:port, this machine's name for 0.0.0.0)")
+    announce_interval: float = _announce(5.0, "seconds between announcements", gt=0)
+
+    @field_validator("kv_budget", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return parse_size(value) if isinstance(value, str) else value
+
+    @field_validator("max_step_tokens")
+    @classmethod
+    def _holds_a_draft(cls, value: int, info: ValidationInfo) -> int:
+        max_draft_len = info.data.get("max_draft_len")
+        if max_draft_len is not None and value < max_draft_len + 1:
+            raise ValueError(f"max_step_tokens ({value}) must hold a full draft + 1 "
+                             f"({max_draft_len + 1})")
+        return value
+
+    @field_validator("announce_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_endpoint(value, "announce endpoint")
+        return value
+
+    @field_validator("mqtt_ca_file", "mqtt_cert_file", "mqtt_key_file", "sat_adapter",
+                     "server_id", "announce_endpoint", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value
+
+
+# --- reading the settings ---------------------------------------------------------------------------
+
+def flag_spellings(name: str) -> list[str]:
+    """The flags of key `name`: --kebab-name first, then any kept from earlier releases."""
+    extra = ServerSettings.model_fields[name].json_schema_extra or {}
+    return ["--" + name.replace("_", "-"), *extra.get("flags", [])]
+
+
+def load_settings(config_file: str | Path | None = None,
+                  flags: Mapping[str, Any] | None = None) -> ServerSettings:
+    """Read the file (TOML or YAML by extension), then SLED_SERVE_* variables, then `flags`
+    (key -> value as given on the command line); later sources win key by key."""
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for origin, layer in _sources(config_file, flags or {}):
+        for key, value in layer.items():
+            values[key], origins[key] = value, origin(key)
+    try:
+        return ServerSettings(**values)
+    except ValidationError as exc:
+        raise SettingsError(describe(exc, values, origins)) from None
+
+
+def _sources(config_file, flags) -> list[tuple[Callable[[str], str], Mapping[str, Any]]]:
+    """(how to name a key's origin, its values), lowest priority first."""
+    sources: list[tuple[Callable[[str], str], Mapping[str, Any]]] = []
+    if config_file:
+        path = Path(config_file)
+        sources.append((lambda key: str(path), _read_file(path)))
+    sources.append((lambda key: ENV_PREFIX + key.upper(), _read_env()))
+    sources.append((lambda key: " / ".join(flag_spellings(key)) if key in ServerSettings.model_fields
+                    else key, flags))
+    return sources
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise SettingsError(f"config file {path} does not exist")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            return TomlConfigSettingsSource(ServerSettings, toml_file=path)()
+        if suffix in (".yaml", ".yml"):
+            return YamlConfigSettingsSource(ServerSettings, yaml_file=path)()
+    except (ValueError, OSError, pydantic_settings.SettingsError) as exc:
+        raise SettingsError(f"cannot read server settings from {path}: {exc}") from None
+    raise SettingsError(f"config file {path}: use a .toml, .yaml or .yml file")
+
+
+def _read_env() -> dict[str, Any]:
+    """SLED_SERVE_* variables by key; one that names no key is kept, so it is refused."""
+    found = dict(EnvSettingsSource(ServerSettings)())
+    for name in os.environ:
+        key = name[len(ENV_PREFIX):].lower()
+        if name.upper().startswith(ENV_PREFIX) and key not in ServerSettings.model_fields:
+            found[key] = os.environ[name]
+    return found
+
+
+def describe(exc: ValidationError, values: Mapping[str, Any], origins: Mapping[str, str]) -> str:
+    """One line per bad key: `kv_budget = '12 parsecs' (--kv-budget): cannot read size ...`."""
+    lines = []
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"]) or "(settings)"
+        where = origins.get(key, "default")
+        if error["type"] == "extra_forbidden":
+            lines.append(f"  {key} ({where}): unknown key (not a setting of sled serve)")
+            continue
+        message = error["msg"].removeprefix("Value error, ")
+        shown = f" = {values[key]!r}" if key in values and "password" not in key else ""
+        lines.append(f"  {key}{shown} ({where}): {message}")
+    return "bad server settings:\n" + "\n".join(lines)

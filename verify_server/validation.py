@@ -1,0 +1,206 @@
+"""What the server accepts from a device: pure checks of what arrives on a Generate stream.
+
+Each check raises the SessionError the device sees (a gRPC code, a reason, a message saying what
+to change, the round it concerns) or returns what the message means once checked. Nothing here
+holds state: the service passes in what it knows (the target, the settings, how many sessions
+are open). The checks run in a fixed order, so a message with several faults always gets the
+same refusal.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from sled.fingerprint import short
+from sled.sampling import Sampling
+from sled.v1 import verifier_pb2 as pb
+from verify_server import errors
+from verify_server.acceptance import DraftQ
+from verify_server.errors import Reason
+
+if TYPE_CHECKING:
+    from verify_server.session import Session
+    from verify_server.settings import ServerSettings
+    from verify_server.target import Target
+
+PROB_SUM_TOLERANCE = 1e-3
+
+
+# --- opening a session ----------------------------------------------------------------------------
+
+def check_open(request: pb.Open, target: Target, settings: ServerSettings, open_sessions: int,
+               accepting: bool = True) -> Sampling:
+    """A checked Open: returns its sampling parameters."""
+    if not accepting:
+        raise errors.unavailable(Reason.REASON_SHUTTING_DOWN,
+                                 "server is shutting down; retry on another server")
+    check_tokenizer(request, target)
+    check_prompt(request, target)
+    try:
+        sampling = Sampling.from_proto(request.sampling)
+    except ValueError as exc:
+        raise errors.invalid(Reason.REASON_BAD_SAMPLING, f"bad sampling params: {exc}") from None
+    if open_sessions >= settings.max_sessions:
+        raise errors.exhausted(Reason.REASON_TOO_MANY_SESSIONS,
+                               f"server is at its limit of {settings.max_sessions} sessions; "
+                               "retry later or use another server")
+    check_mode(request.mode, target)
+    return sampling
+
+
+def check_no_session(session: Session | None) -> None:
+    """One session per stream."""
+    if session is not None:
+        raise errors.precondition(Reason.REASON_PROTOCOL,
+                                  "this stream already has an open session; "
+                                  "open a new stream for a new generation")
+
+
+def check_tokenizer(request: pb.Open, target: Target) -> None:
+    if request.tokenizer_fingerprint and request.tokenizer_fingerprint != target.fingerprint:
+        raise errors.precondition(
+            Reason.REASON_TOKENIZER_MISMATCH,
+            f"drafter tokenizer {short(request.tokenizer_fingerprint)} "
+            f"({request.drafter or 'unnamed drafter'}) does not match target "
+            f"{target.model_id} tokenizer {short(target.fingerprint)}: "
+            "draft with a model that shares the target's tokenizer")
+
+
+def check_prompt(request: pb.Open, target: Target) -> None:
+    """Prompt and stop ids in the vocabulary; prompt + max_new_tokens within the context."""
+    prompt = request.prompt_ids
+    if not prompt:
+        raise errors.invalid(Reason.REASON_PROTOCOL, "prompt_ids is empty: send at least one token")
+    check_ids(prompt, "prompt_ids", target.vocab_size)
+    check_ids(request.stop_ids, "stop_ids", target.vocab_size)
+    if request.max_new_tokens < 1:
+        raise errors.invalid(Reason.REASON_PROTOCOL, "max_new_tokens must be >= 1")
+    if len(prompt) + request.max_new_tokens > target.context_length:
+        raise errors.invalid(
+            Reason.REASON_CONTEXT_OVERFLOW,
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
+            f"exceeds the context length {target.context_length}: shorten one of them")
+
+
+def check_mode(mode: int, target: Target) -> None:
+    if mode not in pb.GenerationMode.values():
+        raise errors.invalid(Reason.REASON_PROTOCOL,
+                             f"unknown generation mode {mode}: use "
+                             + " or ".join(pb.GenerationMode.keys()))
+    if mode == pb.GENERATION_MODE_SERVER_SAT and not target.sat_slots:
+        raise errors.precondition(
+            Reason.REASON_NO_SAT,
+            f"target {target.model_id} has no semantic adaptive tokens, so it cannot draft "
+            "for itself: use GENERATION_MODE_SERVER, or serve a SAT-tuned target "
+            "(sled serve --sat-adapter, or a model whose config has sled_sat)")
+
+
+# --- a device's draft -------------------------------------------------------------------------------
+
+def check_draft(draft: pb.Draft, session: Session | None, target: Target,
+                settings: ServerSettings) -> list[int]:
+    """A draft the session can take this round: returns its token ids."""
+    check_session_takes(draft.round, session, settings.idle_timeout)
+    tokens = list(draft.token_ids)
+    if not tokens:
+        raise errors.invalid(Reason.REASON_EMPTY_DRAFT, "draft has no tokens: send k >= 1",
+                             draft.round)
+    if len(tokens) > settings.max_draft_len:
+        raise errors.invalid(Reason.REASON_DRAFT_TOO_LONG,
+                             f"draft has {len(tokens)} tokens, the server verifies at most "
+                             f"{settings.max_draft_len} per round", draft.round)
+    check_ids(tokens, "draft.token_ids", target.vocab_size, draft.round)
+    check_lookahead(draft.lookahead, target, draft.round)
+    return tokens
+
+
+def check_session_takes(round: int, session: Session | None, idle_timeout: float) -> None:
+    """The stream has a live session, and `round` is the one it waits for."""
+    if session is None:
+        raise errors.precondition(Reason.REASON_NO_SESSION,
+                                  "draft before open: send an open message first", round)
+    if session.evicted_after is not None:
+        raise errors.aborted(
+            Reason.REASON_EVICTED,
+            f"session {session.id} was idle {session.evicted_after:.1f} s (limit "
+            f"{idle_timeout:g} s) and its KV was freed: reopen a stream with the "
+            f"prompt + the {len(session.generated)} committed tokens to resume")
+    if session.finished:
+        raise errors.precondition(
+            Reason.REASON_SESSION_FINISHED,
+            f"session {session.id} already finished ({pb.FinishReason.Name(session.finish)}) "
+            f"after {len(session.generated)} tokens", round)
+    if round != session.round:
+        raise errors.precondition(Reason.REASON_WRONG_ROUND,
+                                  f"draft is for round {round}, session {session.id} "
+                                  f"expects round {session.round}", round)
+
+
+def check_lookahead(lookahead: int, target: Target, round: int) -> None:
+    """SAT hints asked for: only from a target with SATs, at most its slots."""
+    if lookahead and not target.sat_slots:
+        raise errors.precondition(Reason.REASON_NO_SAT,
+                                  f"lookahead {lookahead} asked for, but target "
+                                  f"{target.model_id} has no semantic adaptive tokens: "
+                                  "send lookahead 0", round)
+    if lookahead > target.sat_slots:
+        raise errors.invalid(Reason.REASON_PROTOCOL,
+                             f"lookahead {lookahead} exceeds the target's {target.sat_slots} "
+                             "SAT slots (ModelInfo.sat_slots)", round)
+
+
+# --- q of a sampling draft --------------------------------------------------------------------------
+
+def draft_q(draft: pb.Draft, tokens: Sequence[int], sampling: Sampling, vocab_size: int,
+            max_q_support: int) -> list[DraftQ] | None:
+    """The checked q of a sampling draft; None means a deterministic drafter (one-hot q).
+    A greedy session ignores q."""
+    if sampling.greedy or not draft.q:
+        return None
+    if len(draft.q) != len(tokens):
+        raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
+                             f"draft has {len(tokens)} tokens but {len(draft.q)} q entries: "
+                             "send one per token or none", draft.round)
+    return [position_q(j, token, dist, vocab_size, max_q_support, draft.round)
+            for j, (token, dist) in enumerate(zip(tokens, draft.q))]
+
+
+def position_q(j: int, token: int, dist: pb.SparseDistribution, vocab_size: int,
+               max_q_support: int, round: int = 0) -> DraftQ:
+    """q at draft position j, which `token` was drawn from: distinct in-vocabulary ids with
+    positive probs summing to 1 (within PROB_SUM_TOLERANCE; renormalized), `token` among them."""
+    where = f"q[{j}]"
+    if not dist.ids or len(dist.ids) != len(dist.probs):
+        raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
+                             f"{where} needs ids and probs of equal, non-zero length", round)
+    if len(dist.ids) > max_q_support:
+        raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
+                             f"{where} has {len(dist.ids)} entries, at most "
+                             f"{max_q_support} allowed", round)
+    check_ids(dist.ids, f"{where}.ids", vocab_size, round)
+    ids = torch.tensor(list(dist.ids), dtype=torch.long)
+    probs = torch.tensor(list(dist.probs), dtype=torch.float64)
+    if len(set(dist.ids)) != len(dist.ids) or not bool((probs > 0).all()):
+        raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
+                             f"{where} must list distinct ids with probs > 0", round)
+    if abs(float(probs.sum()) - 1.0) > PROB_SUM_TOLERANCE:
+        raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
+                             f"{where} probs sum to {float(probs.sum()):.4f}, not 1", round)
+    if token not in dist.ids:
+        raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
+                             f"draft token {token} at position {j} is outside its q support "
+                             "(q must be the distribution it was drawn from)", round)
+    return DraftQ(ids, probs / probs.sum())
+
+
+# --- ids ------------------------------------------------------------------------------------------
+
+def check_ids(ids: Iterable[int], field: str, vocab_size: int, round: int = 0) -> None:
+    """Every id in [0, vocab_size) (ids are unsigned on the wire)."""
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        raise errors.invalid(Reason.REASON_TOKEN_OUT_OF_RANGE,
+                             f"{field} has id {bad[0]} outside the target vocabulary "
+                             f"[0, {vocab_size})", round)
