@@ -94,3 +94,11 @@ def test_announcement_settings_build_the_announcer_config():
     assert (config.server_id, config.endpoint, config.interval_s) == ("gpu-1", "10.0.0.2:6000", 2.0)
     with pytest.raises(SettingsError, match="announce endpoint"):
         settings_of("--announce-endpoint", "nowhere")
+
+
+def test_the_example_config_is_valid():
+    from pathlib import Path
+
+    example = load_settings(Path(__file__).parent.parent / "docs" / "serve.example.toml")
+    assert (example.model, example.kv_budget, example.max_draft_len) == ("gemma3-270m", 4 << 30, 32)
+    assert example.server_id == "gpu-1" and not example.mqtt_host
