@@ -18,6 +18,7 @@ import llama_cpp
 import numpy as np
 
 from drafters.base import KVDrafter, drafter_threads
+from sled.cache import cache_dir
 
 _FINGERPRINTS: dict[str, str] = {}  # cache key (file, size, mtime, transformers) -> fingerprint
 
@@ -85,7 +86,7 @@ def gguf_fingerprint(path: Path) -> str:
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
     if key in _FINGERPRINTS:
         return _FINGERPRINTS[key]
-    cache = Path(os.environ.get("SLED_CACHE", Path.home() / ".cache" / "sled")) / "fingerprints"
+    cache = cache_dir() / "fingerprints"
     file = cache / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".txt")
     if file.exists():
         fingerprint = file.read_text().strip()

@@ -26,13 +26,13 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from drafters.base import Drafter
+from edge_client.connection import cached_tokenizer
 from edge_client.drafting import SharedDrafter
 from edge_client.result import RoundStat
 from edge_client.servers import NoServer, Server, ServerDirectory
 from edge_client.session import RoundSettings, generate
 from edge_client.settings import DeviceSettings, SettingsError
 from edge_client.transport import VerifyError
-from sled.cache import tokenizer_dir
 from sled.fingerprint import fingerprint_tokenizer, short
 from sled.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator
 
@@ -158,7 +158,8 @@ class Device:
         if self.tokenizer is None and self.settings.tokenizer:
             self.tokenizer = await asyncio.to_thread(_load_tokenizer, self.settings.tokenizer)
         if self.tokenizer is None and self.drafter.tokenizer_fingerprint:
-            self.tokenizer = await asyncio.to_thread(_cached_tokenizer, self.drafter.tokenizer_fingerprint)
+            # a target tokenizer fetched from a server earlier
+            self.tokenizer = await asyncio.to_thread(cached_tokenizer, self.drafter.tokenizer_fingerprint)
         self._set_fingerprint()
         await self.directory.probe_all()
         await self._bootstrap()
@@ -449,12 +450,3 @@ def _load_tokenizer(path: str):
         raise SettingsError(f"tokenizer folder {path} does not exist")
     return AutoTokenizer.from_pretrained(path)
 
-
-def _cached_tokenizer(fingerprint: str):
-    """A target tokenizer fetched from a server earlier (Connection.tokenizer caches it)."""
-    folder = tokenizer_dir(fingerprint)
-    if not (folder / ".complete").exists():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
