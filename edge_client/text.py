@@ -15,7 +15,8 @@ class OutputText:
     With stops=["\\n\\n"], outputs "a", "b\\n", "\\nc": take() gives "a", then "b" (the "\\n"
     may start a stop), then nothing more: the text is "ab" and stopped is True.
 
-    `decode_options` go to tokenizer.decode (default: special tokens skipped, spaces as they are).
+    `decode_options` go to tokenizer.decode (default: special tokens skipped, spaces as they are;
+    an option given as None is left to the tokenizer's own default).
     """
 
     def __init__(self, tokenizer, stops: Sequence[str] = (), end_ids: Collection[int] = (),
@@ -23,8 +24,8 @@ class OutputText:
         self.tokenizer = tokenizer
         self.stops = list(stops)
         self.end_ids = set(end_ids)
-        self.decode_options = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False,
-                               **decode_options}
+        options = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False, **decode_options}
+        self.decode_options = {key: value for key, value in options.items() if value is not None}
         self.ids: list[int] = []       # tokens whose text is part of the output
         self.tokens = 0                # completion tokens, end ids included
         self.text = ""

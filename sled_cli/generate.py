@@ -33,6 +33,7 @@ async def run(args) -> int:
     from edge_client.connection import Connection
     from edge_client.server_side import generate_server_side
     from edge_client.session import RoundSettings, generate
+    from edge_client.text import OutputText
     from edge_client.transport import VerifyError
     from sled.sampling import Sampling
     from sled.v1 import verifier_pb2 as pb
@@ -54,17 +55,14 @@ async def run(args) -> int:
                   f"{exc.code().name}: {exc.details()}", file=sys.stderr)
             return 3
         prompt_ids = tokenizer(args.prompt).input_ids
-        shown = ""
-        generated: list[int] = []
+        # the output as tokenizer.decode() writes it, each character once it is whole
+        output = OutputText(tokenizer, skip_special_tokens=False, clean_up_tokenization_spaces=None)
 
         def stream(tokens: list[int]) -> None:
-            nonlocal shown
-            generated.extend(tokens)
-            text = tokenizer.decode(generated)
-            if not args.json and not text.endswith("\ufffd"):  # wait for whole UTF-8 characters
-                sys.stdout.write(text[len(shown):])
+            output.add(tokens)
+            if not args.json:
+                sys.stdout.write(output.take())
                 sys.stdout.flush()
-                shown = text
 
         try:
             if drafter is None:   # a thin device: the server generates (and drafts with SATs)
@@ -86,7 +84,7 @@ async def run(args) -> int:
     if args.json:
         print(json.dumps(result.summary()))
     else:
-        sys.stdout.write(result.text[len(shown):] + "\n")
+        sys.stdout.write(output.take(final=True) + "\n")
         print(f"[{result.finish_reason}] {len(result.token_ids)} tokens in {result.rounds} rounds, "
               f"acceptance {result.acceptance_rate:.0%}, {result.tokens_per_round:.2f} tokens/round",
               file=sys.stderr)
