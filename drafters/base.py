@@ -1,4 +1,4 @@
-"""The drafter protocol: propose k tokens (with the q they were drawn from) and roll back."""
+"""The drafter protocol: propose a draft (with the q it was drawn from) and roll back."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -22,9 +22,9 @@ class SparseQ:
 
 @dataclass(frozen=True, slots=True)
 class Proposal:
-    token_ids: list[int]              # [k]
-    q: list[SparseQ] | None = None    # [k], or None when the drafter is deterministic
-    # [k]: the drafter's probability of each token it drafted (greedy: its softmax max; sampling:
+    token_ids: list[int]              # [draft_len]
+    q: list[SparseQ] | None = None    # [draft_len], or None when the drafter is deterministic
+    # [draft_len]: the drafter's probability of each token it drafted (greedy: its softmax max; sampling:
     # q of the drawn token), or None when it was not asked for or the drafter has none
     confidence: list[float] | None = None
 
@@ -36,9 +36,9 @@ class Drafter(Protocol):
     # (the n-gram drafter drafts in the target's ids).
     tokenizer_fingerprint: str | None
 
-    def propose(self, context: Sequence[int], k: int, sampling: Sampling,
+    def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
                 generator: torch.Generator | None = None) -> Proposal:
-        """Draft k >= 1 tokens continuing `context` (prompt + committed tokens)."""
+        """Draft draft_len >= 1 tokens continuing `context` (prompt + committed tokens)."""
         ...
 
     def rollback(self, length: int) -> None:
@@ -117,8 +117,8 @@ class KVDrafter:
     """The loop every model drafter shares: keep the KV of the tokens seen, feed only what is new.
 
     A proposal reuses the cached prefix of the context (at least the last context token is fed
-    again, for fresh logits), then drafts k tokens one at a time; rollback() drops the KV past
-    the committed length. Subclasses run the model (_run) and truncate its cache (_truncate).
+    again, for fresh logits), then drafts draft_len tokens one at a time; rollback() drops the KV
+    past the committed length. Subclasses run the model (_run) and truncate its cache (_truncate).
     """
 
     q_support: int = 32
@@ -130,13 +130,13 @@ class KVDrafter:
         self._seen: list[int] = []       # tokens whose keys/values are cached
         self.evaluated = 0               # tokens run through the model so far
 
-    def propose(self, context: Sequence[int], k: int, sampling: Sampling,
+    def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
                 generator: torch.Generator | None = None, *, min_confidence: float = 0.0,
                 with_confidence: bool = False) -> Proposal:
-        """Draft up to k tokens; with min_confidence > 0 the draft ends after the first token the
+        """Draft up to draft_len tokens; with min_confidence > 0 the draft ends after the first token the
         drafter is less sure of than that (at least one token is always drafted)."""
-        if self.capacity is not None and len(context) + k - 1 > self.capacity:
-            raise ValueError(f"{len(context)} context + {k} draft tokens exceed the drafter's "
+        if self.capacity is not None and len(context) + draft_len - 1 > self.capacity:
+            raise ValueError(f"{len(context)} context + {draft_len} draft tokens exceed the drafter's "
                              f"{self.capacity_name} {self.capacity}")
         keep = min(common_prefix(self._seen, context), len(context) - 1)
         self.rollback(keep)
@@ -145,7 +145,7 @@ class KVDrafter:
         draft: list[int] = []
         qs: list[SparseQ] = []
         confidence: list[float] = []
-        for j in range(k):
+        for j in range(draft_len):
             token, q = choose_token(logits, sampling, self.q_support, generator)
             draft.append(token)
             if q is not None:
@@ -154,7 +154,7 @@ class KVDrafter:
                 confidence.append(token_confidence(logits, token, q))
                 if confidence[-1] < min_confidence:
                     break          # unsure here: tokens after this one would rarely be accepted
-            if j + 1 < k:
+            if j + 1 < draft_len:
                 logits = self._feed([token])
         return Proposal(draft, qs if qs else None, confidence if scored else None)
 

@@ -23,16 +23,16 @@ class NgramDrafter:
         self.min_ngram = min_ngram
         self.name = f"ngram:{max_ngram}"
 
-    def propose(self, context: Sequence[int], k: int, sampling: Sampling,
+    def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
                 generator: torch.Generator | None = None) -> Proposal:
         tokens = list(context)
         draft: list[int] = []
-        while len(draft) < k:
+        while len(draft) < draft_len:
             # No earlier match: guess the last token repeats (cheap, and never an empty draft).
-            continuation = self._lookup(tokens, k - len(draft)) or [tokens[-1]]
+            continuation = self._lookup(tokens, draft_len - len(draft)) or [tokens[-1]]
             draft.extend(continuation)
             tokens.extend(continuation)
-        return Proposal(draft[:k])  # deterministic: q = one-hot
+        return Proposal(draft[:draft_len])  # deterministic: q = one-hot
 
     def rollback(self, length: int) -> None:
         """Stateless: nothing to roll back."""

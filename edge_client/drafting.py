@@ -30,10 +30,10 @@ class SharedDrafter:
         """Whether the shared drafter takes min_confidence (an early stop)."""
         return reports_confidence(self.inner)
 
-    def propose(self, context: Sequence[int], k: int, sampling: Sampling,
+    def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
                 generator: torch.Generator | None = None, **options) -> Proposal:
         with self._lock:
-            return self.inner.propose(context, k, sampling, generator, **options)
+            return self.inner.propose(context, draft_len, sampling, generator, **options)
 
     def rollback(self, length: int) -> None:
         """Left to the next proposal's prefix match (see the module doc)."""
