@@ -79,20 +79,6 @@ class DeviceMqtt:
     def topic(self, leaf: str) -> str:
         return device_topic(self.prefix, self.device.settings.id, leaf)
 
-    @property
-    def client(self) -> aiomqtt.Client | None:
-        """The live connection, if any."""
-        return self.connection.client
-
-    @property
-    def connected(self) -> bool:
-        return self.connection.connected
-
-    @property
-    def problem(self) -> str:
-        """What went wrong last ("" once connected)."""
-        return self.connection.problem
-
     def summary(self) -> dict:
         return self.connection.summary()
 

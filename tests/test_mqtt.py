@@ -45,29 +45,32 @@ def mqtt_device(broker: Mosquitto, servers, drafter_model, tokenizer, device_id:
 
 
 @contextlib.asynccontextmanager
-async def running(device: Device):
-    """The device started with its control plane; a clean stop (offline status) at the end."""
-    await device.start()
-    control = DeviceMqtt(device, backoff=quick_backoff())
-    task = asyncio.create_task(control.run())
+async def connected_until_the_end(runner):
+    """runner.run() as a task, cancelled (a clean stop) at the end; yields its MQTT connection."""
+    task = asyncio.create_task(runner.run())
     try:
-        yield control
+        yield runner.connection
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await device.close()
 
 
 @contextlib.asynccontextmanager
-async def announcing(server, broker: Mosquitto, server_id: str, **options):
-    announcer = Announcer(server.service, AnnounceConfig(broker.broker(**options), server_id, server.address,
-                                                         interval_s=0.2, backoff=quick_backoff()))
-    task = asyncio.create_task(announcer.run())
+async def running(device: Device):
+    """The device started with its control plane, whose MQTT connection it yields; a clean stop
+    (offline status) at the end."""
+    await device.start()
     try:
-        yield announcer
+        async with connected_until_the_end(DeviceMqtt(device, backoff=quick_backoff())) as connection:
+            yield connection
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await device.close()
+
+
+def announcing(server, broker: Mosquitto, server_id: str, **options):
+    """The server announced until the end; yields the announcer's MQTT connection."""
+    return connected_until_the_end(Announcer(server.service, AnnounceConfig(
+        broker.broker(**options), server_id, server.address, interval_s=0.2, backoff=quick_backoff())))
 
 
 def sever(client: aiomqtt.Client) -> None:

@@ -53,18 +53,6 @@ class Announcer:
                                          will=self.farewell(), backoff=config.backoff,
                                          meanwhile="still serving", logger=log)
 
-    @property
-    def client(self) -> aiomqtt.Client | None:
-        return self.connection.client
-
-    @property
-    def connected(self) -> bool:
-        return self.connection.connected
-
-    @property
-    def problem(self) -> str:
-        return self.connection.problem
-
     def load(self) -> float:
         """How busy the server is, 0..1: sessions against the limit, or KV committed, the larger."""
         sessions = len(self.service.sessions) / self.service.settings.max_sessions
