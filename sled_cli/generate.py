@@ -81,11 +81,16 @@ async def run(args) -> int:
             print(f"\nsled generate: server refused: {exc}", file=sys.stderr)
             return 4
     result.text = tokenizer.decode(result.token_ids)
-    if args.json:
-        print(json.dumps(result.summary()))
-    else:
-        sys.stdout.write(output.take(final=True) + "\n")
-        print(f"[{result.finish_reason}] {len(result.token_ids)} tokens in {result.rounds} rounds, "
-              f"acceptance {result.acceptance_rate:.0%}, {result.tokens_per_round:.2f} tokens/round",
-              file=sys.stderr)
+    _print_result(result, output, args.json)
     return 0
+
+
+def _print_result(result, output, as_json: bool) -> None:
+    """One JSON object, or the rest of the text and a line of round statistics on stderr."""
+    if as_json:
+        print(json.dumps(result.summary()))
+        return
+    sys.stdout.write(output.take(final=True) + "\n")
+    print(f"[{result.finish_reason}] {len(result.token_ids)} tokens in {result.rounds} rounds, "
+          f"acceptance {result.acceptance_rate:.0%}, {result.tokens_per_round:.2f} tokens/round",
+          file=sys.stderr)
