@@ -22,7 +22,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda:0")
     parser.add_argument("--contexts", default="128,512,2048", help="context tokens per session")
     parser.add_argument("--sessions", default="1,8", help="sessions verifying in one step")
-    parser.add_argument("-k", type=int, default=4, help="draft tokens per session (k)")
+    parser.add_argument("-k", dest="draft_len", type=int, default=4,
+                        help="draft tokens per session (k)")
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5,
                         help="timed steps per engine and cell, interleaved")
@@ -40,14 +41,14 @@ def _engines(model, budget_bytes: int, block_tokens: int):
             for kind in ("paged", "padded")}
 
 
-def _fill(engine, sessions: int, context: int, k: int):
+def _fill(engine, sessions: int, context: int, draft_len: int):
     """Sessions with `context` tokens of KV each, prefilled in chunks."""
     from verify_server.engine import Row
 
     kvs = []
     for s in range(sessions):
         kv = engine.new_kv()
-        kv.admit([], context + k + 1)
+        kv.admit([], context + draft_len + 1)
         tokens = [(7 * s + 13 * i) % 250 + 3 for i in range(context)]
         for start in range(0, context, 512):
             chunk = tokens[start:start + 512]
@@ -57,10 +58,10 @@ def _fill(engine, sessions: int, context: int, k: int):
     return kvs
 
 
-def _step(engine, kvs, k: int) -> tuple[float, int]:
+def _step(engine, kvs, draft_len: int) -> tuple[float, int]:
     from verify_server.engine import Row
 
-    draft = list(range(5, 5 + k + 1))
+    draft = list(range(5, 5 + draft_len + 1))
     copied = engine.bytes_copied
     started = time.perf_counter()
     engine.forward([Row(kv, draft, True) for kv in kvs])   # nothing committed: all rejected
@@ -87,7 +88,7 @@ def bench(args) -> int:
             for context in contexts:
                 cells.append(_cell(target.model, n, context, args))
                 progress.update(task, advance=1)
-    console.print(_table(cells, target, args.k))
+    console.print(_table(cells, target, args.draft_len))
     harness.write_results(console, args.out, {
         "model": target.model_id, "device": target.device, "dtype": target.dtype,
         "bytes_per_token": _bytes_per_token(target.model), "reps": args.reps, "cells": cells},
@@ -104,19 +105,20 @@ def _bytes_per_token(model) -> int:
 def _cell(model, n: int, context: int, args) -> dict:
     """Both engines on n sessions of `context` tokens: step times and bytes moved."""
     per_token = _bytes_per_token(model)
-    need = (n * (context + args.k + 1 + args.block_tokens) + args.block_tokens) * per_token
+    tokens = n * (context + args.draft_len + 1 + args.block_tokens) + args.block_tokens
+    need = tokens * per_token
     engines = _engines(model, need, args.block_tokens)
-    kvs = {kind: _fill(engine, n, context, args.k) for kind, engine in engines.items()}
+    kvs = {kind: _fill(engine, n, context, args.draft_len) for kind, engine in engines.items()}
     times = {kind: [] for kind in engines}
     copied = {}
     for rep in range(args.reps + 1):
         for kind, engine in engines.items():
-            elapsed, moved = _step(engine, kvs[kind], args.k)
+            elapsed, moved = _step(engine, kvs[kind], args.draft_len)
             if rep:                     # the first pass warms up
                 times[kind].append(elapsed * 1e3)
             copied[kind] = moved
     return {
-        "sessions": n, "context": context, "k": args.k,
+        "sessions": n, "context": context, "k": args.draft_len,
         **{f"{kind}_ms_p50": statistics.median(t) for kind, t in times.items()},
         **{f"{kind}_ms_p90": percentile(t, 90) for kind, t in times.items()},
         **{f"{kind}_bytes_copied": copied[kind] for kind in engines},
@@ -124,11 +126,11 @@ def _cell(model, n: int, context: int, args) -> dict:
     }
 
 
-def _table(cells: list[dict], target, k: int):
+def _table(cells: list[dict], target, draft_len: int):
     from rich.table import Table
 
-    table = Table(title=f"verify step (k={k}): paged vs padded engine, {target.model_id} "
-                        f"on {target.device}")
+    table = Table(title=f"verify step (k={draft_len}): paged vs padded engine, "
+                        f"{target.model_id} on {target.device}")
     for column in ("sessions", "context", "paged ms", "padded ms", "ratio", "paged copied",
                    "padded copied"):
         table.add_column(column, justify="right")
