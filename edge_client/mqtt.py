@@ -24,6 +24,7 @@ directory; {"online": false} or an empty retained payload withdraws a server.
 
     control = DeviceMqtt(device)        # device.status()["mqtt"] reports on it from now on
     task = asyncio.create_task(control.run())   # reconnects forever; cancel to stop cleanly
+    control.connection.connected, control.connection.problem   # the broker link (sled.mqtt)
 
 Requests in flight when the broker connection drops are cancelled (their asker can send them
 again); a broker that refuses the credentials is retried slowly while the device keeps serving
