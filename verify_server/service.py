@@ -83,6 +83,7 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     async def Generate(self, requests: AsyncIterator[pb.DeviceMessage],
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ServerMessage]:
+        """One stream, one session: dispatch each message; a refusal ends the stream (only)."""
         session: Session | None = None
         try:
             async for message in requests:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sled.sampling import Sampling
+from sled.sampling import Sampling, new_generator
 from sled.v1 import verifier_pb2 as pb
 from verify_server.acceptance import Outcome
 from verify_server.kv import SessionKV
@@ -56,12 +56,7 @@ class Session:
         return 0.0 if self.waiting_since is None else now - self.waiting_since
 
     def __post_init__(self) -> None:
-        if not self.sampling.greedy:
-            self.generator = torch.Generator()
-            if self.sampling.seed is not None:
-                self.generator.manual_seed(self.sampling.seed)
-            else:
-                self.generator.seed()
+        self.generator = new_generator(self.sampling)
 
     @property
     def finished(self) -> bool:
