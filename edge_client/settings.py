@@ -22,18 +22,13 @@ from pydantic_settings import (
     CliSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
-    YamlConfigSettingsSource,
 )
 
 from sled.endpoint import parse_endpoint
 from sled.mqtt import DEFAULT_PREFIX, check_topic_level, check_topic_prefix
+from sled.settings_files import SettingsError, file_source, settings_file
 
 ENV_PREFIX = "SLED_DEVICE_"
-
-
-class SettingsError(ValueError):
-    """The daemon's configuration cannot be used; the message names every bad key."""
 
 
 class Section(BaseModel):
@@ -173,12 +168,7 @@ def load_settings(config_file: str | Path | None = None, args: list[str] | None 
                   **overrides: Any) -> DeviceSettings:
     """Read the file (TOML or YAML by extension), then SLED_DEVICE_* variables, then the flags
     in `args` (`--mqtt.host broker`), then keyword overrides (tests)."""
-    path = Path(config_file) if config_file else None
-    if path is not None and not path.is_file():
-        raise SettingsError(f"config file {path} does not exist")
-    suffix = path.suffix.lower() if path else ""
-    if path is not None and suffix not in {".toml", ".yaml", ".yml"}:
-        raise SettingsError(f"config file {path}: use a .toml, .yaml or .yml file")
+    path = settings_file(config_file)
 
     class FromSources(DeviceSettings):
         @classmethod
@@ -193,10 +183,8 @@ def load_settings(config_file: str | Path | None = None, args: list[str] | None 
                                                  cli_kebab_case=True, cli_exit_on_error=False,
                                                  cli_prog_name="sled device"))
             sources.append(env_settings)
-            if path is not None and suffix == ".toml":
-                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
-            elif path is not None:
-                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+            if path is not None:
+                sources.append(file_source(settings_cls, path))
             return tuple(sources)
 
     origin = f"{path}, SLED_DEVICE_* variables or flags" if path else "SLED_DEVICE_* variables or flags"

@@ -20,19 +20,15 @@ from typing import Any, Literal
 
 import pydantic_settings
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
-from pydantic_settings import (BaseSettings, EnvSettingsSource, SettingsConfigDict,
-                               TomlConfigSettingsSource, YamlConfigSettingsSource)
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from sled.endpoint import parse_endpoint
+from sled.settings_files import SettingsError, file_source, settings_file
 
 ENV_PREFIX = "SLED_SERVE_"
 ANNOUNCE = "MQTT announcements"   # the flag group of the announcement keys
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
               "mib": 1 << 20, "gib": 1 << 30}
-
-
-class SettingsError(ValueError):
-    """The server's settings cannot be used; the message names every bad key."""
 
 
 def parse_size(text: str) -> int:
@@ -166,8 +162,8 @@ def load_settings(config_file: str | Path | None = None,
 def _sources(config_file, flags) -> list[tuple[Callable[[str], str], Mapping[str, Any]]]:
     """(how to name a key's origin, its values), lowest priority first."""
     sources: list[tuple[Callable[[str], str], Mapping[str, Any]]] = []
-    if config_file:
-        path = Path(config_file)
+    path = settings_file(config_file)
+    if path is not None:
         sources.append((lambda key: str(path), _read_file(path)))
     sources.append((lambda key: ENV_PREFIX + key.upper(), _read_env()))
     sources.append((lambda key: " / ".join(flag_spellings(key)) if key in ServerSettings.model_fields
@@ -176,17 +172,10 @@ def _sources(config_file, flags) -> list[tuple[Callable[[str], str], Mapping[str
 
 
 def _read_file(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise SettingsError(f"config file {path} does not exist")
-    suffix = path.suffix.lower()
     try:
-        if suffix == ".toml":
-            return TomlConfigSettingsSource(ServerSettings, toml_file=path)()
-        if suffix in (".yaml", ".yml"):
-            return YamlConfigSettingsSource(ServerSettings, yaml_file=path)()
+        return file_source(ServerSettings, path)()
     except (ValueError, OSError, pydantic_settings.SettingsError) as exc:
         raise SettingsError(f"cannot read server settings from {path}: {exc}") from None
-    raise SettingsError(f"config file {path}: use a .toml, .yaml or .yml file")
 
 
 def _read_env() -> dict[str, Any]:
