@@ -17,7 +17,7 @@ def add_arguments(parser) -> None:
                         help="ask for this many SAT hints per verdict to start the next draft with")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--draft-len", type=int, default=4, help="tokens drafted per round (k)")
+    parser.add_argument("--draft-len", type=int, default=4, help="tokens drafted per round")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -42,6 +42,7 @@ async def run(args) -> int:
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed)
+        settings = RoundSettings(draft_len=args.draft_len, lookahead=args.lookahead)
         drafter = None if args.drafter in server_modes else load_drafter(args.drafter)
     except (ValueError, OSError) as exc:
         print(f"sled generate: {exc}", file=sys.stderr)
@@ -72,8 +73,7 @@ async def run(args) -> int:
             else:
                 result = await generate(conn.stub, drafter, prompt_ids,
                                         max_new_tokens=args.max_new_tokens,
-                                        settings=RoundSettings(draft_len=args.draft_len,
-                                                               lookahead=args.lookahead),
+                                        settings=settings,
                                         sampling=sampling, stop_ids=args.stop_id,
                                         target_fingerprint=info.tokenizer_fingerprint,
                                         on_tokens=stream)

@@ -53,6 +53,12 @@ def test_generate_rejects_an_unknown_drafter_spec():
     assert done.returncode == 2 and "unknown drafter spec 'magic:x'" in done.stderr
 
 
+def test_generate_rejects_a_draft_len_below_one_before_connecting():
+    done = sled("generate", "--server", "127.0.0.1:1", "--draft-len", "0", "--prompt", "hi")
+    assert done.returncode == 2 and "draft_len must be >= 1" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 async def test_generate_reports_a_refused_tokenizer(pair, tmp_path, monkeypatch):
     """A drafter whose tokenizer differs from the target's is refused with both named."""
     from lab.tiny import make_model, make_tokenizer
