@@ -53,6 +53,12 @@ def test_generate_rejects_an_unknown_drafter_spec():
     assert done.returncode == 2 and "unknown drafter spec 'magic:x'" in done.stderr
 
 
+def test_models_prepare_names_the_built_in_models_for_an_unknown_one():
+    done = sled("models", "prepare", "no-such-model")
+    assert done.returncode == 2 and "unknown model 'no-such-model'" in done.stderr
+    assert "gemma3-270m" in done.stderr
+
+
 def test_generate_rejects_a_draft_len_below_one_before_connecting():
     done = sled("generate", "--server", "127.0.0.1:1", "--draft-len", "0", "--prompt", "hi")
     assert done.returncode == 2 and "draft_len must be >= 1" in done.stderr
