@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/sled demo
 
 test: $(STAMP) mosquitto models
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The built-in models the slow tests and the demo use, made once into the sled cache (each step
 # is skipped when its result is there): assemble the GGUFs, convert them to transformers
