@@ -7,8 +7,10 @@ keys/values into their slots and attention reads the session's slots.
 
 Admission works on reservations: a session reserves the blocks its longest possible context needs
 when it opens, so a running session never finds the pool full. Full prompt blocks are published
-under a hash of the whole prefix they end, so a later session with the same prefix shares them
-(reference counted); a shared block is never written again.
+under a hash of the whole prefix they end, keyed by the session's tenant (verify_server.tenant),
+so a later session of the same tenant with the same prefix shares them (reference counted); a
+shared block is never written again. Another tenant's hashes of the same prefix differ, so it
+never finds them, and learns nothing from a hit about what others sent.
 
     block_tokens = 4, prompt "a b c d e f g" -> table [7, 2]: slots 28..31 hold a b c d,
     slots 8..10 hold e f g. A second prompt "a b c d x" finds block 7 by its prefix hash and
@@ -48,9 +50,10 @@ class PoolExhausted(Exception):
     """The pool cannot reserve what a new session needs."""
 
 
-def prefix_hashes(tokens: Sequence[int], block_tokens: int) -> list[bytes]:
-    """One digest per full block of `tokens`, each covering the whole prefix up to its end."""
-    digests, running = [], hashlib.blake2b(digest_size=16)
+def prefix_hashes(tokens: Sequence[int], block_tokens: int, tenant: bytes = b"") -> list[bytes]:
+    """One digest per full block of `tokens`, each covering the whole prefix up to its end. The
+    chain's root is the tenant key (the hash's key): only the same tenant gets the same digests."""
+    digests, running = [], hashlib.blake2b(digest_size=16, key=tenant)
     for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
         running.update(b"".join(t.to_bytes(4, "little") for t in tokens[start:start + block_tokens]))
         digests.append(running.copy().digest())

@@ -20,7 +20,7 @@ class SessionKV:
         -> commit(2): length 7 (t and d1 stay; the correction goes in with the next draft)
     """
 
-    __slots__ = ("pool", "table", "_length", "reserved", "shared", "_slot_ids")
+    __slots__ = ("pool", "table", "_length", "reserved", "shared", "tenant", "_slot_ids")
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
@@ -28,26 +28,28 @@ class SessionKV:
         self._length = 0
         self.reserved = 0     # blocks promised by the pool, not yet in the table
         self.shared = 0       # leading blocks found in the prefix cache
+        self.tenant = b""     # whose prefix blocks it may share (verify_server.tenant)
         self._slot_ids = torch.empty(0, dtype=torch.long)   # slot of every position the table covers
 
     @property
     def length(self) -> int:
         return self._length
 
-    def admit(self, prefill: Sequence[int], max_tokens: int) -> int:
-        """Take cached prefix blocks of `prefill` and reserve the rest of `max_tokens`.
+    def admit(self, prefill: Sequence[int], max_tokens: int, tenant: bytes = b"") -> int:
+        """Take cached prefix blocks of `prefill` that `tenant` published and reserve the rest of
+        `max_tokens`; what this session publishes later is found by the same tenant only.
 
         Returns the number of prefill tokens already in the cache. Raises PoolExhausted (and
         holds nothing) when the pool cannot promise the rest.
         """
-        found = self.pool.lookup(prefix_hashes(prefill, self.pool.block_tokens))
+        found = self.pool.lookup(prefix_hashes(prefill, self.pool.block_tokens, tenant))
         need = max(self.pool.blocks_for(max_tokens) - len(found), 0)
         try:
             self.pool.reserve(need)
         except Exception:
             self.pool.release(found)
             raise
-        self.table, self.shared, self.reserved = [], len(found), need
+        self.table, self.shared, self.reserved, self.tenant = [], len(found), need, tenant
         for block in found:
             self._extend(block)
         self._set_length(len(found) * self.pool.block_tokens)
@@ -66,7 +68,7 @@ class SessionKV:
 
     def publish(self, tokens: Sequence[int]) -> None:
         """Offer this session's full blocks of `tokens` (its committed prefix) for sharing."""
-        digests = prefix_hashes(tokens[: self._length], self.pool.block_tokens)
+        digests = prefix_hashes(tokens[: self._length], self.pool.block_tokens, self.tenant)
         for block, digest in zip(self.table[self.shared:len(digests)], digests[self.shared:]):
             self.pool.publish(block, digest)
 
@@ -88,5 +90,5 @@ class SessionKV:
         self.pool.release(self.table)
         self.pool.unreserve(self.reserved)
         self._set_length(0)
-        self.table, self.reserved, self.shared = [], 0, 0
+        self.table, self.reserved, self.shared, self.tenant = [], 0, 0, b""
         self._slot_ids = torch.empty(0, dtype=torch.long)

@@ -25,6 +25,7 @@ from verify_server.scheduler import Scheduler
 from verify_server.session import Session
 from verify_server.settings import ServerSettings
 from verify_server.target import Target
+from verify_server.tenant import tenant_key
 from verify_server.work import Verify
 
 log = logging.getLogger("sled.server")
@@ -89,7 +90,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             async for message in requests:
                 kind = message.WhichOneof("kind")
                 if kind == "open":
-                    session = self._open(session, message.open)
+                    session = self._open(session, message.open, context.peer())
                     yield await self._prefill(session, context)
                     if session.mode != pb.GENERATION_MODE_DEVICE_DRAFTS:
                         async for reply in self._decode(session, context):
@@ -109,13 +110,13 @@ class VerifierService(pb_grpc.VerifierServicer):
         finally:
             self._close(session)
 
-    def _open(self, session: Session | None, request: pb.Open) -> Session:
+    def _open(self, session: Session | None, request: pb.Open, peer: str = "") -> Session:
         validation.check_no_session(session)
         sampling = validation.check_open(request, self.target, self.settings, len(self.sessions),
                                          self.accepting)
         session = Session.from_open(request, sampling, self.target.eos_ids,
                                     self.scheduler.engine.new_kv())
-        self._admit(session)
+        self._admit(session, tenant_key(peer, request.cache_salt))
         self.sessions[session.id] = session
         self.metrics.sessions.inc()
         return session
@@ -187,11 +188,12 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     # --- KV and session lifetimes -------------------------------------------------------------
 
-    def _admit(self, session: Session) -> None:
-        """Reserve the session's KV (prompt + max_new_tokens), sharing cached prefix blocks."""
+    def _admit(self, session: Session, tenant: bytes = b"") -> None:
+        """Reserve the session's KV (prompt + max_new_tokens), sharing the cached prefix blocks
+        of its tenant (verify_server.tenant) only."""
         needed = len(session.prompt_ids) + session.max_new_tokens + self.target.sat_slots
         try:
-            session.cached_prompt_tokens = session.kv.admit(session.prefill_tokens(), needed)
+            session.cached_prompt_tokens = session.kv.admit(session.prefill_tokens(), needed, tenant)
         except PoolExhausted:
             pool, mib = self.pool, self.pool.shape.bytes_per_token / (1 << 20)
             free_tokens = (pool.usable_blocks - pool.committed_blocks) * pool.block_tokens

@@ -106,7 +106,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "max_new_tokens", "stop_ids", "tokenizer_fingerprint", "drafter", "ignore_eos", "mode")
+    __slots__ = ("prompt_ids", "sampling", "max_new_tokens", "stop_ids", "tokenizer_fingerprint", "drafter", "ignore_eos", "mode", "cache_salt")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class Open(_message.Message):
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     max_new_tokens: int
@@ -123,7 +124,8 @@ class Open(_message.Message):
     drafter: str
     ignore_eos: bool
     mode: GenerationMode
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[_Union[GenerationMode, str]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[_Union[GenerationMode, str]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("ids", "probs")
