@@ -33,6 +33,7 @@ from edge_client.servers import NoServer, Server, ServerDirectory
 from edge_client.session import RoundSettings, generate
 from edge_client.settings import DeviceSettings, SettingsError
 from edge_client.transport import VerifyError
+from sled.cache import CacheError
 from sled.fingerprint import fingerprint_tokenizer, short
 from sled.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator
 
@@ -199,6 +200,9 @@ class Device:
         except grpc.aio.AioRpcError as exc:
             self._set_state("waiting", f"{server.endpoint}: {exc.details()}")
             return
+        except CacheError as exc:  # its tokenizer was refused: one line, the device keeps waiting
+            self._set_state("waiting", str(exc))
+            return
         self.eos_ids = list(info.eos_token_ids)
         self.model_id = self.settings.model_name or info.model_id
         self._set_state("ready", f"verifying on {server.id or server.endpoint}")
@@ -342,7 +346,8 @@ class Device:
                     draft_len=policy.draft_len, max_draft_len=policy.max_draft_len,
                     min_confidence=policy.min_confidence, pipeline=policy.pipeline,
                     lookahead=policy.lookahead, reconnect_s=settings.reconnect_s),
-                reopen_on=reopen, on_tokens=on_tokens, on_round=on_round)
+                reopen_on=reopen, on_tokens=on_tokens, on_round=on_round,
+                cache_salt=settings.id)   # this device's sessions share a system prompt's blocks
         except VerifyError as exc:
             if exc.code == grpc.StatusCode.UNAVAILABLE and settings.unverified_fallback:
                 await self._draft_alone(request, request.prompt_ids + committed,

@@ -27,15 +27,17 @@ async def generate_server_side(
     on_tokens: Callable[[list[int]], None] | None = None,
     timeout: float | None = None,
     transport: Transport = Stream.open,
+    cache_salt: str = "",
 ) -> GenerationResult:
     """Open a session in `mode` and collect the verdicts the server streams to its end;
-    on_tokens sees each verdict's tokens."""
+    on_tokens sees each verdict's tokens; cache_salt scopes the server's prefix cache."""
     started = time.perf_counter()
     stream = transport(stub, timeout=timeout, wait_for_ready=False)
     result = GenerationResult()
     try:
         await stream.send(open_message(prompt_ids, sampling, max_new_tokens, stop_ids,
-                                       drafter="server", ignore_eos=ignore_eos, mode=mode))
+                                       drafter="server", ignore_eos=ignore_eos, mode=mode,
+                                       cache_salt=cache_salt))
         await stream.receive()  # opened
         finished = False
         while not finished:

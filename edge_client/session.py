@@ -317,12 +317,15 @@ async def generate(
     reopen_on: Callable[[], object] | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     on_round: Callable[[RoundStat], None] | None = None,
+    cache_salt: str = "",
 ) -> GenerationResult:
     """Run one generation session to its end (a DeviceSession); on_tokens sees each verdict's
     committed tokens, on_round each round's RoundStat. target_fingerprint, when known, refuses a
-    drafter with another tokenizer before anything is sent."""
+    drafter with another tokenizer before anything is sent. cache_salt scopes the server's prefix
+    cache: sessions share cached prompt blocks only with the same salt from the same host."""
     request = SessionRequest(prompt_ids, max_new_tokens, sampling, stop_ids, ignore_eos,
-                             drafter_fingerprint(drafter, target_fingerprint), drafter.name)
+                             drafter_fingerprint(drafter, target_fingerprint), drafter.name,
+                             cache_salt)
     session = DeviceSession(stub, drafter, request, settings, policy=policy, transport=transport,
                             reopen_on=reopen_on, on_tokens=on_tokens, on_round=on_round)
     return await session.run()

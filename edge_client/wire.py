@@ -11,11 +11,14 @@ from sled.v1 import verifier_pb2 as pb
 
 def open_message(prompt_ids: Sequence[int], sampling: Sampling, max_new_tokens: int,
                  stop_ids: Sequence[int] = (), fingerprint: str = "", drafter: str = "",
-                 ignore_eos: bool = False,
-                 mode: int = pb.GENERATION_MODE_DEVICE_DRAFTS) -> pb.DeviceMessage:
+                 ignore_eos: bool = False, mode: int = pb.GENERATION_MODE_DEVICE_DRAFTS,
+                 cache_salt: str = "") -> pb.DeviceMessage:
+    """cache_salt: the server shares cached prompt blocks only among sessions that send the same
+    salt from the same host."""
     msg = pb.DeviceMessage(open=pb.Open(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
                                         stop_ids=list(stop_ids), tokenizer_fingerprint=fingerprint,
-                                        drafter=drafter, ignore_eos=ignore_eos, mode=mode))
+                                        drafter=drafter, ignore_eos=ignore_eos, mode=mode,
+                                        cache_salt=cache_salt))
     sampling.to_proto(msg.open.sampling)
     return msg
 
@@ -37,9 +40,10 @@ class SessionRequest:
     ignore_eos: bool = False
     fingerprint: str = ""          # the drafter's tokenizer (or the target's when it has none)
     drafter: str = ""              # the drafter's name, for the server's logs and metrics
+    cache_salt: str = ""           # prefix cache scope: shared with the same salt from this host
 
     def open_message(self, committed: Sequence[int]) -> pb.DeviceMessage:
         """Open (or reopen) the session for what is left after the committed tokens."""
         return open_message(list(self.prompt_ids) + list(committed), self.sampling,
                             self.max_new_tokens - len(committed), self.stop_ids, self.fingerprint,
-                            self.drafter, self.ignore_eos)
+                            self.drafter, self.ignore_eos, cache_salt=self.cache_salt)

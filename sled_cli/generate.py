@@ -24,6 +24,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop-id", type=int, action="append", default=[],
                         help="extra stop token id")
+    parser.add_argument("--cache-salt", default="", metavar="TEXT",
+                        help="share the server's cached prompt blocks only with sessions from "
+                             "this host that send the same salt (default: empty)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object instead of text")
 
@@ -35,6 +38,7 @@ async def run(args) -> int:
     from edge_client.session import RoundSettings, generate
     from edge_client.text import OutputText
     from edge_client.transport import VerifyError
+    from sled.cache import CacheError
     from sled.sampling import Sampling
     from sled.v1 import verifier_pb2 as pb
 
@@ -55,6 +59,9 @@ async def run(args) -> int:
             print(f"sled generate: cannot reach a sled server at {args.server}: "
                   f"{exc.code().name}: {exc.details()}", file=sys.stderr)
             return 3
+        except CacheError as exc:  # the server's tokenizer was refused (or cannot be kept)
+            print(f"sled generate: {exc}", file=sys.stderr)
+            return 3
         prompt_ids = tokenizer(args.prompt).input_ids
         # the output as tokenizer.decode() writes it, each character once it is whole
         output = OutputText(tokenizer, skip_special_tokens=False, clean_up_tokenization_spaces=None)
@@ -69,14 +76,15 @@ async def run(args) -> int:
             if drafter is None:   # a thin device: the server generates (and drafts with SATs)
                 result = await generate_server_side(
                     conn.stub, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                    stop_ids=args.stop_id, on_tokens=stream, mode=server_modes[args.drafter])
+                    stop_ids=args.stop_id, on_tokens=stream, mode=server_modes[args.drafter],
+                    cache_salt=args.cache_salt)
             else:
                 result = await generate(conn.stub, drafter, prompt_ids,
                                         max_new_tokens=args.max_new_tokens,
                                         settings=settings,
                                         sampling=sampling, stop_ids=args.stop_id,
                                         target_fingerprint=info.tokenizer_fingerprint,
-                                        on_tokens=stream)
+                                        on_tokens=stream, cache_salt=args.cache_salt)
         except VerifyError as exc:
             print(f"\nsled generate: server refused: {exc}", file=sys.stderr)
             return 4

@@ -110,7 +110,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         finally:
             self._close(session)
 
-    def _open(self, session: Session | None, request: pb.Open, peer: str = "") -> Session:
+    def _open(self, session: Session | None, request: pb.Open, peer: str) -> Session:
         validation.check_no_session(session)
         sampling = validation.check_open(request, self.target, self.settings, len(self.sessions),
                                          self.accepting)
@@ -188,7 +188,7 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     # --- KV and session lifetimes -------------------------------------------------------------
 
-    def _admit(self, session: Session, tenant: bytes = b"") -> None:
+    def _admit(self, session: Session, tenant: bytes) -> None:
         """Reserve the session's KV (prompt + max_new_tokens), sharing the cached prefix blocks
         of its tenant (verify_server.tenant) only."""
         needed = len(session.prompt_ids) + session.max_new_tokens + self.target.sat_slots

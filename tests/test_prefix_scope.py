@@ -1,0 +1,170 @@
+"""The prefix cache is scoped to a tenant: the peer's host and Open.cache_salt. A session finds
+only the prompt blocks its own tenant published, so Opened.cached_prompt_tokens (and the prefill
+time) tell a client nothing about what other clients sent. Sessions of one tenant still share, and
+every output is still generate(do_sample=False)'s."""
+from __future__ import annotations
+
+import argparse
+
+import grpc
+import pytest
+import torch
+
+from conftest import greedy_reference
+from drafters.hf import HFDrafter
+from edge_client.daemon import Device, Request
+from edge_client.session import RoundSettings, generate
+from edge_client.settings import DeviceSettings
+from edge_client.wire import SessionRequest
+from sled.sampling import Sampling
+from sled.v1 import verifier_pb2 as pb
+from sled.v1.verifier_pb2_grpc import VerifierStub
+from verify_server.blocks import BlockPool, KVShape
+from verify_server.kv import SessionKV
+from verify_server.settings import ServerSettings
+from verify_server.server import start_server
+from verify_server.target import Target
+from verify_server.tenant import peer_host, tenant_key
+
+SYSTEM = list(range(40, 120))    # an 80-token shared instruction: 5 blocks of 16
+PROMPT = SYSTEM + [5, 9, 200]
+MAX_NEW = 10
+
+
+# --- the tenant key -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("peer, host", [
+    ("ipv4:1.2.3.4:5555", "1.2.3.4"),
+    ("ipv6:[::1]:1234", "::1"),
+    ("ipv6:%5B::1%5D:1234", "::1"),                     # percent-encoded brackets
+    ("ipv6:[::ffff:1.2.3.4]:5555", "1.2.3.4"),          # IPv4 through a dual-stack socket
+    ("ipv6:[2001:db8::7]:443", "2001:db8::7"),
+    ("unix:/run/sled.sock", "unix:/run/sled.sock"),
+    ("", ""),
+    (None, ""),
+])
+def test_peer_host_drops_the_port(peer, host):
+    assert peer_host(peer) == host
+
+
+def test_tenant_key_is_the_host_and_the_salt_never_the_port():
+    assert tenant_key("ipv4:1.2.3.4:5555", "") == tenant_key("ipv4:1.2.3.4:6666", "")
+    assert tenant_key("ipv4:1.2.3.4:5555", "s") == tenant_key("ipv6:[::ffff:1.2.3.4]:1", "s")
+    assert tenant_key("ipv4:1.2.3.4:5555", "") != tenant_key("ipv4:1.2.3.5:5555", "")
+    assert tenant_key("ipv4:1.2.3.4:5555", "") != tenant_key("ipv6:[::1]:1234", "")
+    assert tenant_key("ipv4:1.2.3.4:5555", "a") != tenant_key("ipv4:1.2.3.4:5555", "b")
+    assert tenant_key("ipv4:1.2.3.4:5555", "") != tenant_key("ipv4:1.2.3.4:5555", " ")
+    # the host and the salt cannot trade characters
+    assert tenant_key("unix:ab", "c") != tenant_key("unix:a", "bc")
+
+
+def test_session_kv_finds_only_its_own_tenants_blocks():
+    pool = BlockPool(KVShape(1, 1, 2, torch.float32), num_blocks=32, block_tokens=4)
+    prompt = list(range(1, 13))                          # three full blocks
+    mine, theirs = tenant_key("ipv4:10.0.0.1:1", "a"), tenant_key("ipv4:10.0.0.1:1", "b")
+    first = SessionKV(pool)
+    assert first.admit(prompt, 16, mine) == 0
+    first.slots(0, 12)
+    first.commit(12)
+    first.publish(prompt)
+    assert SessionKV(pool).admit(prompt, 16, theirs) == 0
+    assert SessionKV(pool).admit(prompt, 16) == 0         # no tenant is a tenant too
+    assert SessionKV(pool).admit(prompt, 16, mine) == 12
+
+
+# --- through the server -------------------------------------------------------------------------
+
+def open_msg(prompt, salt: str, mode=pb.GENERATION_MODE_SERVER) -> pb.DeviceMessage:
+    return pb.DeviceMessage(open=pb.Open(prompt_ids=list(prompt), max_new_tokens=MAX_NEW,
+                                         ignore_eos=True, mode=mode, cache_salt=salt))
+
+
+async def server_session(stub, prompt, salt: str) -> tuple[int, list[int]]:
+    """A server-generated session: (its cached prompt tokens, its output)."""
+    call = stub.Generate()
+    await call.write(open_msg(prompt, salt))
+    opened = (await call.read()).opened
+    tokens = []
+    while True:
+        verdict = (await call.read()).verdict
+        tokens.extend(verdict.emitted_ids)
+        if verdict.finish_reason:
+            break
+    await call.done_writing()
+    return opened.cached_prompt_tokens, tokens
+
+
+async def test_another_salt_finds_nothing_and_the_same_salt_shares(serve, models, drafter_models):
+    model = models["gemma3"]
+    want = greedy_reference(model, PROMPT, MAX_NEW)
+    server = await serve(model)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = VerifierStub(channel)
+        first = await generate(stub, HFDrafter(drafter_models["gemma3"]), PROMPT,
+                               max_new_tokens=MAX_NEW, ignore_eos=True,
+                               settings=RoundSettings(draft_len=3), cache_salt="alice")
+        others = [await server_session(stub, PROMPT, salt) for salt in ("mallory", "", "alice ")]
+        same = await server_session(stub, PROMPT, "alice")
+    assert first.token_ids == want
+    for cached, tokens in others:
+        assert (cached, tokens) == (0, want)
+    assert same == (len(SYSTEM), want)
+
+
+async def test_another_host_with_the_same_salt_finds_nothing(tokenizer, models):
+    """Over IPv4 and IPv6 loopback a dual-stack server sees two hosts (127.0.0.1 and ::1)."""
+    model = models["gemma3"]
+    want = greedy_reference(model, PROMPT, MAX_NEW)
+    target = Target.from_model(model, tokenizer, "tiny")
+    try:
+        server = await start_server(target, ServerSettings(kv_budget=64 << 20), host="[::]")
+    except (OSError, RuntimeError) as exc:
+        pytest.skip(f"no dual-stack loopback here: {exc}")
+    try:
+        results = []
+        for address in (f"127.0.0.1:{server.port}", f"[::1]:{server.port}",
+                        f"[::1]:{server.port}", f"127.0.0.1:{server.port}"):
+            async with grpc.aio.insecure_channel(address) as channel:
+                results.append(await server_session(VerifierStub(channel), PROMPT, ""))
+    finally:
+        await server.stop(grace=0)
+    assert [cached for cached, _ in results] == [0, 0, len(SYSTEM), len(SYSTEM)]
+    assert all(tokens == want for _, tokens in results)
+
+
+async def test_the_daemon_salts_with_its_device_id(serve, models, drafter_models, tokenizer):
+    model = models["llama"]
+    want = greedy_reference(model, PROMPT, MAX_NEW)
+    server = await serve(model)
+    device = Device(DeviceSettings(id="cam-3", servers=[server.address]),
+                    load_drafter=lambda spec: HFDrafter(drafter_models["llama"], tokenizer, name=spec),
+                    tokenizer=tokenizer)
+    await device.start()
+    try:
+        tokens, _, lossless = await device.complete(Request(PROMPT, max_tokens=MAX_NEW,
+                                                            ignore_eos=True))
+    finally:
+        await device.close()
+    assert tokens == want and lossless
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = VerifierStub(channel)
+        assert await server_session(stub, PROMPT, "") == (0, want)
+        assert await server_session(stub, PROMPT, "cam-3") == (len(SYSTEM), want)
+
+
+# --- the device side ------------------------------------------------------------------------------
+
+def test_a_reopened_session_keeps_its_salt():
+    request = SessionRequest([1, 2, 3], 8, Sampling(), cache_salt="cam-3")
+    assert request.open_message([]).open.cache_salt == "cam-3"
+    assert request.open_message([4, 5]).open.cache_salt == "cam-3"
+    assert SessionRequest([1], 2).open_message([]).open.cache_salt == ""
+
+
+def test_sled_generate_takes_a_cache_salt():
+    from sled_cli.generate import add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--server", "h:1", "--prompt", "x"]
+    assert parser.parse_args(base).cache_salt == ""
+    assert parser.parse_args(base + ["--cache-salt", "team-a"]).cache_salt == "team-a"
