@@ -1,18 +1,25 @@
 """Errors a session can end with: a gRPC status code, a message a person can act on, and a
-machine-readable reason (sent to the device as the stream's last message)."""
+machine-readable reason (sent to the device as the stream's last message).
+
+A message goes into the stream's status, an ErrorDetail and the server's log, and may quote what
+a client sent: it is kept to one printable line of at most MESSAGE_CHARS characters, so no client
+text can forge a log line or make the status too large for gRPC to send."""
 from __future__ import annotations
 
 import grpc
 
+from sled.printable import printable
 from sled.v1 import verifier_pb2 as pb
 
 Reason = pb.ErrorDetail.Reason
+MESSAGE_CHARS = 1000
 
 
 class SessionError(Exception):
     """A request the server refuses; the stream ends with `code`, other sessions carry on."""
 
     def __init__(self, code: grpc.StatusCode, reason: int, message: str, round: int = 0) -> None:
+        message = printable(message, MESSAGE_CHARS)
         super().__init__(message)
         self.code = code
         self.reason = reason

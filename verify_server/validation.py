@@ -8,12 +8,17 @@ same refusal.
 """
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
 
 from sled.fingerprint import short
+from sled.printable import printable
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from verify_server import errors
@@ -27,6 +32,18 @@ if TYPE_CHECKING:
 
 PROB_SUM_TOLERANCE = 1e-3
 
+# The longest value of each free-text (string or bytes) field a client sends, by the field's full
+# name; every other string or bytes field of a client message, at any depth and including fields
+# added later, gets DEFAULT_TEXT_LIMIT. Strings count characters, bytes count bytes.
+TEXT_LIMITS = {
+    "sled.v1.Open.drafter": 128,                 # a name for logs and metrics, e.g. "hf:smollm2"
+    "sled.v1.Open.tokenizer_fingerprint": 128,   # "sha256:" + 64 hex digits
+    "sled.v1.Open.cache_salt": 256,
+}
+DEFAULT_TEXT_LIMIT = 256
+# The most characters of a client's text quoted in one error message.
+QUOTED_CHARS = 64
+
 
 # --- opening a session ----------------------------------------------------------------------------
 
@@ -36,6 +53,7 @@ def check_open(request: pb.Open, target: Target, settings: ServerSettings, open_
     if not accepting:
         raise errors.unavailable(Reason.REASON_SHUTTING_DOWN,
                                  "server is shutting down; retry on another server")
+    check_text(request, "open")
     check_tokenizer(request, target)
     check_prompt(request, target)
     try:
@@ -62,8 +80,8 @@ def check_tokenizer(request: pb.Open, target: Target) -> None:
     if request.tokenizer_fingerprint and request.tokenizer_fingerprint != target.fingerprint:
         raise errors.precondition(
             Reason.REASON_TOKENIZER_MISMATCH,
-            f"drafter tokenizer {short(request.tokenizer_fingerprint)} "
-            f"({request.drafter or 'unnamed drafter'}) does not match target "
+            f"drafter tokenizer {printable(short(request.tokenizer_fingerprint))} "
+            f"({printable(request.drafter, QUOTED_CHARS) or 'unnamed drafter'}) does not match target "
             f"{target.model_id} tokenizer {short(target.fingerprint)}: "
             "draft with a model that shares the target's tokenizer")
 
@@ -102,6 +120,7 @@ def check_mode(mode: int, target: Target) -> None:
 def check_draft(draft: pb.Draft, session: Session | None, target: Target,
                 settings: ServerSettings) -> list[int]:
     """A draft the session can take this round: returns its token ids."""
+    check_text(draft, "draft", draft.round)
     check_session_takes(draft.round, session, settings.idle_timeout)
     tokens = list(draft.token_ids)
     if not tokens:
@@ -182,9 +201,10 @@ def position_q(j: int, token: int, dist: pb.SparseDistribution, vocab_size: int,
     check_ids(dist.ids, f"{where}.ids", vocab_size, round)
     ids = torch.tensor(list(dist.ids), dtype=torch.long)
     probs = torch.tensor(list(dist.probs), dtype=torch.float64)
-    if len(set(dist.ids)) != len(dist.ids) or not bool((probs > 0).all()):
+    # NaN compares false and inf passes `> 0`: each prob must be finite and positive
+    if len(set(dist.ids)) != len(dist.ids) or not all(math.isfinite(p) and p > 0 for p in dist.probs):
         raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
-                             f"{where} must list distinct ids with probs > 0", round)
+                             f"{where} must list distinct ids with finite probs > 0", round)
     if abs(float(probs.sum()) - 1.0) > PROB_SUM_TOLERANCE:
         raise errors.invalid(Reason.REASON_BAD_DRAFT_DISTRIBUTION,
                              f"{where} probs sum to {float(probs.sum()):.4f}, not 1", round)
@@ -193,6 +213,64 @@ def position_q(j: int, token: int, dist: pb.SparseDistribution, vocab_size: int,
                              f"draft token {token} at position {j} is outside its q support "
                              "(q must be the distribution it was drawn from)", round)
     return DraftQ(ids, probs / probs.sum())
+
+
+# --- free text -------------------------------------------------------------------------------------
+
+def check_text(message: Message, path: str, round: int = 0) -> None:
+    """Every string and bytes value in `message`, at any depth, within its field's limit
+    (TEXT_LIMITS), checked before anything stores or quotes it. `path` names the message in
+    the refusal, e.g. "open" -> "open.drafter is 3900000 characters long, at most 128 allowed"."""
+    carriers = _text_carriers(message.DESCRIPTOR)
+    if not carriers:
+        return
+    for field, value in message.ListFields():
+        if field.name in carriers:
+            _check_field(field, value, f"{path}.{field.name}", round)
+
+
+def _check_field(field: FieldDescriptor, value, name: str, round: int) -> None:
+    """One set field: a map's keys and values, a repeated field's items, or the single value."""
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        key_field, value_field = (field.message_type.fields_by_name[n] for n in ("key", "value"))
+        for key, item in value.items():
+            _check_value(key_field, key, f"{name} key", round)
+            _check_value(value_field, item, f"{name}[{printable(str(key), QUOTED_CHARS)}]", round)
+    elif field.is_repeated:
+        for i, item in enumerate(value):
+            _check_value(field, item, f"{name}[{i}]", round)
+    else:
+        _check_value(field, value, name, round)
+
+
+def _check_value(field: FieldDescriptor, value, name: str, round: int) -> None:
+    if field.message_type is not None:
+        check_text(value, name, round)
+    elif field.type in TEXT_TYPES:
+        limit = TEXT_LIMITS.get(field.full_name, DEFAULT_TEXT_LIMIT)
+        if len(value) > limit:
+            unit = "characters" if field.type == FieldDescriptor.TYPE_STRING else "bytes"
+            raise errors.invalid(Reason.REASON_PROTOCOL,
+                                 f"{name} is {len(value)} {unit} long, at most {limit} allowed: "
+                                 "shorten it", round)
+
+
+TEXT_TYPES = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
+
+
+@functools.cache
+def _text_carriers(descriptor: Descriptor) -> frozenset[str]:
+    """Names of the fields of `descriptor` that hold text, directly or in a nested message."""
+    return frozenset(field.name for field in descriptor.fields if _holds_text(field, ()))
+
+
+def _holds_text(field: FieldDescriptor, outer: tuple[Descriptor, ...]) -> bool:
+    if field.type in TEXT_TYPES:
+        return True
+    nested = field.message_type
+    if nested is None or nested in outer:   # a recursive message: its text is seen higher up
+        return False
+    return any(_holds_text(inner, (*outer, nested)) for inner in nested.fields)
 
 
 # --- ids ------------------------------------------------------------------------------------------

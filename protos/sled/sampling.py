@@ -7,6 +7,7 @@ reaches top_p, at least one token).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +21,15 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not (0.0 <= self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        # NaN fails every comparison, so each check is written to pass only for good values.
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
+        if not (math.isfinite(self.top_p) and 0.0 <= self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in [0, 1] (finite), got {self.top_p}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -33,11 +37,12 @@ class Sampling:
 
     @classmethod
     def from_proto(cls, msg) -> "Sampling":
-        """From a sled.v1.SamplingParams; top_p 0 means off, like 1."""
+        """From a sled.v1.SamplingParams; top_p 0 means off, like 1 (a negative or NaN top_p is
+        refused, not taken for 0)."""
         return cls(
             temperature=float(msg.temperature),
             top_k=int(msg.top_k),
-            top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+            top_p=float(msg.top_p) if msg.top_p != 0 else 1.0,
             seed=int(msg.seed) if msg.HasField("seed") else None,
         )
 
@@ -61,7 +66,7 @@ def new_generator(sampling: Sampling, offset: int = 0) -> torch.Generator | None
         return None
     generator = torch.Generator()
     if sampling.seed is not None:
-        generator.manual_seed(sampling.seed + offset)
+        generator.manual_seed((sampling.seed + offset) % 2**64)   # torch takes 64 bits
     else:
         generator.seed()
     return generator
