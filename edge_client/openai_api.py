@@ -24,7 +24,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from edge_client.daemon import Device, DeviceError, Request
 from edge_client.text import OutputText
+from sled.printable import printable
 from sled.sampling import Sampling
 
 log = logging.getLogger("sled.api")
@@ -69,8 +70,16 @@ class ApiError(Exception):
 
 # -- request bodies ---------------------------------------------------------------------------
 class _Strict(BaseModel):
-    # Unknown fields are ignored (clients send many); known ones must have the right type.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Unknown fields are ignored (clients send many); known ones must have the right type, and
+    # numbers must be finite.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+# Bounds of what a client chooses, in one place: names echoed into errors are short, and every
+# count or id fits the uint32 the wire carries it in (a larger one is a 400 naming it, not a 500).
+NAME_CHARS = 256
+UINT32_END = 2**32
+TokenId = Annotated[int, Field(ge=0, lt=UINT32_END)]
 
 
 class StreamOptions(_Strict):
@@ -85,19 +94,19 @@ NEUTRAL = (None, False, 0, "", [], {})
 
 class GenerationBody(_Strict):
     """What completions and chat completions share."""
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
+    model: str = Field(max_length=NAME_CHARS)
+    max_tokens: int | None = Field(None, ge=1, lt=UINT32_END)
     temperature: float | None = Field(None, ge=0.0, le=2.0)    # None: OpenAI's default, 1
     top_p: float | None = Field(None, ge=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, lt=2**32)            # extension; 0 or -1: off
+    top_k: int | None = Field(None, ge=-1, lt=UINT32_END)       # extension; 0 or -1: off
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
-    user: str | None = None                                     # accepted, ignored
+    user: str | None = Field(None, max_length=NAME_CHARS)       # accepted, ignored
     ignore_eos: bool = False                                    # extension
-    stop_token_ids: list[int] = Field(default_factory=list)     # extension
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)  # extension
     logprobs: Any = None
     top_logprobs: Any = None
     best_of: Any = None
@@ -157,7 +166,7 @@ class Message(BaseModel):
 
 class ChatBody(GenerationBody):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=UINT32_END)
 
 
 # How a field's value must look, for messages about values of the wrong shape.
@@ -220,13 +229,13 @@ def chat_prompt(device: Device, messages: list[Message]) -> list[int]:
     """Token ids of the conversation through the tokenizer's chat template, ready for the reply."""
     tokenizer = _tokenizer(device)
     if not getattr(tokenizer, "chat_template", None):
-        raise ApiError(400, f"the model {device.model_id!r} has no chat template: use /v1/completions "
+        raise ApiError(400, f"the model {_name(device.model_id)} has no chat template: use /v1/completions "
                             f"with a prompt you format yourself", param="messages")
     conversation = [_template_message(m) for m in messages]
     try:
         encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
     except Exception as exc:  # the template rejects the conversation (raise_exception, bad roles)
-        raise ApiError(400, f"the chat template cannot format these messages: {exc}",
+        raise ApiError(400, f"the chat template cannot format these messages: {printable(str(exc), 200)}",
                        param="messages") from None
     return list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
 
@@ -400,8 +409,13 @@ def _too_large() -> ApiError:
 def _check_model(device: Device, model: str) -> None:
     # A device still waiting for its first server has no model id yet: it answers 503 later.
     if device.model_id and model != device.model_id:
-        raise ApiError(404, f"the model {model!r} does not exist: this device serves "
-                            f"{device.model_id!r}", param="model", code="model_not_found")
+        raise ApiError(404, f"the model {_name(model)} does not exist: this device serves "
+                            f"{_name(device.model_id)}", param="model", code="model_not_found")
+
+
+def _name(text: str) -> str:
+    """A model name for a message: quoted, escaped, cut short (clients and servers choose it)."""
+    return f"'{printable(text, 64)}'"
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -453,7 +467,8 @@ async def get_model(request: web.Request) -> web.Response:
     device = request.app[DEVICE_KEY]
     name = request.match_info["model"]
     if not device.model_id or name != device.model_id:
-        raise ApiError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
+        raise ApiError(404, f"the model {_name(name)} does not exist", param="model",
+                       code="model_not_found")
     return web.json_response(_model_card(device))
 
 
@@ -490,7 +505,7 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
             raise
         return ApiError(exc.status, exc.text or exc.reason, kind=_http_kind(exc.status)).response()
     except Exception:
-        log.exception("local API: %s %s failed", request.method, request.path)
+        log.exception("local API: %s %s failed", request.method, printable(request.path))
         return ApiError(500, "internal error", kind="server_error").response()
 
 
