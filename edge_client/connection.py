@@ -1,16 +1,25 @@
 """A device's connection to one verify server: model info, tokenizer bootstrap, the stub.
 
-The target's tokenizer is fetched once per fingerprint into sled.cache.tokenizer_dir and checked
-against that fingerprint whenever it is loaded from there (cached_tokenizer).
+The target's tokenizer is fetched once per fingerprint into sled.cache.tokenizer_dir. What the
+server sends is checked before anything is written: the fingerprint is bounded (and only its hash
+names the folder), only the file names of sled.cache.TOKENIZER_FILES are accepted, once each,
+within MAX_TOKENIZER_BYTES. The files are written into a temporary folder inside the cache, loaded
+and checked against the fingerprint there, and only then renamed into place with their manifest.
+A cached copy is used only while its manifest verifies (every file hashed: they are small) and
+the loaded tokenizer matches its fingerprint; anything else is fetched again. A refused server
+raises TokenizerRefused, one line naming the server.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
+from pathlib import Path
 
 import grpc
 
-from sled.cache import tokenizer_dir
+from sled.cache import (MAX_FINGERPRINT_CHARS, MAX_TOKENIZER_BYTES, TOKENIZER_FILES, CacheError,
+                        partial_dir, publish, tokenizer_dir, verify_folder, write_manifest)
 from sled.fingerprint import fingerprint_tokenizer, short
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
@@ -21,7 +30,10 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 30_000),
 ]
-COMPLETE = ".complete"        # written last: the folder holds every file the server sent
+
+
+class TokenizerRefused(CacheError):
+    """The server's tokenizer (its fingerprint, files or content) is not acceptable."""
 
 
 class Connection:
@@ -41,12 +53,14 @@ class Connection:
         return self._info
 
     async def tokenizer(self, timeout: float = 60.0):
-        """The target's tokenizer: from the cache when it is there and verifies, else fetched."""
+        """The target's tokenizer: from the cache when it is there and verifies, else fetched.
+        Raises TokenizerRefused when what the server sends cannot be used."""
         info = await self.model_info()
-        tokenizer = cached_tokenizer(info.tokenizer_fingerprint)
+        fingerprint = checked_fingerprint(info.tokenizer_fingerprint, self.address)
+        tokenizer = await asyncio.to_thread(cached_tokenizer, fingerprint)
         if tokenizer is None:
             files = await self.stub.GetTokenizer(pb.GetTokenizerRequest(), timeout=timeout)
-            tokenizer = _save_tokenizer(info.tokenizer_fingerprint, files)
+            tokenizer = await asyncio.to_thread(save_tokenizer, fingerprint, files, self.address)
         return tokenizer
 
     async def close(self) -> None:
@@ -59,18 +73,28 @@ class Connection:
         await self.close()
 
 
+def checked_fingerprint(fingerprint: str, address: str) -> str:
+    """The server's fingerprint when it can be one: non-empty, short, printable."""
+    if not fingerprint or len(fingerprint) > MAX_FINGERPRINT_CHARS or not fingerprint.isprintable():
+        raise TokenizerRefused(f"the server at {address} sent a malformed tokenizer fingerprint "
+                               f"({len(fingerprint)} characters: {_shown(fingerprint)})")
+    return fingerprint
+
+
 def cached_tokenizer(fingerprint: str):
     """The tokenizer with this fingerprint from the cache; None when it is not there or does not
     verify (a damaged or stale copy, fetched again by the next Connection.tokenizer())."""
     folder = tokenizer_dir(fingerprint)
-    if not (folder / COMPLETE).exists():
+    if not folder.exists():
         return None
-    from transformers import AutoTokenizer
-
+    if not verify_folder(folder, full=True):
+        log.warning("cached tokenizer %s is incomplete or damaged: fetching it again", short(fingerprint))
+        return None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    except (OSError, ValueError) as exc:
-        log.warning("cached tokenizer %s cannot be loaded (%s): fetching it again", short(fingerprint), exc)
+        tokenizer = _load(folder)
+    except Exception as exc:  # tokenizers raises plain Exception (and KeyError...) on bad files
+        log.warning("cached tokenizer %s cannot be loaded (%s): fetching it again",
+                    short(fingerprint), _one_line(exc))
         return None
     if fingerprint_tokenizer(tokenizer) != fingerprint:
         log.warning("cached tokenizer %s does not match its fingerprint: fetching it again",
@@ -79,22 +103,64 @@ def cached_tokenizer(fingerprint: str):
     return tokenizer
 
 
-def _save_tokenizer(fingerprint: str, files: pb.TokenizerFiles):
-    """Write the server's tokenizer files into the cache (plain file names only) and load them."""
+def save_tokenizer(fingerprint: str, files: pb.TokenizerFiles, address: str):
+    """Check the server's tokenizer files, load them from a temporary folder in the cache, and
+    keep them (renamed into place with their manifest) only when they match the fingerprint."""
+    _check_files(fingerprint, files, address)
+    folder = tokenizer_dir(fingerprint)
+    partial = partial_dir(folder)
+    try:
+        for item in files.files:
+            (partial / item.name).write_bytes(item.content)
+        try:
+            tokenizer = _load(partial)
+        except Exception as exc:
+            raise TokenizerRefused(f"the tokenizer the server at {address} sent cannot be loaded: "
+                                   f"{_one_line(exc)}") from None
+        if fingerprint_tokenizer(tokenizer) != fingerprint:
+            raise TokenizerRefused(f"the tokenizer the server at {address} sent does not match its "
+                                   f"fingerprint {_shown(fingerprint)}")
+        write_manifest(partial)
+        publish(partial, folder)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return tokenizer
+
+
+def _check_files(fingerprint: str, files: pb.TokenizerFiles, address: str) -> None:
+    """Only the protocol's file names, once each, within the size bound, for this fingerprint."""
+    if files.tokenizer_fingerprint and files.tokenizer_fingerprint != fingerprint:
+        raise TokenizerRefused(f"the server at {address} sent the tokenizer of another fingerprint "
+                               f"({_shown(files.tokenizer_fingerprint)})")
+    names = [item.name for item in files.files]
+    for name in names:
+        if not allowed_file_name(name):
+            raise TokenizerRefused(f"the server at {address} sent a tokenizer file named "
+                                   f"{_shown(name)}; accepted: {', '.join(sorted(TOKENIZER_FILES))}")
+    if len(set(names)) != len(names):
+        raise TokenizerRefused(f"the server at {address} sent a tokenizer file twice")
+    size = sum(len(item.content) for item in files.files)
+    if size > MAX_TOKENIZER_BYTES:
+        raise TokenizerRefused(f"the server at {address} sent {size} bytes of tokenizer files "
+                               f"(at most {MAX_TOKENIZER_BYTES})")
+
+
+def allowed_file_name(name: str) -> bool:
+    """A tokenizer file name the protocol defines: never a path, never anything else."""
+    return name in TOKENIZER_FILES
+
+
+def _load(folder: Path):
     from transformers import AutoTokenizer
 
-    folder = tokenizer_dir(fingerprint)
-    shutil.rmtree(folder, ignore_errors=True)       # no file of an older copy survives
-    folder.mkdir(parents=True, exist_ok=True)
-    for item in files.files:
-        if not _plain_name(item.name):
-            raise ValueError(f"the server sent a tokenizer file named {item.name!r}")
-        (folder / item.name).write_bytes(item.content)
-    (folder / COMPLETE).touch()
-    return AutoTokenizer.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
 
 
-def _plain_name(name: str) -> bool:
-    """A file name with no folder in it that cannot stand for the folder or its parent."""
-    return bool(name) and name not in (".", "..", COMPLETE) and "/" not in name and "\\" not in name \
-        and "\0" not in name
+def _shown(text: str, limit: int = 40) -> str:
+    """A peer's string in a message: quoted, escaped, cut short."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:limit] + ("..." if len(text) > limit else "")

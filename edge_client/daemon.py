@@ -33,6 +33,7 @@ from edge_client.servers import NoServer, Server, ServerDirectory
 from edge_client.session import RoundSettings, generate
 from edge_client.settings import DeviceSettings, SettingsError
 from edge_client.transport import VerifyError
+from sled.cache import CacheError
 from sled.fingerprint import fingerprint_tokenizer, short
 from sled.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator
 
@@ -198,6 +199,9 @@ class Device:
                 self._set_fingerprint()
         except grpc.aio.AioRpcError as exc:
             self._set_state("waiting", f"{server.endpoint}: {exc.details()}")
+            return
+        except CacheError as exc:  # its tokenizer was refused: one line, the device keeps waiting
+            self._set_state("waiting", str(exc))
             return
         self.eos_ids = list(info.eos_token_ids)
         self.model_id = self.settings.model_name or info.model_id

@@ -38,6 +38,7 @@ async def run(args) -> int:
     from edge_client.session import RoundSettings, generate
     from edge_client.text import OutputText
     from edge_client.transport import VerifyError
+    from sled.cache import CacheError
     from sled.sampling import Sampling
     from sled.v1 import verifier_pb2 as pb
 
@@ -57,6 +58,9 @@ async def run(args) -> int:
         except grpc.aio.AioRpcError as exc:
             print(f"sled generate: cannot reach a sled server at {args.server}: "
                   f"{exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 3
+        except CacheError as exc:  # the server's tokenizer was refused (or cannot be kept)
+            print(f"sled generate: {exc}", file=sys.stderr)
             return 3
         prompt_ids = tokenizer(args.prompt).input_ids
         # the output as tokenizer.decode() writes it, each character once it is whole

@@ -1,12 +1,13 @@
 """The device's copy of the target's tokenizer: fetched once per fingerprint into the sled cache,
-used from there only while it matches that fingerprint, written from plain file names only."""
+used from there only while it matches that fingerprint, written from the protocol's file names
+only, into a folder named by a hash of the fingerprint."""
 from __future__ import annotations
 
 import pytest
 
-from edge_client.connection import Connection, _plain_name, cached_tokenizer
+from edge_client.connection import Connection, allowed_file_name, cached_tokenizer
 from lab.tiny import make_tokenizer
-from sled.cache import tokenizer_dir
+from sled.cache import cache_dir, tokenizer_dir
 from sled.fingerprint import fingerprint_tokenizer
 
 
@@ -28,9 +29,20 @@ async def test_fetched_once_then_loaded_from_the_cache_while_it_matches(serve, m
 
 
 @pytest.mark.parametrize("name, plain", [
-    ("tokenizer.json", True), ("tokenizer_config.json", True), ("", False), (".", False),
+    ("tokenizer.json", True), ("tokenizer_config.json", True), ("chat_template.jinja", True),
+    ("special_tokens_map.json", True), ("", False), (".", False),
     ("..", False), (".complete", False), ("../x.json", False), ("a/b.json", False),
-    ("a\\b.json", False), ("a\0b", False),
+    ("a\\b.json", False), ("a\0b", False), (".manifest.json", False), ("model.safetensors", False),
+    ("evil.py", False), ("/tmp/tokenizer.json", False), ("./tokenizer.json", False),
+    ("tokenizer.json/", False), ("TOKENIZER.JSON", False),
 ])
 def test_only_plain_file_names_are_written(name, plain):
-    assert _plain_name(name) is plain
+    assert allowed_file_name(name) is plain
+
+
+@pytest.mark.parametrize("fingerprint", ["sha256:ab", "/tmp/x", "../../etc", "a" * 5000, "c:\\x"])
+def test_the_folder_is_named_by_a_hash_of_the_fingerprint(fingerprint, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path))
+    folder = tokenizer_dir(fingerprint)
+    assert folder.parent == cache_dir() / "tokenizers"
+    assert len(folder.name) == 64 and all(c in "0123456789abcdef" for c in folder.name)

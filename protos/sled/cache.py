@@ -1,8 +1,39 @@
-"""Where sled keeps what it converts, exports or fetches once: $SLED_CACHE (~/.cache/sled)."""
+"""Where sled keeps what it converts, exports or fetches once: $SLED_CACHE (~/.cache/sled).
+
+Every cached folder is trusted only through its manifest, never through a marker file: the
+manifest (MANIFEST, written last, atomically) lists each file with its size, mtime and sha256.
+verify_folder() checks that the folder holds exactly those files at those sizes; a file whose
+mtime still matches is taken as written (so a 500 MB checkpoint costs a few stat calls per start,
+not a 1 s hash), and one whose mtime moved (a copy, a touch, an edit in place) is hashed and must
+match. full=True hashes every file (the tokenizer, small and read whole anyway, always is).
+Whatever does not verify is rebuilt, or fetched again, by its owner.
+
+Nothing a peer sends becomes a path here: a tokenizer's folder is named by the sha256 of the
+fingerprint string the server sent (tokenizer_dir), and only TOKENIZER_FILES are written into it.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
+
+MANIFEST = ".manifest.json"
+# The file names a verify server's GetTokenizer may send (what transformers' save_pretrained
+# writes for a tokenizer); a device refuses any other name.
+TOKENIZER_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
+    "vocab.txt",
+})
+MAX_TOKENIZER_BYTES = 48 << 20      # all tokenizer files together (gemma3's tokenizer.json: 33 MB)
+MAX_FINGERPRINT_CHARS = 256         # "sha256:" + 64 hex digits is what sled servers send
+
+
+class CacheError(Exception):
+    """A cache entry cannot be made or used; the message is one line for the person."""
 
 
 def cache_dir() -> Path:
@@ -10,5 +41,117 @@ def cache_dir() -> Path:
 
 
 def tokenizer_dir(fingerprint: str) -> Path:
-    """The on-disk copy of the tokenizer with this fingerprint (fetched from a server once)."""
-    return cache_dir() / "tokenizers" / fingerprint.replace(":", "-")
+    """The on-disk copy of the tokenizer with this fingerprint, named by a hash of it (the
+    fingerprint comes from a server and never becomes a path itself)."""
+    key = hashlib.sha256(fingerprint.encode("utf-8", "surrogatepass")).hexdigest()
+    return cache_dir() / "tokenizers" / key
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _entry(path: Path, sha256: str | None = None) -> dict:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "sha256": sha256 or file_sha256(path)}
+
+
+def write_manifest(folder: Path) -> None:
+    """Record every file of the folder (its top level) in its manifest: the last write of a
+    cache entry, after which verify_folder() accepts it."""
+    entries = {p.name: _entry(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    fd, partial = tempfile.mkstemp(prefix=MANIFEST, dir=folder)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"files": entries}, f, indent=1)
+    os.replace(partial, folder / MANIFEST)
+
+
+def read_manifest(folder: Path) -> dict[str, dict] | None:
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+        return {str(name): {"size": int(e["size"]), "mtime_ns": int(e["mtime_ns"]),
+                            "sha256": str(e["sha256"])} for name, e in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def verify_folder(folder: Path, full: bool = False) -> bool:
+    """The folder holds exactly the files of its manifest, each whole (see the module docstring).
+    Files found whole after hashing get their new mtime recorded, so the next check is cheap."""
+    manifest = read_manifest(folder)
+    if not manifest:
+        return False
+    try:
+        present = {p.name for p in folder.iterdir() if not p.name.startswith(MANIFEST)}
+        if present != set(manifest):
+            return False
+        rehashed = False
+        for name, want in manifest.items():
+            stat = (folder / name).stat()
+            if stat.st_size != want["size"]:
+                return False
+            if full or stat.st_mtime_ns != want["mtime_ns"]:
+                if file_sha256(folder / name) != want["sha256"]:
+                    return False
+                rehashed |= stat.st_mtime_ns != want["mtime_ns"]
+        if rehashed:
+            write_manifest(folder)
+    except OSError:
+        return False
+    return True
+
+
+def publish(partial: Path, folder: Path) -> None:
+    """Move a finished entry (a folder built beside its place, manifest included) into place,
+    replacing whatever was there; a concurrent writer of the same entry may win, then its copy
+    stays."""
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        partial.rename(folder)
+    except OSError:
+        if not verify_folder(folder):
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def partial_dir(folder: Path) -> Path:
+    """A fresh, empty folder beside FOLDER (same file system, so publish() is a rename)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.sha256.json")
+
+
+def verified_file(path: Path, sha256: str) -> bool:
+    """PATH holds the content with this sha256: taken from its stamp while size and mtime match
+    it, else hashed (and stamped again when it matches)."""
+    try:
+        stat = path.stat()
+        stamp = json.loads(_stamp_path(path).read_text())
+        if (stamp["size"], stamp["mtime_ns"], stamp["sha256"]) == (stat.st_size, stat.st_mtime_ns, sha256):
+            return True
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        if file_sha256(path) != sha256:
+            return False
+    except OSError:
+        return False
+    stamp_file(path, sha256)
+    return True
+
+
+def stamp_file(path: Path, sha256: str) -> None:
+    """Record that PATH, as it is now, has this sha256 (see verified_file)."""
+    fd, partial = tempfile.mkstemp(prefix=_stamp_path(path).name, dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(_entry(path, sha256), f)
+    os.replace(partial, _stamp_path(path))

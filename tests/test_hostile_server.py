@@ -1,0 +1,137 @@
+"""A hostile verify server: nothing it sends becomes a path or a file outside the device's cache,
+and both `sled generate` and the daemon refuse it with one line.
+
+The fake server answers GetModelInfo and GetTokenizer with whatever a test chooses; the device
+runs with SLED_CACHE inside tmp_path, and afterwards nothing may exist under tmp_path outside that
+cache (the fake's absolute names and `..` paths all point into tmp_path).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from edge_client.daemon import Device
+from edge_client.settings import DeviceSettings
+from sled.cache import MAX_TOKENIZER_BYTES
+from sled.fingerprint import fingerprint_tokenizer
+from sled.v1 import verifier_pb2 as pb
+from sled.v1 import verifier_pb2_grpc as pb_grpc
+
+
+class HostileVerifier(pb_grpc.VerifierServicer):
+    def __init__(self, info: pb.ModelInfo, files: pb.TokenizerFiles) -> None:
+        self.info, self.files = info, files
+
+    async def GetModelInfo(self, request, context):
+        return self.info
+
+    async def GetTokenizer(self, request, context):
+        return self.files
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tokenizer, tmp_path_factory) -> dict[str, bytes]:
+    """The tiny target's tokenizer as an honest server sends it."""
+    folder = tmp_path_factory.mktemp("honest-tokenizer")
+    tokenizer.save_pretrained(folder)
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.fixture
+async def hostile():
+    """hostile(fingerprint, files) -> the address of a fake server sending them."""
+    servers = []
+
+    async def start(fingerprint: str, files: dict[str, bytes]) -> str:
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", 128 << 20)])
+        info = pb.ModelInfo(model_id="../../model", vocab_size=320, tokenizer_fingerprint=fingerprint,
+                            eos_token_ids=[2], context_length=1024)
+        sent = pb.TokenizerFiles(tokenizer_fingerprint=fingerprint,
+                                 files=[pb.TokenizerFile(name=n, content=c) for n, c in files.items()])
+        pb_grpc.add_VerifierServicer_to_server(HostileVerifier(info, sent), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        await server.stop(grace=0)
+
+
+def cases(tmp: Path, honest: dict[str, bytes], fingerprint: str) -> dict[str, tuple[str, dict]]:
+    """name -> (fingerprint, files) a hostile server sends."""
+    tokenizer_json = honest["tokenizer.json"]
+    return {
+        "absolute fingerprint": (str(tmp / "x"), honest),
+        "parent fingerprint": ("../../etc", honest),
+        "long fingerprint": ("sha256:" + "ab" * 50_000, honest),
+        "parent file name": (fingerprint, {**honest, "../../escaped.json": b"{}"}),
+        "folder file name": (fingerprint, {**honest, "sub/tokenizer.json": tokenizer_json}),
+        "absolute file name": (fingerprint, {**honest, str(tmp / "abs.json"): b"{}"}),
+        "unknown file name": (fingerprint, {**honest, "evil.py": b"print('hi')"}),
+        "huge file": (fingerprint, {**honest, "added_tokens.json": b" " * (MAX_TOKENIZER_BYTES + 1)}),
+        "another tokenizer": (fingerprint, {"tokenizer.json": tokenizer_json.replace(b'"def"', b'"fed"')}),
+    }
+
+
+# the command's own runs (a child process each): one per kind of hostility; the daemon gets all
+CLI_CASES = ("absolute fingerprint", "absolute file name", "unknown file name", "huge file")
+
+
+def outside_cache(tmp: Path, cache: Path) -> list[Path]:
+    """Every path under tmp that is neither the cache, inside it, nor one of its parents."""
+    return [p for p in tmp.rglob("*") if p != cache and cache not in p.parents and p not in cache.parents]
+
+
+async def sled_generate(address: str, cache: Path, cwd: Path) -> tuple[int, str]:
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sled_cli.main", "generate", "--server", address, "--prompt", "def",
+        "--max-new-tokens", "4", stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+        env={**os.environ, "SLED_CACHE": str(cache),
+             "PYTHONPATH": os.pathsep.join(sys.path)})
+    _, err = await asyncio.wait_for(child.communicate(), 120)
+    return child.returncode, err.decode()
+
+
+async def test_sled_generate_refuses_a_hostile_server_with_one_line(hostile, tokenizer, tokenizer_files,
+                                                                     tmp_path):
+    """`sled generate` against hostile replies, in parallel: each fails with one line, nonzero."""
+    tmp = tmp_path / "device"
+    cache, cwd = tmp / "cache", tmp / "cwd" / "a" / "b"
+    cwd.mkdir(parents=True)
+    chosen = {name: case for name, case in cases(tmp, tokenizer_files, fingerprint_tokenizer(tokenizer)).items()
+              if name in CLI_CASES}
+    addresses = {name: await hostile(*case) for name, case in chosen.items()}
+    results = await asyncio.gather(*(sled_generate(a, cache, cwd) for a in addresses.values()))
+    for name, (code, err) in zip(addresses, results):
+        assert code != 0, f"{name}: exit 0"
+        assert "Traceback" not in err, f"{name}: {err}"
+        lines = [line for line in err.splitlines() if line.startswith("sled generate:")]
+        assert len(lines) == 1 and addresses[name] in lines[0], f"{name}: {err}"
+        print(name, "->", lines[0])
+    assert outside_cache(tmp, cache) == [tmp / "cwd", tmp / "cwd" / "a", cwd]
+    assert not any(p.is_file() and p.suffix == ".py" for p in cache.rglob("*"))
+    assert not list((cache / "tokenizers").iterdir())    # nothing refused is kept
+
+
+async def test_the_daemon_waits_with_one_line_and_writes_nothing_outside_its_cache(
+        hostile, tokenizer, tokenizer_files, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SLED_CACHE", str(cache))
+    for name, case in cases(tmp_path, tokenizer_files, fingerprint_tokenizer(tokenizer)).items():
+        address = await hostile(*case)
+        device = Device(DeviceSettings(id="hostile-test", servers=[address], drafter="ngram"))
+        await device.start()
+        try:
+            assert device.state == "waiting" and not device.ready, name
+            assert address in device.reason and "\n" not in device.reason, (name, device.reason)
+        finally:
+            await device.close()
+    assert outside_cache(tmp_path, cache) == []
