@@ -73,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:   # e.g. a KV budget too small for one block
         print(f"sled serve: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:      # e.g. the port is in use
+        print(f"sled serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -11,11 +13,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sled.v1 import verifier_pb2 as pb
-from sled.v1 import verifier_pb2_grpc as pb_grpc
 from verify_server.engine import make_engine
 from verify_server.metrics import Metrics
 from verify_server.scheduler import Scheduler
-from verify_server.service import VerifierService
+from verify_server.service import Undecodable, VerifierService
 from verify_server.settings import ServerSettings
 from verify_server.target import Target
 
@@ -69,10 +70,11 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     scheduler.start()
     service = VerifierService(target, scheduler, settings, metrics)
     server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_receive_message_length", settings.receive_limit(target.context_length)),
         ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.so_reuseport", 0),      # a second server on a used port fails, never shares it
     ])
-    pb_grpc.add_VerifierServicer_to_server(service, server)
+    add_verifier(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
@@ -80,13 +82,69 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+    try:
+        bound = _bind(server, host, port)
+    except OSError:
+        await scheduler.stop()
+        raise
     await server.start()
     log.info("serving %s on %s:%d", target.model_id, host, bound)
     evictions = asyncio.get_running_loop().create_task(service.run_evictions(), name="sled-evictions")
     return RunningServer(server, bound, service, scheduler, metrics, health_servicer, evictions)
+
+
+def add_verifier(service: VerifierService, server: grpc.aio.Server) -> None:
+    """Register the Verifier as the generated code does, but with request decoders that never
+    raise: undecodable bytes arrive as an Undecodable, which the service refuses with
+    INVALID_ARGUMENT (a raising decoder would end the call with UNKNOWN)."""
+    handlers = {
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetModelInfo, request_deserializer=_decoder(pb.GetModelInfoRequest),
+            response_serializer=pb.ModelInfo.SerializeToString),
+        "GetTokenizer": grpc.unary_unary_rpc_method_handler(
+            service.GetTokenizer, request_deserializer=_decoder(pb.GetTokenizerRequest),
+            response_serializer=pb.TokenizerFiles.SerializeToString),
+        "Generate": grpc.stream_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_decoder(pb.DeviceMessage),
+            response_serializer=pb.ServerMessage.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _decoder(message_type):
+    """bytes -> message_type, or an Undecodable saying why (the bytes are not kept)."""
+    name = message_type.DESCRIPTOR.name
+
+    def decode(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except Exception as exc:   # DecodeError, or anything else the parser raises
+            return Undecodable(name, len(data), str(exc))
+    return decode
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Listen on host:port; OSError with one line if that cannot be done (e.g. the port is in use)."""
+    try:   # the probe first spares the log grpc writes when its own bind fails
+        bound = 0 if port and _in_use(host, port) else server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"port {host}:{port} is in use" if _in_use(host, port)
+                      else f"cannot listen on {host}:{port}")
+    return bound
+
+
+def _in_use(host: str, port: int) -> bool:
+    """Whether something already listens on host:port (a bind, as grpc's, says so)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # TIME_WAIT is no use
+            probe.bind((host.strip("[]"), port))
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    return False
 
 
 async def serve_forever(target: Target, settings: ServerSettings,
@@ -96,7 +154,12 @@ async def serve_forever(target: Target, settings: ServerSettings,
     host = settings.host
     running = await start_server(target, settings, host, settings.port)
     if settings.metrics_port is not None:
-        running.metrics.serve_http(settings.metrics_port, addr=host)
+        try:
+            running.metrics.serve_http(settings.metrics_port, addr=host)
+        except OSError as exc:
+            await running.stop(grace=0)
+            why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be used ({exc.strerror})"
+            raise OSError(f"metrics port {host}:{settings.metrics_port} {why}") from None
         log.info("metrics on http://%s:%d/metrics", host, settings.metrics_port)
     announcing = None
     if announce is not None:

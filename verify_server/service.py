@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -41,6 +42,40 @@ def deadline_of(context, deadline_ms: int = 0) -> float | None:
     return min(candidates) if candidates else None
 
 
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """A request whose bytes are not a valid message of its type (the bytes are not kept)."""
+    message_type: str
+    size: int
+    why: str
+
+    def refusal(self) -> SessionError:
+        return errors.invalid(Reason.REASON_PROTOCOL,
+                              f"undecodable message: {self.size} bytes are not a valid "
+                              f"sled.v1.{self.message_type} ({self.why[:120]})")
+
+
+def kind_of(message: pb.DeviceMessage | Undecodable) -> str:
+    """Which of open, draft and close the message is; refuses anything else."""
+    if isinstance(message, Undecodable):
+        raise message.refusal()
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise errors.invalid(Reason.REASON_PROTOCOL,
+                             "empty DeviceMessage: set one of open, draft, close")
+    return kind
+
+
+def detached(error: SessionError) -> SessionError:
+    """The error without its traceback and chained exceptions, whose frames hold the request."""
+    error.__traceback__ = error.__context__ = error.__cause__ = None
+    return error
+
+
+async def abort(context, error: SessionError) -> None:
+    await context.abort(error.code, error.message)
+
+
 class VerifierService(pb_grpc.VerifierServicer):
     def __init__(self, target: Target, scheduler: Scheduler, settings: ServerSettings,
                  metrics: Metrics) -> None:
@@ -51,11 +86,17 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.sessions: dict[str, Session] = {}
         self.accepting = True
         self.pool = scheduler.engine.pool
+        self.tokenizer_reply = pb.TokenizerFiles(
+            tokenizer_fingerprint=target.fingerprint,
+            files=[pb.TokenizerFile(name=name, content=content)
+                   for name, content in target.tokenizer_files().items()])
         metrics.active_sessions.set_function(lambda: len(self.sessions))
 
     # --- unary calls -------------------------------------------------------------------------
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        if isinstance(request, Undecodable):
+            await abort(context, request.refusal())
         return pb.ModelInfo(
             model_id=self.target.model_id,
             vocab_size=self.target.vocab_size,
@@ -76,19 +117,25 @@ class VerifierService(pb_grpc.VerifierServicer):
         )
 
     async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
-        files = [pb.TokenizerFile(name=name, content=content)
-                 for name, content in self.target.tokenizer_files().items()]
-        return pb.TokenizerFiles(tokenizer_fingerprint=self.target.fingerprint, files=files)
+        """The files made once at start: a call costs no disk work and no time on the loop."""
+        if isinstance(request, Undecodable):
+            await abort(context, request.refusal())
+        return self.tokenizer_reply
 
     # --- the session stream ------------------------------------------------------------------
 
     async def Generate(self, requests: AsyncIterator[pb.DeviceMessage],
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ServerMessage]:
-        """One stream, one session: dispatch each message; a refusal ends the stream (only)."""
+        """One stream, one session: dispatch each message; a refusal ends the stream (only).
+
+        The refusal is sent after the except block, with its traceback cut and the stream's
+        locals dropped: grpc keeps the exception a call was aborted with, and nothing it keeps
+        may pin a request (a refused multi-million-token prompt would stay in memory)."""
         session: Session | None = None
+        refusal: SessionError | None = None
         try:
             async for message in requests:
-                kind = message.WhichOneof("kind")
+                kind = kind_of(message)
                 if kind == "open":
                     session = self._open(session, message.open, context.peer())
                     yield await self._prefill(session, context)
@@ -101,14 +148,15 @@ class VerifierService(pb_grpc.VerifierServicer):
                     yield await self._verify(session, message.draft, context)
                 elif kind == "close":
                     break
-                else:
-                    raise errors.invalid(Reason.REASON_PROTOCOL,
-                                         "empty DeviceMessage: set one of open, draft, close")
         except SessionError as error:
-            yield self._refuse(session, error)
-            await context.abort(error.code, error.message)
+            refusal = detached(error)
         finally:
             self._close(session)
+        if refusal is not None:
+            reply = self._refuse(session, refusal)
+            message = session = None   # the abort's traceback holds this frame
+            yield reply
+            await abort(context, refusal)
 
     def _open(self, session: Session | None, request: pb.Open, peer: str) -> Session:
         validation.check_no_session(session)
@@ -139,10 +187,9 @@ class VerifierService(pb_grpc.VerifierServicer):
             session, tokens[:draft_len], q[:draft_len] if q is not None else None,
             deadline_of(context, draft.deadline_ms), draft.lookahead)
         verdict = finish_round(session, outcome, draft_len, info, self.metrics, self._advise)
-        if session.finished:
+        if session.finished:   # its KV goes now; its slot when the device closes or idles out
             self._end(session)
-        else:
-            session.wait_for_device()
+        session.wait_for_device()
         return pb.ServerMessage(verdict=verdict)
 
     async def _decode(self, session: Session, context) -> AsyncIterator[pb.ServerMessage]:
@@ -217,12 +264,13 @@ class VerifierService(pb_grpc.VerifierServicer):
             self.sessions.pop(session.id, None)
 
     def evict_idle(self, now: float | None = None) -> list[Session]:
-        """Free the KV of sessions that have waited on their device longer than the timeout."""
+        """Free the slot and KV of every session that has waited on its device longer than the
+        timeout; a finished one waiting for its device's close counts from its last verdict."""
         timeout = self.settings.idle_timeout
         if not timeout:
             return []
         now = time.monotonic() if now is None else now
-        idle = [s for s in self.sessions.values() if s.idle_for(now) > timeout and not s.finished]
+        idle = [s for s in self.sessions.values() if s.idle_for(now) > timeout]
         for session in idle:
             session.evicted_after = session.idle_for(now)
             self.scheduler.release(session)

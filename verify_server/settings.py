@@ -26,6 +26,9 @@ from sled.endpoint import parse_endpoint
 from sled.settings_files import SettingsError, file_source, settings_file
 
 ENV_PREFIX = "SLED_SERVE_"
+VARINT_BYTES, FLOAT_BYTES = 5, 4     # the most a uint32 id takes on the wire; a float prob
+FIELD_OVERHEAD = 16                  # tags and lengths of one q position
+MESSAGE_MARGIN = 64 << 10            # stop ids, strings, sampling, framing
 ANNOUNCE = "MQTT announcements"   # the flag group of the announcement keys
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
               "mib": 1 << 20, "gib": 1 << 30}
@@ -74,8 +77,10 @@ class ServerSettings(BaseSettings):
     max_batch_sessions: int = Field(64, ge=1, description="sessions in one forward pass")
     max_step_tokens: int = Field(2048, ge=1, description="tokens per batched forward; longer "
                                                          "prompts are prefilled in chunks")
-    max_message_bytes: int = Field(4 << 20, ge=1, description="larger gRPC messages get "
-                                                              "RESOURCE_EXHAUSTED")
+    max_message_bytes: int | None = Field(
+        None, ge=1, description="larger gRPC messages get RESOURCE_EXHAUSTED (default: what the "
+                                "longest valid message needs, from the context length and draft "
+                                "limits)", json_schema_extra={"metavar": "SIZE"})
     idle_timeout: float = Field(300.0, ge=0, description="seconds a session may idle before its "
                                                          "KV is freed (0 = never)")
     # --- the KV cache ---
@@ -108,10 +113,21 @@ class ServerSettings(BaseSettings):
         None, "HOST:PORT devices should dial (default: host:port, this machine's name for 0.0.0.0)")
     announce_interval: float = _announce(5.0, "seconds between announcements", gt=0)
 
-    @field_validator("kv_budget", mode="before")
+    @field_validator("kv_budget", "max_message_bytes", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
         return parse_size(value) if isinstance(value, str) else value
+
+    def receive_limit(self, context_length: int) -> int:
+        """The largest message the server reads: max_message_bytes, else what a valid one can
+        need: a prompt filling the context plus a full draft with its q (varint ids of up to 5
+        bytes, 4-byte probs), plus room for the small fields."""
+        if self.max_message_bytes is not None:
+            return self.max_message_bytes
+        prompt = context_length * VARINT_BYTES
+        q_position = self.max_q_support * (VARINT_BYTES + FLOAT_BYTES) + FIELD_OVERHEAD
+        draft = self.max_draft_len * (VARINT_BYTES + q_position)
+        return prompt + draft + MESSAGE_MARGIN
 
     @field_validator("max_step_tokens")
     @classmethod

@@ -5,7 +5,7 @@ its SATs. The engine is handed the SATs when it is built; everything else asks t
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,13 +28,15 @@ class Target:
     context_length: int            # tokens of context served (the model's limit, or a lower cap)
     fingerprint: str
     sat: SatSpec | None = None     # semantic adaptive tokens, when the target has them
+    files: dict[str, bytes] = field(default_factory=dict)   # the tokenizer, serialized once
 
     @classmethod
     def load(cls, model_id: str, dtype: str = "float32", device: str = "cpu",
              trust_remote_code: bool = False, name: str | None = None,
              sat_adapter: str | None = None, sat: bool = True) -> "Target":
         """Load an AutoModelForCausalLM from safetensors (a local path or a hub id); `name` is
-        what devices are told the model is called (default: model_id). SATs come from
+        what devices are told the model is called (default: model_id; a path is never told,
+        only its folder's name). SATs come from
         `sat_adapter`, an adapter file beside the model, or the model's config; sat=False
         serves the model without them."""
         if dtype not in DTYPES:
@@ -58,12 +60,13 @@ class Target:
         return cls(
             model=model,
             tokenizer=tokenizer,
-            model_id=model_id,
+            model_id=public_name(model_id, model.config),
             vocab_size=int(config.vocab_size),
             eos_ids=eos_ids_of(model),
             context_length=getattr(config, "max_position_embeddings", None) or 2048,
             fingerprint=fingerprint_tokenizer(tokenizer),
             sat=sat,
+            files=serialize_tokenizer(tokenizer),
         )
 
     def cap_context(self, limit: int | None) -> None:
@@ -85,10 +88,40 @@ class Target:
         return str(next(self.model.parameters()).device)
 
     def tokenizer_files(self) -> dict[str, bytes]:
-        """The tokenizer as files a device can load with AutoTokenizer.from_pretrained(dir)."""
-        with tempfile.TemporaryDirectory() as tmp:
-            self.tokenizer.save_pretrained(tmp)
-            return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+        """The tokenizer as files a device can load with AutoTokenizer.from_pretrained(dir),
+        serialized when the target was made (no disk work per request)."""
+        if not self.files:
+            self.files = serialize_tokenizer(self.tokenizer)
+        return self.files
+
+
+def serialize_tokenizer(tokenizer) -> dict[str, bytes]:
+    """The files save_pretrained writes, by name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+
+
+def public_name(model_id: str, config=None) -> str:
+    """What devices are told the model is called: a hub id or an alias as given, but for a
+    local path only its last component (the server's file system is nobody's business)."""
+    path = Path(model_id).expanduser()
+    if not model_id or not _looks_like_path(model_id, path):
+        return model_id
+    name = path.resolve().name if path.exists() else path.name
+    if not name and config is not None:
+        name = Path(str(getattr(config, "name_or_path", "") or "")).name
+    return name or "model"
+
+
+def _looks_like_path(model_id: str, path: Path) -> bool:
+    """A folder or file here, or spelled like one (absolute, ~, ./, ../, a backslash)."""
+    if model_id.startswith(("/", "~", "./", "../", ".\\")) or "\\" in model_id:
+        return True
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def eos_ids_of(model) -> tuple[int, ...]:
