@@ -11,7 +11,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
+import re
+import tempfile
 from pathlib import Path
 
 import llama_cpp
@@ -21,6 +24,7 @@ from drafters.base import KVDrafter, drafter_threads
 from sled.cache import cache_dir
 
 _FINGERPRINTS: dict[str, str] = {}  # cache key (file, size, mtime, transformers) -> fingerprint
+FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")  # what sled.fingerprint makes
 
 
 class GGUFDrafter(KVDrafter):
@@ -78,7 +82,9 @@ def gguf_fingerprint(path: Path) -> str:
     That is what a target loaded (or converted) from the same GGUF reports, so a drafter and a
     target from one file match. The conversion takes seconds (gemma3: ~20 s), so the result is
     cached in memory and in $SLED_CACHE/fingerprints, keyed by file, size, mtime and the
-    transformers version (the conversion's rules change between versions).
+    transformers version (the conversion's rules change between versions). A cached entry is
+    used only when it is whole: it names its key, holds a well-formed fingerprint and a sha256
+    of both (a truncated or altered entry is computed again).
     """
     import transformers
 
@@ -86,18 +92,39 @@ def gguf_fingerprint(path: Path) -> str:
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
     if key in _FINGERPRINTS:
         return _FINGERPRINTS[key]
-    cache = cache_dir() / "fingerprints"
-    file = cache / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".txt")
-    if file.exists():
-        fingerprint = file.read_text().strip()
-    else:
+    file = cache_dir() / "fingerprints" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+    fingerprint = _read_entry(file, key)
+    if fingerprint is None:
         from sled.fingerprint import fingerprint_tokenizer
 
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         fingerprint = fingerprint_tokenizer(tokenizer)
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = file.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(fingerprint + "\n")
-        partial.replace(file)  # atomic: a concurrent reader sees all of it or nothing
+        _write_entry(file, key, fingerprint)
     _FINGERPRINTS[key] = fingerprint
     return fingerprint
+
+
+def _entry_digest(key: str, fingerprint: str) -> str:
+    return hashlib.sha256(f"{key}\n{fingerprint}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _read_entry(file: Path, key: str) -> str | None:
+    """The cached fingerprint for KEY, or None when the entry is missing or not whole."""
+    try:
+        entry = json.loads(file.read_text())
+        fingerprint = entry["fingerprint"]
+        if entry["key"] == key and FINGERPRINT.fullmatch(fingerprint) and \
+                entry["sha256"] == _entry_digest(key, fingerprint):
+            return fingerprint
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _write_entry(file: Path, key: str, fingerprint: str) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=file.name, dir=file.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"key": key, "fingerprint": fingerprint,
+                   "sha256": _entry_digest(key, fingerprint)}, f)
+    os.replace(partial, file)  # atomic: a concurrent reader sees all of it or nothing

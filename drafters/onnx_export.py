@@ -11,6 +11,12 @@ Builder quirks handled here (onnxruntime-genai 0.18, transformers 5):
   - sliding-window models: windowed_kv_cache=false, else rewind_to() fails once the window cache
     has recycled the positions a rollback needs;
   - int8 with tied embeddings: shared_embeddings=false (the embedding Gather takes only 4 bits).
+
+An export is written with its manifest (sled.cache.write_manifest) and a cached one is used only
+while the manifest verifies (sizes and mtimes; a file is hashed only when its mtime moved, so the
+250 MB model.onnx.data costs a stat per start); otherwise it is exported again. An export from
+before manifests is kept only when it is structurally whole (its JSON files parse, and
+model.onnx's external tensors all lie inside their data files), and is then given its manifest.
 """
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ import tempfile
 from collections import deque
 from pathlib import Path
 
+from sled.cache import partial_dir, publish, read_manifest, verify_folder, write_manifest
+
 PRECISIONS = ("int4", "int8", "fp32")
 _LAYER = re.compile(r"(?:Reading layer |model[./]layers\.)(\d+)")  # reading, saving, quantizing
 
@@ -36,11 +44,41 @@ def alias_dir(alias: str, precision: str = "int4") -> Path:
 
 
 def export_alias(alias: str, precision: str = "int4") -> Path:
-    """The cached ONNX export of a built-in model, made on first use."""
+    """The cached ONNX export of a built-in model, made on first use and again whenever the
+    cached one does not verify."""
     out = alias_dir(alias, precision)
-    if not (out / "genai_config.json").exists():
+    if not (verify_folder(out) or _adopt_legacy(out)):
+        shutil.rmtree(out, ignore_errors=True)
         export(alias, out, precision)
     return out
+
+
+def _adopt_legacy(out: Path) -> bool:
+    """An export made before manifests: given its manifest when it is structurally whole."""
+    if read_manifest(out) is not None or not export_is_whole(out):
+        return False
+    write_manifest(out)
+    return True
+
+
+def export_is_whole(out: Path) -> bool:
+    """Its JSON files parse and every external tensor of model.onnx lies inside its data file."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    try:
+        for path in out.glob("*.json"):
+            json.loads(path.read_bytes())
+        model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+        for tensor in model.graph.initializer:
+            if uses_external_data(tensor):
+                info = ExternalDataInfo(tensor)
+                data = out / Path(info.location).name
+                if (info.offset or 0) + (info.length or 0) > data.stat().st_size:
+                    return False
+        return (out / "genai_config.json").is_file()
+    except Exception:  # onnx raises its own decode errors on a damaged model.onnx
+        return False
 
 
 def resolve_onnx(arg: str) -> str:
@@ -59,7 +97,6 @@ def export(source: str, out: str | Path, precision: str = "int4",
            execution_provider: str = "cpu") -> Path:
     """Export SOURCE (an HF checkpoint folder or a built-in alias) into the folder OUT."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 
     from sled.models import BUILTIN, hf_checkpoint
 
@@ -72,46 +109,47 @@ def export(source: str, out: str | Path, precision: str = "int4",
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / "genai_config.json").exists():
         raise FileExistsError(f"{out} exists and is not an ONNX export: choose an empty folder")
-    layers = json.loads((checkpoint / "config.json").read_text()).get("num_hidden_layers", 1)
-    out.parent.mkdir(parents=True, exist_ok=True)
     # Build beside OUT and swap it in at the end: OUT is either a whole export or untouched.
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    tail: deque[str] = deque(maxlen=40)  # the builder's last lines, shown if it fails
+    partial = partial_dir(out)
     console = Console(stderr=True)
     try:
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                      MofNCompleteColumn(), console=console, transient=True) as progress:
-            task = progress.add_task(f"{precision} export of {source}: loading", total=layers)
-            current = "loading"
-            child = subprocess.Popen(
-                [sys.executable, "-m", "drafters.onnx_export", str(checkpoint), str(partial),
-                 precision, execution_provider],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_MININTERVAL": "1"})
-            for line in _lines(child.stdout):
-                tail.append(line)
-                stage = _stage(line)
-                if stage and stage != current:
-                    current = stage
-                    progress.update(task, description=f"{precision} export of {source}: {stage}",
-                                    completed=0)
-                if (match := _LAYER.search(line)):  # layer N in progress: N done
-                    progress.update(task, completed=min(int(match.group(1)), layers))
-            if child.wait() != 0:
-                raise RuntimeError(f"the ONNX model builder failed ({child.returncode}):\n"
-                                   + "\n".join(tail))
-        shutil.rmtree(out, ignore_errors=True)
-        try:
-            partial.rename(out)
-        except OSError:  # a concurrent export of the same model got there first: keep that one
-            if not (out / "genai_config.json").exists():
-                raise
+        _run_builder(source, checkpoint, partial, precision, execution_provider, console)
+        write_manifest(partial)
+        publish(partial, out)  # a concurrent export of the same model may get there first
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     console.print(f"exported {source} ({precision}) -> {out}")
     return out
+
+
+def _run_builder(source: str, checkpoint: Path, partial: Path, precision: str,
+                 execution_provider: str, console) -> None:
+    """The model builder in a child process, its output shown as a progress bar."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+
+    layers = json.loads((checkpoint / "config.json").read_text()).get("num_hidden_layers", 1)
+    tail: deque[str] = deque(maxlen=40)  # the builder's last lines, shown if it fails
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  MofNCompleteColumn(), console=console, transient=True) as progress:
+        task = progress.add_task(f"{precision} export of {source}: loading", total=layers)
+        current = "loading"
+        child = subprocess.Popen(
+            [sys.executable, "-m", "drafters.onnx_export", str(checkpoint), str(partial),
+             precision, execution_provider],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_MININTERVAL": "1"})
+        for line in _lines(child.stdout):
+            tail.append(line)
+            stage = _stage(line)
+            if stage and stage != current:
+                current = stage
+                progress.update(task, description=f"{precision} export of {source}: {stage}",
+                                completed=0)
+            if (match := _LAYER.search(line)):  # layer N in progress: N done
+                progress.update(task, completed=min(int(match.group(1)), layers))
+        if child.wait() != 0:
+            raise RuntimeError(f"the ONNX model builder failed ({child.returncode}):\n"
+                               + "\n".join(tail))
 
 
 def _lines(stream):

