@@ -367,6 +367,33 @@ async def test_any_raw_frames_end_clearly(fuzzed, frames):
     fuzzed.streams += 1
 
 
+UNARY = {"/sled.v1.Verifier/GetModelInfo": pb.ModelInfo, "/sled.v1.Verifier/GetTokenizer": pb.TokenizerFiles}
+
+
+@settings(FUZZ, max_examples=100)
+@given(method=st.sampled_from(sorted(UNARY)), frame=st.binary(max_size=48))
+async def test_unary_calls_answer_any_frame_clearly(fuzzed, method, frame):
+    """The unary requests have no fields, so any bytes are a frame for them: a reply, or
+    INVALID_ARGUMENT for bytes that do not decode."""
+    call = fuzzed.channel.unary_unary(method, request_serializer=None,
+                                      response_deserializer=UNARY[method].FromString)
+    try:
+        reply = await call(frame, timeout=STREAM_TIMEOUT_S)
+    except grpc.aio.AioRpcError as error:
+        assert decoded_as(UNARY[method], frame) is None, error
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details(), error
+        return
+    assert decoded_as(UNARY[method], frame) is not None and reply.tokenizer_fingerprint
+
+
+def decoded_as(reply_type, frame: bytes):
+    request_type = pb.GetModelInfoRequest if reply_type is pb.ModelInfo else pb.GetTokenizerRequest
+    try:
+        return request_type.FromString(frame)
+    except Exception:
+        return None
+
+
 async def test_after_the_fuzz_the_server_is_clean_and_correct(fuzzed, models, prompts):
     """Runs after the properties above (same module, same server): nothing left behind, the
     target's greedy output, and bounded growth of the process."""
