@@ -6,7 +6,11 @@ verify_folder() checks that the folder holds exactly those files at those sizes;
 mtime still matches is taken as written (so a 500 MB checkpoint costs a few stat calls per start,
 not a 1 s hash), and one whose mtime moved (a copy, a touch, an edit in place) is hashed and must
 match. full=True hashes every file (the tokenizer, small and read whole anyway, always is).
-Whatever does not verify is rebuilt, or fetched again, by its owner.
+Whatever does not verify is rebuilt, or fetched again, by its owner. Why not hash always: a
+converted gemma3 checkpoint is 1 GB, about a second of hashing per start for damage that size and
+mtime already reveal (a truncated, deleted, rewritten or copied file); what they miss is only a
+same-size edit that also puts the old mtime back, which no accident does. A single file whose
+content is known (the assembled GGUF) is checked the same way against a stamp (verified_file).
 
 Nothing a peer sends becomes a path here: a tokenizer's folder is named by the sha256 of the
 fingerprint string the server sent (tokenizer_dir), and only TOKENIZER_FILES are written into it.
@@ -25,8 +29,8 @@ MANIFEST = ".manifest.json"
 # writes for a tokenizer); a device refuses any other name.
 TOKENIZER_FILES = frozenset({
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
-    "vocab.txt",
+    "chat_template.jinja", "chat_template.json", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "vocab.json", "merges.txt", "vocab.txt",
 })
 MAX_TOKENIZER_BYTES = 48 << 20      # all tokenizer files together (gemma3's tokenizer.json: 33 MB)
 MAX_FINGERPRINT_CHARS = 256         # "sha256:" + 64 hex digits is what sled servers send

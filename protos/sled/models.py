@@ -91,12 +91,13 @@ def hf_checkpoint(alias: str) -> Path:
     from rich.console import Console
 
     folder = cache_dir() / "hf" / alias
+    gguf = gguf_path(alias)
     console = Console(stderr=True)
     partial = partial_dir(folder)
     try:
-        with console.status(f"converting {alias} from {gguf_path(alias).name} to a transformers "
-                            "checkpoint (once; about a minute)"):
-            _convert(gguf_path(alias), partial)
+        with console.status(f"converting {alias} from {gguf.name} to a transformers checkpoint "
+                            "(once; about a minute)"):
+            _convert(gguf, partial)
             write_manifest(partial)
             publish(partial, folder)
     finally:
