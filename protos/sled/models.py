@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sled.cache import (cache_dir, partial_dir, publish, stamp_file, verified_file, verify_folder,
-                        write_manifest)
+from sled.cache import (cache_dir, partial_dir, publish, read_manifest, stamp_file, verified_file,
+                        verify_folder, write_manifest)
 
 LEGACY_MARKER = ".complete"   # what converted copies had before manifests
 
@@ -130,11 +130,11 @@ def _convert(gguf: Path, out: Path) -> None:
 
 
 def _adopt_legacy(folder: Path) -> bool:
-    """A copy made before manifests: given its manifest when it is structurally whole."""
-    marker = folder / LEGACY_MARKER
-    if not marker.exists() or not checkpoint_is_whole(folder):
+    """A copy made before manifests: given its manifest when it is structurally whole (the
+    marker stays, listed like any file, so processes adopting it at once agree)."""
+    if not (folder / LEGACY_MARKER).exists() or read_manifest(folder) is not None \
+            or not checkpoint_is_whole(folder):
         return False
-    marker.unlink()
     write_manifest(folder)
     return True
 
