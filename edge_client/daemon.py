@@ -283,8 +283,9 @@ class Device:
         bad = [t for t in itertools.chain(request.prompt_ids, request.stop_ids) if not 0 <= t < vocab]
         if bad:
             raise DeviceError("invalid", f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        if request.max_tokens is not None and request.max_tokens < 1:
-            raise DeviceError("invalid", f"max_tokens must be >= 1, got {request.max_tokens}")
+        # max_tokens travels as a uint32 (MQTT requests reach here unchecked)
+        if request.max_tokens is not None and not 1 <= request.max_tokens < 2**32:
+            raise DeviceError("invalid", f"max_tokens must be in [1, 2**32), got {request.max_tokens}")
 
     async def _run(self, request: Request, queue: asyncio.Queue) -> None:
         try:

@@ -15,6 +15,7 @@ import grpc
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
+from edge_client.daemon import DeviceError, Request
 from sled.printable import printable
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
@@ -202,6 +203,16 @@ async def test_out_of_range_numbers_get_400_naming_the_parameter(api):
             "max_completion_tokens": BIG}
     status, _, answer = await post(url, "/v1/chat/completions", json.dumps(chat))
     assert (status, answer["error"]["param"]) == (400, "max_completion_tokens"), answer
+
+
+async def test_the_device_refuses_a_max_tokens_the_wire_cannot_carry(api):
+    """MQTT requests reach the device without the API's checks: 10^12 was a ValueError deep in
+    the session (an internal error), now a DeviceError("invalid") naming max_tokens."""
+    _, _, device = api
+    for max_tokens in (10**12, 2**32, 0):
+        with pytest.raises(DeviceError) as refused:
+            await device.complete(Request([5, 6], max_tokens=max_tokens))
+        assert refused.value.kind == "invalid" and "max_tokens" in refused.value.message
 
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
