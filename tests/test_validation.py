@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
@@ -91,3 +92,48 @@ def test_ids_must_be_inside_the_vocabulary():
     error = refusal(validation.check_ids, [3, 100, 200], "stop_ids", 100, 2)
     assert error.message == "stop_ids has id 100 outside the target vocabulary [0, 100)"
     assert error.round == 2
+
+
+# --- free text, in any shape a message may take later ----------------------------------------------
+
+def later_message():
+    """A message class with every shape of text field: repeated strings, bytes, a nested message
+    (repeated) and a map, as fields added to the protocol later might have."""
+    T = descriptor_pb2.FieldDescriptorProto
+    proto = descriptor_pb2.FileDescriptorProto(name="later.proto", package="later", syntax="proto3")
+    inner = proto.message_type.add(name="Inner")
+    inner.field.add(name="note", number=1, type=T.TYPE_STRING, label=T.LABEL_OPTIONAL)
+    outer = proto.message_type.add(name="Outer")
+    entry = outer.nested_type.add(name="LabelsEntry")
+    entry.options.map_entry = True
+    entry.field.add(name="key", number=1, type=T.TYPE_STRING, label=T.LABEL_OPTIONAL)
+    entry.field.add(name="value", number=2, type=T.TYPE_STRING, label=T.LABEL_OPTIONAL)
+    outer.field.add(name="tags", number=1, type=T.TYPE_STRING, label=T.LABEL_REPEATED)
+    outer.field.add(name="blob", number=2, type=T.TYPE_BYTES, label=T.LABEL_OPTIONAL)
+    outer.field.add(name="inner", number=3, type=T.TYPE_MESSAGE, label=T.LABEL_REPEATED,
+                    type_name=".later.Inner")
+    outer.field.add(name="labels", number=4, type=T.TYPE_MESSAGE, label=T.LABEL_REPEATED,
+                    type_name=".later.Outer.LabelsEntry")
+    outer.field.add(name="count", number=5, type=T.TYPE_UINT32, label=T.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("later.Outer"))
+
+
+def test_text_is_bounded_in_every_shape_of_field():
+    Outer = later_message()
+    limit = validation.DEFAULT_TEXT_LIMIT
+    fine = Outer(tags=["a" * limit], blob=b"b" * limit, inner=[{"note": "n" * limit}],
+                 labels={"k" * limit: "v" * limit}, count=2**32 - 1)
+    validation.check_text(fine, "outer")
+    too_long = {
+        "outer.tags[1] is 257 characters long": Outer(tags=["a", "a" * (limit + 1)]),
+        "outer.blob is 257 bytes long": Outer(blob=b"b" * (limit + 1)),
+        "outer.inner[1].note is 257 characters long": Outer(inner=[{}, {"note": "n" * (limit + 1)}]),
+        "outer.labels key is 257 characters long": Outer(labels={"k" * (limit + 1): "v"}),
+        "outer.labels[k\\n] is 257 characters long": Outer(labels={"k\n": "v" * (limit + 1)}),
+    }
+    for said, message in too_long.items():
+        error = refusal(validation.check_text, message, "outer", 3)
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT and error.round == 3
+        assert error.message.startswith(said) and f"at most {limit} allowed" in error.message
