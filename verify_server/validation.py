@@ -41,6 +41,7 @@ TEXT_LIMITS = {
     "sled.v1.Open.cache_salt": 256,
 }
 DEFAULT_TEXT_LIMIT = 256
+TEXT_TYPES = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
 # The most characters of a client's text quoted in one error message.
 QUOTED_CHARS = 64
 
@@ -253,9 +254,6 @@ def _check_value(field: FieldDescriptor, value, name: str, round: int) -> None:
             raise errors.invalid(Reason.REASON_PROTOCOL,
                                  f"{name} is {len(value)} {unit} long, at most {limit} allowed: "
                                  "shorten it", round)
-
-
-TEXT_TYPES = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
 
 
 @functools.cache
