@@ -57,6 +57,8 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     `port`: port 0 picks a free port, see RunningServer.port)."""
     settings = settings or ServerSettings()
     metrics = metrics or Metrics()
+    if port and _in_use(host, port):   # before the KV pool is taken
+        raise OSError(f"port {host}:{port} is in use")
     target.cap_context(settings.context_length)
     if target.sat is not None:
         target.sat.check(target.model)

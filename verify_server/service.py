@@ -72,8 +72,12 @@ def detached(error: SessionError) -> SessionError:
     return error
 
 
-async def abort(context, error: SessionError) -> None:
-    await context.abort(error.code, error.message)
+def end_call(context, error: SessionError, reply=None):
+    """The call ends with the error's status once the handler returns (no exception is raised,
+    so none is kept with the call's frames)."""
+    context.set_code(error.code)
+    context.set_details(error.message)
+    return reply
 
 
 class VerifierService(pb_grpc.VerifierServicer):
@@ -96,7 +100,7 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         if isinstance(request, Undecodable):
-            await abort(context, request.refusal())
+            return end_call(context, request.refusal(), pb.ModelInfo())
         return pb.ModelInfo(
             model_id=self.target.model_id,
             vocab_size=self.target.vocab_size,
@@ -119,7 +123,7 @@ class VerifierService(pb_grpc.VerifierServicer):
     async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
         """The files made once at start: a call costs no disk work and no time on the loop."""
         if isinstance(request, Undecodable):
-            await abort(context, request.refusal())
+            return end_call(context, request.refusal(), pb.TokenizerFiles())
         return self.tokenizer_reply
 
     # --- the session stream ------------------------------------------------------------------
@@ -128,13 +132,14 @@ class VerifierService(pb_grpc.VerifierServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ServerMessage]:
         """One stream, one session: dispatch each message; a refusal ends the stream (only).
 
-        The refusal is sent after the except block, with its traceback cut and the stream's
-        locals dropped: grpc keeps the exception a call was aborted with, and nothing it keeps
-        may pin a request (a refused multi-million-token prompt would stay in memory)."""
+        Nothing may keep a request after its call (a refused multi-million-token prompt would
+        stay in memory): messages are read with context.read(), as grpc's request iterator keeps
+        the last one in a cycle it never frees, and a refusal ends the call with a status set
+        after the except block, not by an abort, whose kept exception would pin the frames."""
         session: Session | None = None
         refusal: SessionError | None = None
         try:
-            async for message in requests:
+            while (message := await context.read()) is not grpc.aio.EOF:
                 kind = kind_of(message)
                 if kind == "open":
                     session = self._open(session, message.open, context.peer())
@@ -153,10 +158,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         finally:
             self._close(session)
         if refusal is not None:
-            reply = self._refuse(session, refusal)
-            message = session = None   # the abort's traceback holds this frame
-            yield reply
-            await abort(context, refusal)
+            yield self._refuse(session, refusal)
+            end_call(context, refusal)
 
     def _open(self, session: Session | None, request: pb.Open, peer: str) -> Session:
         validation.check_no_session(session)

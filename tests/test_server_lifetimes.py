@@ -1,0 +1,298 @@
+"""What a session, a refusal and a call leave behind on the server: a refused request is freed,
+every session holding a slot idles out, GetTokenizer costs no work per call, the receive limit
+follows the context, undecodable bytes get INVALID_ARGUMENT, the model is named without the
+server's paths, and a second server on a used port fails.
+
+Raw channels (identity serializers) are used where the test must control the bytes on the wire.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import gc
+import os
+import time
+import types
+
+import grpc
+import pytest
+
+from conftest import greedy_reference, run_sled
+from sled.v1 import verifier_pb2 as pb
+from verify_server.server import start_server
+from verify_server.session import Session
+from verify_server.settings import MESSAGE_MARGIN, ServerSettings
+from verify_server.target import Target, public_name, serialize_tokenizer
+
+Reason = pb.ErrorDetail.Reason
+GENERATE = "/sled.v1.Verifier/Generate"
+A = 5                       # a valid id of the tiny vocabulary (one byte on the wire)
+BIG_PROMPT = 2_000_000      # ids: ~8 MiB per request once decoded
+WARM_UP, MEASURED = 30, 30  # refusals
+CORRUPT = [b"\x0a\x64abc",                   # field 1, 100 bytes announced, 3 sent
+           b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",   # a tag longer than any varint
+           b"\x12\x05\x08\xff\xff\xff"]     # a draft whose round varint never ends
+
+
+def rss_bytes() -> int:
+    """The process's resident memory, after the C heap gives back what it can."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        import psutil
+        return psutil.Process().memory_info().rss
+    except ImportError:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def open_bytes(prompt_len: int, max_new_tokens: int = 1, ids: int = A) -> bytes:
+    return pb.DeviceMessage(open=pb.Open(prompt_ids=[ids] * prompt_len,
+                                         max_new_tokens=max_new_tokens)).SerializeToString()
+
+
+def open_msg(prompt, max_new_tokens: int) -> pb.DeviceMessage:
+    return pb.DeviceMessage(open=pb.Open(prompt_ids=list(prompt), max_new_tokens=max_new_tokens,
+                                         ignore_eos=True))
+
+
+def draft_msg(round: int, tokens) -> pb.DeviceMessage:
+    return pb.DeviceMessage(draft=pb.Draft(round=round, token_ids=list(tokens)))
+
+
+def pinned() -> list[str]:
+    """Frames still alive that hold a request, a session or a prompt: after a call has ended,
+    only something keeping its exception (and so its frames) would hold them."""
+    gc.collect()
+    held = []
+    for frame in [o for o in gc.get_objects() if isinstance(o, types.FrameType)]:
+        for name, value in frame.f_locals.items():
+            if (isinstance(value, (pb.DeviceMessage, pb.Open, pb.Draft, Session))
+                    or type(value).__name__.startswith("RepeatedScalar")):
+                held.append(f"{frame.f_code.co_name}:{name}")
+    return held
+
+
+async def wait_until(predicate, what: str, timeout: float = 5.0) -> float:
+    """Seconds until predicate() holds."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+@pytest.fixture
+async def wire(serve, models):
+    """wire(**settings) -> (server, raw Generate, stub-like channel): bytes in, messages out."""
+    channels = []
+
+    async def start(**settings):
+        server = await serve(models["llama"], **settings)
+        channel = grpc.aio.insecure_channel(server.address)
+        channels.append(channel)
+        raw = channel.stream_stream(GENERATE, request_serializer=lambda b: b,
+                                    response_deserializer=pb.ServerMessage.FromString)
+        return server, raw, channel
+
+    yield start
+    for channel in channels:
+        await channel.close()
+
+
+async def refused(call, code: grpc.StatusCode, reason: int) -> str:
+    """The stream's last message is an ErrorDetail with `reason`, then it ends with `code`."""
+    reply = await call.read()
+    assert reply is not grpc.aio.EOF and reply.WhichOneof("kind") == "error", reply
+    assert Reason.Name(reply.error.reason) == Reason.Name(reason), reply.error.message
+    assert await call.code() == code
+    return reply.error.message
+
+
+async def served_correctly(raw, models, prompt, n: int = 4) -> None:
+    """A new stream's greedy tokens are the target's own."""
+    expected = greedy_reference(models["llama"], prompt, n)
+    call = raw()
+    await call.write(open_msg(prompt, n).SerializeToString())
+    assert (await call.read()).WhichOneof("kind") == "opened"
+    await call.write(draft_msg(0, expected[:n - 1]).SerializeToString())
+    verdict = (await call.read()).verdict
+    assert list(verdict.emitted_ids) == expected
+    assert verdict.finish_reason == pb.FINISH_REASON_LENGTH
+    call.cancel()
+
+
+# --- refusals free their request ----------------------------------------------------------------
+
+async def test_refused_prompts_are_freed(wire, prompts, models):
+    """Refused multi-million-token prompts: no frame keeps one, and the server's RSS stops
+    growing once grpc and the allocator have their working set."""
+    server, raw, _ = await wire(context_length=64, max_message_bytes=64 << 20)
+    big = open_bytes(BIG_PROMPT)
+
+    async def refuse(n: int) -> None:
+        for _ in range(n):
+            call = raw()
+            await call.write(big)
+            await refused(call, grpc.StatusCode.INVALID_ARGUMENT, Reason.REASON_CONTEXT_OVERFLOW)
+
+    await refuse(WARM_UP)   # grpc's buffers and the allocator's heap reach their working size
+    assert pinned() == []
+    before = rss_bytes()
+    await refuse(MEASURED)
+    grown_mib = (rss_bytes() - before) / (1 << 20)
+    assert pinned() == []
+    kept_mib = MEASURED * BIG_PROMPT * 4 / (1 << 20)   # the decoded prompts, were they kept
+    print(f"RSS grew {grown_mib:.0f} MiB over {MEASURED} refusals")
+    assert grown_mib < kept_mib / 4, f"RSS grew {grown_mib:.0f} MiB over {MEASURED} refusals"
+    await served_correctly(raw, models, prompts[0])
+
+
+async def test_refused_drafts_free_their_session(wire, prompts, models):
+    """A refusal mid-session (a draft for the wrong round) leaves no frame holding the session."""
+    server, raw, _ = await wire()
+    for round in (3, 7):
+        call = raw()
+        await call.write(open_msg(prompts[0], 4).SerializeToString())
+        assert (await call.read()).WhichOneof("kind") == "opened"
+        await call.write(draft_msg(round, [A]).SerializeToString())
+        await refused(call, grpc.StatusCode.FAILED_PRECONDITION, Reason.REASON_WRONG_ROUND)
+    await wait_until(lambda: not server.service.sessions, "the refused sessions to go")
+    assert pinned() == []
+    await served_correctly(raw, models, prompts[0])
+
+
+# --- every session holding a slot idles out ----------------------------------------------------
+
+async def test_finished_sessions_with_open_streams_idle_out(wire, prompts, models):
+    """One-token generations that never close their streams give their slots back after the
+    idle timeout, and the next client generates the target's tokens."""
+    server, raw, _ = await wire(max_sessions=3, idle_timeout=0.5)
+    idle = []
+    for prompt in prompts[:3]:
+        call = raw()
+        await call.write(open_msg(prompt, 1).SerializeToString())
+        assert (await call.read()).WhichOneof("kind") == "opened"
+        await call.write(draft_msg(0, [A]).SerializeToString())
+        assert (await call.read()).verdict.finish_reason == pb.FINISH_REASON_LENGTH
+        idle.append(call)       # finished, stream left open
+    locked_out = raw()
+    await locked_out.write(open_msg(prompts[3], 4).SerializeToString())
+    await refused(locked_out, grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.REASON_TOO_MANY_SESSIONS)
+
+    await wait_until(lambda: not server.service.sessions, "the finished sessions to idle out")
+    assert server.metrics.value("sled_evicted_sessions_total") == 3
+    await served_correctly(raw, models, prompts[3])
+    for call in idle:           # a late close still ends its stream cleanly
+        await call.write(pb.DeviceMessage(close=pb.Close()).SerializeToString())
+        assert await call.read() is grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+
+
+# --- GetTokenizer and the receive limit -----------------------------------------------------------
+
+async def test_get_tokenizer_does_no_work_per_call(serve, models, tokenizer, prompts, monkeypatch):
+    """The files are made when the target is; a call neither writes nor reads the disk and
+    returns at once, so a flood of them leaves other sessions' rounds alone."""
+    expected = serialize_tokenizer(tokenizer)
+    server = await serve(models["llama"])
+
+    def no_disk(*args, **kwargs):
+        raise AssertionError("GetTokenizer serialized the tokenizer")
+    monkeypatch.setattr(server.service.target.tokenizer, "save_pretrained", no_disk)
+    service = server.service
+    await service.GetTokenizer(pb.GetTokenizerRequest(), None)   # warm-up
+    started = time.perf_counter()
+    reply = await service.GetTokenizer(pb.GetTokenizerRequest(), None)
+    assert time.perf_counter() - started < 0.01
+    assert {f.name: f.content for f in reply.files} == expected
+    assert reply.tokenizer_fingerprint == service.target.fingerprint
+
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        get = channel.unary_unary("/sled.v1.Verifier/GetTokenizer",
+                                  request_serializer=pb.GetTokenizerRequest.SerializeToString,
+                                  response_deserializer=pb.TokenizerFiles.FromString)
+        replies = await asyncio.gather(*[get(pb.GetTokenizerRequest()) for _ in range(12)])
+    assert all({f.name: f.content for f in r.files} == expected for r in replies)
+
+
+async def test_receive_limit_follows_the_context(wire, prompts, models):
+    """By default the server reads what the longest valid message needs, not 4 MiB."""
+    settings = ServerSettings()
+    need = 64 * 5 + settings.max_draft_len * (5 + settings.max_q_support * 9 + 16) + MESSAGE_MARGIN
+    assert settings.receive_limit(64) == need
+    assert ServerSettings(max_message_bytes="1MiB").receive_limit(64) == 1 << 20
+    server, raw, _ = await wire(context_length=64)
+    call = raw()                # a prompt over the context but within the limit: a precise refusal
+    await call.write(open_bytes(100))
+    await refused(call, grpc.StatusCode.INVALID_ARGUMENT, Reason.REASON_CONTEXT_OVERFLOW)
+    call = raw()                # far more than any valid message: grpc refuses it unread
+    await call.write(open_bytes(need + 1))
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await call.read()
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await served_correctly(raw, models, prompts[0])
+
+
+# --- undecodable bytes ------------------------------------------------------------------------------
+
+async def test_undecodable_messages_are_invalid_argument(wire, prompts, models):
+    server, raw, channel = await wire()
+    for frame in CORRUPT:
+        with pytest.raises(Exception):
+            pb.DeviceMessage.FromString(frame)
+        call = raw()
+        await call.write(frame)
+        details = await refused(call, grpc.StatusCode.INVALID_ARGUMENT, Reason.REASON_PROTOCOL)
+        assert "not a valid sled.v1.DeviceMessage" in details
+    for method in ("GetModelInfo", "GetTokenizer"):
+        unary = channel.unary_unary(f"/sled.v1.Verifier/{method}",
+                                    request_serializer=lambda b: b, response_deserializer=bytes)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await unary(CORRUPT[0])
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "undecodable" in exc.value.details()
+    assert not server.service.sessions
+    await served_correctly(raw, models, prompts[0])
+
+
+# --- what the server tells and where it listens ------------------------------------------------------
+
+def test_public_name_never_shows_a_path(tmp_path):
+    folder = tmp_path / "my-target"
+    folder.mkdir()
+    assert public_name(str(folder)) == "my-target"
+    assert public_name(str(folder) + "/") == "my-target"
+    assert public_name(str(tmp_path / "gone" / "model-x")) == "model-x"
+    assert public_name("~/models/tiny-gemma") == "tiny-gemma"
+    assert public_name("google/gemma-3-270m") == "google/gemma-3-270m"   # a hub id, as given
+    assert public_name("gemma3-270m") == "gemma3-270m"                   # an alias
+
+
+async def test_model_info_names_a_folder_not_its_path(serve, models, tokenizer, pair):
+    server = await serve(models["llama"], model_id=str(pair[0]))
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        info_call = channel.unary_unary("/sled.v1.Verifier/GetModelInfo",
+                                        request_serializer=pb.GetModelInfoRequest.SerializeToString,
+                                        response_deserializer=pb.ModelInfo.FromString)
+        info = await info_call(pb.GetModelInfoRequest())
+    assert info.model_id == pair[0].name
+    assert str(pair[0].parent) not in info.model_id
+    assert Target.load(str(pair[0])).model_id == pair[0].name
+
+
+async def test_second_server_on_a_used_port_fails(serve, models, tokenizer, pair):
+    server = await serve(models["llama"])
+    target = Target.from_model(models["llama"], tokenizer, "tiny")
+    with pytest.raises(OSError, match=f"^port 127.0.0.1:{server.port} is in use$"):
+        await start_server(target, ServerSettings(kv_budget=64 << 20), port=server.port)
+    done = await asyncio.to_thread(run_sled, "serve", "--model", str(pair[0]), "--port",
+                                   str(server.port), timeout=120)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"sled serve: port 127.0.0.1:{server.port} is in use"), done.stderr
