@@ -126,7 +126,7 @@ async def served_correctly(raw, models, prompt, n: int = 4) -> None:
     call.cancel()
 
 
-# --- refusals free their request ----------------------------------------------------------------
+# --- refusals free their request -----------------------------------------------------------------
 
 async def test_refused_prompts_are_freed(wire, prompts, models):
     """Refused multi-million-token prompts: no frame keeps one, and the server's RSS stops
@@ -166,7 +166,7 @@ async def test_refused_drafts_free_their_session(wire, prompts, models):
     await served_correctly(raw, models, prompts[0])
 
 
-# --- every session holding a slot idles out ----------------------------------------------------
+# --- every session holding a slot idles out ------------------------------------------------------
 
 async def test_finished_sessions_with_open_streams_idle_out(wire, prompts, models):
     """One-token generations that never close their streams give their slots back after the
@@ -193,7 +193,7 @@ async def test_finished_sessions_with_open_streams_idle_out(wire, prompts, model
         assert await call.code() == grpc.StatusCode.OK
 
 
-# --- GetTokenizer and the receive limit -----------------------------------------------------------
+# --- GetTokenizer and the receive limit ----------------------------------------------------------
 
 async def test_get_tokenizer_does_no_work_per_call(serve, models, tokenizer, prompts, monkeypatch):
     """The files are made when the target is; a call neither writes nor reads the disk and
@@ -207,8 +207,9 @@ async def test_get_tokenizer_does_no_work_per_call(serve, models, tokenizer, pro
     service = server.service
     await service.GetTokenizer(pb.GetTokenizerRequest(), None)   # warm-up
     started = time.perf_counter()
-    reply = await service.GetTokenizer(pb.GetTokenizerRequest(), None)
+    wire = await service.GetTokenizer(pb.GetTokenizerRequest(), None)
     assert time.perf_counter() - started < 0.01
+    reply = pb.TokenizerFiles.FromString(wire)
     assert {f.name: f.content for f in reply.files} == expected
     assert reply.tokenizer_fingerprint == service.target.fingerprint
 
@@ -238,7 +239,7 @@ async def test_receive_limit_follows_the_context(wire, prompts, models):
     await served_correctly(raw, models, prompts[0])
 
 
-# --- undecodable bytes ------------------------------------------------------------------------------
+# --- undecodable bytes ---------------------------------------------------------------------------
 
 async def test_undecodable_messages_are_invalid_argument(wire, prompts, models):
     server, raw, channel = await wire()
@@ -260,7 +261,7 @@ async def test_undecodable_messages_are_invalid_argument(wire, prompts, models):
     await served_correctly(raw, models, prompts[0])
 
 
-# --- what the server tells and where it listens ------------------------------------------------------
+# --- what the server tells and where it listens --------------------------------------------------
 
 def test_public_name_never_shows_a_path(tmp_path):
     folder = tmp_path / "my-target"

@@ -105,7 +105,7 @@ def add_verifier(service: VerifierService, server: grpc.aio.Server) -> None:
             response_serializer=pb.ModelInfo.SerializeToString),
         "GetTokenizer": grpc.unary_unary_rpc_method_handler(
             service.GetTokenizer, request_deserializer=_decoder(pb.GetTokenizerRequest),
-            response_serializer=pb.TokenizerFiles.SerializeToString),
+            response_serializer=_encoded),
         "Generate": grpc.stream_stream_rpc_method_handler(
             service.Generate, request_deserializer=_decoder(pb.DeviceMessage),
             response_serializer=pb.ServerMessage.SerializeToString),
@@ -126,8 +126,13 @@ def _decoder(message_type):
     return decode
 
 
+def _encoded(reply) -> bytes:
+    """A reply encoded once ahead (bytes, as they are) or a message to encode now."""
+    return reply if isinstance(reply, bytes) else reply.SerializeToString()
+
+
 def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Listen on host:port; OSError with one line if that cannot be done (e.g. the port is in use)."""
+    """Listen on host:port; OSError with one line if that cannot be done (e.g. a used port)."""
     try:   # the probe first spares the log grpc writes when its own bind fails
         bound = 0 if port and _in_use(host, port) else server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:
@@ -160,7 +165,8 @@ async def serve_forever(target: Target, settings: ServerSettings,
             running.metrics.serve_http(settings.metrics_port, addr=host)
         except OSError as exc:
             await running.stop(grace=0)
-            why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be used ({exc.strerror})"
+            why = ("is in use" if exc.errno == errno.EADDRINUSE
+                   else f"cannot be used ({exc.strerror})")
             raise OSError(f"metrics port {host}:{settings.metrics_port} {why}") from None
         log.info("metrics on http://%s:%d/metrics", host, settings.metrics_port)
     announcing = None

@@ -93,7 +93,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.tokenizer_reply = pb.TokenizerFiles(
             tokenizer_fingerprint=target.fingerprint,
             files=[pb.TokenizerFile(name=name, content=content)
-                   for name, content in target.tokenizer_files().items()])
+                   for name, content in target.tokenizer_files().items()]).SerializeToString()
         metrics.active_sessions.set_function(lambda: len(self.sessions))
 
     # --- unary calls -------------------------------------------------------------------------
@@ -120,8 +120,9 @@ class VerifierService(pb_grpc.VerifierServicer):
             device=self.target.device,
         )
 
-    async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
-        """The files made once at start: a call costs no disk work and no time on the loop."""
+    async def GetTokenizer(self, request, context) -> bytes | pb.TokenizerFiles:
+        """The files made and encoded once at start: a call costs no disk work and no
+        serialization on the loop (server.add_verifier sends the bytes as they are)."""
         if isinstance(request, Undecodable):
             return end_call(context, request.refusal(), pb.TokenizerFiles())
         return self.tokenizer_reply
