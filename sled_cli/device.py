@@ -22,12 +22,13 @@ log = logging.getLogger("sled.device")
 
 def run_device_daemon(argv: list[str]) -> int:
     from edge_client.settings import SettingsError, cli_help, load_settings
+    from sled_cli.logs import configure_logging
 
     if "-h" in argv or "--help" in argv:
         print(USAGE + cli_help())
         return 0
     config, rest = _config_flag(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(logging.INFO)
     try:
         settings = load_settings(config, rest)
     except SettingsError as exc:
