@@ -56,6 +56,8 @@ COMMANDS = {
                            "GGUF/ONNX drafter vs its runtime's own generation loop"),
         "sdsat": Command("lab.bench.sdsat", "SAT self-drafting vs plain decoding, and SAT "
                          "lookahead per drafter, on a SAT-tuned target"),
+        "reliability": Command("lab.bench.reliability", "memory kept per refused prompt, round "
+                               "time under a GetTokenizer flood, slots freed from idle sessions"),
     }),
     "demo": Command("sled_cli.demo", "loopback demo: a server and three devices on this machine"),
     "export-onnx": Command("sled_cli.export_onnx",
