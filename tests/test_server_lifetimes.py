@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
+import json
 import os
 import time
 import types
@@ -297,3 +298,19 @@ async def test_second_server_on_a_used_port_fails(serve, models, tokenizer, pair
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"sled serve: port 127.0.0.1:{server.port} is in use"), done.stderr
+
+
+# --- the benchmark that measures all this ----------------------------------------------------------
+
+def test_reliability_bench_runs(tmp_path):
+    """`sled bench reliability`, cut down: its three figures come out, and a new client got in."""
+    out = tmp_path / "reliability.json"
+    done = run_sled("bench", "reliability", "--refusals", "3", "--prompt-len", "100000",
+                    "--rounds", "3", "--burst", "2", "--slots", "2", "--idle-timeout", "0.5",
+                    "--out", str(out), timeout=180)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())
+    assert results["refusals"]["refusals"] == 3
+    assert results["tokenizer"]["calls"] == 2 and results["tokenizer"]["during_rounds"] >= 1
+    assert results["idle_slots"]["admitted"]
+    assert "RSS kept per refused prompt" in done.stdout
