@@ -14,6 +14,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from sled_cli.logs import configure_logging
+
 # OpenMP's default busy-waiting threads starve the server's event loop when the forward runs on
 # its engine thread (a tiny batched forward took ~300 ms instead of ~2 ms on 2 cores). This must
 # be set before torch loads; an explicit setting in the environment wins.
@@ -108,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(entry, Command) and entry.own_argv:
         return importlib.import_module(entry.module).run(argv[1:])
     args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose or args.entry.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(logging.INFO if args.verbose or args.entry.verbose else logging.WARNING)
     result = importlib.import_module(args.entry.module).run(args)
     return asyncio.run(result) if inspect.iscoroutine(result) else result
 

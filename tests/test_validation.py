@@ -70,6 +70,17 @@ def test_a_draft_is_checked_against_its_session():
     assert refusal(validation.check_draft, ahead, s, TARGET, SETTINGS).reason == Reason.REASON_NO_SAT
     s.evicted_after = 7.0
     assert refusal(validation.check_draft, draft, s, TARGET, SETTINGS).code == grpc.StatusCode.ABORTED
+    s.finish = pb.FINISH_REASON_LENGTH      # a finished session reaped while idle: nothing to resume
+    error = refusal(validation.check_draft, draft, s, TARGET, SETTINGS)
+    assert error.reason == Reason.REASON_SESSION_FINISHED and "resume" not in error.message
+
+
+def test_an_oversized_prompt_is_refused_before_its_ids_are_read():
+    huge = pb.Open(prompt_ids=[10_000] * 100, max_new_tokens=1)    # ids out of range, and too long
+    assert refusal(validation.check_open, huge, TARGET, SETTINGS, 0).reason == \
+        Reason.REASON_CONTEXT_OVERFLOW
+    bad = pb.Open(prompt_ids=[1, 2, 150, 3], max_new_tokens=1)
+    assert "prompt_ids has id 150" in refusal(validation.check_open, bad, TARGET, SETTINGS, 0).message
 
 
 def test_sparse_q_becomes_a_normalized_draft_q():

@@ -92,15 +92,15 @@ def check_prompt(request: pb.Open, target: Target) -> None:
     prompt = request.prompt_ids
     if not prompt:
         raise errors.invalid(Reason.REASON_PROTOCOL, "prompt_ids is empty: send at least one token")
-    check_ids(prompt, "prompt_ids", target.vocab_size)
-    check_ids(request.stop_ids, "stop_ids", target.vocab_size)
-    if request.max_new_tokens < 1:
-        raise errors.invalid(Reason.REASON_PROTOCOL, "max_new_tokens must be >= 1")
-    if len(prompt) + request.max_new_tokens > target.context_length:
+    if len(prompt) + request.max_new_tokens > target.context_length:    # the cheap check first
         raise errors.invalid(
             Reason.REASON_CONTEXT_OVERFLOW,
             f"prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
             f"exceeds the context length {target.context_length}: shorten one of them")
+    check_ids(prompt, "prompt_ids", target.vocab_size)
+    check_ids(request.stop_ids, "stop_ids", target.vocab_size)
+    if request.max_new_tokens < 1:
+        raise errors.invalid(Reason.REASON_PROTOCOL, "max_new_tokens must be >= 1")
 
 
 def check_mode(mode: int, target: Target) -> None:
@@ -141,17 +141,17 @@ def check_session_takes(round: int, session: Session | None, idle_timeout: float
     if session is None:
         raise errors.precondition(Reason.REASON_NO_SESSION,
                                   "draft before open: send an open message first", round)
+    if session.finished:        # finished first: an idle finished session has nothing to resume
+        raise errors.precondition(
+            Reason.REASON_SESSION_FINISHED,
+            f"session {session.id} already finished ({pb.FinishReason.Name(session.finish)}) "
+            f"after {len(session.generated)} tokens", round)
     if session.evicted_after is not None:
         raise errors.aborted(
             Reason.REASON_EVICTED,
             f"session {session.id} was idle {session.evicted_after:.1f} s (limit "
             f"{idle_timeout:g} s) and its KV was freed: reopen a stream with the "
             f"prompt + the {len(session.generated)} committed tokens to resume")
-    if session.finished:
-        raise errors.precondition(
-            Reason.REASON_SESSION_FINISHED,
-            f"session {session.id} already finished ({pb.FinishReason.Name(session.finish)}) "
-            f"after {len(session.generated)} tokens", round)
     if round != session.round:
         raise errors.precondition(Reason.REASON_WRONG_ROUND,
                                   f"draft is for round {round}, session {session.id} "
@@ -275,8 +275,9 @@ def _holds_text(field: FieldDescriptor, outer: tuple[Descriptor, ...]) -> bool:
 
 def check_ids(ids: Iterable[int], field: str, vocab_size: int, round: int = 0) -> None:
     """Every id in [0, vocab_size) (ids are unsigned on the wire)."""
-    bad = [t for t in ids if t >= vocab_size]
-    if bad:
-        raise errors.invalid(Reason.REASON_TOKEN_OUT_OF_RANGE,
-                             f"{field} has id {bad[0]} outside the target vocabulary "
-                             f"[0, {vocab_size})", round)
+    if max(ids, default=0) < vocab_size:       # one pass in C: the common case
+        return
+    bad = next(t for t in ids if t >= vocab_size)
+    raise errors.invalid(Reason.REASON_TOKEN_OUT_OF_RANGE,
+                         f"{field} has id {bad} outside the target vocabulary "
+                         f"[0, {vocab_size})", round)
