@@ -3,10 +3,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from drafters.base import Proposal
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
+
+DRAFTER_NAME_CHARS = 128     # the server refuses a longer Open.drafter
+
+
+def drafter_label(name: str) -> str:
+    """The drafter as the server sees it: a local file or folder by its own name, never the
+    device's path (gguf:/home/pi/models/m.gguf -> gguf:m.gguf), within the server's limit."""
+    kind, sep, arg = name.partition(":")
+    if sep and arg and (Path(arg).is_absolute() or Path(arg).exists()):
+        name = f"{kind}:{Path(arg).name}"
+    return name[:DRAFTER_NAME_CHARS]
 
 
 def open_message(prompt_ids: Sequence[int], sampling: Sampling, max_new_tokens: int,
@@ -17,7 +29,7 @@ def open_message(prompt_ids: Sequence[int], sampling: Sampling, max_new_tokens: 
     salt from the same host."""
     msg = pb.DeviceMessage(open=pb.Open(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
                                         stop_ids=list(stop_ids), tokenizer_fingerprint=fingerprint,
-                                        drafter=drafter, ignore_eos=ignore_eos, mode=mode,
+                                        drafter=drafter_label(drafter), ignore_eos=ignore_eos, mode=mode,
                                         cache_salt=cache_salt))
     sampling.to_proto(msg.open.sampling)
     return msg
