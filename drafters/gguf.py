@@ -12,16 +12,14 @@ import contextlib
 import hashlib
 import io
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
 from drafters.base import KVDrafter, drafter_threads
-from sled.cache import cache_dir
+from sled.cache import cache_dir, write_atomically
 
 _FINGERPRINTS: dict[str, str] = {}  # cache key (file, size, mtime, transformers) -> fingerprint
 FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")  # what sled.fingerprint makes
@@ -123,8 +121,5 @@ def _read_entry(file: Path, key: str) -> str | None:
 
 def _write_entry(file: Path, key: str, fingerprint: str) -> None:
     file.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(prefix=file.name, dir=file.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"key": key, "fingerprint": fingerprint,
-                   "sha256": _entry_digest(key, fingerprint)}, f)
-    os.replace(partial, file)  # atomic: a concurrent reader sees all of it or nothing
+    entry = {"key": key, "fingerprint": fingerprint, "sha256": _entry_digest(key, fingerprint)}
+    write_atomically(file, json.dumps(entry).encode())  # a concurrent reader sees all or nothing

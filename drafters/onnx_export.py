@@ -30,7 +30,7 @@ import tempfile
 from collections import deque
 from pathlib import Path
 
-from sled.cache import partial_dir, publish, read_manifest, verify_folder, write_manifest
+from sled.cache import adopt, partial_dir, publish, verify_folder, write_manifest
 
 PRECISIONS = ("int4", "int8", "fp32")
 _LAYER = re.compile(r"(?:Reading layer |model[./]layers\.)(\d+)")  # reading, saving, quantizing
@@ -47,18 +47,10 @@ def export_alias(alias: str, precision: str = "int4") -> Path:
     """The cached ONNX export of a built-in model, made on first use and again whenever the
     cached one does not verify."""
     out = alias_dir(alias, precision)
-    if not (verify_folder(out) or _adopt_legacy(out)):
+    if not (verify_folder(out) or adopt(out, export_is_whole)):   # or one from before manifests
         shutil.rmtree(out, ignore_errors=True)
         export(alias, out, precision)
     return out
-
-
-def _adopt_legacy(out: Path) -> bool:
-    """An export made before manifests: given its manifest when it is structurally whole."""
-    if read_manifest(out) is not None or not export_is_whole(out):
-        return False
-    write_manifest(out)
-    return True
 
 
 def export_is_whole(out: Path) -> bool:

@@ -21,6 +21,7 @@ import grpc
 from sled.cache import (MAX_FINGERPRINT_CHARS, MAX_TOKENIZER_BYTES, TOKENIZER_FILES, CacheError,
                         partial_dir, publish, tokenizer_dir, verify_folder, write_manifest)
 from sled.fingerprint import fingerprint_tokenizer, short
+from sled.printable import printable
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 
@@ -77,7 +78,7 @@ def checked_fingerprint(fingerprint: str, address: str) -> str:
     """The server's fingerprint when it can be one: non-empty, short, printable."""
     if not fingerprint or len(fingerprint) > MAX_FINGERPRINT_CHARS or not fingerprint.isprintable():
         raise TokenizerRefused(f"the server at {address} sent a malformed tokenizer fingerprint "
-                               f"({len(fingerprint)} characters: {_shown(fingerprint)})")
+                               f"({len(fingerprint)} characters: {printable(fingerprint)})")
     return fingerprint
 
 
@@ -88,42 +89,54 @@ def cached_tokenizer(fingerprint: str):
     if not folder.exists():
         return None
     if not verify_folder(folder, full=True):
-        log.warning("cached tokenizer %s is incomplete or damaged: fetching it again", short(fingerprint))
+        log.warning("cached tokenizer %s is incomplete or damaged: fetching it again",
+                    printable(short(fingerprint)))
         return None
     try:
         tokenizer = _load(folder)
     except Exception as exc:  # tokenizers raises plain Exception (and KeyError...) on bad files
         log.warning("cached tokenizer %s cannot be loaded (%s): fetching it again",
-                    short(fingerprint), _one_line(exc))
+                    printable(short(fingerprint)), printable(str(exc), 200))
         return None
     if fingerprint_tokenizer(tokenizer) != fingerprint:
         log.warning("cached tokenizer %s does not match its fingerprint: fetching it again",
-                    short(fingerprint))
+                    printable(short(fingerprint)))
         return None
     return tokenizer
 
 
 def save_tokenizer(fingerprint: str, files: pb.TokenizerFiles, address: str):
     """Check the server's tokenizer files, load them from a temporary folder in the cache, and
-    keep them (renamed into place with their manifest) only when they match the fingerprint."""
+    keep them (renamed into place with their manifest) only when they match the fingerprint.
+    A cache that cannot be written (read-only, full, not a folder) is one line: CacheError."""
     _check_files(fingerprint, files, address)
     folder = tokenizer_dir(fingerprint)
-    partial = partial_dir(folder)
     try:
-        for item in files.files:
-            (partial / item.name).write_bytes(item.content)
+        partial = partial_dir(folder)
         try:
-            tokenizer = _load(partial)
-        except Exception as exc:
-            raise TokenizerRefused(f"the tokenizer the server at {address} sent cannot be loaded: "
-                                   f"{_one_line(exc)}") from None
-        if fingerprint_tokenizer(tokenizer) != fingerprint:
-            raise TokenizerRefused(f"the tokenizer the server at {address} sent does not match its "
-                                   f"fingerprint {_shown(fingerprint)}")
-        write_manifest(partial)
-        publish(partial, folder)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+            tokenizer = _checked_tokenizer(partial, fingerprint, files, address)
+            write_manifest(partial)
+            publish(partial, folder)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    except OSError as exc:
+        raise CacheError(f"cannot keep the tokenizer in the cache folder "
+                         f"{printable(str(folder.parent), 200)}: {exc.strerror or exc}") from None
+    return tokenizer
+
+
+def _checked_tokenizer(partial: Path, fingerprint: str, files: pb.TokenizerFiles, address: str):
+    """The server's files written into PARTIAL and loaded, when they match the fingerprint."""
+    for item in files.files:
+        (partial / item.name).write_bytes(item.content)
+    try:
+        tokenizer = _load(partial)
+    except Exception as exc:
+        raise TokenizerRefused(f"the tokenizer the server at {address} sent cannot be loaded: "
+                               f"{printable(str(exc), 200)}") from None
+    if fingerprint_tokenizer(tokenizer) != fingerprint:
+        raise TokenizerRefused(f"the tokenizer the server at {address} sent does not match its "
+                               f"fingerprint {printable(fingerprint)}")
     return tokenizer
 
 
@@ -131,12 +144,12 @@ def _check_files(fingerprint: str, files: pb.TokenizerFiles, address: str) -> No
     """Only the protocol's file names, once each, within the size bound, for this fingerprint."""
     if files.tokenizer_fingerprint and files.tokenizer_fingerprint != fingerprint:
         raise TokenizerRefused(f"the server at {address} sent the tokenizer of another fingerprint "
-                               f"({_shown(files.tokenizer_fingerprint)})")
+                               f"({printable(files.tokenizer_fingerprint)})")
     names = [item.name for item in files.files]
     for name in names:
-        if not allowed_file_name(name):
+        if name not in TOKENIZER_FILES:   # never a path, never anything else
             raise TokenizerRefused(f"the server at {address} sent a tokenizer file named "
-                                   f"{_shown(name)}; accepted: {', '.join(sorted(TOKENIZER_FILES))}")
+                                   f"{printable(name)}; accepted: {', '.join(sorted(TOKENIZER_FILES))}")
     if len(set(names)) != len(names):
         raise TokenizerRefused(f"the server at {address} sent a tokenizer file twice")
     size = sum(len(item.content) for item in files.files)
@@ -145,22 +158,7 @@ def _check_files(fingerprint: str, files: pb.TokenizerFiles, address: str) -> No
                                f"(at most {MAX_TOKENIZER_BYTES})")
 
 
-def allowed_file_name(name: str) -> bool:
-    """A tokenizer file name the protocol defines: never a path, never anything else."""
-    return name in TOKENIZER_FILES
-
-
 def _load(folder: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
-
-
-def _shown(text: str, limit: int = 40) -> str:
-    """A peer's string in a message: quoted, escaped, cut short."""
-    return repr(text[:limit]) + ("..." if len(text) > limit else "")
-
-
-def _one_line(exc: BaseException, limit: int = 200) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text[:limit] + ("..." if len(text) > limit else "")

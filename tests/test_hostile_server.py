@@ -135,3 +135,24 @@ async def test_the_daemon_waits_with_one_line_and_writes_nothing_outside_its_cac
         finally:
             await device.close()
     assert outside_cache(tmp_path, cache) == []
+
+
+async def test_a_cache_that_cannot_be_written_is_one_line(hostile, tokenizer, tokenizer_files, tmp_path,
+                                                          monkeypatch):
+    """SLED_CACHE under a regular file (mkdir fails even as root): `sled generate` and the daemon
+    each say so in one line naming the folder, with no traceback."""
+    (tmp_path / "file").write_text("not a folder")
+    cache = tmp_path / "file" / "cache"
+    address = await hostile(fingerprint_tokenizer(tokenizer), tokenizer_files)
+    code, err = await sled_generate(address, cache, tmp_path)
+    assert code != 0 and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("sled generate:")]
+    assert len(lines) == 1 and str(cache / "tokenizers") in lines[0], err
+
+    monkeypatch.setenv("SLED_CACHE", str(cache))
+    device = Device(DeviceSettings(id="read-only-cache", servers=[address], drafter="ngram"))
+    await device.start()
+    try:
+        assert device.state == "waiting" and str(cache / "tokenizers") in device.reason, device.reason
+    finally:
+        await device.close()

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from edge_client.connection import Connection, allowed_file_name, cached_tokenizer
+from edge_client.connection import Connection, TokenizerRefused, _check_files, cached_tokenizer
 from lab.tiny import make_tokenizer
 from sled.cache import cache_dir, tokenizer_dir
 from sled.fingerprint import fingerprint_tokenizer
+from sled.v1 import verifier_pb2 as pb
 
 
 async def test_fetched_once_then_loaded_from_the_cache_while_it_matches(serve, models, tokenizer,
@@ -37,7 +38,12 @@ async def test_fetched_once_then_loaded_from_the_cache_while_it_matches(serve, m
     ("tokenizer.json/", False), ("TOKENIZER.JSON", False),
 ])
 def test_only_plain_file_names_are_written(name, plain):
-    assert allowed_file_name(name) is plain
+    files = pb.TokenizerFiles(files=[pb.TokenizerFile(name=name, content=b"{}")])
+    if plain:
+        _check_files("sha256:ab", files, "server:1")
+    else:
+        with pytest.raises(TokenizerRefused, match="tokenizer file named"):
+            _check_files("sha256:ab", files, "server:1")
 
 
 @pytest.mark.parametrize("fingerprint", ["sha256:ab", "/tmp/x", "../../etc", "a" * 5000, "c:\\x"])

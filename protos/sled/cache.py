@@ -1,7 +1,8 @@
 """Where sled keeps what it converts, exports or fetches once: $SLED_CACHE (~/.cache/sled).
 
 Every cached folder is trusted only through its manifest, never through a marker file: the
-manifest (MANIFEST, written last, atomically) lists each file with its size, mtime and sha256.
+manifest (MANIFEST, written last, atomically) lists each file (by its path inside the folder,
+subfolders included) with its size, mtime and sha256.
 verify_folder() checks that the folder holds exactly those files at those sizes; a file whose
 mtime still matches is taken as written (so a 500 MB checkpoint costs a few stat calls per start,
 not a 1 s hash), and one whose mtime moved (a copy, a touch, an edit in place) is hashed and must
@@ -22,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 MANIFEST = ".manifest.json"
@@ -66,13 +68,30 @@ def _entry(path: Path, sha256: str | None = None) -> dict:
 
 
 def write_manifest(folder: Path) -> None:
-    """Record every file of the folder (its top level) in its manifest: the last write of a
-    cache entry, after which verify_folder() accepts it."""
-    entries = {p.name: _entry(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
-    fd, partial = tempfile.mkstemp(prefix=MANIFEST, dir=folder)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"files": entries}, f, indent=1)
-    os.replace(partial, folder / MANIFEST)
+    """Record every file of the folder (subfolders included, by relative path) in its manifest:
+    the last write of a cache entry, after which verify_folder() accepts it."""
+    entries = {name: _entry(folder / name) for name in sorted(_files(folder))}
+    write_atomically(folder / MANIFEST, json.dumps({"files": entries}, indent=1).encode())
+
+
+def _files(folder: Path) -> set[str]:
+    """The relative paths (with /) of every file under FOLDER, its manifest and the manifest's
+    temporary copies left out."""
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*")
+            if p.is_file() and not (p.parent == folder and p.name.startswith(MANIFEST))}
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """PATH holds DATA, all of it or (to a concurrent reader, or after a crash) its old content:
+    written to a temporary file beside it (mode 0600) and renamed over it."""
+    fd, partial = tempfile.mkstemp(prefix=path.name, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(partial, path)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
 
 
 def read_manifest(folder: Path) -> dict[str, dict] | None:
@@ -91,8 +110,7 @@ def verify_folder(folder: Path, full: bool = False) -> bool:
     if not manifest:
         return False
     try:
-        present = {p.name for p in folder.iterdir() if not p.name.startswith(MANIFEST)}
-        if present != set(manifest):
+        if _files(folder) != set(manifest):
             return False
         rehashed = False
         for name, want in manifest.items():
@@ -113,15 +131,22 @@ def verify_folder(folder: Path, full: bool = False) -> bool:
 def publish(partial: Path, folder: Path) -> None:
     """Move a finished entry (a folder built beside its place, manifest included) into place,
     replacing whatever was there; a concurrent writer of the same entry may win, then its copy
-    stays."""
+    stays. The caller, which made PARTIAL, removes what is left of it (its `finally`)."""
     shutil.rmtree(folder, ignore_errors=True)
     try:
         partial.rename(folder)
     except OSError:
         if not verify_folder(folder):
             raise
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+
+
+def adopt(folder: Path, is_whole: Callable[[Path], bool]) -> bool:
+    """A cache entry from before manifests: given its manifest when IS_WHOLE finds it structurally
+    whole (a folder that has a manifest already is not adopted: it verifies or is rebuilt)."""
+    if read_manifest(folder) is not None or not is_whole(folder):
+        return False
+    write_manifest(folder)
+    return True
 
 
 def partial_dir(folder: Path) -> Path:
@@ -155,7 +180,4 @@ def verified_file(path: Path, sha256: str) -> bool:
 
 def stamp_file(path: Path, sha256: str) -> None:
     """Record that PATH, as it is now, has this sha256 (see verified_file)."""
-    fd, partial = tempfile.mkstemp(prefix=_stamp_path(path).name, dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(_entry(path, sha256), f)
-    os.replace(partial, _stamp_path(path))
+    write_atomically(_stamp_path(path), json.dumps(_entry(path, sha256)).encode())

