@@ -188,10 +188,50 @@ async def test_finished_sessions_with_open_streams_idle_out(wire, prompts, model
     await wait_until(lambda: not server.service.sessions, "the finished sessions to idle out")
     assert server.metrics.value("sled_evicted_sessions_total") == 3
     await served_correctly(raw, models, prompts[3])
-    for call in idle:           # a late close still ends its stream cleanly
-        await call.write(pb.DeviceMessage(close=pb.Close()).SerializeToString())
-        assert await call.read() is grpc.aio.EOF
+    for call in idle:           # the server ended each finished stream, cleanly, unasked
+        assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
         assert await call.code() == grpc.StatusCode.OK
+
+
+def kv_free(server) -> bool:
+    pool = server.service.pool
+    return pool.committed_blocks == 0 and pool.held_tokens == 0 and not server.scheduler._queue
+
+
+async def test_an_idle_live_session_has_its_stream_ended(wire, prompts, models):
+    """A session that waits on its device past the timeout: the server ends the stream with
+    REASON_EVICTED (the device sends nothing), and keeps neither the session nor its KV."""
+    server, raw, _ = await wire(idle_timeout=0.3)
+    call = raw()
+    await call.write(open_msg(prompts[0], 8).SerializeToString())
+    assert (await call.read()).WhichOneof("kind") == "opened"
+    reply = await asyncio.wait_for(call.read(), 5)
+    assert reply.error.reason == Reason.REASON_EVICTED, reply
+    assert "was idle" in reply.error.message
+    assert await call.code() == grpc.StatusCode.ABORTED
+    assert not server.service.sessions and kv_free(server)
+    await wait_until(lambda: not pinned(), "the evicted session's handler to let it go")
+    await served_correctly(raw, models, prompts[0])
+
+
+async def test_a_server_mode_reader_that_stops_reading_idles_out(wire, prompts, models):
+    """Server mode: a device that reads its first message and nothing after fills the stream's
+    window; its session is still evicted after the timeout and its KV freed."""
+    server, raw, _ = await wire(idle_timeout=0.3)
+    small_window = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    channel = grpc.aio.insecure_channel(server.address, options=small_window)
+    call = channel.stream_stream(GENERATE, request_serializer=lambda b: b,
+                                 response_deserializer=pb.ServerMessage.FromString)()
+    opening = pb.Open(prompt_ids=list(prompts[0]), ignore_eos=True,
+                      max_new_tokens=1000 - len(prompts[0]), mode=pb.GENERATION_MODE_SERVER)
+    await call.write(pb.DeviceMessage(open=opening).SerializeToString())
+    assert (await call.read()).WhichOneof("kind") == "opened"
+    await wait_until(lambda: server.metrics.value("sled_evicted_sessions_total") == 1,
+                     "the stalled session to be evicted", timeout=30)
+    await wait_until(lambda: not server.service.sessions and kv_free(server), "its KV to go")
+    call.cancel()
+    await channel.close()
+    await served_correctly(raw, models, prompts[0])
 
 
 # --- GetTokenizer and the receive limit ----------------------------------------------------------

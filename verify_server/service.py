@@ -140,7 +140,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         session: Session | None = None
         refusal: SessionError | None = None
         try:
-            while (message := await context.read()) is not grpc.aio.EOF:
+            while (message := await self._next(session, context)) is not grpc.aio.EOF:
                 kind = kind_of(message)
                 if kind == "open":
                     session = self._open(session, message.open, context.peer())
@@ -158,9 +158,29 @@ class VerifierService(pb_grpc.VerifierServicer):
             refusal = detached(error)
         finally:
             self._close(session)
+        message = None          # the last request goes before a refusal is sent
         if refusal is not None:
             yield self._refuse(session, refusal)
             end_call(context, refusal)
+
+    async def _next(self, session: Session | None, context):
+        """The device's next message, or the end of the stream once its session is evicted:
+        EOF (the call ends OK) for a finished session, a REASON_EVICTED refusal for a live one."""
+        if session is None:
+            return await context.read()
+        read = asyncio.ensure_future(context.read())
+        evicted = asyncio.ensure_future(session.evicted.wait())
+        try:
+            await asyncio.wait((read, evicted), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in (read, evicted):
+                if not waiter.done():
+                    waiter.cancel()
+        if session.evicted_after is None:
+            return read.result()
+        if session.finished:
+            return grpc.aio.EOF
+        raise validation.evicted(session, self.settings.idle_timeout)
 
     def _open(self, session: Session | None, request: pb.Open, peer: str) -> Session:
         validation.check_no_session(session)
@@ -223,9 +243,13 @@ class VerifierService(pb_grpc.VerifierServicer):
             verdict = finish_round(session, outcome, draft_len, info, self.metrics)
             if not session.finished:
                 step, draft_len = next_pass(outcome.hints)
+            session.wait_for_device()       # a device that stops reading idles out too
             yield pb.ServerMessage(verdict=verdict)
+            session.heard_from_device()
             if session.finished:
                 return
+            if session.evicted_after is not None:   # its queued pass was dropped with its KV
+                raise validation.evicted(session, self.settings.idle_timeout)
 
     def _advise(self, session: Session) -> int:
         """The draft length this session's device should send next."""
@@ -280,6 +304,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             self.scheduler.release(session)
             self.sessions.pop(session.id, None)
             self.metrics.evicted.inc()
+            session.evicted.set()             # its handler ends the stream
             log.info("session %s evicted after %.1f s idle", session.id, session.evicted_after)
         return idle
 

@@ -4,6 +4,7 @@ The session owns its committed state: the tokens generated so far and, through `
 much of its KV is context. Nothing else moves either after the prompt is in."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ class Session:
     acceptance: float = 0.7                 # moving average of accepted / verified per round
     waiting_since: float | None = None      # waiting for the device's next message since then
     evicted_after: float | None = None      # idle seconds after which the KV was freed
+    evicted: asyncio.Event = field(default_factory=asyncio.Event)   # set once evicted: the stream ends
 
     @classmethod
     def from_open(cls, request: pb.Open, sampling: Sampling, eos_ids: tuple[int, ...],

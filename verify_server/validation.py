@@ -23,7 +23,7 @@ from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from verify_server import errors
 from verify_server.acceptance import DraftQ
-from verify_server.errors import Reason
+from verify_server.errors import Reason, SessionError
 
 if TYPE_CHECKING:
     from verify_server.session import Session
@@ -147,15 +147,20 @@ def check_session_takes(round: int, session: Session | None, idle_timeout: float
             f"session {session.id} already finished ({pb.FinishReason.Name(session.finish)}) "
             f"after {len(session.generated)} tokens", round)
     if session.evicted_after is not None:
-        raise errors.aborted(
-            Reason.REASON_EVICTED,
-            f"session {session.id} was idle {session.evicted_after:.1f} s (limit "
-            f"{idle_timeout:g} s) and its KV was freed: reopen a stream with the "
-            f"prompt + the {len(session.generated)} committed tokens to resume")
+        raise evicted(session, idle_timeout)
     if round != session.round:
         raise errors.precondition(Reason.REASON_WRONG_ROUND,
                                   f"draft is for round {round}, session {session.id} "
                                   f"expects round {session.round}", round)
+
+
+def evicted(session: Session, idle_timeout: float) -> SessionError:
+    """The refusal that ends a live session's stream once it idled out."""
+    return errors.aborted(
+        Reason.REASON_EVICTED,
+        f"session {session.id} was idle {session.evicted_after:.1f} s (limit "
+        f"{idle_timeout:g} s) and its KV was freed: reopen a stream with the "
+        f"prompt + the {len(session.generated)} committed tokens to resume")
 
 
 def check_lookahead(lookahead: int, target: Target, round: int) -> None:
