@@ -35,6 +35,7 @@ from edge_client.settings import DeviceSettings, SettingsError
 from edge_client.transport import VerifyError
 from sled.cache import CacheError
 from sled.fingerprint import fingerprint_tokenizer, short
+from sled.printable import printable
 from sled.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator
 
 log = logging.getLogger("sled.device")
@@ -198,14 +199,14 @@ class Device:
                 self.tokenizer = await server.connect().tokenizer()
                 self._set_fingerprint()
         except grpc.aio.AioRpcError as exc:
-            self._set_state("waiting", f"{server.endpoint}: {exc.details()}")
+            self._set_state("waiting", f"{server.endpoint}: {printable(exc.details() or '', 200)}")
             return
         except CacheError as exc:  # its tokenizer was refused: one line, the device keeps waiting
             self._set_state("waiting", str(exc))
             return
         self.eos_ids = list(info.eos_token_ids)
-        self.model_id = self.settings.model_name or info.model_id
-        self._set_state("ready", f"verifying on {server.id or server.endpoint}")
+        self.model_id = self.settings.model_name or printable(info.model_id, 200)
+        self._set_state("ready", f"verifying on {printable(server.id or server.endpoint, 200)}")
 
     async def _keep_probing(self) -> None:
         while True:
@@ -225,7 +226,7 @@ class Device:
     def _refresh_state(self) -> None:
         try:
             server = self.directory.pick()
-            self._set_state("ready", f"verifying on {server.id or server.endpoint}")
+            self._set_state("ready", f"verifying on {printable(server.id or server.endpoint, 200)}")
         except NoServer as exc:
             fallback = " (drafting alone: lossy output)" if self.settings.unverified_fallback else ""
             self._set_state("waiting", str(exc) + fallback)

@@ -18,6 +18,7 @@ import grpc
 
 from edge_client.connection import Connection
 from sled.fingerprint import short
+from sled.printable import printable
 
 log = logging.getLogger("sled.device")
 
@@ -61,7 +62,8 @@ class Server:
 
     def summary(self) -> dict:
         return {"id": self.id or self.endpoint, "endpoint": self.endpoint, "source": self.source,
-                "model": self.model, "fingerprint": short(self.fingerprint) if self.fingerprint else "",
+                "model": printable(self.model, 200),
+                "fingerprint": printable(short(self.fingerprint)) if self.fingerprint else "",
                 "load": round(self.load, 3), "online": self.online, "reachable": self.reachable,
                 "problem": self.problem}
 
@@ -122,7 +124,7 @@ class ServerDirectory:
         try:
             info = await server.connect().model_info(timeout=timeout, wait_for_ready=False, refresh=True)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
-            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else "timed out"
+            detail = printable(exc.details() or "", 200) if isinstance(exc, grpc.aio.AioRpcError) else "timed out"
             server.reachable, server.unreachable = False, f"unreachable: {detail}"
             self._notify()
             return
@@ -156,7 +158,7 @@ class ServerDirectory:
         parts = []
         for server in self.servers.values():
             reason = server.problem or ("announced offline" if not server.online else "not reachable")
-            parts.append(f"{server.id or server.endpoint} ({reason})")
+            parts.append(f"{printable(server.id or server.endpoint, 200)} ({reason})")
         return "no compatible verify server: " + "; ".join(parts)
 
     async def wait_changed(self, timeout: float) -> None:
@@ -178,8 +180,8 @@ class ServerDirectory:
         """A server whose tokenizer differs from the device's can never verify its drafts."""
         mismatch = ""
         if self.fingerprint and server.fingerprint and server.fingerprint != self.fingerprint:
-            mismatch = (f"tokenizer {short(server.fingerprint)} does not match this device's "
-                        f"{short(self.fingerprint)}: it cannot verify these drafts")
+            mismatch = (f"tokenizer {printable(short(server.fingerprint))} does not match this "
+                        f"device's {short(self.fingerprint)}: it cannot verify these drafts")
             if server.mismatch != mismatch:
                 log.warning("server %s: %s", server.endpoint, mismatch)
         server.mismatch = mismatch

@@ -39,6 +39,7 @@ async def run(args) -> int:
     from edge_client.text import OutputText
     from edge_client.transport import VerifyError
     from sled.cache import CacheError
+    from sled.printable import printable
     from sled.sampling import Sampling
     from sled.v1 import verifier_pb2 as pb
 
@@ -57,7 +58,7 @@ async def run(args) -> int:
             tokenizer = await conn.tokenizer()
         except grpc.aio.AioRpcError as exc:
             print(f"sled generate: cannot reach a sled server at {args.server}: "
-                  f"{exc.code().name}: {exc.details()}", file=sys.stderr)
+                  f"{exc.code().name}: {printable(exc.details() or '', 200)}", file=sys.stderr)
             return 3
         except CacheError as exc:  # the server's tokenizer was refused (or cannot be kept)
             print(f"sled generate: {exc}", file=sys.stderr)
@@ -86,7 +87,7 @@ async def run(args) -> int:
                                         target_fingerprint=info.tokenizer_fingerprint,
                                         on_tokens=stream, cache_salt=args.cache_salt)
         except VerifyError as exc:
-            print(f"\nsled generate: server refused: {exc}", file=sys.stderr)
+            print(f"\nsled generate: server refused: {printable(str(exc), 200)}", file=sys.stderr)
             return 4
     result.text = tokenizer.decode(result.token_ids)
     _print_result(result, output, args.json)

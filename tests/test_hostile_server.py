@@ -8,6 +8,7 @@ cache (the fake's absolute names and `..` paths all point into tmp_path).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -25,13 +26,15 @@ from sled.v1 import verifier_pb2_grpc as pb_grpc
 
 
 class HostileVerifier(pb_grpc.VerifierServicer):
-    def __init__(self, info: pb.ModelInfo, files: pb.TokenizerFiles) -> None:
-        self.info, self.files = info, files
+    def __init__(self, info: pb.ModelInfo, files: pb.TokenizerFiles, refusal: str = "") -> None:
+        self.info, self.files, self.refusal = info, files, refusal
 
     async def GetModelInfo(self, request, context):
         return self.info
 
     async def GetTokenizer(self, request, context):
+        if self.refusal:   # the server's own words, for the device to show
+            await context.abort(grpc.StatusCode.INTERNAL, self.refusal)
         return self.files
 
 
@@ -45,16 +48,18 @@ def tokenizer_files(tokenizer, tmp_path_factory) -> dict[str, bytes]:
 
 @pytest.fixture
 async def hostile():
-    """hostile(fingerprint, files) -> the address of a fake server sending them."""
+    """hostile(fingerprint, files, model_id=, refusal=) -> the address of a fake server sending
+    them (refusal: GetTokenizer fails with this text instead)."""
     servers = []
 
-    async def start(fingerprint: str, files: dict[str, bytes]) -> str:
+    async def start(fingerprint: str, files: dict[str, bytes], model_id: str = "../../model",
+                    refusal: str = "") -> str:
         server = grpc.aio.server(options=[("grpc.max_send_message_length", 128 << 20)])
-        info = pb.ModelInfo(model_id="../../model", vocab_size=320, tokenizer_fingerprint=fingerprint,
+        info = pb.ModelInfo(model_id=model_id, vocab_size=320, tokenizer_fingerprint=fingerprint,
                             eos_token_ids=[2], context_length=1024)
         sent = pb.TokenizerFiles(tokenizer_fingerprint=fingerprint,
                                  files=[pb.TokenizerFile(name=n, content=c) for n, c in files.items()])
-        pb_grpc.add_VerifierServicer_to_server(HostileVerifier(info, sent), server)
+        pb_grpc.add_VerifierServicer_to_server(HostileVerifier(info, sent, refusal), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         servers.append(server)
@@ -156,3 +161,28 @@ async def test_a_cache_that_cannot_be_written_is_one_line(hostile, tokenizer, to
         assert device.state == "waiting" and str(cache / "tokenizers") in device.reason, device.reason
     finally:
         await device.close()
+
+
+FORGED = "\x1b[2J\x1b[31mfake\nINFO forged line" + "x" * 5000   # clears a terminal, forges a line
+
+
+async def test_the_server_s_words_reach_the_terminal_escaped_and_bounded(hostile, tokenizer, tokenizer_files,
+                                                                         tmp_path, monkeypatch):
+    """A refusal's details and the model name: one line, no escape sequence, at most a few hundred
+    characters, in `sled generate`'s message and in the daemon's state and status."""
+    fingerprint = fingerprint_tokenizer(tokenizer)
+    refusing = await hostile(fingerprint, tokenizer_files, refusal=FORGED)
+    code, err = await sled_generate(refusing, tmp_path / "cache", tmp_path)
+    assert code != 0 and "\x1b" not in err and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("sled generate:")]
+    assert len(lines) == 1 and "\\x1b[2J" in lines[0] and len(lines[0]) < 500, err
+
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path / "cache"))
+    for address in (refusing, await hostile(fingerprint, tokenizer_files, model_id=FORGED)):
+        device = Device(DeviceSettings(id="escaped", servers=[address], drafter="ngram"))
+        await device.start()
+        try:
+            shown = json.dumps(device.status(), ensure_ascii=False)
+            assert shown.isprintable() and len(shown) < 5000, shown
+        finally:
+            await device.close()
