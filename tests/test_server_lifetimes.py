@@ -246,9 +246,9 @@ async def test_get_tokenizer_does_no_work_per_call(serve, models, tokenizer, pro
         raise AssertionError("GetTokenizer serialized the tokenizer")
     monkeypatch.setattr(server.service.target.tokenizer, "save_pretrained", no_disk)
     service = server.service
-    await service.GetTokenizer(pb.GetTokenizerRequest(), None)   # warm-up
+    await service.GetTokenizer(pb.GetTokenizerRequest(), HeldCall())   # warm-up
     started = time.perf_counter()
-    wire = await service.GetTokenizer(pb.GetTokenizerRequest(), None)
+    wire = await service.GetTokenizer(pb.GetTokenizerRequest(), HeldCall())
     assert time.perf_counter() - started < 0.01
     reply = pb.TokenizerFiles.FromString(wire)
     assert {f.name: f.content for f in reply.files} == expected
@@ -260,6 +260,50 @@ async def test_get_tokenizer_does_no_work_per_call(serve, models, tokenizer, pro
                                   response_deserializer=pb.TokenizerFiles.FromString)
         replies = await asyncio.gather(*[get(pb.GetTokenizerRequest()) for _ in range(12)])
     assert all({f.name: f.content for f in r.files} == expected for r in replies)
+    await wait_until(lambda: service.tokenizer_calls == 2, "the calls to be counted done")
+
+
+class HeldCall:
+    """A servicer context whose call is not done until done() (its reply still being sent)."""
+
+    def __init__(self) -> None:
+        self.code, self.details, self.callbacks = None, "", []
+
+    def set_code(self, code) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def add_done_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+
+    def done(self) -> None:
+        for callback in self.callbacks:
+            callback(self)
+
+
+async def test_get_tokenizer_calls_in_flight_are_bounded(serve, models):
+    """Past max_tokenizer_calls replies not yet sent, a call gets RESOURCE_EXHAUSTED at once;
+    once one is done, the next is served."""
+    server = await serve(models["llama"], max_tokenizer_calls=1)
+    service = server.service
+    held, refused_call, later = HeldCall(), HeldCall(), HeldCall()
+    assert isinstance(await service.GetTokenizer(pb.GetTokenizerRequest(), held), bytes)
+    reply = await service.GetTokenizer(pb.GetTokenizerRequest(), refused_call)
+    assert refused_call.code == grpc.StatusCode.RESOURCE_EXHAUSTED and reply == pb.TokenizerFiles()
+    assert "limit 1" in refused_call.details and not refused_call.callbacks
+    held.done()
+    assert await service.GetTokenizer(pb.GetTokenizerRequest(), later) == service.tokenizer_reply
+    later.done()
+    assert service.tokenizer_calls == 0
+    async with grpc.aio.insecure_channel(server.address) as channel:   # done over the wire too
+        get = channel.unary_unary("/sled.v1.Verifier/GetTokenizer",
+                                  request_serializer=pb.GetTokenizerRequest.SerializeToString,
+                                  response_deserializer=pb.TokenizerFiles.FromString)
+        for _ in range(3):
+            assert (await get(pb.GetTokenizerRequest())).files
+    await wait_until(lambda: service.tokenizer_calls == 0, "the wire calls to be counted done")
 
 
 async def test_receive_limit_follows_the_context(wire, prompts, models):

@@ -90,6 +90,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.sessions: dict[str, Session] = {}
         self.accepting = True
         self.pool = scheduler.engine.pool
+        self.tokenizer_calls = 0          # GetTokenizer calls not done yet
         self.tokenizer_reply = pb.TokenizerFiles(
             tokenizer_fingerprint=target.fingerprint,
             files=[pb.TokenizerFile(name=name, content=content)
@@ -122,10 +123,25 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     async def GetTokenizer(self, request, context) -> bytes | pb.TokenizerFiles:
         """The files made and encoded once at start: a call costs no disk work and no
-        serialization on the loop (server.add_verifier sends the bytes as they are)."""
+        serialization on the loop (server.add_verifier sends the bytes as they are).
+
+        gRPC copies the reply into the call's buffer until the client has read it, so at most
+        settings.max_tokenizer_calls calls are in flight, counted from entry until the call is
+        done (sent, failed or cancelled): clients that never read cannot pile up copies."""
         if isinstance(request, Undecodable):
             return end_call(context, request.refusal(), pb.TokenizerFiles())
+        limit = self.settings.max_tokenizer_calls
+        if self.tokenizer_calls >= limit:
+            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            context.set_details(f"{self.tokenizer_calls} GetTokenizer replies are being sent "
+                                f"(limit {limit}): retry in a moment")
+            return pb.TokenizerFiles()
+        self.tokenizer_calls += 1
+        context.add_done_callback(self._tokenizer_call_done)
         return self.tokenizer_reply
+
+    def _tokenizer_call_done(self, _context) -> None:
+        self.tokenizer_calls -= 1
 
     # --- the session stream ------------------------------------------------------------------
 

@@ -81,6 +81,8 @@ class ServerSettings(BaseSettings):
         None, ge=1, description="larger gRPC messages get RESOURCE_EXHAUSTED (default: what the "
                                 "longest valid message needs, from the context length and draft "
                                 "limits)", json_schema_extra={"metavar": "SIZE"})
+    max_tokenizer_calls: int = Field(8, ge=1, description="GetTokenizer replies being sent at "
+                                                        "once before RESOURCE_EXHAUSTED")
     idle_timeout: float = Field(300.0, ge=0, description="seconds a session may idle before its "
                                                          "KV is freed (0 = never)")
     # --- the KV cache ---
