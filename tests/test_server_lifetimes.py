@@ -294,7 +294,7 @@ async def test_get_tokenizer_calls_in_flight_are_bounded(serve, models):
     assert refused_call.code == grpc.StatusCode.RESOURCE_EXHAUSTED and reply == pb.TokenizerFiles()
     assert "limit 1" in refused_call.details and not refused_call.callbacks
     held.done()
-    assert await service.GetTokenizer(pb.GetTokenizerRequest(), later) == service.tokenizer_reply
+    assert await service.GetTokenizer(pb.GetTokenizerRequest(), later) == service.target.tokenizer_reply
     later.done()
     assert service.tokenizer_calls == 0
     async with grpc.aio.insecure_channel(server.address) as channel:   # done over the wire too
@@ -357,6 +357,14 @@ def test_public_name_never_shows_a_path(tmp_path):
     assert public_name("~/models/tiny-gemma") == "tiny-gemma"
     assert public_name("google/gemma-3-270m") == "google/gemma-3-270m"   # a hub id, as given
     assert public_name("gemma3-270m") == "gemma3-270m"                   # an alias
+
+
+def test_an_operators_name_is_kept_as_given(models, tokenizer, pair):
+    """--name is the operator's choice: served as given, even when it looks like a path; a
+    model loaded from a folder without one is told by its folder's name only."""
+    assert Target.load(str(pair[0]), name="team/model-v2").model_id == "team/model-v2"
+    assert Target.load(str(pair[0]), name="./exactly this").model_id == "./exactly this"
+    assert Target.load(str(pair[0])).model_id == pair[0].name
 
 
 async def test_model_info_names_a_folder_not_its_path(serve, models, tokenizer, pair):

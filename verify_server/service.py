@@ -91,10 +91,6 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.accepting = True
         self.pool = scheduler.engine.pool
         self.tokenizer_calls = 0          # GetTokenizer calls not done yet
-        self.tokenizer_reply = pb.TokenizerFiles(
-            tokenizer_fingerprint=target.fingerprint,
-            files=[pb.TokenizerFile(name=name, content=content)
-                   for name, content in target.tokenizer_files().items()]).SerializeToString()
         metrics.active_sessions.set_function(lambda: len(self.sessions))
 
     # --- unary calls -------------------------------------------------------------------------
@@ -138,7 +134,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             return pb.TokenizerFiles()
         self.tokenizer_calls += 1
         context.add_done_callback(self._tokenizer_call_done)
-        return self.tokenizer_reply
+        return self.target.tokenizer_reply
 
     def _tokenizer_call_done(self, _context) -> None:
         self.tokenizer_calls -= 1

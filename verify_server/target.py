@@ -5,13 +5,14 @@ its SATs. The engine is handed the SATs when it is built; everything else asks t
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sled.fingerprint import fingerprint_tokenizer
+from sled.v1 import verifier_pb2 as pb
 from verify_server.sdsat import SatSpec, sat_spec_of
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -28,14 +29,14 @@ class Target:
     context_length: int            # tokens of context served (the model's limit, or a lower cap)
     fingerprint: str
     sat: SatSpec | None = None     # semantic adaptive tokens, when the target has them
-    files: dict[str, bytes] = field(default_factory=dict)   # the tokenizer, serialized once
+    tokenizer_reply: bytes = b""   # the GetTokenizer reply: the tokenizer's files, encoded once
 
     @classmethod
     def load(cls, model_id: str, dtype: str = "float32", device: str = "cpu",
              trust_remote_code: bool = False, name: str | None = None,
              sat_adapter: str | None = None, sat: bool = True) -> "Target":
         """Load an AutoModelForCausalLM from safetensors (a local path or a hub id); `name` is
-        what devices are told the model is called (default: model_id; a path is never told,
+        what devices are told the model is called, as given (default: model_id, but of a path
         only its folder's name). SATs come from
         `sat_adapter`, an adapter file beside the model, or the model's config; sat=False
         serves the model without them."""
@@ -47,7 +48,7 @@ class Target:
         ).to(device).eval()
         local = Path(model_id) if Path(model_id).is_dir() else None
         spec = sat_spec_of(model, local, sat_adapter) if sat else None
-        return cls._of(model, tokenizer, name or model_id, spec)
+        return cls._of(model, tokenizer, model_id, spec, name)
 
     @classmethod
     def from_model(cls, model, tokenizer, model_id: str, sat: SatSpec | None = None) -> "Target":
@@ -55,18 +56,21 @@ class Target:
         return cls._of(model, tokenizer, model_id, sat if sat is not None else sat_spec_of(model))
 
     @classmethod
-    def _of(cls, model, tokenizer, model_id: str, sat: SatSpec | None) -> "Target":
+    def _of(cls, model, tokenizer, model_id: str, sat: SatSpec | None,
+            name: str | None = None) -> "Target":
+        """`name` (an operator's choice) is kept as given; else model_id, path-free."""
         config = model.config.get_text_config(decoder=True)
+        fingerprint = fingerprint_tokenizer(tokenizer)
         return cls(
             model=model,
             tokenizer=tokenizer,
-            model_id=public_name(model_id, model.config),
+            model_id=name or public_name(model_id, model.config),
             vocab_size=int(config.vocab_size),
             eos_ids=eos_ids_of(model),
             context_length=getattr(config, "max_position_embeddings", None) or 2048,
-            fingerprint=fingerprint_tokenizer(tokenizer),
+            fingerprint=fingerprint,
             sat=sat,
-            files=serialize_tokenizer(tokenizer),
+            tokenizer_reply=tokenizer_reply(tokenizer, fingerprint),
         )
 
     def cap_context(self, limit: int | None) -> None:
@@ -87,19 +91,18 @@ class Target:
     def device(self) -> str:
         return str(next(self.model.parameters()).device)
 
-    def tokenizer_files(self) -> dict[str, bytes]:
-        """The tokenizer as files a device can load with AutoTokenizer.from_pretrained(dir),
-        serialized when the target was made (no disk work per request)."""
-        if not self.files:
-            self.files = serialize_tokenizer(self.tokenizer)
-        return self.files
-
-
 def serialize_tokenizer(tokenizer) -> dict[str, bytes]:
     """The files save_pretrained writes, by name."""
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
         return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+
+
+def tokenizer_reply(tokenizer, fingerprint: str) -> bytes:
+    """The encoded TokenizerFiles: files a device loads with AutoTokenizer.from_pretrained(dir)."""
+    files = [pb.TokenizerFile(name=name, content=content)
+             for name, content in serialize_tokenizer(tokenizer).items()]
+    return pb.TokenizerFiles(tokenizer_fingerprint=fingerprint, files=files).SerializeToString()
 
 
 def public_name(model_id: str, config=None) -> str:
