@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import aiomqtt
@@ -43,6 +44,7 @@ from edge_client.text import OutputText
 from sled.endpoint import parse_endpoint
 from sled.mqtt import (Backoff, Broker, MqttConnection, check_topic_level, decode, device_topic,
                        encode, is_topic_level, server_topic)
+from sled.printable import printable
 from sled.sampling import Sampling
 
 log = logging.getLogger("sled.device.mqtt")
@@ -200,7 +202,8 @@ class DeviceMqtt:
             raise
         except Exception as error:
             log.exception("MQTT: request %s failed", asked_id)
-            await self._respond_error(client, asked_id, "internal", f"{type(error).__name__}: {error}")
+            await self._respond_error(client, asked_id, "internal",
+                                      f"{type(error).__name__}: {printable(str(error), 200)}")
 
     async def _stream(self, client: aiomqtt.Client, request: Request) -> None:
         """One message per chunk of committed tokens; the last carries how it ended."""
@@ -246,7 +249,8 @@ def parse_request(message: dict, tokenizer) -> Request:
     """A Request from an MQTT request message; DeviceError("invalid") names what is wrong."""
     unknown = sorted(set(message) - REQUEST_FIELDS)
     if unknown:
-        raise DeviceError("invalid", f"unknown field {', '.join(unknown)} "
+        shown = ", ".join(printable(name, 64) for name in unknown[:8])
+        raise DeviceError("invalid", f"unknown field {shown}{' ...' if len(unknown) > 8 else ''} "
                                      f"(known: {', '.join(sorted(REQUEST_FIELDS))})")
     try:
         request_id = check_topic_level(message.get("request_id"), "request_id")
@@ -257,7 +261,7 @@ def parse_request(message: dict, tokenizer) -> Request:
         raise DeviceError("invalid", str(error)) from None
     ignore_eos = message.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
-        raise DeviceError("invalid", f"ignore_eos must be true or false, got {ignore_eos!r}")
+        raise DeviceError("invalid", f"ignore_eos must be true or false, got {_shown(ignore_eos)}")
     return Request(_prompt_ids(message, tokenizer), max_tokens=_integer(message, "max_tokens", None),
                    sampling=sampling, stop_ids=_ids(message, "stop_ids", []), ignore_eos=ignore_eos,
                    request_id=request_id)
@@ -281,7 +285,7 @@ def _integer(message: dict, key: str, default):
     if value is default or value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise DeviceError("invalid", f"{key} must be an integer, got {value!r}")
+        raise DeviceError("invalid", f"{key} must be an integer, got {_shown(value)}")
     return value
 
 
@@ -290,8 +294,19 @@ def _number(message: dict, key: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise DeviceError("invalid", f"{key} must be a number, got {value!r}")
-    return float(value)
+        raise DeviceError("invalid", f"{key} must be a number, got {_shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:   # an integer beyond float's range (10**400)
+        number = math.inf
+    if not math.isfinite(number):
+        raise DeviceError("invalid", f"{key} must be a finite number, got {_shown(value)}")
+    return number
+
+
+def _shown(value) -> str:
+    """A value the asker sent, as it appears in an answer: its repr, escaped and cut short."""
+    return printable(repr(value), 64)
 
 
 def _ids(message: dict, key: str, default: list[int]) -> list[int]:

@@ -10,11 +10,12 @@ import logging
 import socket
 
 import aiomqtt
+import pytest
 import grpc
 
 from drafters.hf import HFDrafter
-from edge_client.daemon import Device, Request
-from edge_client.mqtt import DeviceMqtt
+from edge_client.daemon import Device, DeviceError, Request
+from edge_client.mqtt import DeviceMqtt, parse_request
 from edge_client.settings import DeviceSettings
 from edge_client.wire import open_message
 from sled.mqtt import Backoff
@@ -376,3 +377,30 @@ async def test_sled_serve_announces_itself_and_says_offline_when_stopped(pair, m
             server.proc.send_signal(signal.SIGINT)            # a clean stop says offline itself
             gone = await watcher.wait_for(announcement, offline, since=mark, timeout=30)
             assert gone.payload == {"id": "gpu-cli", "online": False}
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("temperature", 10**400, "temperature must be a finite number"),    # float() overflows
+    ("top_p", 10**400, "top_p must be a finite number"),
+    ("temperature", float("inf"), "temperature must be a finite number"),  # JSON 1e400
+    ("top_p", float("nan"), "top_p must be a finite number"),            # JSON NaN
+    ("temperature", "\x1b[2J" + "x" * 10_000, "temperature must be a number"),
+    ("max_tokens", ["\n"] * 10_000, "max_tokens must be an integer"),
+    ("ignore_eos", "y" * 10_000, "ignore_eos must be true or false"),
+    ("\x1b[2J" + "z" * 10_000, 1, "unknown field"),
+])
+def test_a_request_s_bad_values_are_invalid_and_quoted_short(field, value, says):
+    """Each is refused as invalid (not an internal error), and what the asker sent comes back
+    escaped onto one short line, not echoed whole."""
+    with pytest.raises(DeviceError) as refused:
+        parse_request({"request_id": "r1", "prompt_ids": [5], field: value}, None)
+    assert refused.value.kind == "invalid" and says in refused.value.message
+    assert refused.value.message.isprintable() and len(refused.value.message) < 400, refused.value.message
+
+
+def test_many_unknown_fields_are_named_in_a_bounded_message():
+    message = {"request_id": "r1", "prompt_ids": [5], **{f"field{i:05}": 1 for i in range(10_000)}}
+    with pytest.raises(DeviceError) as refused:
+        parse_request(message, None)
+    assert refused.value.kind == "invalid" and "field00000" in refused.value.message
+    assert len(refused.value.message) < 1000
