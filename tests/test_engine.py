@@ -17,7 +17,7 @@ def run_greedy(engine, prompts, new_tokens: int, prefill_chunk: int | None = Non
     kvs = []
     for prompt in prompts:
         kv = engine.new_kv()
-        kv.admit(prompt[:-1], len(prompt) + new_tokens)
+        kv.admit(prompt[:-1], len(prompt) + new_tokens, b"")
         kvs.append(kv)
     chunk = prefill_chunk or 1 << 30
     while True:
@@ -61,7 +61,7 @@ def test_paged_step_writes_only_new_tokens(models):
         engine = make_engine(model, kv_budget_bytes=BUDGET, block_tokens=16, kind=kind)
         storage = [t.data_ptr() for t in engine.pool.keys]
         kv = engine.new_kv()
-        kv.admit([], 700)
+        kv.admit([], 700, b"")
         engine.forward([Row(kv, list(range(3, 63)), False)])      # context 60
         kv.commit(60)
         copied = []
@@ -86,7 +86,7 @@ def test_rollback_is_a_length_change(models):
     """A forward writes 20 tokens and leaves the length alone; keeping 9 of them moves no byte."""
     engine = make_engine(models["llama"], kv_budget_bytes=BUDGET, block_tokens=4)
     kv = engine.new_kv()
-    kv.admit([], 64)
+    kv.admit([], 64, b"")
     engine.forward([Row(kv, list(range(3, 23)), False)])
     assert kv.length == 0
     table, written = list(kv.table), engine.pool.bytes_written
@@ -106,7 +106,7 @@ def test_logits_only_where_wanted(models):
     try:
         kvs = [engine.new_kv() for _ in range(3)]
         for kv in kvs:
-            kv.admit([], 64)
+            kv.admit([], 64, b"")
         logits = engine.forward([Row(kvs[0], list(range(3, 43)), False),
                                  Row(kvs[1], [5, 6, 7], True), Row(kvs[2], [9], True)])
     finally:
@@ -122,9 +122,9 @@ def tiny_pool(blocks: int = 9, block_tokens: int = 4) -> BlockPool:
 
 
 def test_prefix_hashes_cover_whole_prefixes():
-    a = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
-    b = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 0], 4)
-    c = prefix_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    a = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, b"")
+    b = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 0], 4, b"")
+    c = prefix_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4, b"")
     assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
     assert c[1] != a[1]      # same second block, different first: not the same prefix
 
@@ -134,33 +134,33 @@ def test_prefix_blocks_are_shared_and_reference_counted():
     pool = tiny_pool()
     first = SessionKV(pool)
     prompt = list(range(10, 21))                         # 11 tokens: 2 full blocks
-    assert first.admit(prompt, 16) == 0
+    assert first.admit(prompt, 16, b"") == 0
     first.slots(0, len(prompt))
     first.commit(len(prompt))
     first.publish(prompt)
     second = SessionKV(pool)
-    assert second.admit(prompt[:9] + [99, 98], 16) == 8  # shares both full blocks
+    assert second.admit(prompt[:9] + [99, 98], 16, b"") == 8  # shares both full blocks
     assert second.table == first.table[:2]
     assert pool.refs[first.table[0]] == 2
     first.free()
     assert pool.refs[second.table[0]] == 1               # still held by the second session
     second.free()
     third = SessionKV(pool)
-    assert third.admit(prompt, 16) == 8                  # freed but still cached: found again
+    assert third.admit(prompt, 16, b"") == 8              # freed but still cached: found again
 
 
 def test_reservations_bound_admission():
     from verify_server.kv import SessionKV
     pool = tiny_pool(blocks=9)                           # 8 usable blocks, 32 tokens
     a = SessionKV(pool)
-    a.admit([1, 2, 3], 20)                               # reserves 5 blocks
+    a.admit([1, 2, 3], 20, b"")                           # reserves 5 blocks
     with pytest.raises(PoolExhausted):
-        SessionKV(pool).admit([4, 5, 6], 16)             # needs 4, only 3 left
+        SessionKV(pool).admit([4, 5, 6], 16, b"")         # needs 4, only 3 left
     b = SessionKV(pool)
-    b.admit([4, 5, 6], 12)                               # 3 fit
+    b.admit([4, 5, 6], 12, b"")                           # 3 fit
     assert pool.committed_blocks == 8
     a.free()
-    SessionKV(pool).admit([7], 20)                       # room again
+    SessionKV(pool).admit([7], 20, b"")                   # room again
     with pytest.raises(RuntimeError, match="reservation"):
         b.slots(0, 13)                                   # past what it reserved
 
@@ -169,15 +169,15 @@ def test_cached_blocks_are_reused_least_recent_first():
     from verify_server.kv import SessionKV
     pool = tiny_pool(blocks=3, block_tokens=2)           # 2 usable blocks
     kv = SessionKV(pool)
-    kv.admit([1, 2, 3], 4)
+    kv.admit([1, 2, 3], 4, b"")
     kv.slots(0, 3)
     kv.commit(3)
     kv.publish([1, 2, 3])
     kv.free()
     assert pool.cached_blocks() == 1
     other = SessionKV(pool)
-    other.admit([7, 8, 9], 4)
+    other.admit([7, 8, 9], 4, b"")
     other.slots(0, 4)                                    # needs both blocks: the cached one goes
     assert pool.cached_blocks() == 0
     other.free()
-    assert SessionKV(pool).admit([1, 2, 3], 4) == 0
+    assert SessionKV(pool).admit([1, 2, 3], 4, b"") == 0

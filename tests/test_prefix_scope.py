@@ -19,7 +19,7 @@ from edge_client.wire import SessionRequest
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
-from verify_server.blocks import BlockPool, KVShape
+from verify_server.blocks import BlockPool, KVShape, prefix_hashes
 from verify_server.kv import SessionKV
 from verify_server.settings import ServerSettings
 from verify_server.server import start_server
@@ -68,8 +68,17 @@ def test_session_kv_finds_only_its_own_tenants_blocks():
     first.commit(12)
     first.publish(prompt)
     assert SessionKV(pool).admit(prompt, 16, theirs) == 0
-    assert SessionKV(pool).admit(prompt, 16) == 0         # no tenant is a tenant too
+    assert SessionKV(pool).admit(prompt, 16, b"") == 0    # the empty tenant is a tenant too
     assert SessionKV(pool).admit(prompt, 16, mine) == 12
+
+
+def test_the_tenant_cannot_be_left_out():
+    """No default tenant: a caller that forgets it fails, rather than sharing with everyone."""
+    pool = BlockPool(KVShape(1, 1, 2, torch.float32), num_blocks=8, block_tokens=4)
+    with pytest.raises(TypeError):
+        SessionKV(pool).admit([1, 2, 3, 4, 5], 8)
+    with pytest.raises(TypeError):
+        prefix_hashes([1, 2, 3, 4], 4)
 
 
 # --- through the server -------------------------------------------------------------------------

@@ -50,7 +50,7 @@ class PoolExhausted(Exception):
     """The pool cannot reserve what a new session needs."""
 
 
-def prefix_hashes(tokens: Sequence[int], block_tokens: int, tenant: bytes = b"") -> list[bytes]:
+def prefix_hashes(tokens: Sequence[int], block_tokens: int, tenant: bytes) -> list[bytes]:
     """One digest per full block of `tokens`, each covering the whole prefix up to its end. The
     chain's root is the tenant key (the hash's key): only the same tenant gets the same digests."""
     digests, running = [], hashlib.blake2b(digest_size=16, key=tenant)

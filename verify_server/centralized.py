@@ -26,8 +26,8 @@ def generate_centralized(engine: Engine, prompts: Sequence[Sequence[int]], max_n
     """Greedy: output i == generate(prompts[i], do_sample=False) of the same target."""
     started = time.perf_counter()
     caches = [engine.new_kv() for _ in prompts]
-    for kv, prompt in zip(caches, prompts):
-        kv.admit(list(prompt[:-1]), len(prompt) + max_new_tokens)
+    for kv, prompt in zip(caches, prompts):    # one caller's prompts: one tenant
+        kv.admit(list(prompt[:-1]), len(prompt) + max_new_tokens, tenant=b"")
     outputs: list[list[int]] = [[] for _ in prompts]
     passes = 0
     prefill = [Row(kv, list(p[:-1]), want_logits=False) for kv, p in zip(caches, prompts) if len(p) > 1]

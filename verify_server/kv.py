@@ -35,7 +35,7 @@ class SessionKV:
     def length(self) -> int:
         return self._length
 
-    def admit(self, prefill: Sequence[int], max_tokens: int, tenant: bytes = b"") -> int:
+    def admit(self, prefill: Sequence[int], max_tokens: int, tenant: bytes) -> int:
         """Take cached prefix blocks of `prefill` that `tenant` published and reserve the rest of
         `max_tokens`; what this session publishes later is found by the same tenant only.
 

@@ -48,7 +48,7 @@ def _fill(engine, sessions: int, context: int, draft_len: int):
     kvs = []
     for s in range(sessions):
         kv = engine.new_kv()
-        kv.admit([], context + draft_len + 1)
+        kv.admit([], context + draft_len + 1, tenant=b"")
         tokens = [(7 * s + 13 * i) % 250 + 3 for i in range(context)]
         for start in range(0, context, 512):
             chunk = tokens[start:start + 512]
