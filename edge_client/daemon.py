@@ -29,6 +29,7 @@ from drafters.base import Drafter
 from edge_client.connection import cached_tokenizer
 from edge_client.drafting import SharedDrafter
 from edge_client.result import RoundStat
+from edge_client.salt import device_salt
 from edge_client.servers import NoServer, Server, ServerDirectory
 from edge_client.session import RoundSettings, generate
 from edge_client.settings import DeviceSettings, SettingsError
@@ -151,11 +152,13 @@ class Device:
         self._tasks: list[asyncio.Task] = []
         self.listeners: list[Callable[[], None]] = []   # told when settings or state change
         self.mqtt = None          # the MQTT control plane (edge_client.mqtt.DeviceMqtt) when one runs
+        self.cache_salt = ""      # secret to this device (edge_client.salt), known from start()
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
         """Load the drafter and find the servers; a missing server is not fatal (the device
         keeps trying and says why in its status)."""
+        self.cache_salt = await asyncio.to_thread(device_salt, self.settings.id)
         self.drafter = SharedDrafter(await asyncio.to_thread(self._load_drafter, self.settings.drafter))
         if self.tokenizer is None and self.settings.tokenizer:
             self.tokenizer = await asyncio.to_thread(_load_tokenizer, self.settings.tokenizer)
@@ -349,7 +352,7 @@ class Device:
                     min_confidence=policy.min_confidence, pipeline=policy.pipeline,
                     lookahead=policy.lookahead, reconnect_s=settings.reconnect_s),
                 reopen_on=reopen, on_tokens=on_tokens, on_round=on_round,
-                cache_salt=settings.id)   # this device's sessions share a system prompt's blocks
+                cache_salt=self.cache_salt)   # this device's sessions share a system prompt's blocks
         except VerifyError as exc:
             if exc.code == grpc.StatusCode.UNAVAILABLE and settings.unverified_fallback:
                 await self._draft_alone(request, request.prompt_ids + committed,

@@ -84,12 +84,16 @@ class MqttSettings(Section):
         return bool(self.host)
 
 
+# A device id is one MQTT topic level and part of the broker client id: kept short.
+MAX_DEVICE_ID_CHARS = 128
+
+
 class DeviceSettings(BaseSettings):
     """Everything `sled device` needs; defaults run a local n-gram device against one server."""
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__",
                                       extra="forbid", validate_assignment=True)
 
-    id: str = Field(default_factory=socket.gethostname)      # one MQTT topic level
+    id: str = Field(default_factory=socket.gethostname, max_length=MAX_DEVICE_ID_CHARS)  # one MQTT topic level
     # verify servers, HOST:PORT; MQTT announcements add more
     servers: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
     drafter: str = "ngram"

@@ -167,3 +167,39 @@ def test_settings_come_from_file_env_and_flags_in_that_order(tmp_path, monkeypat
         load_settings(config, [], policy={"draft_length": 3})
     monkeypatch.setenv("SLED_DEVICE_MQTT__PASSWORD", "hunter2")
     assert "hunter2" not in str(load_settings(config).public())
+
+
+async def test_the_cache_salt_is_derived_from_a_secret_the_device_keeps(drafter_models, tokenizer,
+                                                                       tmp_path, monkeypatch):
+    """Not the device id (a topic level, the hostname by default, which any client of the same
+    host can send): HMAC of the id under a secret made once in the cache, mode 0600."""
+    import os
+    import stat
+
+    from edge_client.salt import SECRET_FILE, device_salt
+
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path / "cache"))
+    salt = device_salt("kitchen")
+    assert salt == device_salt("kitchen") != device_salt("hall")          # kept across calls
+    assert len(salt) == 64 and "kitchen" not in salt
+    secret = tmp_path / "cache" / SECRET_FILE
+    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+    assert [p.name for p in secret.parent.iterdir()] == [SECRET_FILE]     # no partial left
+    assert device_salt("kitchen", tmp_path / "other") != salt            # another secret
+    secret.write_text("damaged")
+    assert device_salt("kitchen") != salt and device_salt("kitchen") == device_salt("kitchen")
+
+    device = make_device(["127.0.0.1:1"], drafter_models["llama"], tokenizer)
+    await device.start()
+    try:
+        assert device.cache_salt == device_salt("test-device") != "test-device"
+    finally:
+        await device.close()
+
+
+def test_a_device_id_too_long_to_use_is_refused_at_start(tmp_path):
+    from edge_client.settings import MAX_DEVICE_ID_CHARS, load_settings
+
+    assert load_settings(None, ["--id", "d" * MAX_DEVICE_ID_CHARS]).id == "d" * MAX_DEVICE_ID_CHARS
+    with pytest.raises(SettingsError, match="id"):
+        load_settings(None, ["--id", "d" * (MAX_DEVICE_ID_CHARS + 1)])
