@@ -397,6 +397,7 @@ def decoded_as(reply_type, frame: bytes):
 async def test_after_the_fuzz_the_server_is_clean_and_correct(fuzzed, models, prompts):
     """Runs after the properties above (same module, same server): nothing left behind, the
     target's greedy output, and bounded growth of the process."""
+    assert fuzzed.streams > 0, "no fuzzed stream ran: run this module whole, not this test alone"
     await until_clean(fuzzed.server)
     assert fuzzed.server.metrics.value("sled_kv_tokens") == 0
     for prompt in prompts[:3]:

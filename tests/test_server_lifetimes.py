@@ -22,8 +22,10 @@ from conftest import greedy_reference, run_sled
 from sled.v1 import verifier_pb2 as pb
 from verify_server.server import start_server
 from verify_server.session import Session
-from verify_server.settings import MESSAGE_MARGIN, ServerSettings
+from verify_server.errors import SessionError
+from verify_server.settings import ServerSettings
 from verify_server.target import Target, public_name, serialize_tokenizer
+from verify_server.validation import MAX_STOP_IDS, TEXT_LIMITS, check_open
 
 Reason = pb.ErrorDetail.Reason
 GENERATE = "/sled.v1.Verifier/Generate"
@@ -306,22 +308,72 @@ async def test_get_tokenizer_calls_in_flight_are_bounded(serve, models):
     await wait_until(lambda: service.tokenizer_calls == 0, "the wire calls to be counted done")
 
 
+WIDE = 1 << 31             # an id whose varint takes 5 bytes, as in a vocabulary of 2^31 ids
+WIDE_CHAR = "\U0001F600"   # 4 bytes in UTF-8: a string of n of them is as long as allowed
+
+
+def largest_open(context_length: int) -> pb.DeviceMessage:
+    """The longest Open the server accepts (for a large enough vocabulary): a prompt filling the
+    context but one token, every stop id allowed, every field set, every string at its limit."""
+    text = {field.split(".")[-1]: WIDE_CHAR * limit for field, limit in TEXT_LIMITS.items()}
+    return pb.DeviceMessage(open=pb.Open(
+        prompt_ids=[WIDE] * (context_length - 1), max_new_tokens=1,
+        stop_ids=[WIDE] * MAX_STOP_IDS, ignore_eos=True, mode=pb.GENERATION_MODE_SERVER_SAT,
+        sampling=pb.SamplingParams(temperature=1e30, top_k=WIDE, top_p=0.5, seed=(1 << 64) - 1),
+        **text))
+
+
+def largest_draft(settings: ServerSettings) -> pb.DeviceMessage:
+    """The longest Draft: max_draft_len tokens, each with a q of max_q_support entries."""
+    q = pb.SparseDistribution(ids=[WIDE] * settings.max_q_support,
+                              probs=[1 / settings.max_q_support] * settings.max_q_support)
+    return pb.DeviceMessage(draft=pb.Draft(
+        round=WIDE, token_ids=[WIDE] * settings.max_draft_len, q=[q] * settings.max_draft_len,
+        deadline_ms=WIDE, lookahead=WIDE))
+
+
+def open_of_size(size: int) -> bytes:
+    """An Open of exactly `size` bytes on the wire (one-byte ids, one two-byte id if needed)."""
+    for n in range(size - 12, size):
+        for wide in (0, 1):
+            message = pb.DeviceMessage(open=pb.Open(prompt_ids=[A] * (n - wide) + [200] * wide,
+                                                    max_new_tokens=1))
+            if message.ByteSize() == size:
+                return message.SerializeToString()
+    raise AssertionError(f"no Open of {size} bytes")
+
+
 async def test_receive_limit_follows_the_context(wire, prompts, models):
-    """By default the server reads what the longest valid message needs, not 4 MiB."""
+    """By default the server reads the longest valid message, and refuses a byte more unread."""
     settings = ServerSettings()
-    need = 64 * 5 + settings.max_draft_len * (5 + settings.max_q_support * 9 + 16) + MESSAGE_MARGIN
-    assert settings.receive_limit(64) == need
+    limit = settings.receive_limit(64)
+    assert limit < 4 << 20 < settings.receive_limit(1_000_000)   # not gRPC's fixed 4 MiB
+    assert largest_open(64).ByteSize() <= limit
+    assert largest_draft(settings).ByteSize() <= limit
     assert ServerSettings(max_message_bytes="1MiB").receive_limit(64) == 1 << 20
     server, raw, _ = await wire(context_length=64)
-    call = raw()                # a prompt over the context but within the limit: a precise refusal
-    await call.write(open_bytes(100))
+    for largest in (largest_open(64), largest_draft(settings)):   # read, then refused precisely
+        call = raw()
+        await call.write(largest.SerializeToString())
+        reply = await call.read()
+        assert reply.WhichOneof("kind") == "error", reply
+        assert await call.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+    call = raw()                # exactly the limit: read, refused for its length
+    await call.write(open_of_size(limit))
     await refused(call, grpc.StatusCode.INVALID_ARGUMENT, Reason.REASON_CONTEXT_OVERFLOW)
-    call = raw()                # far more than any valid message: grpc refuses it unread
-    await call.write(open_bytes(need + 1))
+    call = raw()                # a byte more: grpc refuses it unread
+    await call.write(open_of_size(limit + 1))
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         await call.read()
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     await served_correctly(raw, models, prompts[0])
+
+
+def test_stop_ids_are_bounded(models, tokenizer):
+    target = Target.from_model(models["llama"], tokenizer, "tiny")
+    request = pb.Open(prompt_ids=[A], max_new_tokens=1, stop_ids=[A] * (MAX_STOP_IDS + 1))
+    with pytest.raises(SessionError, match=f"at most {MAX_STOP_IDS}"):
+        check_open(request, target, ServerSettings(), 0, True)
 
 
 # --- undecodable bytes ---------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from sled.settings_files import SettingsError, file_source, settings_file
 ENV_PREFIX = "SLED_SERVE_"
 VARINT_BYTES, FLOAT_BYTES = 5, 4     # the most a uint32 id takes on the wire; a float prob
 FIELD_OVERHEAD = 16                  # tags and lengths of one q position
-MESSAGE_MARGIN = 64 << 10            # stop ids, strings, sampling, framing
+MESSAGE_MARGIN = 64 << 10            # stop ids (validation.MAX_STOP_IDS), strings, sampling, framing
 ANNOUNCE = "MQTT announcements"   # the flag group of the announcement keys
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
               "mib": 1 << 20, "gib": 1 << 30}

@@ -41,6 +41,8 @@ TEXT_LIMITS = {
     "sled.v1.Open.cache_salt": 256,
 }
 DEFAULT_TEXT_LIMIT = 256
+# Open.stop_ids: enough for any stop list; the receive limit's margin holds them (5 bytes each).
+MAX_STOP_IDS = 1024
 TEXT_TYPES = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
 # The most characters of a client's text quoted in one error message.
 QUOTED_CHARS = 64
@@ -98,6 +100,9 @@ def check_prompt(request: pb.Open, target: Target) -> None:
             f"prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
             f"exceeds the context length {target.context_length}: shorten one of them")
     check_ids(prompt, "prompt_ids", target.vocab_size)
+    if len(request.stop_ids) > MAX_STOP_IDS:
+        raise errors.invalid(Reason.REASON_PROTOCOL, f"{len(request.stop_ids)} stop_ids, at most "
+                                                     f"{MAX_STOP_IDS} allowed")
     check_ids(request.stop_ids, "stop_ids", target.vocab_size)
     if request.max_new_tokens < 1:
         raise errors.invalid(Reason.REASON_PROTOCOL, "max_new_tokens must be >= 1")
