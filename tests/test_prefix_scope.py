@@ -141,7 +141,7 @@ async def test_another_host_with_the_same_salt_finds_nothing(tokenizer, models):
     assert all(tokens == want for _, tokens in results)
 
 
-async def test_the_daemon_salts_with_its_device_id(serve, models, drafter_models, tokenizer):
+async def test_the_daemon_salts_with_its_own_secret(serve, models, drafter_models, tokenizer):
     model = models["llama"]
     want = greedy_reference(model, PROMPT, MAX_NEW)
     server = await serve(model)
@@ -158,7 +158,8 @@ async def test_the_daemon_salts_with_its_device_id(serve, models, drafter_models
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         assert await server_session(stub, PROMPT, "") == (0, want)
-        assert await server_session(stub, PROMPT, "cam-3") == (len(SYSTEM), want)
+        assert await server_session(stub, PROMPT, "cam-3") == (0, want)   # the id is no salt
+        assert await server_session(stub, PROMPT, device.cache_salt) == (len(SYSTEM), want)
 
 
 # --- the device side ------------------------------------------------------------------------------
