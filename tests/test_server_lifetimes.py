@@ -201,8 +201,9 @@ def kv_free(server) -> bool:
 
 
 async def test_an_idle_live_session_has_its_stream_ended(wire, prompts, models):
-    """A session that waits on its device past the timeout: the server ends the stream with
-    REASON_EVICTED (the device sends nothing), and keeps neither the session nor its KV."""
+    """A session that waits on its device past the timeout: its KV goes at once, and after the
+    grace in which a returning device would hear why on its next draft, the server ends the
+    stream with REASON_EVICTED (the device sends nothing), keeping nothing of the session."""
     server, raw, _ = await wire(idle_timeout=0.3)
     call = raw()
     await call.write(open_msg(prompts[0], 8).SerializeToString())

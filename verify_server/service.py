@@ -30,6 +30,7 @@ from verify_server.tenant import tenant_key
 from verify_server.work import Verify
 
 log = logging.getLogger("sled.server")
+EVICTED_GRACE = 4     # idle timeouts an evicted live session's stream waits for its device
 
 
 def deadline_of(context, deadline_ms: int = 0) -> float | None:
@@ -181,18 +182,29 @@ class VerifierService(pb_grpc.VerifierServicer):
         if session is None:
             return await context.read()
         read = asyncio.ensure_future(context.read())
-        evicted = asyncio.ensure_future(session.evicted.wait())
         try:
-            await asyncio.wait((read, evicted), return_when=asyncio.FIRST_COMPLETED)
+            await self._read_or_evicted(session, read)
         finally:
-            for waiter in (read, evicted):
-                if not waiter.done():
-                    waiter.cancel()
-        if session.evicted_after is None:
+            got = read.done()
+            if not got:
+                read.cancel()
+        if got:
             return read.result()
         if session.finished:
             return grpc.aio.EOF
         raise validation.evicted(session, self.settings.idle_timeout)
+
+    async def _read_or_evicted(self, session: Session, read: asyncio.Future) -> None:
+        """Until the message is read or the session is evicted; a live one's stream stays open
+        EVICTED_GRACE timeouts more, so a device that comes back hears REASON_EVICTED on its next
+        draft (a write into a stream the server has ended fails on the device with INTERNAL)."""
+        evicted = asyncio.ensure_future(session.evicted.wait())
+        try:
+            await asyncio.wait((read, evicted), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            evicted.cancel()
+        if not read.done() and not session.finished:
+            await asyncio.wait((read,), timeout=EVICTED_GRACE * self.settings.idle_timeout)
 
     def _open(self, session: Session | None, request: pb.Open, peer: str) -> Session:
         validation.check_no_session(session)
