@@ -7,6 +7,8 @@ load_drafter is the one place a spec becomes a drafter: every caller accepts eve
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from drafters.base import Drafter, Proposal, SparseQ
 
 SPECS = "ngram, ngram:N, hf:PATH_OR_ID, onnx:ALIAS_OR_DIR or gguf:ALIAS_OR_FILE"
@@ -24,8 +26,26 @@ def resolve_spec(spec: str) -> str:
     return f"gguf:{gguf_path(arg)}" if kind == "gguf" and arg in BUILTIN else spec
 
 
+def check_alias(kind: str, arg: str) -> None:
+    """A bare name after gguf: or onnx: that is neither a file nor a built-in alias (a typo such
+    as gguf:gemma3-270): say so and list the aliases. A path is left to the drafter to report."""
+    from difflib import get_close_matches
+
+    from sled.models import BUILTIN
+
+    bare = Path(arg).name == arg and not arg.endswith(".gguf")
+    if kind not in ("gguf", "onnx") or not arg or not bare or Path(arg).exists():
+        return
+    what = "file" if kind == "gguf" else "folder"
+    close = get_close_matches(arg, BUILTIN, n=1)
+    hint = f" (did you mean {kind}:{close[0]}?)" if close else ""
+    raise ValueError(f"drafter {kind}:{arg} is neither a {what} nor a built-in alias{hint}; "
+                     f"built-in aliases: {', '.join(BUILTIN)}")
+
+
 def load_drafter(spec: str, q_support: int = 32) -> Drafter:
     kind, _, arg = resolve_spec(spec).partition(":")
+    check_alias(kind, arg)
     if kind == "ngram":
         from drafters.ngram import NgramDrafter
         try:

@@ -22,6 +22,7 @@ log = logging.getLogger("sled.device")
 
 def run_device_daemon(argv: list[str]) -> int:
     from edge_client.settings import SettingsError, cli_help, load_settings
+    from sled_cli.flags import one_line
     from sled_cli.logs import configure_logging
 
     if "-h" in argv or "--help" in argv:
@@ -32,12 +33,12 @@ def run_device_daemon(argv: list[str]) -> int:
     try:
         settings = load_settings(config, rest)
     except SettingsError as exc:
-        print(f"sled device: {exc}", file=sys.stderr)
+        print(f"sled device: {one_line(exc)}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(serve_device(settings))
     except SettingsError as exc:
-        print(f"sled device: {exc}", file=sys.stderr)
+        print(f"sled device: {one_line(exc)}", file=sys.stderr)
         return 2
 
 

@@ -1,12 +1,16 @@
 """`sled export-onnx`: an HF checkpoint or built-in model to an int4/int8/fp32 ONNX drafter."""
 from __future__ import annotations
 
+from sled_cli.flags import builtin_aliases
+
 
 def add_arguments(parser) -> None:
-    parser.add_argument("source", help="HF checkpoint folder, or a built-in model alias")
+    parser.add_argument("source", help="HF checkpoint folder, or a built-in model alias "
+                        f"({builtin_aliases()})")
     parser.add_argument("out", nargs="?", default=None,
                         help="output folder (default for an alias: the cache onnx:ALIAS loads)")
-    parser.add_argument("--precision", default="int4", choices=["int4", "int8", "fp32"])
+    parser.add_argument("--precision", default="int4", choices=["int4", "int8", "fp32"],
+                        help="weight precision")
     parser.add_argument("--execution-provider", default="cpu", help="onnxruntime-genai EP (cpu)")
 
 

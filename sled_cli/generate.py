@@ -6,23 +6,32 @@ import sys
 
 import grpc
 
+from sled_cli.flags import (builtin_aliases, non_negative_float, non_negative_int, open_probability,
+                            positive_int)
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--server", required=True, help="HOST:PORT of a sled server")
     parser.add_argument("--drafter", default="ngram",
-                        help="ngram, ngram:N, hf:PATH_OR_ID, gguf:ALIAS_OR_FILE, onnx:ALIAS_OR_DIR; "
+                        help="ngram, ngram:N, hf:PATH_OR_ID, gguf:ALIAS_OR_FILE, onnx:ALIAS_OR_DIR "
+                             f"(built-in aliases: {builtin_aliases()}); "
                              "or server (no drafter: the server generates) or sat (the server "
                              "drafts with its semantic adaptive tokens)")
-    parser.add_argument("--lookahead", type=int, default=0,
+    parser.add_argument("--lookahead", type=non_negative_int, default=0,
                         help="ask for this many SAT hints per verdict to start the next draft with")
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--draft-len", type=int, default=4, help="tokens drafted per round")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop-id", type=int, action="append", default=[],
+    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64,
+                        help="stop after this many new tokens")
+    parser.add_argument("--draft-len", type=positive_int, default=4, help="tokens drafted per round")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0,
+                        help="0 = greedy")
+    parser.add_argument("--top-p", type=open_probability, default=1.0,
+                        help="nucleus sampling: keep the smallest set of tokens with this mass")
+    parser.add_argument("--top-k", type=non_negative_int, default=0,
+                        help="sample among the k likeliest tokens (0 = all)")
+    parser.add_argument("--seed", type=non_negative_int, default=None,
+                        help="sampling seed (none: a random one)")
+    parser.add_argument("--stop-id", type=non_negative_int, action="append", default=[],
                         help="extra stop token id")
     parser.add_argument("--cache-salt", default="", metavar="TEXT",
                         help="share the server's cached prompt blocks only with sessions from "

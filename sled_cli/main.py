@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from sled_cli.flags import HelpFormatter, checked_numbers
 from sled_cli.logs import configure_logging
 
 # OpenMP's default busy-waiting threads starve the server's event loop when the forward runs on
@@ -98,9 +99,11 @@ def _add_commands(parser: argparse.ArgumentParser, table: dict, dest: str) -> No
         if isinstance(entry, Group):
             _add_commands(sub.add_parser(name, help=entry.help), entry.commands, "action")
             continue
-        command = sub.add_parser(name, help=entry.help, add_help=not entry.own_argv)
+        command = sub.add_parser(name, help=entry.help, add_help=not entry.own_argv,
+                                 formatter_class=HelpFormatter)
         if not entry.own_argv:
             importlib.import_module(entry.module).add_arguments(command)
+            checked_numbers(command)
         command.set_defaults(entry=entry)
 
 

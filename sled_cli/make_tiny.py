@@ -3,8 +3,9 @@ from __future__ import annotations
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("folder")
-    parser.add_argument("--arch", default="llama", choices=["llama", "gemma3"])
+    parser.add_argument("folder", help="where the pair is written")
+    parser.add_argument("--arch", default="llama", choices=["llama", "gemma3"],
+                        help="the architecture of both models")
 
 
 def run(args) -> int:

@@ -1,14 +1,20 @@
 """`sled run-device`: run a workload as one device; JSON lines of progress (lab.device_runner)."""
 from __future__ import annotations
 
+from sled_cli.flags import builtin_aliases, positive_int
+
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--server", required=True)
-    parser.add_argument("--drafter", default="ngram")
+    parser.add_argument("--server", required=True, help="HOST:PORT of a sled server")
+    parser.add_argument("--drafter", default="ngram",
+                        help="ngram, ngram:N, hf:PATH_OR_ID, gguf:ALIAS_OR_FILE, onnx:ALIAS_OR_DIR "
+                             f"(built-in aliases: {builtin_aliases()})")
     parser.add_argument("--workload", default="humaneval:3", help="humaneval[:N] or a prompt file")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--draft-len", type=int, default=4)
-    parser.add_argument("--name", default="device")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64,
+                        help="new tokens per prompt")
+    parser.add_argument("--draft-len", type=positive_int, default=4,
+                        help="tokens drafted per round")
+    parser.add_argument("--name", default="device", help="the device's name in its progress")
 
 
 async def run(args) -> int:

@@ -6,9 +6,12 @@ import math
 import shutil
 from pathlib import Path
 
+from sled_cli.flags import (builtin_aliases, fraction, non_negative_float, non_negative_int,
+                            positive_float, positive_int)
+
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", required=True, help="built-in alias or checkpoint path")
+    parser.add_argument("--model", required=True, help=f"built-in alias ({builtin_aliases()}) or checkpoint path")
     parser.add_argument("--corpus", required=True,
                         help="humaneval[:N], a .jsonl (text, or prompt + completion), a text "
                              "file, or a directory of .py files")
@@ -18,21 +21,21 @@ def add_arguments(parser) -> None:
                         help="embeddings: model frozen, only the SAT embeddings train (standard "
                              "tokens bit-identical); full: all weights + a KL term on standard "
                              "tokens")
-    parser.add_argument("--slots", type=int, default=4, help="SAT slots m (tokens drafted per pass)")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=4, help="examples per step (they share one cut)")
-    parser.add_argument("--seq-len", type=int, default=256, help="longest token sequence")
-    parser.add_argument("--lr", type=float, default=None,
+    parser.add_argument("--slots", type=positive_int, default=4, help="SAT slots m (tokens drafted per pass)")
+    parser.add_argument("--steps", type=positive_int, default=300, help="optimizer steps")
+    parser.add_argument("--batch", type=positive_int, default=4, help="examples per step (they share one cut)")
+    parser.add_argument("--seq-len", type=positive_int, default=256, help="longest token sequence")
+    parser.add_argument("--lr", type=positive_float, default=None,
                         help="Adam lr (default: 3e-2 embeddings, 1e-5 full)")
-    parser.add_argument("--kl-weight", type=float, default=1.0,
+    parser.add_argument("--kl-weight", type=non_negative_float, default=1.0,
                         help="full mode: weight of the KL term")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--heldout", type=float, default=0.1,
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="training seed")
+    parser.add_argument("--heldout", type=fraction, default=0.1,
                         help="fraction of sequences held out")
-    parser.add_argument("--eval-every", type=int, default=None, help="default: steps / 20")
-    parser.add_argument("--eval-samples", type=int, default=64,
+    parser.add_argument("--eval-every", type=positive_int, default=None, help="default: steps / 20")
+    parser.add_argument("--eval-samples", type=positive_int, default=64,
                         help="held-out cuts per evaluation")
-    parser.add_argument("--save-every", type=int, default=0,
+    parser.add_argument("--save-every", type=non_negative_int, default=0,
                         help="checkpoint every N steps (0: never)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
     parser.add_argument("--checkpoint-dir", default=None, help="default: OUT/checkpoint")

@@ -12,6 +12,7 @@ import socket
 import sys
 import typing
 
+from sled_cli.flags import builtin_aliases, one_line
 from verify_server.settings import (ANNOUNCE, ENV_PREFIX, ServerSettings, SettingsError,
                                     flag_spellings, load_settings)
 
@@ -22,9 +23,8 @@ the file."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
-    parser.add_argument("--config", metavar="FILE", help="settings file (.toml, .yaml or .yml)")
+    parser.add_argument("--config", metavar="FILE", help="settings file (.toml, .yaml or .yml) (default: none)")
     groups = {ANNOUNCE: parser.add_argument_group(
         ANNOUNCE, "announce this server to devices over MQTT (retained on PREFIX/servers/SERVER_ID;\n"
         "off without --mqtt-host)")}
@@ -32,7 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         extra = field.json_schema_extra or {}
         group = groups.get(extra.get("group"), parser)
         group.add_argument(*flag_spellings(name), dest=name, default=argparse.SUPPRESS,
-                           help=_help(field), **_kind(field, extra))
+                           help=_help(field) + _aliases(name), **_kind(field, extra))
+
+
+def _aliases(name: str) -> str:
+    """--model's help lists the built-in aliases."""
+    return f"; built-in aliases: {builtin_aliases()}" if name == "model" else ""
 
 
 def _kind(field, extra: dict) -> dict:
@@ -46,10 +51,17 @@ def _kind(field, extra: dict) -> dict:
     return {"metavar": extra.get("metavar") or ("N" if number else "TEXT")}
 
 
+def _shown(default) -> str:
+    """A default as --help shows it: none and empty spelled out."""
+    return "none" if default is None else "empty" if default == "" else str(default)
+
+
 def _help(field) -> str:
     default = field.get_default(call_default_factory=False)
-    plain = default not in (None, "") and not field.is_required() and field.default_factory is None
-    shown = f" (default: {default})" if plain and "default" not in field.description else ""
+    if field.is_required() or field.default_factory is not None or "default" in field.description:
+        shown = ""
+    else:
+        shown = f" (default: {_shown(default)})"
     return (field.description + shown).replace("%", "%%")
 
 
@@ -62,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
                                 "in --config FILE")
         announce = announce_config(settings)
     except ValueError as exc:
-        print(f"sled serve: {exc}", file=sys.stderr)
+        print(f"sled serve: {one_line(exc)}", file=sys.stderr)
         return 2
     from verify_server.server import serve_forever
 

@@ -8,9 +8,11 @@ from pathlib import Path
 
 def add_arguments(parser) -> None:
     from lab.bench.harness import add_recording_flags
+    from sled_cli.flags import builtin_aliases
 
     parser.add_argument("--model", default=None,
-                        help="target alias or path (default: a tiny random one)")
+                        help=f"target: a built-in alias ({builtin_aliases()}) or a checkpoint path "
+                             "(default: a tiny random one)")
     add_recording_flags(parser, max_new_tokens=48)
     parser.add_argument("--dtype", default="float32", help="the target's dtype")
     parser.add_argument("--out", required=True, help="trace file (.jsonl)")

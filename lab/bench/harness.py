@@ -94,19 +94,25 @@ def add_recording_flags(parser, *, max_new_tokens: int = 48) -> None:
     parser.add_argument("--drafter", default=None, help="ngram, hf:PATH, gguf:ALIAS, onnx:ALIAS "
                         "(default: the tiny pair's drafter, or ngram with --model)")
     add_workload_flags(parser, default="humaneval:8", max_new_tokens=max_new_tokens)
-    parser.add_argument("--prompts", type=int, default=None, help="use at most this many prompts")
-    parser.add_argument("--max-k", dest="max_draft_len", type=int, default=8,
+    from sled_cli.flags import positive_int
+
+    parser.add_argument("--prompts", type=positive_int, default=None,
+                        help="use at most this many prompts")
+    parser.add_argument("--max-k", dest="max_draft_len", type=positive_int, default=8,
                         help="tokens proposed per position")
 
 
 def add_workload_flags(parser, *, default: str, max_new_tokens: int) -> None:
     parser.add_argument("--workload", default=default,
                         help="humaneval[:N], a prompt file or tiny")
-    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    from sled_cli.flags import positive_int
+
+    parser.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
+                        help="new tokens per prompt")
 
 
 def add_out_flag(parser, name: str) -> None:
-    parser.add_argument("--out", default=f"bench-results/{name}.json")
+    parser.add_argument("--out", default=f"bench-results/{name}.json", help="results file")
 
 
 def server_flags(args) -> list[str]:

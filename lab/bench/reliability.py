@@ -22,7 +22,7 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]      # ids every served vocabulary has
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default=None, help="target path or alias (default: a tiny "
                                                       "random model)")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", help="the target's dtype")
     parser.add_argument("--refusals", type=int, default=40, help="refused Opens measured")
     parser.add_argument("--prompt-len", type=int, default=2_000_000,
                         help="ids in each refused prompt")
