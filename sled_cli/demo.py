@@ -7,7 +7,8 @@ from sled_cli.flags import positive_int
 def add_arguments(parser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=48,
                         help="new tokens per prompt")
-    parser.add_argument("--prompts", type=positive_int, default=3, help="HumanEval prompts per device")
+    parser.add_argument("--prompts", type=positive_int, default=3,
+                        help="HumanEval prompts per device")
 
 
 async def run(args) -> int:

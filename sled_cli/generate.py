@@ -22,7 +22,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64,
                         help="stop after this many new tokens")
-    parser.add_argument("--draft-len", type=positive_int, default=4, help="tokens drafted per round")
+    # 0 passes the parser to get the round settings' own message (draft_len must be >= 1)
+    parser.add_argument("--draft-len", type=non_negative_int, default=4,
+                        help="tokens drafted per round")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0,
                         help="0 = greedy")
     parser.add_argument("--top-p", type=open_probability, default=1.0,

@@ -11,7 +11,8 @@ from sled_cli.flags import (builtin_aliases, fraction, non_negative_float, non_n
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", required=True, help=f"built-in alias ({builtin_aliases()}) or checkpoint path")
+    parser.add_argument("--model", required=True,
+                        help=f"built-in alias ({builtin_aliases()}) or checkpoint path")
     parser.add_argument("--corpus", required=True,
                         help="humaneval[:N], a .jsonl (text, or prompt + completion), a text "
                              "file, or a directory of .py files")
@@ -21,9 +22,11 @@ def add_arguments(parser) -> None:
                         help="embeddings: model frozen, only the SAT embeddings train (standard "
                              "tokens bit-identical); full: all weights + a KL term on standard "
                              "tokens")
-    parser.add_argument("--slots", type=positive_int, default=4, help="SAT slots m (tokens drafted per pass)")
+    parser.add_argument("--slots", type=positive_int, default=4,
+                        help="SAT slots m (tokens drafted per pass)")
     parser.add_argument("--steps", type=positive_int, default=300, help="optimizer steps")
-    parser.add_argument("--batch", type=positive_int, default=4, help="examples per step (they share one cut)")
+    parser.add_argument("--batch", type=positive_int, default=4,
+                        help="examples per step (they share one cut)")
     parser.add_argument("--seq-len", type=positive_int, default=256, help="longest token sequence")
     parser.add_argument("--lr", type=positive_float, default=None,
                         help="Adam lr (default: 3e-2 embeddings, 1e-5 full)")

@@ -24,7 +24,8 @@ the file."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
-    parser.add_argument("--config", metavar="FILE", help="settings file (.toml, .yaml or .yml) (default: none)")
+    parser.add_argument("--config", metavar="FILE",
+                        help="settings file (.toml, .yaml or .yml) (default: none)")
     groups = {ANNOUNCE: parser.add_argument_group(
         ANNOUNCE, "announce this server to devices over MQTT (retained on PREFIX/servers/SERVER_ID;\n"
         "off without --mqtt-host)")}

@@ -128,7 +128,8 @@ BAD_FLAGS = [
 
 @pytest.mark.parametrize("before, flag, value", BAD_FLAGS,
                          ids=[f"{' '.join(b[:2])} {f} {v}" for b, f, v in BAD_FLAGS])
-def test_a_bad_flag_value_is_one_line_and_exit_2(capsys, monkeypatch, tmp_path, before, flag, value):
+def test_a_bad_flag_value_is_one_line_and_exit_2(capsys, monkeypatch, tmp_path, before, flag,
+                                                 value):
     monkeypatch.chdir(tmp_path)
     code, _, err = run_main(capsys, *before, flag, value)
     assert code == 2, err
