@@ -43,23 +43,18 @@ def add_arguments(parser) -> None:
 
 
 async def run(args) -> int:
-    from drafters import load_drafter
     from edge_client.connection import Connection
     from edge_client.server_side import generate_server_side
-    from edge_client.session import RoundSettings, generate
+    from edge_client.session import generate
     from edge_client.text import OutputText
     from edge_client.transport import VerifyError
     from sled.cache import CacheError
     from sled.printable import printable
-    from sled.sampling import Sampling
     from sled.v1 import verifier_pb2 as pb
 
     server_modes = {"server": pb.GENERATION_MODE_SERVER, "sat": pb.GENERATION_MODE_SERVER_SAT}
     try:
-        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.seed)
-        settings = RoundSettings(draft_len=args.draft_len, lookahead=args.lookahead)
-        drafter = None if args.drafter in server_modes else load_drafter(args.drafter)
+        sampling, settings, drafter = _round_inputs(args, server_modes)
     except (ValueError, OSError) as exc:
         print(f"sled generate: {exc}", file=sys.stderr)
         return 2
@@ -103,6 +98,20 @@ async def run(args) -> int:
     result.text = tokenizer.decode(result.token_ids)
     _print_result(result, output, args.json)
     return 0
+
+
+def _round_inputs(args, server_modes):
+    """The sampling, the round settings and the drafter (None in a server mode) the flags ask
+    for; ValueError or OSError says which flag is wrong."""
+    from drafters import load_drafter
+    from edge_client.session import RoundSettings
+    from sled.sampling import Sampling
+
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        seed=args.seed)
+    settings = RoundSettings(draft_len=args.draft_len, lookahead=args.lookahead)
+    drafter = None if args.drafter in server_modes else load_drafter(args.drafter)
+    return sampling, settings, drafter
 
 
 def _print_result(result, output, as_json: bool) -> None:
