@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sled/v1/verifier.proto\x12\x07sled.v1\"\x15\n\x13GetModelInfoRequest\"\xb9\x01\n\x0cServerLimits\x12\x18\n\x10max_draft_tokens\x18\x01 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x02 \x01(\r\x12\x15\n\rmax_q_support\x18\x03 \x01(\r\x12\x18\n\x10kv_budget_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fkv_block_tokens\x18\x05 \x01(\r\x12\x17\n\x0fmax_step_tokens\x18\x06 \x01(\r\x12\x16\n\x0eidle_timeout_s\x18\x07 \x01(\x02\"\xef\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x05 \x01(\r\x12%\n\x06limits\x18\x06 \x01(\x0b\x32\x15.sled.v1.ServerLimits\x12\x15\n\rsat_available\x18\x07 \x01(\x08\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x11\n\tsat_slots\x18\n \x01(\r\"\x15\n\x13GetTokenizerRequest\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"V\n\x0eTokenizerFiles\x12\x1d\n\x15tokenizer_fingerprint\x18\x01 \x01(\t\x12%\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x16.sled.v1.TokenizerFile\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xee\x01\n\x04Open\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12)\n\x08sampling\x18\x02 \x01(\x0b\x32\x17.sled.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x10\n\x08stop_ids\x18\x04 \x03(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12%\n\x04mode\x18\x08 \x01(\x0e\x32\x17.sled.v1.GenerationMode\x12\x12\n\ncache_salt\x18\t \x01(\t\"0\n\x12SparseDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"y\n\x05\x44raft\x12\r\n\x05round\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12&\n\x01q\x18\x03 \x03(\x0b\x32\x1b.sled.v1.SparseDistribution\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\r\x12\x11\n\tlookahead\x18\x05 \x01(\r\"\x07\n\x05\x43lose\"x\n\rDeviceMessage\x12\x1d\n\x04open\x18\x01 \x01(\x0b\x32\r.sled.v1.OpenH\x00\x12\x1f\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x0e.sled.v1.DraftH\x00\x12\x1f\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x0e.sled.v1.CloseH\x00\x42\x06\n\x04kind\"I\n\rServerTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"\x92\x01\n\x06Opened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.sled.v1.ServerTimings\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\"\xd7\x01\n\x07Verdict\x12\r\n\x05round\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x13\n\x0b\x65mitted_ids\x18\x03 \x03(\r\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.sled.v1.FinishReason\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.sled.v1.ServerTimings\x12\x10\n\x08verified\x18\x06 \x01(\r\x12\x1b\n\x13suggested_draft_len\x18\x07 \x01(\r\x12\x10\n\x08hint_ids\x18\x08 \x03(\r\"\xbb\x04\n\x0b\x45rrorDetail\x12+\n\x06reason\x18\x01 \x01(\x0e\x32\x1b.sled.v1.ErrorDetail.Reason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\"\xde\x03\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x1d\n\x19REASON_TOKEN_OUT_OF_RANGE\x10\x01\x12\x16\n\x12REASON_EMPTY_DRAFT\x10\x02\x12\x19\n\x15REASON_DRAFT_TOO_LONG\x10\x03\x12\x16\n\x12REASON_WRONG_ROUND\x10\x04\x12\x15\n\x11REASON_NO_SESSION\x10\x05\x12\x1b\n\x17REASON_SESSION_FINISHED\x10\x06\x12\x1b\n\x17REASON_CONTEXT_OVERFLOW\x10\x07\x12\x1d\n\x19REASON_TOKENIZER_MISMATCH\x10\x08\x12\x17\n\x13REASON_BAD_SAMPLING\x10\t\x12!\n\x1dREASON_BAD_DRAFT_DISTRIBUTION\x10\n\x12\x1c\n\x18REASON_TOO_MANY_SESSIONS\x10\x0b\x12\x13\n\x0fREASON_PROTOCOL\x10\x0c\x12\x18\n\x14REASON_SHUTTING_DOWN\x10\r\x12\x14\n\x10REASON_KV_BUDGET\x10\x0e\x12\x12\n\x0eREASON_EVICTED\x10\x0f\x12\x1c\n\x18REASON_DEADLINE_EXCEEDED\x10\x10\x12\x11\n\rREASON_NO_SAT\x10\x11\"\x86\x01\n\rServerMessage\x12!\n\x06opened\x18\x01 \x01(\x0b\x32\x0f.sled.v1.OpenedH\x00\x12#\n\x07verdict\x18\x02 \x01(\x0b\x32\x10.sled.v1.VerdictH\x00\x12%\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.sled.v1.ErrorDetailH\x00\x42\x06\n\x04kind*o\n\x0eGenerationMode\x12!\n\x1dGENERATION_MODE_DEVICE_DRAFTS\x10\x00\x12\x1a\n\x16GENERATION_MODE_SERVER\x10\x01\x12\x1e\n\x1aGENERATION_MODE_SERVER_SAT\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\xd3\x01\n\x08Verifier\x12@\n\x0cGetModelInfo\x12\x1c.sled.v1.GetModelInfoRequest\x1a\x12.sled.v1.ModelInfo\x12\x45\n\x0cGetTokenizer\x12\x1c.sled.v1.GetTokenizerRequest\x1a\x17.sled.v1.TokenizerFiles\x12>\n\x08Generate\x12\x16.sled.v1.DeviceMessage\x1a\x16.sled.v1.ServerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sled/v1/verifier.proto\x12\x07sled.v1\"\x15\n\x13GetModelInfoRequest\"\xb9\x01\n\x0cServerLimits\x12\x18\n\x10max_draft_tokens\x18\x01 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x02 \x01(\r\x12\x15\n\rmax_q_support\x18\x03 \x01(\r\x12\x18\n\x10kv_budget_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fkv_block_tokens\x18\x05 \x01(\r\x12\x17\n\x0fmax_step_tokens\x18\x06 \x01(\r\x12\x16\n\x0eidle_timeout_s\x18\x07 \x01(\x02\"\xef\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x05 \x01(\r\x12%\n\x06limits\x18\x06 \x01(\x0b\x32\x15.sled.v1.ServerLimits\x12\x15\n\rsat_available\x18\x07 \x01(\x08\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x11\n\tsat_slots\x18\n \x01(\r\"\x15\n\x13GetTokenizerRequest\"y\n\x0eTokenizerChunk\x12\x1d\n\x15tokenizer_fingerprint\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xee\x01\n\x04Open\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12)\n\x08sampling\x18\x02 \x01(\x0b\x32\x17.sled.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x10\n\x08stop_ids\x18\x04 \x03(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12%\n\x04mode\x18\x08 \x01(\x0e\x32\x17.sled.v1.GenerationMode\x12\x12\n\ncache_salt\x18\t \x01(\t\"0\n\x12SparseDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"y\n\x05\x44raft\x12\r\n\x05round\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12&\n\x01q\x18\x03 \x03(\x0b\x32\x1b.sled.v1.SparseDistribution\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\r\x12\x11\n\tlookahead\x18\x05 \x01(\r\"\x07\n\x05\x43lose\"x\n\rDeviceMessage\x12\x1d\n\x04open\x18\x01 \x01(\x0b\x32\r.sled.v1.OpenH\x00\x12\x1f\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x0e.sled.v1.DraftH\x00\x12\x1f\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x0e.sled.v1.CloseH\x00\x42\x06\n\x04kind\"I\n\rServerTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"\x92\x01\n\x06Opened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.sled.v1.ServerTimings\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\"\xd7\x01\n\x07Verdict\x12\r\n\x05round\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x13\n\x0b\x65mitted_ids\x18\x03 \x03(\r\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.sled.v1.FinishReason\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.sled.v1.ServerTimings\x12\x10\n\x08verified\x18\x06 \x01(\r\x12\x1b\n\x13suggested_draft_len\x18\x07 \x01(\r\x12\x10\n\x08hint_ids\x18\x08 \x03(\r\"\xbb\x04\n\x0b\x45rrorDetail\x12+\n\x06reason\x18\x01 \x01(\x0e\x32\x1b.sled.v1.ErrorDetail.Reason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\"\xde\x03\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x1d\n\x19REASON_TOKEN_OUT_OF_RANGE\x10\x01\x12\x16\n\x12REASON_EMPTY_DRAFT\x10\x02\x12\x19\n\x15REASON_DRAFT_TOO_LONG\x10\x03\x12\x16\n\x12REASON_WRONG_ROUND\x10\x04\x12\x15\n\x11REASON_NO_SESSION\x10\x05\x12\x1b\n\x17REASON_SESSION_FINISHED\x10\x06\x12\x1b\n\x17REASON_CONTEXT_OVERFLOW\x10\x07\x12\x1d\n\x19REASON_TOKENIZER_MISMATCH\x10\x08\x12\x17\n\x13REASON_BAD_SAMPLING\x10\t\x12!\n\x1dREASON_BAD_DRAFT_DISTRIBUTION\x10\n\x12\x1c\n\x18REASON_TOO_MANY_SESSIONS\x10\x0b\x12\x13\n\x0fREASON_PROTOCOL\x10\x0c\x12\x18\n\x14REASON_SHUTTING_DOWN\x10\r\x12\x14\n\x10REASON_KV_BUDGET\x10\x0e\x12\x12\n\x0eREASON_EVICTED\x10\x0f\x12\x1c\n\x18REASON_DEADLINE_EXCEEDED\x10\x10\x12\x11\n\rREASON_NO_SAT\x10\x11\"\x86\x01\n\rServerMessage\x12!\n\x06opened\x18\x01 \x01(\x0b\x32\x0f.sled.v1.OpenedH\x00\x12#\n\x07verdict\x18\x02 \x01(\x0b\x32\x10.sled.v1.VerdictH\x00\x12%\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.sled.v1.ErrorDetailH\x00\x42\x06\n\x04kind*o\n\x0eGenerationMode\x12!\n\x1dGENERATION_MODE_DEVICE_DRAFTS\x10\x00\x12\x1a\n\x16GENERATION_MODE_SERVER\x10\x01\x12\x1e\n\x1aGENERATION_MODE_SERVER_SAT\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\xd5\x01\n\x08Verifier\x12@\n\x0cGetModelInfo\x12\x1c.sled.v1.GetModelInfoRequest\x1a\x12.sled.v1.ModelInfo\x12G\n\x0cGetTokenizer\x12\x1c.sled.v1.GetTokenizerRequest\x1a\x17.sled.v1.TokenizerChunk0\x01\x12>\n\x08Generate\x12\x16.sled.v1.DeviceMessage\x1a\x16.sled.v1.ServerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sled.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATIONMODE']._serialized_start=2442
-  _globals['_GENERATIONMODE']._serialized_end=2553
-  _globals['_FINISHREASON']._serialized_start=2555
-  _globals['_FINISHREASON']._serialized_end=2673
+  _globals['_GENERATIONMODE']._serialized_start=2429
+  _globals['_GENERATIONMODE']._serialized_end=2540
+  _globals['_FINISHREASON']._serialized_start=2542
+  _globals['_FINISHREASON']._serialized_end=2660
   _globals['_GETMODELINFOREQUEST']._serialized_start=35
   _globals['_GETMODELINFOREQUEST']._serialized_end=56
   _globals['_SERVERLIMITS']._serialized_start=59
@@ -43,34 +43,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFO']._serialized_end=486
   _globals['_GETTOKENIZERREQUEST']._serialized_start=488
   _globals['_GETTOKENIZERREQUEST']._serialized_end=509
-  _globals['_TOKENIZERFILE']._serialized_start=511
-  _globals['_TOKENIZERFILE']._serialized_end=557
-  _globals['_TOKENIZERFILES']._serialized_start=559
-  _globals['_TOKENIZERFILES']._serialized_end=645
-  _globals['_SAMPLINGPARAMS']._serialized_start=647
-  _globals['_SAMPLINGPARAMS']._serialized_end=742
-  _globals['_OPEN']._serialized_start=745
-  _globals['_OPEN']._serialized_end=983
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=985
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=1033
-  _globals['_DRAFT']._serialized_start=1035
-  _globals['_DRAFT']._serialized_end=1156
-  _globals['_CLOSE']._serialized_start=1158
-  _globals['_CLOSE']._serialized_end=1165
-  _globals['_DEVICEMESSAGE']._serialized_start=1167
-  _globals['_DEVICEMESSAGE']._serialized_end=1287
-  _globals['_SERVERTIMINGS']._serialized_start=1289
-  _globals['_SERVERTIMINGS']._serialized_end=1362
-  _globals['_OPENED']._serialized_start=1365
-  _globals['_OPENED']._serialized_end=1511
-  _globals['_VERDICT']._serialized_start=1514
-  _globals['_VERDICT']._serialized_end=1729
-  _globals['_ERRORDETAIL']._serialized_start=1732
-  _globals['_ERRORDETAIL']._serialized_end=2303
-  _globals['_ERRORDETAIL_REASON']._serialized_start=1825
-  _globals['_ERRORDETAIL_REASON']._serialized_end=2303
-  _globals['_SERVERMESSAGE']._serialized_start=2306
-  _globals['_SERVERMESSAGE']._serialized_end=2440
-  _globals['_VERIFIER']._serialized_start=2676
-  _globals['_VERIFIER']._serialized_end=2887
+  _globals['_TOKENIZERCHUNK']._serialized_start=511
+  _globals['_TOKENIZERCHUNK']._serialized_end=632
+  _globals['_SAMPLINGPARAMS']._serialized_start=634
+  _globals['_SAMPLINGPARAMS']._serialized_end=729
+  _globals['_OPEN']._serialized_start=732
+  _globals['_OPEN']._serialized_end=970
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=972
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=1020
+  _globals['_DRAFT']._serialized_start=1022
+  _globals['_DRAFT']._serialized_end=1143
+  _globals['_CLOSE']._serialized_start=1145
+  _globals['_CLOSE']._serialized_end=1152
+  _globals['_DEVICEMESSAGE']._serialized_start=1154
+  _globals['_DEVICEMESSAGE']._serialized_end=1274
+  _globals['_SERVERTIMINGS']._serialized_start=1276
+  _globals['_SERVERTIMINGS']._serialized_end=1349
+  _globals['_OPENED']._serialized_start=1352
+  _globals['_OPENED']._serialized_end=1498
+  _globals['_VERDICT']._serialized_start=1501
+  _globals['_VERDICT']._serialized_end=1716
+  _globals['_ERRORDETAIL']._serialized_start=1719
+  _globals['_ERRORDETAIL']._serialized_end=2290
+  _globals['_ERRORDETAIL_REASON']._serialized_start=1812
+  _globals['_ERRORDETAIL_REASON']._serialized_end=2290
+  _globals['_SERVERMESSAGE']._serialized_start=2293
+  _globals['_SERVERMESSAGE']._serialized_end=2427
+  _globals['_VERIFIER']._serialized_start=2663
+  _globals['_VERIFIER']._serialized_end=2876
 # @@protoc_insertion_point(module_scope)

@@ -77,21 +77,21 @@ class GetTokenizerRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class TokenizerFile(_message.Message):
-    __slots__ = ("name", "content")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    CONTENT_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    content: bytes
-    def __init__(self, name: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
-
-class TokenizerFiles(_message.Message):
-    __slots__ = ("tokenizer_fingerprint", "files")
+class TokenizerChunk(_message.Message):
+    __slots__ = ("tokenizer_fingerprint", "name", "offset", "data", "size", "sha256")
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    FILES_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     tokenizer_fingerprint: str
-    files: _containers.RepeatedCompositeFieldContainer[TokenizerFile]
-    def __init__(self, tokenizer_fingerprint: _Optional[str] = ..., files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ...) -> None: ...
+    name: str
+    offset: int
+    data: bytes
+    size: int
+    sha256: str
+    def __init__(self, tokenizer_fingerprint: _Optional[str] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")

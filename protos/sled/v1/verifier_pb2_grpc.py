@@ -39,10 +39,10 @@ class VerifierStub:
                 request_serializer=sled_dot_v1_dot_verifier__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=sled_dot_v1_dot_verifier__pb2.ModelInfo.FromString,
                 _registered_method=True)
-        self.GetTokenizer = channel.unary_unary(
+        self.GetTokenizer = channel.unary_stream(
                 '/sled.v1.Verifier/GetTokenizer',
                 request_serializer=sled_dot_v1_dot_verifier__pb2.GetTokenizerRequest.SerializeToString,
-                response_deserializer=sled_dot_v1_dot_verifier__pb2.TokenizerFiles.FromString,
+                response_deserializer=sled_dot_v1_dot_verifier__pb2.TokenizerChunk.FromString,
                 _registered_method=True)
         self.Generate = channel.stream_stream(
                 '/sled.v1.Verifier/Generate',
@@ -62,7 +62,10 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetTokenizer(self, request, context):
-        """The target's tokenizer files, so a device can bootstrap from the server address alone.
+        """The target's tokenizer files, so a device can bootstrap from the server address alone:
+        streamed in chunks of at most 1 MiB, so every message fits a gRPC client's default 4 MiB
+        receive limit (see TokenizerChunk). At most ServerSettings.max_tokenizer_calls streams are
+        sent at once; a call beyond that ends at once with RESOURCE_EXHAUSTED: retry in a moment.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,10 +86,10 @@ def add_VerifierServicer_to_server(servicer, server):
                     request_deserializer=sled_dot_v1_dot_verifier__pb2.GetModelInfoRequest.FromString,
                     response_serializer=sled_dot_v1_dot_verifier__pb2.ModelInfo.SerializeToString,
             ),
-            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+            'GetTokenizer': grpc.unary_stream_rpc_method_handler(
                     servicer.GetTokenizer,
                     request_deserializer=sled_dot_v1_dot_verifier__pb2.GetTokenizerRequest.FromString,
-                    response_serializer=sled_dot_v1_dot_verifier__pb2.TokenizerFiles.SerializeToString,
+                    response_serializer=sled_dot_v1_dot_verifier__pb2.TokenizerChunk.SerializeToString,
             ),
             'Generate': grpc.stream_stream_rpc_method_handler(
                     servicer.Generate,
@@ -142,12 +145,12 @@ class Verifier:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/sled.v1.Verifier/GetTokenizer',
             sled_dot_v1_dot_verifier__pb2.GetTokenizerRequest.SerializeToString,
-            sled_dot_v1_dot_verifier__pb2.TokenizerFiles.FromString,
+            sled_dot_v1_dot_verifier__pb2.TokenizerChunk.FromString,
             options,
             channel_credentials,
             insecure,
