@@ -44,7 +44,17 @@ def check_alias(kind: str, arg: str) -> None:
 
 
 def load_drafter(spec: str, q_support: int = 32) -> Drafter:
-    kind, _, arg = resolve_spec(spec).partition(":")
+    """The drafter SPEC names; one loaded from a built-in alias keeps it as `alias`, the name a
+    person gave it (its `name` says which file it is)."""
+    resolved = resolve_spec(spec)
+    drafter = _load_resolved(spec, resolved, q_support)
+    if resolved != spec:
+        drafter.alias = spec
+    return drafter
+
+
+def _load_resolved(spec: str, resolved: str, q_support: int) -> Drafter:
+    kind, _, arg = resolved.partition(":")
     check_alias(kind, arg)
     if kind == "ngram":
         from drafters.ngram import NgramDrafter

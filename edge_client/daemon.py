@@ -28,12 +28,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from drafters.base import Drafter
 from edge_client.connection import cached_tokenizer
 from edge_client.drafting import SharedDrafter
-from edge_client.result import RoundStat
+from edge_client.result import RoundStat, ServerEvent
 from edge_client.salt import device_salt
 from edge_client.servers import NoServer, Server, ServerDirectory
 from edge_client.session import RoundSettings, generate
 from edge_client.settings import DeviceSettings, SettingsError
-from edge_client.transport import VerifyError
+from edge_client.transport import ServerLost, VerifyError, connect_error
 from sled.cache import CacheError
 from sled.fingerprint import fingerprint_tokenizer, short
 from sled.printable import printable
@@ -202,7 +202,7 @@ class Device:
                 self.tokenizer = await server.connect().tokenizer()
                 self._set_fingerprint()
         except grpc.aio.AioRpcError as exc:
-            self._set_state("waiting", f"{server.endpoint}: {printable(exc.details() or '', 200)}")
+            self._set_state("waiting", connect_error(server.endpoint, exc))
             return
         except CacheError as exc:  # its tokenizer was refused: one line, the device keeps waiting
             self._set_state("waiting", str(exc))
@@ -333,13 +333,8 @@ class Device:
             self.window.emitted(len(tokens))
             queue.put_nowait(Chunk(list(tokens)))
 
-        def on_round(stat: RoundStat) -> None:
-            self.metrics.rounds.inc()
-            self.metrics.draft_tokens.inc(stat.verified)
-            self.metrics.accepted_tokens.inc(stat.accepted)
-            self.metrics.round_trip.observe(stat.round_trip_ms / 1e3)
-            self.metrics.draft_seconds.observe(stat.draft_ms / 1e3)
-            self.window.round(stat)
+        def on_server(event: ServerEvent) -> None:
+            self._log_server_event(request, current["server"], event)
 
         policy = settings.policy
         try:
@@ -351,16 +346,39 @@ class Device:
                     draft_len=policy.draft_len, max_draft_len=policy.max_draft_len,
                     min_confidence=policy.min_confidence, pipeline=policy.pipeline,
                     lookahead=policy.lookahead, reconnect_s=settings.reconnect_s),
-                reopen_on=reopen, on_tokens=on_tokens, on_round=on_round,
+                reopen_on=reopen, on_tokens=on_tokens, on_round=self._count_round,
+                on_server=on_server, target_model=server.model,
                 cache_salt=self.cache_salt)   # this device's sessions share a system prompt's blocks
         except VerifyError as exc:
             if exc.code == grpc.StatusCode.UNAVAILABLE and settings.unverified_fallback:
                 await self._draft_alone(request, request.prompt_ids + committed,
                                         max_tokens - len(committed), queue)
                 return
+            if isinstance(exc, ServerLost):
+                raise DeviceError("unavailable", f"lost the verify server: {exc.message}") from None
             raise DeviceError(_kind(exc), f"the verify server refused: {exc}") from None
         self.metrics.resumes.inc(result.resumes)
         queue.put_nowait(Chunk([], result.finish_reason))
+
+    def _count_round(self, stat: RoundStat) -> None:
+        """One round of any session, in the metrics and the telemetry window."""
+        self.metrics.rounds.inc()
+        self.metrics.draft_tokens.inc(stat.verified)
+        self.metrics.accepted_tokens.inc(stat.accepted)
+        self.metrics.round_trip.observe(stat.round_trip_ms / 1e3)
+        self.metrics.draft_seconds.observe(stat.draft_ms / 1e3)
+        self.window.round(stat)
+
+    def _log_server_event(self, request: Request, server: Server, event: ServerEvent) -> None:
+        """A session lost its server (one WARNING line) or got one back (one INFO line)."""
+        where = printable(server.id or server.endpoint, 200)
+        if event.kind == "lost":
+            log.warning("request %s: lost the verify server %s after %d tokens (%s); waiting up to "
+                        "%g s for it or another to resume", request.request_id, where,
+                        event.committed, event.detail, event.wait_s)
+        else:
+            log.info("request %s: resumed on %s after %d tokens (%s)", request.request_id, where,
+                     event.committed, event.detail)
 
     async def _server_for(self, request: Request) -> Server | None:
         """A compatible server, waiting up to reconnect_s for one; None means draft alone."""

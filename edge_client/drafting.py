@@ -20,6 +20,7 @@ class SharedDrafter:
     def __init__(self, drafter: Drafter) -> None:
         self.inner = drafter
         self.name = drafter.name
+        self.alias = getattr(drafter, "alias", None)     # the built-in alias it was loaded from
         self.tokenizer_fingerprint = drafter.tokenizer_fingerprint
         self._lock = threading.Lock()
         if hasattr(drafter, "apropose"):      # emulated drafters: stateless, awaited directly

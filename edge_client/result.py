@@ -8,6 +8,9 @@ from sled.v1 import verifier_pb2 as pb
 
 FINISH_NAMES = {pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_STOP: "stop",
                 pb.FINISH_REASON_LENGTH: "length"}
+# How a session ends early on the device's side; its committed tokens are kept as partial output.
+INTERRUPTED = "interrupted"      # the user stopped it (Ctrl-C)
+SERVER_LOST = "server_lost"      # the server went away and none came back in time
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +23,16 @@ class RoundStat:
     accepted: int            # ... and accepted
     suggested_draft_len: int = 0   # the server's advice for the next draft (0 = none)
     pipelined: int = 0             # draft tokens drafted while the previous verdict was in flight
+
+
+@dataclass(frozen=True, slots=True)
+class ServerEvent:
+    """A session lost its server ("lost": it waits up to wait_s for it or another to take the
+    session back) or got one back ("resumed"), after `committed` tokens."""
+    kind: str                # "lost" or "resumed"
+    committed: int           # tokens committed so far (kept either way)
+    wait_s: float            # how long the session waits for a server (its reconnect_s)
+    detail: str = ""         # what the transport said (lost), how long it took (resumed)
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from edge_client.connection import Connection
+from edge_client.transport import connect_error
 from sled.fingerprint import short
 from sled.printable import printable
 
@@ -124,8 +125,7 @@ class ServerDirectory:
         try:
             info = await server.connect().model_info(timeout=timeout, wait_for_ready=False, refresh=True)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
-            detail = printable(exc.details() or "", 200) if isinstance(exc, grpc.aio.AioRpcError) else "timed out"
-            server.reachable, server.unreachable = False, f"unreachable: {detail}"
+            server.reachable, server.unreachable = False, connect_error(server.endpoint, exc)
             self._notify()
             return
         if server.unreachable:

@@ -21,11 +21,12 @@ import grpc
 from drafters.base import Drafter, Proposal
 from edge_client.draft_policy import DraftPolicy
 from edge_client.proposer import Draft, Head, Proposer
-from edge_client.result import GenerationResult, RoundStat
+from edge_client.result import GenerationResult, RoundStat, ServerEvent
 from edge_client.speculation import Speculation
-from edge_client.transport import Stream, Transport, VerifyError, lost_server
-from edge_client.wire import SessionRequest, draft_message
+from edge_client.transport import ServerLost, Stream, Transport, VerifyError, lost_server
+from edge_client.wire import SessionRequest, draft_message, drafter_label
 from sled.fingerprint import short
+from sled.printable import printable
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 
@@ -82,8 +83,11 @@ class DeviceSession:
 
     If the server goes away mid-session (UNAVAILABLE: a restart, a dropped link) or evicts it,
     the session is reopened with the prompt + its committed tokens (`result.resumes` counts
-    them). `reopen_on()`, when given, is asked for the stub to use after each lost server (a
-    failover); with it, the first open waits and retries the same way. `policy` is the
+    them). A lost server is told to `on_server` at once (a ServerEvent "lost"), and again when a
+    server took the session back ("resumed"); when none does within reconnect_s the session
+    raises ServerLost, and `result` keeps the committed tokens. `reopen_on()`, when given, is
+    asked for the stub to use after each lost server (a failover); with it, the first open waits
+    and retries the same way. `policy` is the
     DraftPolicy to use and keep teaching (a device's earlier sessions on the same server: its
     timings and acceptance carry over); default: a fresh one when adaptive or pipelining.
     `transport` opens each stream (an emulated link wraps it).
@@ -93,10 +97,11 @@ class DeviceSession:
                  settings: RoundSettings = RoundSettings(), *, policy: DraftPolicy | None = None,
                  transport: Transport = Stream.open, reopen_on: Callable[[], object] | None = None,
                  on_tokens: Callable[[list[int]], None] | None = None,
-                 on_round: Callable[[RoundStat], None] | None = None) -> None:
+                 on_round: Callable[[RoundStat], None] | None = None,
+                 on_server: Callable[[ServerEvent], None] | None = None) -> None:
         self.stub, self.request, self.settings = stub, request, settings
         self.transport, self.reopen_on = transport, reopen_on
-        self.on_tokens, self.on_round = on_tokens, on_round
+        self.on_tokens, self.on_round, self.on_server = on_tokens, on_round, on_server
         self.proposer = Proposer(drafter, request.sampling, settings.min_confidence)
         # Seeded sampling never pipelines: how many tokens get drafted ahead depends on timing,
         # and every draw moves the drafter's random stream, so a seeded run would not repeat.
@@ -135,8 +140,15 @@ class DeviceSession:
             await self.stream.done_writing()
         except BaseException:
             await self.abandon()
+            self.result.elapsed_s = time.perf_counter() - self.started
             raise
         self.result.elapsed_s = time.perf_counter() - self.started
+        return self.result
+
+    def partial(self, finish_reason: str) -> GenerationResult:
+        """The committed tokens of a session that ended early (interrupted, server lost): the
+        target's own output so far, ended for `finish_reason`."""
+        self.result.finish_reason = finish_reason
         return self.result
 
     # -- open / resume ----------------------------------------------------------------------
@@ -174,30 +186,53 @@ class DeviceSession:
                 return await self.open_once(max(min(left, connect_s), 0.01), switch=lost)
             except asyncio.TimeoutError:
                 if left <= connect_s:
-                    raise VerifyError(grpc.StatusCode.UNAVAILABLE,
-                                      f"no server came back within {reconnect_s:g} s to resume the "
-                                      f"session after {len(self.result.token_ids)} committed tokens") from None
+                    raise self.gave_up() from None
                 connect_s = min(connect_s * 2, MAX_CONNECT_S)
             except (VerifyError, grpc.aio.AioRpcError) as error:
-                if not lost_server(error) or time.monotonic() + pause > give_up:
+                if not lost_server(error):
                     raise
+                if time.monotonic() + pause > give_up:
+                    raise self.gave_up() from None
             lost = True
             await asyncio.sleep(pause)
             pause = min(pause * 2, MAX_PAUSE_S)
+
+    def gave_up(self) -> ServerLost:
+        return ServerLost(f"no server came back within {self.settings.reconnect_s:g} s to resume "
+                          f"the session after {len(self.result.token_ids)} committed tokens")
 
     async def resume(self, error: Exception) -> None:
         """The server freed this session (idle eviction) or went away (restart, network):
         reopen it where the committed tokens end. A verdict that never arrived committed nothing
         here, so no token is lost or repeated. Any other error ends the session."""
         evicted = isinstance(error, VerifyError) and error.reason == "REASON_EVICTED"
-        if not evicted and not (self.settings.reconnect_s and lost_server(error)):
+        if not evicted and not lost_server(error):
             raise error
         self.stream.cancel()
         await self.stop_speculating()
         self.proposer.rollback(len(self.context))
         self.result.resumes += 1
-        await self.open(resuming=not evicted, lost=not evicted)
+        if evicted:
+            await self.open()
+        else:
+            await self.recover(error)
         self.round, self.head, self.verdict_at = 0, None, None
+
+    async def recover(self, error: Exception) -> None:
+        """The server went away: say so at once, wait up to reconnect_s for it (or another) to
+        take the session back, and say so when one did. ServerLost when none did."""
+        committed, wait_s = len(self.result.token_ids), self.settings.reconnect_s
+        detail = printable(error.message if isinstance(error, VerifyError) else str(error), 200)
+        self.tell(ServerEvent("lost", committed, wait_s, detail))
+        if not wait_s:
+            raise self.gave_up() from None
+        started = time.monotonic()
+        await self.open(resuming=True, lost=True)
+        self.tell(ServerEvent("resumed", committed, wait_s, f"after {time.monotonic() - started:.1f} s"))
+
+    def tell(self, event: ServerEvent) -> None:
+        if self.on_server is not None:
+            self.on_server(event)
 
     async def abandon(self) -> None:
         """The session failed or was cancelled: drop the stream and leave the drafter idle for
@@ -289,19 +324,34 @@ class DeviceSession:
             self.draft_len = self.policy.choose(stat.suggested_draft_len)
 
 
-def drafter_fingerprint(drafter: Drafter, target_fingerprint: str | None) -> str:
+def drafter_fingerprint(drafter: Drafter, target_fingerprint: str | None,
+                        target_model: str = "") -> str:
     """The tokenizer fingerprint a session opens with: the drafter's, else the target's. A
-    drafter whose tokenizer is not the target's is refused before anything is sent."""
+    drafter whose tokenizer is not the target's is refused before anything is sent, named as
+    the user gave it (gguf:smollm2-135m) next to the served model (target_model, when known)."""
     own = drafter.tokenizer_fingerprint
     if target_fingerprint and own and own != target_fingerprint:
+        served = f"the served model {printable(target_model, 200)}" if target_model else "the served model"
         raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"drafter {drafter.name} has tokenizer {short(own)}, the server's target "
-                          f"has {short(target_fingerprint)}: they cannot share drafts",
-                          "REASON_TOKENIZER_MISMATCH")
+                          f"the drafter {described(drafter)} does not share a tokenizer with "
+                          f"{served}: its drafts cannot be verified (tokenizer {short(own)} vs "
+                          f"{printable(short(target_fingerprint))})", "REASON_TOKENIZER_MISMATCH")
     return own or target_fingerprint or ""
 
 
-async def generate(
+def drafter_name(drafter: Drafter) -> str:
+    """The drafter as a person named it: its built-in alias (gguf:smollm2-135m) when it was
+    loaded from one, else its own name without the device's path (what the server sees)."""
+    return drafter_label(getattr(drafter, "alias", None) or drafter.name)
+
+
+def described(drafter: Drafter) -> str:
+    """The drafter in a message: its alias and the file behind it, or its name."""
+    name, own = drafter_name(drafter), drafter_label(drafter.name)
+    return f"{name} ({own.partition(':')[2] or own})" if name != own else name
+
+
+def device_session(
     stub,
     drafter: Drafter,
     prompt_ids: Sequence[int],
@@ -317,15 +367,23 @@ async def generate(
     reopen_on: Callable[[], object] | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     on_round: Callable[[RoundStat], None] | None = None,
+    on_server: Callable[[ServerEvent], None] | None = None,
     cache_salt: str = "",
-) -> GenerationResult:
-    """Run one generation session to its end (a DeviceSession); on_tokens sees each verdict's
-    committed tokens, on_round each round's RoundStat. target_fingerprint, when known, refuses a
-    drafter with another tokenizer before anything is sent. cache_salt scopes the server's prefix
-    cache: sessions share cached prompt blocks only with the same salt from the same host."""
+    target_model: str = "",
+) -> DeviceSession:
+    """One generation session, ready to run (a DeviceSession); on_tokens sees each verdict's
+    committed tokens, on_round each round's RoundStat, on_server a lost and a resumed server.
+    target_fingerprint, when known, refuses a drafter with another tokenizer before anything is
+    sent (naming target_model, the served model). cache_salt scopes the server's prefix cache:
+    sessions share cached prompt blocks only with the same salt from the same host."""
     request = SessionRequest(prompt_ids, max_new_tokens, sampling, stop_ids, ignore_eos,
-                             drafter_fingerprint(drafter, target_fingerprint), drafter.name,
-                             cache_salt)
-    session = DeviceSession(stub, drafter, request, settings, policy=policy, transport=transport,
-                            reopen_on=reopen_on, on_tokens=on_tokens, on_round=on_round)
-    return await session.run()
+                             drafter_fingerprint(drafter, target_fingerprint, target_model),
+                             drafter_name(drafter), cache_salt)
+    return DeviceSession(stub, drafter, request, settings, policy=policy, transport=transport,
+                         reopen_on=reopen_on, on_tokens=on_tokens, on_round=on_round,
+                         on_server=on_server)
+
+
+async def generate(stub, drafter: Drafter, prompt_ids: Sequence[int], **options) -> GenerationResult:
+    """Run one generation session to its end: device_session(...).run(), the same options."""
+    return await device_session(stub, drafter, prompt_ids, **options).run()

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import grpc
 
+from sled.printable import printable
 from sled.v1 import verifier_pb2 as pb
 
 
@@ -82,3 +83,37 @@ def lost_server(error: Exception) -> bool:
     """The server is gone or going (as opposed to refusing this session)."""
     code = error.code if isinstance(error, VerifyError) else error.code()
     return code == grpc.StatusCode.UNAVAILABLE
+
+
+class ServerLost(VerifyError):
+    """The server went away mid-session and none came back in time. The committed tokens are
+    the target's own and stay valid: a caller keeps them as partial output."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
+# What grpc core says when the peer answered the connection but not with HTTP/2 (an HTTP/1.1
+# service such as the server's metrics port, a web server): "Failed parsing HTTP/2 (Expected
+# SETTINGS frame as the first frame, got frame type 79)" and its kin.
+NOT_GRPC_MARKS = ("Failed parsing HTTP/2", "Expected SETTINGS frame", "Trying to connect an http1.x server")
+
+
+def not_a_grpc_server(error: Exception) -> bool:
+    """The address answers, but not as a gRPC server."""
+    details = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
+    return any(mark in (details or "") for mark in NOT_GRPC_MARKS)
+
+
+def connect_error(address: str, error: Exception) -> str:
+    """Why a call to the server at ADDRESS failed, as one line a person can act on: the one home
+    of this wording (sled generate, the daemon's probes)."""
+    address = printable(address, 200)
+    if not_a_grpc_server(error):
+        return (f"{address} answers, but it is not a sled gRPC server (an HTTP/1 service, e.g. the "
+                "metrics port? the gRPC port is the one `sled serve` prints)")
+    if isinstance(error, grpc.aio.AioRpcError):
+        detail = f"{error.code().name}: {printable(error.details() or '', 200)}"
+    else:
+        detail = "timed out" if isinstance(error, asyncio.TimeoutError) else printable(str(error), 200)
+    return f"cannot reach a sled server at {address}: {detail}"

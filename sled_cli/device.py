@@ -59,7 +59,8 @@ def _config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 async def serve_device(settings, ready: asyncio.Event | None = None) -> int:
-    """Run until SIGINT/SIGTERM: the device, its local API and (optionally) MQTT."""
+    """Run until SIGINT/SIGTERM: the device, its local API and (optionally) MQTT. Exit status 0
+    after SIGTERM, 130 after Ctrl-C (SIGINT), with one line."""
     from edge_client.daemon import Device
     from edge_client.openai_api import start_api
 
@@ -77,10 +78,15 @@ async def serve_device(settings, ready: asyncio.Event | None = None) -> int:
         tasks.append(asyncio.create_task(DeviceMqtt(device).run()))
     print(f"sled device {settings.id}: OpenAI-compatible API on http://{settings.host}:{port}/v1 "
           f"({device.state}: {device.reason})", flush=True)
-    stop = asyncio.Event()
+    stop, signals = asyncio.Event(), []
     loop = asyncio.get_running_loop()
+
+    def stop_on(sig: int) -> None:
+        signals.append(sig)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_on, sig)
     if ready is not None:
         ready.set()
     try:
@@ -91,6 +97,10 @@ async def serve_device(settings, ready: asyncio.Event | None = None) -> int:
         await asyncio.gather(*tasks, return_exceptions=True)
         await runner.cleanup()
         await device.close()
+    if signals[:1] == [signal.SIGINT]:
+        from sled_cli.main import interrupted
+
+        return interrupted("sled device")
     return 0
 
 

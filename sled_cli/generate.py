@@ -1,6 +1,7 @@
 """`sled generate`: one generation from this device, streamed to the terminal or as JSON."""
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 
@@ -38,65 +39,86 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cache-salt", default="", metavar="TEXT",
                         help="share the server's cached prompt blocks only with sessions from "
                              "this host that send the same salt (default: empty)")
+    parser.add_argument("--reconnect-s", type=non_negative_float, default=30.0, metavar="S",
+                        help="how long a lost server (or another) is waited for to resume the "
+                             "session before giving up with the partial output (0: at once)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object instead of text")
 
 
 async def run(args) -> int:
+    """Connect, generate, print. Ctrl-C (the cancelled task) and a server that does not come
+    back still print the committed tokens, then one line: exit 130 and 5."""
+    from edge_client.result import INTERRUPTED
+
+    shown = Shown(args)
+    try:
+        return await _generate(args, shown)
+    except asyncio.CancelledError:
+        shown.end(INTERRUPTED)
+        return 130
+
+
+async def _generate(args, shown: "Shown") -> int:
     from edge_client.connection import Connection
-    from edge_client.server_side import generate_server_side
-    from edge_client.session import generate
-    from edge_client.text import OutputText
-    from edge_client.transport import VerifyError
+    from edge_client.transport import connect_error
     from sled.cache import CacheError
-    from sled.printable import printable
     from sled.v1 import verifier_pb2 as pb
 
     server_modes = {"server": pb.GENERATION_MODE_SERVER, "sat": pb.GENERATION_MODE_SERVER_SAT}
     try:
         sampling, settings, drafter = _round_inputs(args, server_modes)
     except (ValueError, OSError) as exc:
-        print(f"sled generate: {exc}", file=sys.stderr)
+        shown.say(str(exc))
         return 2
     async with Connection(args.server) as conn:
         try:
             info = await conn.model_info(timeout=15, wait_for_ready=False)
-            tokenizer = await conn.tokenizer()
+            shown.tokenizer = await conn.tokenizer()
         except grpc.aio.AioRpcError as exc:
-            print(f"sled generate: cannot reach a sled server at {args.server}: "
-                  f"{exc.code().name}: {printable(exc.details() or '', 200)}", file=sys.stderr)
+            shown.say(connect_error(args.server, exc))
             return 3
         except CacheError as exc:  # the server's tokenizer was refused (or cannot be kept)
-            print(f"sled generate: {exc}", file=sys.stderr)
+            shown.say(str(exc))
             return 3
-        prompt_ids = tokenizer(args.prompt).input_ids
-        # the output as tokenizer.decode() writes it, each character once it is whole
-        output = OutputText(tokenizer, skip_special_tokens=False, clean_up_tokenization_spaces=None)
+        prompt_ids = shown.tokenizer(args.prompt).input_ids
+        mode = server_modes.get(args.drafter)
+        return await _session(conn.stub, info, prompt_ids, sampling, settings, drafter, mode, shown)
 
-        def stream(tokens: list[int]) -> None:
-            output.add(tokens)
-            if not args.json:
-                sys.stdout.write(output.take())
-                sys.stdout.flush()
 
-        try:
-            if drafter is None:   # a thin device: the server generates (and drafts with SATs)
-                result = await generate_server_side(
-                    conn.stub, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                    stop_ids=args.stop_id, on_tokens=stream, mode=server_modes[args.drafter],
-                    cache_salt=args.cache_salt)
-            else:
-                result = await generate(conn.stub, drafter, prompt_ids,
-                                        max_new_tokens=args.max_new_tokens,
-                                        settings=settings,
-                                        sampling=sampling, stop_ids=args.stop_id,
-                                        target_fingerprint=info.tokenizer_fingerprint,
-                                        on_tokens=stream, cache_salt=args.cache_salt)
-        except VerifyError as exc:
-            print(f"\nsled generate: server refused: {printable(str(exc), 200)}", file=sys.stderr)
-            return 4
-    result.text = tokenizer.decode(result.token_ids)
-    _print_result(result, output, args.json)
+async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, shown: "Shown") -> int:
+    """Run the session to its end and print it: 0; a refusal: 4; a lost server: 5 (partial
+    output kept)."""
+    from edge_client.result import SERVER_LOST
+    from edge_client.server_side import generate_server_side
+    from edge_client.session import device_session
+    from edge_client.transport import ServerLost, VerifyError, lost_server
+    from sled.printable import printable
+
+    args = shown.args
+    try:
+        if drafter is None:   # a thin device: the server generates (and drafts with SATs)
+            result = await generate_server_side(
+                stub, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                stop_ids=args.stop_id, on_tokens=shown.stream, mode=mode, cache_salt=args.cache_salt)
+        else:
+            shown.session = device_session(
+                stub, drafter, prompt_ids, max_new_tokens=args.max_new_tokens, settings=settings,
+                sampling=sampling, stop_ids=args.stop_id, target_fingerprint=info.tokenizer_fingerprint,
+                target_model=info.model_id, on_tokens=shown.stream, on_server=shown.server_event,
+                cache_salt=args.cache_salt)
+            result = await shown.session.run()
+    except (VerifyError, grpc.aio.AioRpcError) as exc:
+        if isinstance(exc, ServerLost) or lost_server(exc):
+            shown.end(SERVER_LOST)
+            return 5
+        if isinstance(exc, VerifyError) and exc.reason == "REASON_TOKENIZER_MISMATCH":
+            shown.say(printable(str(exc), 400))    # found here, before anything was sent
+        else:
+            detail = str(exc) if isinstance(exc, VerifyError) else f"{exc.code().name}: {exc.details()}"
+            shown.say(f"server refused: {printable(detail, 200)}")
+        return 4
+    shown.finish(result)
     return 0
 
 
@@ -109,17 +131,88 @@ def _round_inputs(args, server_modes):
 
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed)
-    settings = RoundSettings(draft_len=args.draft_len, lookahead=args.lookahead)
+    settings = RoundSettings(draft_len=args.draft_len, lookahead=args.lookahead,
+                             reconnect_s=args.reconnect_s)
     drafter = None if args.drafter in server_modes else load_drafter(args.drafter)
     return sampling, settings, drafter
 
 
-def _print_result(result, output, as_json: bool) -> None:
-    """One JSON object, or the rest of the text and a line of round statistics on stderr."""
-    if as_json:
-        print(json.dumps(result.summary()))
-        return
-    sys.stdout.write(output.take(final=True) + "\n")
-    print(f"[{result.finish_reason}] {len(result.token_ids)} tokens in {result.rounds} rounds, "
-          f"acceptance {result.acceptance_rate:.0%}, {result.tokens_per_round:.2f} tokens/round",
-          file=sys.stderr)
+class Shown:
+    """What one `sled generate` shows: the text streamed so far, the session behind it, and one
+    line on stderr for each thing a person should know (a lost server, a resumed one, the end)."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.tokenizer = None      # the target's, once fetched
+        self.output = None         # OutputText of the committed tokens, once there is a tokenizer
+        self.session = None        # the DeviceSession, when this device drafts
+        self.committed: list[int] = []
+        self.mid_line = False      # text was printed that does not end its line
+
+    def stream(self, tokens: list[int]) -> None:
+        """A verdict's committed tokens: printed as text as soon as each character is whole."""
+        from edge_client.text import OutputText
+
+        if self.output is None:
+            # the output as tokenizer.decode() writes it
+            self.output = OutputText(self.tokenizer, skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=None)
+        self.committed.extend(tokens)
+        self.output.add(tokens)
+        if not self.args.json:
+            self._write(self.output.take())
+
+    def server_event(self, event) -> None:
+        """The session lost its server, or got one back: say so at once."""
+        if event.kind == "lost":
+            self.say(f"lost the server at {self.args.server} after {event.committed} tokens; "
+                     f"waiting up to {event.wait_s:g} s for it (or another) to resume")
+        else:
+            self.say(f"the server is back: resumed after {event.committed} tokens ({event.detail})")
+
+    def say(self, line: str) -> None:
+        """One line on stderr, on a line of its own."""
+        sys.stdout.flush()
+        print(("\n" if self.mid_line else "") + f"sled generate: {line}", file=sys.stderr, flush=True)
+        self.mid_line = False
+
+    def finish(self, result) -> None:
+        """A whole generation: the rest of the text (or one JSON object) and its statistics."""
+        self._print(result, whole=True)
+        if not self.args.json:
+            print(f"[{result.finish_reason}] {len(result.token_ids)} tokens in {result.rounds} "
+                  f"rounds, acceptance {result.acceptance_rate:.0%}, "
+                  f"{result.tokens_per_round:.2f} tokens/round", file=sys.stderr)
+
+    def end(self, finish_reason: str) -> None:
+        """A generation cut short: the committed tokens as output, then why it ended."""
+        from edge_client.result import INTERRUPTED, GenerationResult
+
+        if self.session is not None:
+            result = self.session.partial(finish_reason)
+        else:
+            result = GenerationResult(token_ids=list(self.committed), finish_reason=finish_reason)
+        self._print(result)
+        if finish_reason == INTERRUPTED:
+            self.say(f"interrupted after {len(result.token_ids)} tokens")
+        else:
+            self.say(f"the server at {self.args.server} did not come back; "
+                     f"{len(result.token_ids)} tokens kept")
+
+    def _print(self, result, whole: bool = False) -> None:
+        """The result as one JSON object, or the rest of its text and the newline that ends it
+        (a generation cut short before any text ends nothing)."""
+        if self.tokenizer is not None:
+            result.text = self.tokenizer.decode(result.token_ids)
+        if self.args.json:
+            print(json.dumps(result.summary()), flush=True)
+            return
+        rest = self.output.take(final=True) if self.output is not None else ""
+        if whole or rest or self.mid_line:
+            self._write(rest + "\n")
+
+    def _write(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.mid_line = not text.endswith("\n")

@@ -11,6 +11,7 @@ import importlib
 import inspect
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -109,6 +110,15 @@ def _add_commands(parser: argparse.ArgumentParser, table: dict, dest: str) -> No
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:   # Ctrl-C: the command's own cleanup (finally, async with) ran
+        return interrupted(_command_name(argv))
+
+
+def _dispatch(argv: list[str]) -> int:
+    """Run the command argv names. An asyncio command's Ctrl-C cancels its task (its cleanup
+    runs), then reaches main as KeyboardInterrupt unless the command ended on its own."""
     entry = COMMANDS.get(argv[0]) if argv else None
     if isinstance(entry, Command) and entry.own_argv:
         return importlib.import_module(entry.module).run(argv[1:])
@@ -116,6 +126,31 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(logging.INFO if args.verbose or args.entry.verbose else logging.WARNING)
     result = importlib.import_module(args.entry.module).run(args)
     return asyncio.run(result) if inspect.iscoroutine(result) else result
+
+
+def interrupted(command: str) -> int:
+    """One line and exit status 130 for Ctrl-C; a second Ctrl-C while exiting ends the process
+    at once (no traceback from whatever exit code it interrupts)."""
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    print(f"{command}: interrupted", file=sys.stderr, flush=True)
+    return 130
+
+
+def _command_name(argv: list[str]) -> str:
+    """`sled serve`, `sled bench device`: the command words of argv, as far as they are known."""
+    words = ["sled"]
+    table = COMMANDS
+    for word in argv:
+        entry = table.get(word) if not word.startswith("-") else None
+        if entry is None:
+            if word.startswith("-") and len(words) == 1:
+                continue    # a root flag (-v) before the command
+            break
+        words.append(word)
+        if not isinstance(entry, Group):
+            break
+        table = entry.commands
+    return " ".join(words)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import socket
 import sys
 import typing
@@ -81,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
 
     target = load_target(settings)
     try:
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(serve_forever(target, settings, announce=announce))
+        # Ctrl-C cancels serve_forever, which stops the server (the port is free again) and
+        # reaches sled_cli.main as KeyboardInterrupt: one line, exit 130
+        asyncio.run(serve_forever(target, settings, announce=announce))
     except ValueError as exc:   # e.g. a KV budget too small for one block
         print(f"sled serve: {exc}", file=sys.stderr)
         return 2

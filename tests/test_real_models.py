@@ -89,9 +89,14 @@ async def test_smollm2_drafter_is_refused_by_a_gemma3_target(server, target, pro
     with pytest.raises(VerifyError) as refused:
         await generate(stub, drafter, prompt_ids[0], max_new_tokens=8)
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "SmolLM2" in refused.value.message and TARGET in refused.value.message
+    # the drafter as the user named it (its alias), not the file behind it
+    assert "gguf:smollm2-135m" in refused.value.message and TARGET in refused.value.message
     # The device-side check refuses it before anything is sent, with the same precision.
     with pytest.raises(VerifyError) as early:
         await generate(stub, drafter, prompt_ids[0], max_new_tokens=8,
-                       target_fingerprint=target.fingerprint)
+                       target_fingerprint=target.fingerprint, target_model=target.model_id)
     assert early.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert early.value.message.startswith(
+        f"the drafter gguf:smollm2-135m (SmolLM2-135M-Instruct.Q4_1.gguf) does not share a "
+        f"tokenizer with the served model {target.model_id}"), early.value.message
+    assert TARGET in target.model_id and "site-packages" not in early.value.message
