@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from edge_client.daemon import Device, DeviceError, Request
 from edge_client.text import OutputText
+from sled.chat_templates import builtin_chat_template, turn_end_ids
 from sled.printable import printable
 from sled.sampling import Sampling
 
@@ -225,15 +226,30 @@ def completion_prompt(device: Device, prompt) -> list[int]:
     return list(prompt)
 
 
-def chat_prompt(device: Device, messages: list[Message]) -> list[int]:
-    """Token ids of the conversation through the tokenizer's chat template, ready for the reply."""
-    tokenizer = _tokenizer(device)
-    if not getattr(tokenizer, "chat_template", None):
+def chat_template(device: Device) -> str:
+    """The conversation format: the tokenizer's chat template, else the built-in model's (a
+    tokenizer fetched from a server before built-in models carried their templates)."""
+    template = getattr(_tokenizer(device), "chat_template", None) or _builtin_template(device.model_id)
+    if not template:
         raise ApiError(400, f"the model {_name(device.model_id)} has no chat template: use /v1/completions "
                             f"with a prompt you format yourself", param="messages")
+    return template
+
+
+def _builtin_template(model_id: str) -> str | None:
+    try:
+        return builtin_chat_template(model_id)
+    except (ImportError, ValueError, OSError):   # its GGUF is not on this device
+        return None
+
+
+def chat_prompt(device: Device, messages: list[Message], template: str) -> list[int]:
+    """Token ids of the conversation through the chat template, ready for the reply."""
+    tokenizer = _tokenizer(device)
     conversation = [_template_message(m) for m in messages]
     try:
-        encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+        encoded = tokenizer.apply_chat_template(conversation, chat_template=template,
+                                                add_generation_prompt=True)
     except Exception as exc:  # the template rejects the conversation (raise_exception, bad roles)
         raise ApiError(400, f"the chat template cannot format these messages: {printable(str(exc), 200)}",
                        param="messages") from None
@@ -248,7 +264,8 @@ def _template_message(message: Message) -> dict:
 
 
 def device_request(body: GenerationBody, prompt_ids: list[int], request_id: str,
-                   max_tokens: int | None) -> Request:
+                   max_tokens: int | None, turn_end: list[int] = ()) -> Request:
+    """TURN_END: the ids that end a chat reply besides EOS (stop ids on the wire)."""
     try:
         sampling = Sampling(temperature=1.0 if body.temperature is None else body.temperature,
                             top_k=max(body.top_k or 0, 0),
@@ -256,7 +273,8 @@ def device_request(body: GenerationBody, prompt_ids: list[int], request_id: str,
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
     return Request(prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                   stop_ids=list(body.stop_token_ids), ignore_eos=body.ignore_eos,
+                   stop_ids=list(dict.fromkeys([*body.stop_token_ids, *turn_end])),
+                   ignore_eos=body.ignore_eos,
                    request_id=request_id)
 
 
@@ -439,18 +457,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     device = request.app[DEVICE_KEY]
     body: ChatBody = await _read_body(request, ChatBody)
     _check_model(device, body.model)
-    prompt_ids = chat_prompt(device, body.messages)
+    template = chat_template(device)
+    prompt_ids = chat_prompt(device, body.messages, template)
+    # the reply ends with its turn, like an EOS (the model's own EOS may be another token)
+    turn_end = [] if body.ignore_eos else turn_end_ids(_tokenizer(device), template)
     job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", body.model, int(time.time()),
               len(prompt_ids), body.include_usage)
     return await _answer(request, device, body, job, prompt_ids,
-                         body.max_completion_tokens or body.max_tokens)
+                         body.max_completion_tokens or body.max_tokens, turn_end=turn_end)
 
 
 async def _answer(request: web.Request, device: Device, body: GenerationBody, job: Job,
-                  prompt_ids: list[int], max_tokens: int | None, prefix: str = "") -> web.StreamResponse:
-    end_ids = set(body.stop_token_ids) | (set() if body.ignore_eos else set(device.eos_ids))
+                  prompt_ids: list[int], max_tokens: int | None, prefix: str = "",
+                  turn_end: list[int] = ()) -> web.StreamResponse:
+    end_ids = set(body.stop_token_ids) | set(turn_end) | (set() if body.ignore_eos else set(device.eos_ids))
     output = OutputText(_tokenizer(device), body.stops, end_ids)
-    generation = generate_pieces(device, device_request(body, prompt_ids, job.id, max_tokens), output)
+    generation = generate_pieces(device, device_request(body, prompt_ids, job.id, max_tokens, turn_end),
+                                 output)
     async with aclosing(generation) as pieces:
         if body.stream:
             return await answer_stream(request, job, pieces, output, prefix)

@@ -15,6 +15,7 @@ import pytest
 from edge_client.daemon import DeviceError
 from edge_client.openai_api import MAX_BODY_BYTES, ApiError, start_api
 from edge_client.text import OutputText
+from sled.chat_templates import GEMMA3
 from tests.conftest import PROMPT_TEXTS, greedy_reference
 from tests.test_device import make_device
 
@@ -117,6 +118,43 @@ async def test_chat_without_a_template_is_refused_clearly(api):
     client, _, _ = api
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+
+
+async def test_a_builtin_model_chats_with_its_template_when_the_tokenizer_has_none(
+        serve, models, drafter_models, tokenizer):
+    """A tokenizer cached from a server before built-in models carried templates: the device
+    formats the chat with the built-in model's template (here gemma3's, over the tiny vocabulary)."""
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    prompt = tokenizer.apply_chat_template(messages, chat_template=GEMMA3,
+                                           add_generation_prompt=True)["input_ids"]
+    want = text_of(tokenizer, greedy_reference(models["llama"], prompt, 8))
+    server = await serve(models["llama"])
+    device = make_device([server.address], drafter_models["llama"], tokenizer, model_name="gemma3-270m")
+    async with running_api(device) as (client, _):
+        done = await client.chat.completions.create(model="gemma3-270m", messages=messages, max_tokens=8,
+                                                    temperature=0, extra_body=NO_EOS)
+    assert done.choices[0].message.content == want and done.usage.prompt_tokens == len(prompt)
+
+
+async def test_the_turn_end_of_the_template_ends_a_chat_reply(serve, models, drafter_models, tokenizer):
+    """A template that closes each turn with a special token (<pad> here, as Gemma's
+    <end_of_turn>): that token ends the reply like an EOS, sent to the server as a stop id."""
+    chat_tokenizer = copy.deepcopy(tokenizer)
+    chat_tokenizer.chat_template = CHAT_TEMPLATE.replace("\n{% endfor %}", "<pad>\n{% endfor %}")
+    server = await serve(models["llama"])
+    device = make_device([server.address], drafter_models["llama"], chat_tokenizer)
+    sent = []
+    stream = device.stream
+    device.stream = lambda request: sent.append(request) or stream(request)
+    async with running_api(device) as (client, _):
+        messages = [{"role": "user", "content": "hi"}]
+        await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0,
+                                             extra_body={"stop_token_ids": [5]})
+        await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0,
+                                             extra_body={"stop_token_ids": [5], **NO_EOS})
+        await client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0)
+    pad = tokenizer.pad_token_id
+    assert [request.stop_ids for request in sent] == [[5, pad], [5], []]
 
 
 async def test_concurrent_streams_are_all_lossless(api, models, tokenizer, prompts):

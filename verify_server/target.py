@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from sled.chat_templates import with_chat_template
 from sled.fingerprint import fingerprint_tokenizer
 from sled.v1 import verifier_pb2 as pb
 from verify_server.sdsat import SatSpec, sat_spec_of
@@ -43,6 +44,7 @@ class Target:
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+        tokenizer = with_chat_template(tokenizer, model_id)   # a built-in converted without one
         model = AutoModelForCausalLM.from_pretrained(
             model_id, dtype=DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code,
         ).to(device).eval()

