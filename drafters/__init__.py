@@ -47,7 +47,8 @@ def load_drafter(spec: str, q_support: int = 32) -> Drafter:
     """The drafter SPEC names; one loaded from a built-in alias keeps it as `alias`, the name a
     person gave it (its `name` says which file it is)."""
     resolved = resolve_spec(spec)
-    drafter = _load_resolved(spec, resolved, q_support)
+    with _loading(spec, resolved):
+        drafter = _load_resolved(spec, resolved, q_support)
     if resolved != spec:
         drafter.alias = spec
     return drafter
@@ -71,8 +72,29 @@ def _load_resolved(spec: str, resolved: str, q_support: int) -> Drafter:
         return ONNXDrafter(arg, q_support=q_support)
     if kind == "gguf" and arg:
         from drafters.gguf import GGUFDrafter
-        return GGUFDrafter(arg, q_support=q_support)
+        return GGUFDrafter(arg, q_support=q_support, converted=_converted(spec))
     raise ValueError(f"unknown drafter spec {spec!r}: use {SPECS}")
+
+
+def _loading(spec: str, resolved: str):
+    """A progress line (sled.progress) while a model drafter loads; nothing for the others."""
+    from contextlib import nullcontext
+
+    from sled.progress import phase
+
+    kind, _, arg = resolved.partition(":")
+    if kind in ("hf", "onnx", "gguf") and arg:
+        return phase("drafter", f"loading the drafter {spec}")
+    return nullcontext()
+
+
+def _converted(spec: str) -> Path | None:
+    """The cached transformers copy of a built-in gguf:ALIAS (its tokenizer fingerprints the
+    drafter in seconds), or None."""
+    from sled.models import BUILTIN, converted_checkpoint
+
+    kind, _, arg = spec.partition(":")
+    return converted_checkpoint(arg) if kind == "gguf" and arg in BUILTIN else None
 
 
 __all__ = ["Drafter", "Proposal", "SparseQ", "load_drafter", "resolve_spec"]

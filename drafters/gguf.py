@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -20,6 +21,9 @@ import numpy as np
 
 from drafters.base import KVDrafter, drafter_threads
 from sled.cache import cache_dir, write_atomically
+from sled.progress import phase
+
+log = logging.getLogger("sled.drafter")
 
 _FINGERPRINTS: dict[str, str] = {}  # cache key (file, size, mtime, transformers) -> fingerprint
 FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")  # what sled.fingerprint makes
@@ -29,9 +33,10 @@ class GGUFDrafter(KVDrafter):
     capacity_name = "n_ctx"
 
     def __init__(self, path: str | Path, n_threads: int | None = None, n_ctx: int = 4096,
-                 q_support: int = 32) -> None:
+                 q_support: int = 32, converted: Path | None = None) -> None:
         super().__init__()
         self.path = Path(path)
+        self.converted = converted   # a transformers copy of this GGUF (a built-in's), if any
         self.llm = open_llama(self.path, n_threads, n_ctx)
         self.name = f"gguf:{self.path}"
         self.q_support = q_support
@@ -41,7 +46,7 @@ class GGUFDrafter(KVDrafter):
 
     @property
     def tokenizer_fingerprint(self) -> str:
-        return gguf_fingerprint(self.path)
+        return gguf_fingerprint(self.path, self.converted)
 
     def _truncate(self, length: int) -> int:
         memory = llama_cpp.llama_get_memory(self.llm.ctx)
@@ -74,32 +79,60 @@ def open_llama(path: Path, n_threads: int | None = None, n_ctx: int = 4096) -> l
                                swa_full=True, verbose=False)
 
 
-def gguf_fingerprint(path: Path) -> str:
+def gguf_fingerprint(path: Path, converted: Path | None = None) -> str:
     """sled.fingerprint of the tokenizer transformers converts from this GGUF file.
 
     That is what a target loaded (or converted) from the same GGUF reports, so a drafter and a
     target from one file match. The conversion takes seconds (gemma3: ~20 s), so the result is
     cached in memory and in $SLED_CACHE/fingerprints, keyed by file, size, mtime and the
-    transformers version (the conversion's rules change between versions). A cached entry is
+    transformers version (the conversion's rules change between versions; read from the package's
+    metadata, so a cached fingerprint costs no import of transformers). A cached entry is
     used only when it is whole: it names its key, holds a well-formed fingerprint and a sha256
-    of both (a truncated or altered entry is computed again).
+    of both (a truncated or altered entry is computed again). When the file is a built-in
+    model's whose transformers copy is cached (CONVERTED), the fingerprint is read from that
+    copy's tokenizer.json (a few seconds) instead of converting the GGUF again.
     """
-    import transformers
-
     stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_transformers_version()}"
     if key in _FINGERPRINTS:
         return _FINGERPRINTS[key]
     file = cache_dir() / "fingerprints" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
     fingerprint = _read_entry(file, key)
     if fingerprint is None:
-        from sled.fingerprint import fingerprint_tokenizer
-
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        fingerprint = fingerprint_tokenizer(tokenizer)
+        first = " (first use of this file, seconds)" if converted else \
+            " (first use of this file, up to half a minute)"
+        with phase("drafter.fingerprint", f"fingerprinting the tokenizer of {path.name}{first}"):
+            fingerprint = _fingerprint_of(path, converted)
         _write_entry(file, key, fingerprint)
+    else:
+        log.debug("drafter tokenizer fingerprint of %s read from %s", path.name, file)
     _FINGERPRINTS[key] = fingerprint
     return fingerprint
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return "none"
+
+
+def _fingerprint_of(path: Path, converted: Path | None) -> str:
+    """The fingerprint from the converted copy's tokenizer.json when there is one, else from the
+    tokenizer transformers converts out of the GGUF's metadata."""
+    from sled.fingerprint import fingerprint_tokenizer, fingerprint_vocab
+
+    if converted is not None and (converted / "tokenizer.json").is_file():
+        import tokenizers
+
+        tokenizer = tokenizers.Tokenizer.from_file(str(converted / "tokenizer.json"))
+        return fingerprint_vocab(tokenizer.get_vocab(with_added_tokens=True))
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return fingerprint_tokenizer(tokenizer)
 
 
 def _entry_digest(key: str, fingerprint: str) -> str:

@@ -76,9 +76,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sled serve: {one_line(exc)}", file=sys.stderr)
         return 2
-    from verify_server.server import serve_forever
+    from sled.models import first_use_note
+    from sled.progress import phase
 
-    target = load_target(settings)
+    with phase("target", f"loading {settings.model}{first_use_note(settings.model)}"):
+        from verify_server.server import serve_forever
+        target = load_target(settings)
     try:
         # Ctrl-C cancels serve_forever, which stops the server (the port is free again) and
         # reaches sled_cli.main as KeyboardInterrupt: one line, exit 130

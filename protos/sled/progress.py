@@ -1,0 +1,100 @@
+"""Progress of the slow steps (assembling, converting, exporting, loading, fingerprinting): the
+one place that tells a person what sled is doing while it makes them wait.
+
+    with phase("target.weights", "loading the weights of gemma3-270m"):
+        ...
+
+Each phase is one line on stderr, written when the phase starts, prefixed with the command
+("sled serve: loading the weights of gemma3-270m..."). On a terminal a spinner runs beside it
+and the line stays with its time ("... done in 3.1 s"); elsewhere (a pipe, a log file) the plain
+line is all. Nothing is written to stdout (generate's stdout is the generated text). A phase
+inside another updates the spinner's text and gives it back when it ends.
+
+Every finished phase is also kept in TIMINGS (key, seconds) for `sled bench startup`, and
+logged at DEBUG on the "sled.progress" logger.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger("sled.progress")
+
+TIMINGS: list[tuple[str, float]] = []   # (phase key, seconds) of every finished phase
+_stack: list[str] = []                  # the messages of the phases running now, outermost first
+_status = None                          # the terminal's spinner while a phase runs
+
+
+def prefix() -> str:
+    """The command that runs ("sled serve", "sled bench startup"), from the process's argv."""
+    argv = sys.argv
+    program = Path(argv[0]) if argv else Path()
+    if program.name != "sled" and program.parent.name != "sled_cli":   # sled, python -m sled_cli.main
+        return "sled"
+    words = [w for w in argv[1:3] if not w.startswith("-")]
+    if len(words) == 2 and words[0] not in ("bench", "models", "trace", "sdsat"):
+        words = words[:1]
+    return " ".join(["sled", *words])
+
+
+def on_terminal() -> bool:
+    """A spinner only where a person watches: stderr is a terminal and TERM is not dumb."""
+    try:
+        return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def phase(key: str, message: str) -> Iterator[None]:
+    """One line for MESSAGE now, a spinner while the block runs (on a terminal), and its time in
+    TIMINGS under KEY when it ends (ended by an exception too: that time is still spent)."""
+    start = time.perf_counter()
+    line = f"{prefix()}: {message}..."
+    if on_terminal():
+        context = _spinning(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
+        context = contextlib.nullcontext()
+    _stack.append(line)
+    try:
+        with context:
+            yield
+    finally:
+        _stack.pop()
+        seconds = time.perf_counter() - start
+        TIMINGS.append((key, seconds))
+        log.debug("phase %s took %.2f s", key, seconds)
+
+
+@contextlib.contextmanager
+def _spinning(line: str) -> Iterator[None]:
+    """The spinner shows LINE while the block runs; the line stays with its time afterwards."""
+    global _status
+    from rich.console import Console
+    from rich.text import Text
+
+    start = time.perf_counter()
+    if _status is None:
+        console = Console(stderr=True, highlight=False)
+        _status = console.status(Text(line))
+        _status.start()
+        owner = True
+    else:                      # nested: take over the spinner's text, give it back at the end
+        _status.update(Text(line))
+        owner = False
+    try:
+        yield
+    finally:
+        status = _status
+        status.console.print(f"{line} done in {time.perf_counter() - start:.1f} s", markup=False)
+        if owner:
+            status.stop()
+            _status = None
+        elif _stack[:-1]:
+            status.update(Text(_stack[-2]))

@@ -1,0 +1,120 @@
+"""Start-up is never silent: `sled serve` says what it loads from its first seconds (plain lines
+into a pipe, a spinner on a terminal), and a warm GGUF drafter does not pay again for what its
+first start computed (the tokenizer fingerprint is read from the sled cache, with no import of
+transformers)."""
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lab.server_process import free_port
+
+SLED = [sys.executable, "-m", "sled_cli.main"]
+FIRST_LINE_S = 5.0   # the first progress line comes within ~1-2 s; the margin is for a loaded machine
+
+
+def serve_command() -> list[str]:
+    return [*SLED, "serve", "--model", "gemma3-270m", "--port", str(free_port()),
+            "--metrics-port", str(free_port())]
+
+
+def read_until(fd: int, wanted: str, timeout: float) -> tuple[str, float]:
+    """What FD gave until WANTED appeared (or the timeout), and when it appeared."""
+    start, seen = time.monotonic(), b""
+    while time.monotonic() - start < timeout:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:   # a pty's other side closed
+                break
+            if not chunk:
+                break
+            seen += chunk
+            if wanted.encode() in seen:
+                return seen.decode(errors="replace"), time.monotonic() - start
+    return seen.decode(errors="replace"), float("inf")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(10)
+
+
+def test_serve_shows_plain_progress_lines_into_a_pipe():
+    proc = subprocess.Popen(serve_command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        err, after = read_until(proc.stderr.fileno(), "sled serve: loading gemma3-270m", FIRST_LINE_S)
+        assert after < FIRST_LINE_S, f"no progress line within {FIRST_LINE_S} s: {err!r}"
+        err += read_until(proc.stderr.fileno(), "loading the weights of gemma3-270m", 60)[0]
+    finally:
+        stop(proc)
+        out = proc.stdout.read()
+    lines = [line for line in err.splitlines() if line.startswith("sled serve: ")]
+    assert lines[0].startswith("sled serve: loading gemma3-270m") and lines[0].endswith("...")
+    assert any("loading the tokenizer of gemma3-270m" in line for line in lines), err
+    assert "\r" not in err.split("Loading weights")[0] and "\x1b[" not in err, err  # no spinner
+    assert out == b""          # progress never goes to stdout
+
+
+def test_serve_shows_a_spinner_on_a_terminal():
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(serve_command(), stdin=follower, stdout=follower, stderr=follower,
+                            env={**os.environ, "TERM": "xterm"})
+    os.close(follower)
+    try:
+        seen, after = read_until(leader, "loading gemma3-270m", FIRST_LINE_S)
+        assert after < FIRST_LINE_S, f"no progress within {FIRST_LINE_S} s: {seen!r}"
+        seen += read_until(leader, "done in", 60)[0]
+    finally:
+        stop(proc)
+        os.close(leader)
+    assert "\x1b[" in seen, seen            # the spinner redraws its line
+    assert "sled serve: loading the tokenizer of gemma3-270m... done in" in seen, seen
+
+
+FINGERPRINT_ONCE = """
+import json, sys
+from drafters import load_drafter
+drafter = load_drafter("gguf:smollm2-135m")
+fingerprint = drafter.tokenizer_fingerprint
+print(json.dumps({"fingerprint": fingerprint, "transformers": "transformers" in sys.modules}))
+"""
+
+
+def start_drafter(cache: Path) -> tuple[dict, str]:
+    done = subprocess.run([sys.executable, "-c", FINGERPRINT_ONCE], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "SLED_CACHE": str(cache)})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1]), done.stderr
+
+
+@pytest.mark.slow
+def test_a_warm_gguf_drafter_reads_its_fingerprint_from_the_cache(tmp_path):
+    first, first_err = start_drafter(tmp_path)
+    second, second_err = start_drafter(tmp_path)
+    assert "loading the drafter gguf:smollm2-135m..." in first_err
+    assert "fingerprinting the tokenizer of SmolLM2-135M-Instruct.Q4_1.gguf" in first_err
+    assert "fingerprinting" not in second_err, second_err    # the phase the warm start skips
+    assert not second["transformers"]                         # and no import of transformers
+    assert second["fingerprint"] == first["fingerprint"]
+
+
+@pytest.mark.slow
+def test_the_fingerprint_from_a_converted_copy_is_the_gguf_conversions():
+    from drafters.gguf import _fingerprint_of
+    from sled.models import converted_checkpoint, gguf_path
+
+    converted = converted_checkpoint("smollm2-135m")
+    if converted is None:
+        pytest.skip("smollm2-135m has no converted copy in the sled cache (sled models prepare)")
+    path = gguf_path("smollm2-135m")
+    assert _fingerprint_of(path, converted) == _fingerprint_of(path, None)
