@@ -27,23 +27,27 @@ PARTS = ("adaptive", "pipeline")
 
 
 def add_arguments(parser) -> None:
+    from sled_cli.flags import fraction, non_negative_float, positive_int
+
     harness.add_replay_flags(parser)
     parser.add_argument("--device-profile", default="pi5", help="pi4, pi5, orin-nano, instant; "
                         "NAME:draft_ms_per_token=X,round_overhead_ms=Y")
-    parser.add_argument("--devices", type=int, default=1, help="devices running at once")
-    parser.add_argument("--reps", type=int, default=1, help="passes over the prompts")
+    parser.add_argument("--devices", type=positive_int, default=1, help="devices running at once")
+    parser.add_argument("--reps", type=positive_int, default=1, help="passes over the prompts")
     parser.add_argument("--parts", default="adaptive,pipeline",
                         help="which of adaptive,pipeline to run")
     parser.add_argument("--links", default="ethernet,lte", help="link profiles for the "
                         "draft-length table (NAME:rtt_ms=X,... overrides)")
     parser.add_argument("--k", dest="draft_lens", default="1,2,4,6,8",
+                        type=harness.listed(positive_int),
                         help="fixed draft lengths to compare adaptive with")
-    parser.add_argument("--rtts", default="5,20,50",
+    parser.add_argument("--rtts", default="5,20,50", type=harness.listed(non_negative_float),
                         help="round trip times (ms) for the pipelining table")
     parser.add_argument("--pipeline-link", default="wifi", help="link whose round trip --rtts sets")
     parser.add_argument("--pipeline-draft-len", default="4",
+                        type=harness.one_of(positive_int, "adaptive"),
                         help="k for the pipelining table, or adaptive")
-    parser.add_argument("--min-confidence", type=float, default=0.0, help="stop drafts early "
+    parser.add_argument("--min-confidence", type=fraction, default=0.0, help="stop drafts early "
                         "below this drafter confidence, every configuration (0: never)")
     harness.add_out_flag(parser, "device")
 

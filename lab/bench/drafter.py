@@ -25,15 +25,17 @@ PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
 def add_arguments(parser) -> None:
+    from sled_cli.flags import non_negative_int, positive_int
+
     parser.add_argument("--model", required=True,
                         help="gguf:ALIAS, gguf:FILE, onnx:ALIAS or onnx:DIR")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="runtime threads (default: all cores)")
-    parser.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
-    parser.add_argument("--draft-len", type=int, default=4, help="tokens drafted per round (k)")
-    parser.add_argument("--accept", type=int, default=None,
+    parser.add_argument("--tokens", type=positive_int, default=128, help="tokens generated per run")
+    parser.add_argument("--draft-len", type=positive_int, default=4, help="tokens drafted per round (k)")
+    parser.add_argument("--accept", type=non_negative_int, default=None,
                         help="drafts accepted per simulated verdict (default: all)")
-    parser.add_argument("--reps", type=int, default=5, help="repetitions of each, interleaved")
+    parser.add_argument("--reps", type=positive_int, default=5, help="repetitions of each, interleaved")
     parser.add_argument("--out", default=None, help="default: bench-results/drafter-MODEL-tN.json")
 
 

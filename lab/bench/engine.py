@@ -16,16 +16,20 @@ from lab.bench.report import percentile, save_figure, subplots
 
 
 def add_arguments(parser) -> None:
+    from sled_cli.flags import positive_int
+
     parser.add_argument("--model", default=None,
                         help="target alias or path (default: a tiny random model)")
     parser.add_argument("--dtype", default="float32", help="the target's dtype")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda:0")
-    parser.add_argument("--contexts", default="128,512,2048", help="context tokens per session")
-    parser.add_argument("--sessions", default="1,8", help="sessions verifying in one step")
-    parser.add_argument("-k", dest="draft_len", type=int, default=4,
+    parser.add_argument("--contexts", default="128,512,2048", type=harness.listed(positive_int),
+                        help="context tokens per session")
+    parser.add_argument("--sessions", default="1,8", type=harness.listed(positive_int),
+                        help="sessions verifying in one step")
+    parser.add_argument("-k", dest="draft_len", type=positive_int, default=4,
                         help="draft tokens per session (k)")
-    parser.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--reps", type=int, default=5,
+    parser.add_argument("--block-tokens", type=positive_int, default=16, help="tokens per KV block")
+    parser.add_argument("--reps", type=positive_int, default=5,
                         help="timed steps per engine and cell, interleaved")
     harness.add_out_flag(parser, "engine")
 

@@ -120,6 +120,39 @@ def server_flags(args) -> list[str]:
     return ["--dtype", args.dtype, *shlex.split(args.server_args)]
 
 
+def listed(item, *words: str):
+    """A type= for a comma-separated flag: every item passes ITEM (a sled_cli.flags type) or is
+    one of WORDS, or the parser stops with one line (exit 2); the text is kept as given."""
+    import argparse
+
+    def parse(text: str) -> str:
+        for part in text.split(","):
+            if part.strip() not in words:
+                try:
+                    item(part.strip())
+                except argparse.ArgumentTypeError as exc:
+                    raise argparse.ArgumentTypeError(f"{exc} (in {text!r})") from None
+        return text
+    parse.__name__ = "list"
+    return parse
+
+
+def one_of(item, *words: str):
+    """A type= for a flag that is one value passing ITEM or one of WORDS (e.g. 4 or auto);
+    the text is kept as given."""
+    import argparse
+
+    def parse(text: str) -> str:
+        if text not in words:
+            try:
+                item(text)
+            except argparse.ArgumentTypeError as exc:
+                raise argparse.ArgumentTypeError(f"{exc} or {' or '.join(words)}") from None
+        return text
+    parse.__name__ = "value"
+    return parse
+
+
 def split_list(text: str, kind=str) -> list:
     """A comma-separated flag value: split_list("1,4", int) == [1, 4]."""
     return [kind(item) for item in text.split(",")]
@@ -153,8 +186,14 @@ class Served:
                              f"({traces.target} vs {self.info.model_id})")
 
     async def prompt_ids(self, texts: list[str]) -> list[list[int]]:
-        """Prompts in the target's tokens (the tokenizer comes from the server)."""
-        tokenizer = await self.conn.tokenizer()
+        """Prompts in the target's tokens (the tokenizer comes from the server); a tokenizer
+        that is refused (or cannot be kept) stops the benchmark with exit code 3."""
+        from sled.cache import CacheError
+
+        try:
+            tokenizer = await self.conn.tokenizer()
+        except CacheError as exc:
+            raise Stop(str(exc), SERVER_FAILED) from None
         return [tokenizer(text).input_ids for text in texts]
 
 
@@ -172,11 +211,22 @@ async def serving(model: str, server_args: list[str] = (), console=None,
             await server.__aenter__()
     except RuntimeError as exc:
         raise Stop(str(exc), SERVER_FAILED) from None
+    except BaseException:   # Ctrl-C (a cancelled task) while it starts: it must not outlive us
+        await _stop(server)
+        raise
     try:
         async with Connection(server.address) as conn:
             yield Served(server, conn, await conn.model_info())
     finally:
-        await server.__aexit__(None, None, None)
+        await _stop(server)
+
+
+async def _stop(server) -> None:
+    """End the server child, also when this task is being cancelled (Ctrl-C): terminate it
+    before the first await, so a second cancellation cannot leave it running."""
+    if server.proc is not None and server.proc.poll() is None:
+        server.proc.terminate()
+    await asyncio.shield(server.__aexit__(None, None, None))
 
 
 def replay_inputs(args, console, parse) -> tuple:

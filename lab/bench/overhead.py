@@ -14,11 +14,13 @@ from lab.bench.report import percentile
 
 
 def add_arguments(parser) -> None:
+    from sled_cli.flags import positive_int
+
     parser.add_argument("--model", default=None, help="target path (default: a tiny random model)")
     parser.add_argument("--drafter", default="ngram", help="drafter spec (as sled generate)")
-    parser.add_argument("--sessions", type=int, default=1, help="concurrent device sessions")
-    parser.add_argument("--rounds", type=int, default=300, help="rounds per session (at least)")
-    parser.add_argument("--draft-len", type=int, default=4, help="tokens drafted per round")
+    parser.add_argument("--sessions", type=positive_int, default=1, help="concurrent device sessions")
+    parser.add_argument("--rounds", type=positive_int, default=300, help="rounds per session (at least)")
+    parser.add_argument("--draft-len", type=positive_int, default=4, help="tokens drafted per round")
     harness.add_out_flag(parser, "overhead")
 
 

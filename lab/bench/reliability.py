@@ -20,17 +20,19 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]      # ids every served vocabulary has
 
 
 def add_arguments(parser) -> None:
+    from sled_cli.flags import positive_float, positive_int
+
     parser.add_argument("--model", default=None, help="target path or alias (default: a tiny "
                                                       "random model)")
     parser.add_argument("--dtype", default="float32", help="the target's dtype")
-    parser.add_argument("--refusals", type=int, default=40, help="refused Opens measured")
-    parser.add_argument("--prompt-len", type=int, default=2_000_000,
+    parser.add_argument("--refusals", type=positive_int, default=40, help="refused Opens measured")
+    parser.add_argument("--prompt-len", type=positive_int, default=2_000_000,
                         help="ids in each refused prompt")
-    parser.add_argument("--rounds", type=int, default=40, help="rounds timed alone, and at least "
+    parser.add_argument("--rounds", type=positive_int, default=40, help="rounds timed alone, and at least "
                                                                "as many during the burst")
-    parser.add_argument("--burst", type=int, default=12, help="GetTokenizer calls sent at once")
-    parser.add_argument("--slots", type=int, default=8, help="the server's max_sessions")
-    parser.add_argument("--idle-timeout", type=float, default=5.0,
+    parser.add_argument("--burst", type=positive_int, default=12, help="GetTokenizer calls sent at once")
+    parser.add_argument("--slots", type=positive_int, default=8, help="the server's max_sessions")
+    parser.add_argument("--idle-timeout", type=positive_float, default=5.0,
                         help="the server's idle timeout (s); longer than filling the slots takes")
     harness.add_out_flag(parser, "reliability")
 
@@ -112,18 +114,24 @@ async def _tokenizer_burst(served, args, progress) -> dict:
     session = await _Session.open(served, args.rounds * 4 + 64)
     alone = await session.rounds(args.rounds, progress, "rounds alone")
     started = time.perf_counter()
-    burst = asyncio.gather(*(served.stub.GetTokenizer(pb.GetTokenizerRequest())
-                             for _ in range(args.burst)))
+    burst = asyncio.gather(*(_tokenizer_bytes(served.stub) for _ in range(args.burst)))
     during = await session.rounds_until(burst, progress)
     replies = await burst
     burst_s = time.perf_counter() - started
     session.close()
     alone_ms, during_ms = statistics.median(alone), statistics.median(during)
-    return {"calls": args.burst, "reply_mib": replies[0].ByteSize() / (1 << 20),
+    return {"calls": args.burst, "reply_mib": replies[0] / (1 << 20),
             "burst_s": burst_s, "alone_p50_ms": alone_ms, "alone_max_ms": max(alone),
             "during_rounds": len(during), "during_p50_ms": during_ms,
             "during_max_ms": max(during), "ratio_p50": during_ms / alone_ms,
             "ratio_max": max(during) / max(alone)}
+
+
+async def _tokenizer_bytes(stub) -> int:
+    """Bytes of the tokenizer files in one whole GetTokenizer stream."""
+    from sled.v1 import verifier_pb2 as pb
+
+    return sum([len(chunk.data) async for chunk in stub.GetTokenizer(pb.GetTokenizerRequest())])
 
 
 class _Session:
@@ -138,7 +146,8 @@ class _Session:
 
         call = served.stub.Generate()
         await call.write(pb.DeviceMessage(open=pb.Open(
-            prompt_ids=PROMPT, max_new_tokens=max_new_tokens, ignore_eos=True)))
+            prompt_ids=PROMPT, max_new_tokens=max_new_tokens, ignore_eos=True,
+            tokenizer_fingerprint=served.fingerprint)))
         await call.read()
         return cls(call, max_new_tokens)
 
@@ -186,7 +195,8 @@ async def _idle_slots(served, args, progress) -> dict:
     held, first_idle = [], None
     for _ in range(args.slots):
         call = served.stub.Generate()
-        await call.write(pb.DeviceMessage(open=pb.Open(prompt_ids=PROMPT, max_new_tokens=1)))
+        await call.write(pb.DeviceMessage(open=pb.Open(prompt_ids=PROMPT, max_new_tokens=1,
+                                                       tokenizer_fingerprint=served.fingerprint)))
         await call.read()
         await call.write(pb.DeviceMessage(draft=pb.Draft(round=0, token_ids=[5])))
         await call.read()
@@ -212,7 +222,8 @@ async def _until_admitted(served, limit_s: float) -> tuple[float | None, int]:
     from sled.v1.verifier_pb2_grpc import VerifierStub
 
     started, tries = time.perf_counter(), 0
-    open_msg = pb.DeviceMessage(open=pb.Open(prompt_ids=PROMPT, max_new_tokens=2))
+    open_msg = pb.DeviceMessage(open=pb.Open(prompt_ids=PROMPT, max_new_tokens=2,
+                                             tokenizer_fingerprint=served.fingerprint))
     async with grpc.aio.insecure_channel(served.server.address) as channel:
         stub = VerifierStub(channel)
         while time.perf_counter() - started < limit_s:

@@ -30,6 +30,8 @@ PLAIN, SAT = "plain", "sat"
 
 
 def add_arguments(parser) -> None:
+    from sled_cli.flags import non_negative_int, positive_int
+
     harness.add_server_flags(parser, model_default="gemma3-270m",
                              model_help="target alias or checkpoint path")
     parser.add_argument("--sat-adapter", default=None, help="SAT adapter for the server (default: "
@@ -37,11 +39,11 @@ def add_arguments(parser) -> None:
     harness.add_workload_flags(parser, default="humaneval:10", max_new_tokens=64)
     parser.add_argument("--drafters", default="gguf:gemma3-270m,onnx:gemma3-270m,ngram",
                         help="comma-separated drafter specs for the lookahead part")
-    parser.add_argument("--k", dest="draft_len", type=int, default=4,
+    parser.add_argument("--k", dest="draft_len", type=positive_int, default=4,
                         help="tokens drafted per round")
-    parser.add_argument("--lookahead", type=int, default=None,
+    parser.add_argument("--lookahead", type=non_negative_int, default=None,
                         help="SAT hints per verdict (default: the target's SAT slots)")
-    parser.add_argument("--devices", type=int, default=1, help="sessions at once in every mode")
+    parser.add_argument("--devices", type=positive_int, default=1, help="sessions at once in every mode")
     harness.add_out_flag(parser, "sdsat")
 
 

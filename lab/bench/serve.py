@@ -25,18 +25,22 @@ MODES = ("sled", "centralized")
 
 
 def add_arguments(parser) -> None:
+    from sled_cli.flags import positive_float, positive_int
+
     harness.add_replay_flags(parser)
-    parser.add_argument("--devices", default="1,4,16,64", help="comma-separated fleet sizes")
+    parser.add_argument("--devices", default="1,4,16,64", type=harness.listed(positive_int),
+                        help="comma-separated fleet sizes")
     parser.add_argument("--modes", default="sled,centralized",
                         help="which of sled,centralized to run")
-    parser.add_argument("--draft-len", default="4", help="tokens drafted per round, or auto (the "
+    parser.add_argument("--draft-len", default="4", type=harness.one_of(positive_int, "auto"),
+                        help="tokens drafted per round, or auto (the "
                         "server's suggestion from the previous verdict)")
     parser.add_argument("--device-profile", default="pi5",
                         help="pi4, pi5, orin-nano, instant, recorded (this machine's drafting "
                              "speed); NAME:draft_ms_per_token=X,round_overhead_ms=Y overrides")
     parser.add_argument("--link", default="wifi", help="loopback, ethernet, wifi, lte; "
                         "NAME:rtt_ms=X,jitter_ms=Y,bandwidth_mbps=Z overrides")
-    parser.add_argument("--target-rate", type=float, default=10.0,
+    parser.add_argument("--target-rate", type=positive_float, default=10.0,
                         help="tokens/s that 95%% of devices must reach for a fleet size to count")
     harness.add_out_flag(parser, "serve")
 
