@@ -15,7 +15,6 @@ import queue
 import socket
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
