@@ -1,0 +1,158 @@
+"""A server lost in the middle of `sled generate` (kill -9): the loss is said at once; a server
+that comes back on the same address takes the session back and the output is the uninterrupted
+run's, token for token; with none back in time the committed tokens are kept (exit 5)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from conftest import SLED
+from lab.server_process import free_port
+from sled.v1 import verifier_pb2 as pb
+from sled.v1 import verifier_pb2_grpc as pb_grpc
+from test_terminal import PROMPT, TARGET, reference
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 80
+SAID_WITHIN_S = 3.0     # the loss is on the terminal this soon after the server died
+
+
+class Served:
+    """`sled serve` processes on one fixed port, started and killed as the test says."""
+
+    def __init__(self) -> None:
+        self.port, self.metrics_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.whole: tuple[list[int], str] | None = None   # the uninterrupted run: ids, text
+
+    async def uninterrupted(self) -> tuple[list[int], str]:
+        """The greedy run of the test's prompt with nothing lost (asked of the server once)."""
+        if self.whole is None:
+            self.whole = await reference(self, MAX_NEW)
+        return self.whole
+
+    async def start(self) -> None:
+        self.proc = subprocess.Popen([*SLED, "serve", "--model", TARGET, "--port", str(self.port),
+                                      "--metrics-port", str(self.metrics_port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            await pb_grpc.VerifierStub(channel).GetModelInfo(
+                pb.GetModelInfoRequest(), wait_for_ready=True, timeout=240)
+
+    def kill(self) -> None:
+        """kill -9: no goodbye on any stream."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def emitted(self) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read()
+        line = next(l for l in text.decode().splitlines() if l.startswith("sled_emitted_tokens_total "))
+        return float(line.split()[1])
+
+
+class Generation:
+    """`sled generate` as a child process; its stdout and stderr are read as they come, each
+    stderr line with the monotonic time it arrived."""
+
+    def __init__(self, address: str, *flags: str) -> None:
+        self.proc = subprocess.Popen([*SLED, "generate", "--server", address, "--drafter", "ngram",
+                                      "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW), *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.stdout = b""
+        self.lines: list[tuple[float, str]] = []
+        self.readers = [threading.Thread(target=self._read_stdout, daemon=True),
+                        threading.Thread(target=self._read_stderr, daemon=True)]
+        for reader in self.readers:
+            reader.start()
+
+    def _read_stdout(self) -> None:
+        while chunk := os.read(self.proc.stdout.fileno(), 65536):
+            self.stdout += chunk
+
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append((time.monotonic(), line.decode(errors="replace")))
+
+    @property
+    def stderr(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def said(self, phrase: str) -> float | None:
+        """When a stderr line with `phrase` arrived (None: not yet)."""
+        return next((at for at, line in self.lines if phrase in line), None)
+
+    async def until(self, done, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.stderr[-3000:]
+            await asyncio.sleep(0.05)
+
+    async def wait(self, timeout: float) -> int:
+        code = await asyncio.to_thread(self.proc.wait, timeout)
+        for reader in self.readers:
+            reader.join(5)
+        return code
+
+
+@pytest.fixture(scope="module")
+async def served():
+    served = Served()
+    yield served
+    served.kill()
+
+
+async def test_a_server_back_on_the_same_address_finishes_the_generation(served):
+    await served.start()
+    _, text = await served.uninterrupted()
+    run = Generation(served.address, "--reconnect-s", "300")
+    try:
+        await run.until(lambda: b"The dragon" in run.stdout, 120)
+        served.kill()
+        died = time.monotonic()
+        await run.until(lambda: run.said("lost the server at"), 30)
+        assert run.said("lost the server at") - died < SAID_WITHIN_S, run.stderr
+        assert f"lost the server at {served.address} after" in run.stderr
+        assert "waiting up to 300 s for it (or another) to resume" in run.stderr
+        await served.start()
+        code = await run.wait(240)
+    finally:
+        run.proc.kill()
+    assert code == 0, run.stderr[-3000:]
+    assert "resumed after" in run.stderr and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stdout.decode() == text + "\n"      # the uninterrupted run's, token for token
+
+
+async def test_no_server_back_keeps_the_partial_output_and_exits_5(served):
+    if served.proc is None or served.proc.poll() is not None:
+        await served.start()
+    token_ids, _ = await served.uninterrupted()
+    before = served.emitted()
+    run = Generation(served.address, "--reconnect-s", "2", "--json")
+    try:
+        await run.until(lambda: served.emitted() >= before + 8, 120)
+        served.kill()
+        died = time.monotonic()
+        await run.until(lambda: run.said("lost the server at"), 30)
+        assert run.said("lost the server at") - died < SAID_WITHIN_S, run.stderr
+        code = await run.wait(60)
+    finally:
+        run.proc.kill()
+    assert code == 5, run.stderr[-3000:]
+    assert "did not come back" in run.stderr and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "server refused" not in run.stderr
+    body = json.loads(run.stdout)
+    assert body["finish_reason"] == "server_lost" and len(body["token_ids"]) >= 8
+    assert f"{len(body['token_ids'])} tokens kept" in run.stderr
+    # the kept tokens are the target's own: the first ones of the whole run
+    assert body["token_ids"] == token_ids[:len(body["token_ids"])]
