@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -21,7 +22,6 @@ from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from test_terminal import PROMPT, TARGET, reference
 
-pytestmark = pytest.mark.slow
 MAX_NEW = 80
 SAID_WITHIN_S = 3.0     # the loss is on the terminal this soon after the server died
 
@@ -112,6 +112,7 @@ async def served():
     served.kill()
 
 
+@pytest.mark.slow
 async def test_a_server_back_on_the_same_address_finishes_the_generation(served):
     await served.start()
     _, text = await served.uninterrupted()
@@ -133,6 +134,7 @@ async def test_a_server_back_on_the_same_address_finishes_the_generation(served)
     assert run.stdout.decode() == text + "\n"      # the uninterrupted run's, token for token
 
 
+@pytest.mark.slow
 async def test_no_server_back_keeps_the_partial_output_and_exits_5(served):
     if served.proc is None or served.proc.poll() is not None:
         await served.start()
@@ -156,3 +158,40 @@ async def test_no_server_back_keeps_the_partial_output_and_exits_5(served):
     assert f"{len(body['token_ids'])} tokens kept" in run.stderr
     # the kept tokens are the target's own: the first ones of the whole run
     assert body["token_ids"] == token_ids[:len(body["token_ids"])]
+
+
+async def test_the_daemon_logs_the_lost_server_and_the_resume(models, drafter_models, tokenizer,
+                                                              prompts, caplog):
+    """One WARNING line when a request's server goes, one INFO line when a server on the same
+    address takes the session back; the output stays the target's own."""
+    from edge_client.daemon import Request
+    from tests.conftest import greedy_reference
+    from tests.test_device import make_device
+    from verify_server.server import start_server
+    from verify_server.settings import ServerSettings
+    from verify_server.target import Target
+
+    caplog.set_level(logging.INFO, logger="sled.device")
+    target = Target.from_model(models["llama"], tokenizer, "tiny")
+    settings, port = ServerSettings(kv_budget=64 << 20), free_port()
+    running = [await start_server(target, settings, "127.0.0.1", port)]
+    device = make_device([running[0].address], drafter_models["llama"], tokenizer, reconnect_s=30,
+                         policy={"draft_len": 2})
+    await device.start()
+    tokens = []
+    try:
+        async for chunk in device.stream(Request(prompts[0], max_tokens=40, ignore_eos=True,
+                                                 request_id="req-lost")):
+            tokens.extend(chunk.token_ids)
+            if len(running) == 1:      # after the first verdict: the server goes, then comes back
+                await running[0].stop(grace=0)
+                running.append(await start_server(target, settings, "127.0.0.1", port))
+    finally:
+        await device.close()
+        await running[-1].stop(grace=0)
+    assert tokens == greedy_reference(models["llama"], prompts[0], 40)
+    lost = [r for r in caplog.records if "lost the verify server" in r.getMessage()]
+    resumed = [r for r in caplog.records if "resumed on" in r.getMessage()]
+    assert len(lost) == 1 and lost[0].levelno == logging.WARNING, caplog.text
+    assert "req-lost" in lost[0].getMessage() and f"127.0.0.1:{port}" in lost[0].getMessage()
+    assert len(resumed) == 1 and resumed[0].levelno == logging.INFO, caplog.text
