@@ -191,6 +191,22 @@ def test_ctrl_c_in_serve_frees_the_port():
     assert port_is_free(port) and port_is_free(metrics_port)
 
 
+def test_ctrl_c_in_the_device_daemon_stops_it_with_one_line(tmp_path):
+    api_port = free_port()
+    config = tmp_path / "device.toml"
+    config.write_text(f'id = "pty-device"\nservers = ["127.0.0.1:{free_port()}"]\n'
+                      f'drafter = "ngram"\nport = {api_port}\n')
+    run = Pty("-m", "sled_cli.main", "device", "--config", str(config))
+    assert run.read_until(lambda r: "OpenAI-compatible API on" in r.text, 120), run.text[-3000:]
+    run.ctrl_c()
+    code = run.wait(30)
+    text = on_screen(run)
+    assert code == 130, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert text.rstrip().endswith("sled device: interrupted"), text[-3000:]
+    assert port_is_free(api_port)
+
+
 # -- wording (fast) -------------------------------------------------------------------------------
 class Http1(BaseHTTPRequestHandler):
     def do_GET(self):
