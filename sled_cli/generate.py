@@ -110,7 +110,7 @@ async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, sh
             result = await shown.session.run()
     except (VerifyError, grpc.aio.AioRpcError) as exc:
         if isinstance(exc, ServerLost) or lost_server(exc):
-            shown.end(SERVER_LOST)
+            shown.end(SERVER_LOST, waited=isinstance(exc, ServerLost))
             return 5
         if isinstance(exc, VerifyError) and exc.reason == "REASON_TOKENIZER_MISMATCH":
             shown.say(printable(str(exc), 400))    # found here, before anything was sent
@@ -184,8 +184,9 @@ class Shown:
                   f"rounds, acceptance {result.acceptance_rate:.0%}, "
                   f"{result.tokens_per_round:.2f} tokens/round", file=sys.stderr)
 
-    def end(self, finish_reason: str) -> None:
-        """A generation cut short: the committed tokens as output, then why it ended."""
+    def end(self, finish_reason: str, waited: bool = False) -> None:
+        """A generation cut short: the committed tokens as output, then why it ended (waited:
+        the session waited for a lost server in vain)."""
         from edge_client.result import INTERRUPTED, GenerationResult
 
         if self.session is not None:
@@ -195,9 +196,11 @@ class Shown:
         self._print(result)
         if finish_reason == INTERRUPTED:
             self.say(f"interrupted after {len(result.token_ids)} tokens")
+        elif waited:
+            self.say(f"the server at {self.args.server} did not come back within "
+                     f"{self.args.reconnect_s:g} s; {len(result.token_ids)} tokens kept")
         else:
-            self.say(f"the server at {self.args.server} did not come back; "
-                     f"{len(result.token_ids)} tokens kept")
+            self.say(f"lost the server at {self.args.server}; {len(result.token_ids)} tokens kept")
 
     def _print(self, result, whole: bool = False) -> None:
         """The result as one JSON object, or the rest of its text and the newline that ends it
