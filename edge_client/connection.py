@@ -1,13 +1,15 @@
 """A device's connection to one verify server: model info, tokenizer bootstrap, the stub.
 
 The target's tokenizer is fetched once per fingerprint into sled.cache.tokenizer_dir. What the
-server sends is checked before anything is written: the fingerprint is bounded (and only its hash
-names the folder), only the file names of sled.cache.TOKENIZER_FILES are accepted, once each,
-within MAX_TOKENIZER_BYTES. The files are written into a temporary folder inside the cache, loaded
-and checked against the fingerprint there, and only then renamed into place with their manifest.
+server streams is checked chunk by chunk before anything is written (edge_client.tokenizer_chunks:
+only the file names of sled.cache.TOKENIZER_FILES, once each, in order, each whole and matching
+its sha256, within MAX_TOKENIZER_BYTES); the fingerprint is bounded (and only its hash names the
+folder). The files are written into a temporary folder inside the cache, loaded and checked
+against the fingerprint there, and only then renamed into place with their manifest.
 A cached copy is used only while its manifest verifies (every file hashed: they are small) and
 the loaded tokenizer matches its fingerprint; anything else is fetched again. A refused server
-raises TokenizerRefused, one line naming the server.
+raises TokenizerRefused, one line naming the server. The channel keeps gRPC's default message
+limits: every message of the protocol fits them.
 """
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ from pathlib import Path
 
 import grpc
 
-from sled.cache import (MAX_FINGERPRINT_CHARS, MAX_TOKENIZER_BYTES, TOKENIZER_FILES, CacheError,
-                        partial_dir, publish, tokenizer_dir, verify_folder, write_manifest)
+from edge_client.tokenizer_chunks import TokenizerChunks, TokenizerRefused
+from sled.cache import (MAX_FINGERPRINT_CHARS, CacheError, partial_dir, publish, tokenizer_dir,
+                        verify_folder, write_manifest)
 from sled.fingerprint import fingerprint_tokenizer, short
 from sled.printable import printable
 from sled.v1 import verifier_pb2 as pb
@@ -27,14 +30,10 @@ from sled.v1 import verifier_pb2_grpc as pb_grpc
 
 log = logging.getLogger("sled.device")
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 30_000),
-]
+CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 30_000)]
 
-
-class TokenizerRefused(CacheError):
-    """The server's tokenizer (its fingerprint, files or content) is not acceptable."""
+__all__ = ["Connection", "TokenizerRefused", "cached_tokenizer", "checked_fingerprint",
+           "save_tokenizer"]
 
 
 class Connection:
@@ -60,9 +59,22 @@ class Connection:
         fingerprint = checked_fingerprint(info.tokenizer_fingerprint, self.address)
         tokenizer = await asyncio.to_thread(cached_tokenizer, fingerprint)
         if tokenizer is None:
-            files = await self.stub.GetTokenizer(pb.GetTokenizerRequest(), timeout=timeout)
+            files = await self.tokenizer_files(fingerprint, timeout)
             tokenizer = await asyncio.to_thread(save_tokenizer, fingerprint, files, self.address)
         return tokenizer
+
+    async def tokenizer_files(self, fingerprint: str, timeout: float = 60.0) -> dict[str, bytes]:
+        """The server's GetTokenizer stream, each chunk checked as it arrives; the call is
+        cancelled at the first chunk refused."""
+        chunks = TokenizerChunks(fingerprint, self.address)
+        call = self.stub.GetTokenizer(pb.GetTokenizerRequest(), timeout=timeout)
+        try:
+            async for chunk in call:
+                chunks.add(chunk)
+        except TokenizerRefused:
+            call.cancel()
+            raise
+        return chunks.files()
 
     async def close(self) -> None:
         await self.channel.close()
@@ -105,11 +117,11 @@ def cached_tokenizer(fingerprint: str):
     return tokenizer
 
 
-def save_tokenizer(fingerprint: str, files: pb.TokenizerFiles, address: str):
-    """Check the server's tokenizer files, load them from a temporary folder in the cache, and
-    keep them (renamed into place with their manifest) only when they match the fingerprint.
-    A cache that cannot be written (read-only, full, not a folder) is one line: CacheError."""
-    _check_files(fingerprint, files, address)
+def save_tokenizer(fingerprint: str, files: dict[str, bytes], address: str):
+    """Load the server's checked files (edge_client.tokenizer_chunks) from a temporary folder in
+    the cache, and keep them (renamed into place with their manifest) only when they match the
+    fingerprint. A cache that cannot be written (read-only, full, not a folder) is one line:
+    CacheError."""
     folder = tokenizer_dir(fingerprint)
     try:
         partial = partial_dir(folder)
@@ -125,10 +137,10 @@ def save_tokenizer(fingerprint: str, files: pb.TokenizerFiles, address: str):
     return tokenizer
 
 
-def _checked_tokenizer(partial: Path, fingerprint: str, files: pb.TokenizerFiles, address: str):
+def _checked_tokenizer(partial: Path, fingerprint: str, files: dict[str, bytes], address: str):
     """The server's files written into PARTIAL and loaded, when they match the fingerprint."""
-    for item in files.files:
-        (partial / item.name).write_bytes(item.content)
+    for name, content in files.items():
+        (partial / name).write_bytes(content)
     try:
         tokenizer = _load(partial)
     except Exception as exc:
@@ -138,24 +150,6 @@ def _checked_tokenizer(partial: Path, fingerprint: str, files: pb.TokenizerFiles
         raise TokenizerRefused(f"the tokenizer the server at {address} sent does not match its "
                                f"fingerprint {printable(fingerprint)}")
     return tokenizer
-
-
-def _check_files(fingerprint: str, files: pb.TokenizerFiles, address: str) -> None:
-    """Only the protocol's file names, once each, within the size bound, for this fingerprint."""
-    if files.tokenizer_fingerprint and files.tokenizer_fingerprint != fingerprint:
-        raise TokenizerRefused(f"the server at {address} sent the tokenizer of another fingerprint "
-                               f"({printable(files.tokenizer_fingerprint)})")
-    names = [item.name for item in files.files]
-    for name in names:
-        if name not in TOKENIZER_FILES:   # never a path, never anything else
-            raise TokenizerRefused(f"the server at {address} sent a tokenizer file named "
-                                   f"{printable(name)}; accepted: {', '.join(sorted(TOKENIZER_FILES))}")
-    if len(set(names)) != len(names):
-        raise TokenizerRefused(f"the server at {address} sent a tokenizer file twice")
-    size = sum(len(item.content) for item in files.files)
-    if size > MAX_TOKENIZER_BYTES:
-        raise TokenizerRefused(f"the server at {address} sent {size} bytes of tokenizer files "
-                               f"(at most {MAX_TOKENIZER_BYTES})")
 
 
 def _load(folder: Path):

@@ -2,6 +2,7 @@
 server exposes health, reflection, model info and its tokenizer as documented."""
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -134,14 +135,21 @@ async def test_get_model_info_reports_a_capped_context_length(serve, models):
 
 async def test_get_tokenizer_files_load_as_the_same_tokenizer(running, tokenizer, tmp_path):
     _, channel = running
-    reply = await pb_grpc.VerifierStub(channel).GetTokenizer(pb.GetTokenizerRequest(), timeout=10)
-    assert reply.tokenizer_fingerprint == fingerprint_tokenizer(tokenizer)
-    names = [f.name for f in reply.files]
+    chunks = [c async for c in pb_grpc.VerifierStub(channel).GetTokenizer(pb.GetTokenizerRequest(),
+                                                                           timeout=10)]
+    assert {c.tokenizer_fingerprint for c in chunks} == {fingerprint_tokenizer(tokenizer)}
+    files: dict[str, bytes] = {}
+    for c in chunks:     # files one after another, each chunk where the file stands
+        assert c.offset == len(files.setdefault(c.name, b"")) and len(c.data) <= 1 << 20
+        files[c.name] += c.data
+    names = list(files)
     assert "tokenizer.json" in names
-    assert len(names) == len(set(names))
-    for f in reply.files:
-        assert Path(f.name).name == f.name  # plain file names, nothing to escape a folder with
-        (tmp_path / f.name).write_bytes(f.content)
+    assert [c.name for c in chunks] == sorted([c.name for c in chunks], key=names.index)
+    for name, content in files.items():
+        assert Path(name).name == name  # plain file names, nothing to escape a folder with
+        sent = next(c for c in chunks if c.name == name)
+        assert (sent.size, sent.sha256) == (len(content), hashlib.sha256(content).hexdigest())
+        (tmp_path / name).write_bytes(content)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert fingerprint_tokenizer(loaded) == fingerprint_tokenizer(tokenizer)
     for text in [*PROMPT_TEXTS, "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n", "héllo ✓"]:

@@ -1,13 +1,15 @@
 """A hostile verify server: nothing it sends becomes a path or a file outside the device's cache,
 and both `sled generate` and the daemon refuse it with one line.
 
-The fake server answers GetModelInfo and GetTokenizer with whatever a test chooses; the device
+The fake server answers GetModelInfo and GetTokenizer (a stream of chunks) with whatever a test
+chooses; the device
 runs with SLED_CACHE inside tmp_path, and afterwards nothing may exist under tmp_path outside that
 cache (the fake's absolute names and `..` paths all point into tmp_path).
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
@@ -18,16 +20,17 @@ import grpc
 import pytest
 
 from edge_client.daemon import Device
+from edge_client.tokenizer_chunks import TokenizerChunks, TokenizerRefused
 from edge_client.settings import DeviceSettings
-from sled.cache import MAX_TOKENIZER_BYTES
+from sled.cache import MAX_TOKENIZER_BYTES, MAX_TOKENIZER_CHUNK_BYTES
 from sled.fingerprint import fingerprint_tokenizer
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 
 
 class HostileVerifier(pb_grpc.VerifierServicer):
-    def __init__(self, info: pb.ModelInfo, files: pb.TokenizerFiles, refusal: str = "") -> None:
-        self.info, self.files, self.refusal = info, files, refusal
+    def __init__(self, info: pb.ModelInfo, chunks: list[pb.TokenizerChunk], refusal: str = "") -> None:
+        self.info, self.chunks, self.refusal = info, chunks, refusal
 
     async def GetModelInfo(self, request, context):
         return self.info
@@ -35,7 +38,21 @@ class HostileVerifier(pb_grpc.VerifierServicer):
     async def GetTokenizer(self, request, context):
         if self.refusal:   # the server's own words, for the device to show
             await context.abort(grpc.StatusCode.INTERNAL, self.refusal)
-        return self.files
+        for chunk in self.chunks:
+            yield chunk
+
+
+def chunked(fingerprint: str, files: dict[str, bytes], piece: int = 4096) -> list[pb.TokenizerChunk]:
+    """FILES as an honest server streams them, in chunks of PIECE bytes (so that even the tiny
+    tokenizer's files take several)."""
+    chunks = []
+    for name, content in files.items():
+        digest = hashlib.sha256(content).hexdigest()
+        for offset in range(0, max(len(content), 1), piece):
+            chunks.append(pb.TokenizerChunk(tokenizer_fingerprint=fingerprint, name=name,
+                                            offset=offset, data=content[offset:offset + piece],
+                                            size=len(content), sha256=digest))
+    return chunks
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +66,16 @@ def tokenizer_files(tokenizer, tmp_path_factory) -> dict[str, bytes]:
 @pytest.fixture
 async def hostile():
     """hostile(fingerprint, files, model_id=, refusal=) -> the address of a fake server sending
-    them (refusal: GetTokenizer fails with this text instead)."""
+    them: a dict of files, streamed honestly, or the very chunks to send (refusal: GetTokenizer
+    fails with this text instead)."""
     servers = []
 
-    async def start(fingerprint: str, files: dict[str, bytes], model_id: str = "../../model",
-                    refusal: str = "") -> str:
+    async def start(fingerprint: str, files: dict[str, bytes] | list[pb.TokenizerChunk],
+                    model_id: str = "../../model", refusal: str = "") -> str:
         server = grpc.aio.server(options=[("grpc.max_send_message_length", 128 << 20)])
         info = pb.ModelInfo(model_id=model_id, vocab_size=320, tokenizer_fingerprint=fingerprint,
                             eos_token_ids=[2], context_length=1024)
-        sent = pb.TokenizerFiles(tokenizer_fingerprint=fingerprint,
-                                 files=[pb.TokenizerFile(name=n, content=c) for n, c in files.items()])
+        sent = chunked(fingerprint, files) if isinstance(files, dict) else files
         pb_grpc.add_VerifierServicer_to_server(HostileVerifier(info, sent, refusal), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -70,9 +87,16 @@ async def hostile():
         await server.stop(grace=0)
 
 
-def cases(tmp: Path, honest: dict[str, bytes], fingerprint: str) -> dict[str, tuple[str, dict]]:
-    """name -> (fingerprint, files) a hostile server sends."""
+def cases(tmp: Path, honest: dict[str, bytes], fingerprint: str) -> dict[str, tuple[str, dict | list]]:
+    """name -> (fingerprint, files or chunks) a hostile server sends."""
     tokenizer_json = honest["tokenizer.json"]
+    return {**file_cases(tmp, honest, fingerprint, tokenizer_json),
+            **chunk_cases(honest, fingerprint)}
+
+
+def file_cases(tmp: Path, honest: dict[str, bytes], fingerprint: str,
+               tokenizer_json: bytes) -> dict[str, tuple[str, dict]]:
+    """Hostile fingerprints, names, sizes and contents, each streamed in honest chunks."""
     return {
         "absolute fingerprint": (str(tmp / "x"), honest),
         "parent fingerprint": ("../../etc", honest),
@@ -86,8 +110,95 @@ def cases(tmp: Path, honest: dict[str, bytes], fingerprint: str) -> dict[str, tu
     }
 
 
+def grown(chunk: pb.TokenizerChunk, more: int) -> pb.TokenizerChunk:
+    """The chunk of a file that claims MORE bytes than it has."""
+    lying = pb.TokenizerChunk()
+    lying.CopyFrom(chunk)
+    lying.size += more
+    return lying
+
+
+def digest_of(chunk: pb.TokenizerChunk, sha256: str) -> pb.TokenizerChunk:
+    """The chunk of a file that claims another sha256."""
+    lying = pb.TokenizerChunk()
+    lying.CopyFrom(chunk)
+    lying.sha256 = sha256
+    return lying
+
+
+def chunk_cases(honest: dict[str, bytes], fingerprint: str) -> dict[str, tuple[str, list]]:
+    """Honest files in dishonest chunks: each breaks one rule of the GetTokenizer stream."""
+    honest_chunks = chunked(fingerprint, honest)
+    i, j = [n for n, c in enumerate(honest_chunks) if c.name == "tokenizer.json"][:2]
+    first, second = honest_chunks[i], honest_chunks[j]     # tokenizer.json's first two chunks
+    other = next(c for c in honest_chunks if c.name != first.name)
+
+    def stream(**changes) -> list[pb.TokenizerChunk]:
+        """The honest stream with CHANGES made: first= / second= {field: value} for those chunks."""
+        chunks = chunked(fingerprint, honest)
+        for which, fields in changes.items():
+            for field, value in fields.items():
+                setattr(chunks[{"first": i, "second": j}[which]], field, value)
+        return chunks
+
+    big = b"x" * (MAX_TOKENIZER_CHUNK_BYTES + 1)
+    oversize = pb.TokenizerChunk(tokenizer_fingerprint=fingerprint, name="added_tokens.json", data=big,
+                                 size=len(big), sha256=hashlib.sha256(big).hexdigest())
+    return {
+        "bad offset": (fingerprint, stream(second={"offset": second.offset + 1})),
+        "chunks out of order": (fingerprint, [*honest_chunks[:i], second, first, *honest_chunks[j + 1:]]),
+        "oversize chunk": (fingerprint, [oversize, *honest_chunks]),
+        "wrong sha256": (fingerprint, [digest_of(c, "0" * 64) if c.name == first.name else c
+                                       for c in honest_chunks]),
+        "size lie, short": (fingerprint, stream(first={"size": len(first.data) - 1})),
+        "size lie, long": (fingerprint, [grown(c, 100) if c.name == first.name else c
+                                         for c in honest_chunks]),
+        "size changed between chunks": (fingerprint, stream(second={"size": first.size + 1})),
+        "another file before the end": (fingerprint, [*honest_chunks[:j], other, *honest_chunks[j:]]),
+        "a file twice": (fingerprint, [*honest_chunks, *honest_chunks]),
+        "a chunk of another fingerprint": (fingerprint, stream(second={"tokenizer_fingerprint":
+                                                                       "sha256:" + "1" * 64})),
+        "no fingerprint on the chunks": (fingerprint, chunked("", honest)),
+        "malformed sha256": (fingerprint, stream(first={"sha256": "../../x"})),
+        "empty chunk": (fingerprint, stream(second={"data": b""})),
+        "no files": (fingerprint, []),
+    }
+
+
+# what each broken stream is refused for (TokenizerRefused's message)
+CHUNK_RULES = {
+    "bad offset": "out of order", "chunks out of order": "out of order",
+    "oversize chunk": "chunk of 1048577 bytes", "wrong sha256": "do not match its sha256",
+    "size lie, short": "more of tokenizer.json than its size", "size lie, long": "before tokenizer.json was complete|inside tokenizer.json",
+    "size changed between chunks": "changed the size", "another file before the end": "before tokenizer.json was complete",
+    "a file twice": "twice", "a chunk of another fingerprint": "another fingerprint",
+    "no fingerprint on the chunks": "another fingerprint", "malformed sha256": "malformed sha256",
+    "empty chunk": "empty chunk", "no files": "no tokenizer files",
+}
+
+
+def test_each_broken_stream_is_refused_for_the_rule_it_breaks(tokenizer, tokenizer_files):
+    """Every chunk case fails on its own rule (not by accident on another), before the files
+    are ever written; the honest stream of the same files passes."""
+    fingerprint = fingerprint_tokenizer(tokenizer)
+    broken = chunk_cases(tokenizer_files, fingerprint)
+    assert set(broken) == set(CHUNK_RULES)
+    for name, (sent_fingerprint, chunks) in broken.items():
+        received = TokenizerChunks(sent_fingerprint, "server:1")
+        with pytest.raises(TokenizerRefused, match=CHUNK_RULES[name]) as refused:
+            for chunk in chunks:
+                received.add(chunk)
+            received.files()
+        assert str(refused.value).startswith("the server at server:1 ") and "\n" not in str(refused.value)
+    received = TokenizerChunks(fingerprint, "server:1")
+    for chunk in chunked(fingerprint, tokenizer_files):
+        received.add(chunk)
+    assert received.files() == tokenizer_files
+
+
 # the command's own runs (a child process each): one per kind of hostility; the daemon gets all
-CLI_CASES = ("absolute fingerprint", "absolute file name", "unknown file name", "huge file")
+CLI_CASES = ("absolute fingerprint", "absolute file name", "unknown file name", "huge file",
+             "oversize chunk", "wrong sha256")
 
 
 def outside_cache(tmp: Path, cache: Path) -> list[Path]:

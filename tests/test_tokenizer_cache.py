@@ -3,9 +3,12 @@ used from there only while it matches that fingerprint, written from the protoco
 only, into a folder named by a hash of the fingerprint."""
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
-from edge_client.connection import Connection, TokenizerRefused, _check_files, cached_tokenizer
+from edge_client.connection import Connection, TokenizerRefused, cached_tokenizer
+from edge_client.tokenizer_chunks import TokenizerChunks
 from lab.tiny import make_tokenizer
 from sled.cache import cache_dir, tokenizer_dir
 from sled.fingerprint import fingerprint_tokenizer
@@ -38,12 +41,15 @@ async def test_fetched_once_then_loaded_from_the_cache_while_it_matches(serve, m
     ("tokenizer.json/", False), ("TOKENIZER.JSON", False),
 ])
 def test_only_plain_file_names_are_written(name, plain):
-    files = pb.TokenizerFiles(files=[pb.TokenizerFile(name=name, content=b"{}")])
+    chunks = TokenizerChunks("sha256:ab", "server:1")
+    chunk = pb.TokenizerChunk(tokenizer_fingerprint="sha256:ab", name=name, data=b"{}", size=2,
+                              sha256=hashlib.sha256(b"{}").hexdigest())
     if plain:
-        _check_files("sha256:ab", files, "server:1")
+        chunks.add(chunk)
+        assert chunks.files() == {name: b"{}"}
     else:
         with pytest.raises(TokenizerRefused, match="tokenizer file named"):
-            _check_files("sha256:ab", files, "server:1")
+            chunks.add(chunk)
 
 
 @pytest.mark.parametrize("fingerprint", ["sha256:ab", "/tmp/x", "../../etc", "a" * 5000, "c:\\x"])

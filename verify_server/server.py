@@ -103,7 +103,7 @@ def add_verifier(service: VerifierService, server: grpc.aio.Server) -> None:
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             service.GetModelInfo, request_deserializer=_decoder(pb.GetModelInfoRequest),
             response_serializer=pb.ModelInfo.SerializeToString),
-        "GetTokenizer": grpc.unary_unary_rpc_method_handler(
+        "GetTokenizer": grpc.unary_stream_rpc_method_handler(
             service.GetTokenizer, request_deserializer=_decoder(pb.GetTokenizerRequest),
             response_serializer=_encoded),
         "Generate": grpc.stream_stream_rpc_method_handler(

@@ -19,6 +19,7 @@ from sled.v1 import verifier_pb2_grpc as pb_grpc
 from verify_server import errors, validation
 from verify_server.blocks import PoolExhausted
 from verify_server.draft_advice import suggest_draft_len
+from verify_server.dropped_replies import quiet_dropped_replies, tokenizer_stream_ended
 from verify_server.errors import Reason, SessionError
 from verify_server.metrics import Metrics
 from verify_server.rounds import finish_round, timings
@@ -92,6 +93,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.accepting = True
         self.pool = scheduler.engine.pool
         self.tokenizer_calls = 0          # GetTokenizer calls not done yet
+        quiet_dropped_replies()
         metrics.active_sessions.set_function(lambda: len(self.sessions))
 
     # --- unary calls -------------------------------------------------------------------------
@@ -118,27 +120,34 @@ class VerifierService(pb_grpc.VerifierServicer):
             device=self.target.device,
         )
 
-    async def GetTokenizer(self, request, context) -> bytes | pb.TokenizerFiles:
-        """The files made and encoded once at start: a call costs no disk work and no
-        serialization on the loop (server.add_verifier sends the bytes as they are).
+    async def GetTokenizer(self, request, context) -> AsyncIterator[bytes]:
+        """The tokenizer's chunks, made and encoded once at start: a call costs no disk work and
+        no serialization on the loop (server.add_verifier sends the bytes as they are).
 
-        gRPC copies the reply into the call's buffer until the client has read it, so at most
+        gRPC holds a chunk in the call's buffer until the client has read it, so at most
         settings.max_tokenizer_calls calls are in flight, counted from entry until the call is
-        done (sent, failed or cancelled): clients that never read cannot pile up copies."""
+        done (sent, failed or cancelled): clients that never read cannot pile up copies. A stream
+        the client drops is one log line (verify_server.dropped_replies)."""
         if isinstance(request, Undecodable):
-            return end_call(context, request.refusal(), pb.TokenizerFiles())
+            end_call(context, request.refusal())
+            return
         limit = self.settings.max_tokenizer_calls
         if self.tokenizer_calls >= limit:
             context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
             context.set_details(f"{self.tokenizer_calls} GetTokenizer replies are being sent "
                                 f"(limit {limit}): retry in a moment")
-            return pb.TokenizerFiles()
+            return
+        chunks, sent, peer = self.target.tokenizer_reply, [0], context.peer()
         self.tokenizer_calls += 1
-        context.add_done_callback(self._tokenizer_call_done)
-        return self.target.tokenizer_reply
+        context.add_done_callback(
+            lambda _: self._tokenizer_call_done(peer, sent[0], len(chunks)))
+        for chunk in chunks:
+            yield chunk
+            sent[0] += 1     # gRPC asks for the next chunk once this one is sent
 
-    def _tokenizer_call_done(self, _context) -> None:
+    def _tokenizer_call_done(self, peer: str, sent: int, total: int) -> None:
         self.tokenizer_calls -= 1
+        tokenizer_stream_ended(peer, sent, total)
 
     # --- the session stream ------------------------------------------------------------------
 

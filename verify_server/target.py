@@ -4,6 +4,7 @@ The target is the one owner of what the server serves: its context length (after
 its SATs. The engine is handed the SATs when it is built; everything else asks the target."""
 from __future__ import annotations
 
+import hashlib
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from sled.cache import MAX_TOKENIZER_CHUNK_BYTES
 from sled.chat_templates import with_chat_template
 from sled.fingerprint import fingerprint_tokenizer
 from sled.progress import phase
@@ -31,7 +33,7 @@ class Target:
     context_length: int            # tokens of context served (the model's limit, or a lower cap)
     fingerprint: str
     sat: SatSpec | None = None     # semantic adaptive tokens, when the target has them
-    tokenizer_reply: bytes = b""   # the GetTokenizer reply: the tokenizer's files, encoded once
+    tokenizer_reply: tuple[bytes, ...] = ()   # the GetTokenizer stream: its chunks, encoded once
 
     @classmethod
     def load(cls, model_id: str, dtype: str = "float32", device: str = "cpu",
@@ -103,11 +105,19 @@ def serialize_tokenizer(tokenizer) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
 
 
-def tokenizer_reply(tokenizer, fingerprint: str) -> bytes:
-    """The encoded TokenizerFiles: files a device loads with AutoTokenizer.from_pretrained(dir)."""
-    files = [pb.TokenizerFile(name=name, content=content)
-             for name, content in serialize_tokenizer(tokenizer).items()]
-    return pb.TokenizerFiles(tokenizer_fingerprint=fingerprint, files=files).SerializeToString()
+def tokenizer_reply(tokenizer, fingerprint: str) -> tuple[bytes, ...]:
+    """The encoded TokenizerChunks of the GetTokenizer stream: the files a device loads with
+    AutoTokenizer.from_pretrained(dir), one after another, each cut into chunks of at most
+    MAX_TOKENIZER_CHUNK_BYTES that carry the file's size and sha256 (an empty file: one chunk)."""
+    chunks = []
+    for name, content in serialize_tokenizer(tokenizer).items():
+        digest = hashlib.sha256(content).hexdigest()
+        for offset in range(0, max(len(content), 1), MAX_TOKENIZER_CHUNK_BYTES):
+            chunk = pb.TokenizerChunk(tokenizer_fingerprint=fingerprint, name=name, offset=offset,
+                                      data=content[offset:offset + MAX_TOKENIZER_CHUNK_BYTES],
+                                      size=len(content), sha256=digest)
+            chunks.append(chunk.SerializeToString())
+    return tuple(chunks)
 
 
 def public_name(model_id: str, config=None) -> str:

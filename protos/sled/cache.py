@@ -35,6 +35,7 @@ TOKENIZER_FILES = frozenset({
     "sentencepiece.bpe.model", "vocab.json", "merges.txt", "vocab.txt",
 })
 MAX_TOKENIZER_BYTES = 48 << 20      # all tokenizer files together (gemma3's tokenizer.json: 33 MB)
+MAX_TOKENIZER_CHUNK_BYTES = 1 << 20  # data in one GetTokenizer chunk: far below gRPC's default 4 MiB
 MAX_FINGERPRINT_CHARS = 256         # "sha256:" + 64 hex digits is what sled servers send
 
 
