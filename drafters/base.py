@@ -1,16 +1,22 @@
 """The drafter protocol: propose a draft (with the q it was drawn from) and roll back."""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
-
-import os
 
 import numpy as np
 import torch
 
+from sled.cache import write_atomically
 from sled.sampling import Sampling, warp
+
+FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")  # what sled.fingerprint makes
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,3 +181,41 @@ class KVDrafter:
     def _truncate(self, length: int) -> int:
         """Drop cached positions >= length; returns the length actually kept."""
         raise NotImplementedError
+
+
+# -- a drafter's tokenizer fingerprint, cached on disk (computing one takes seconds) -------------
+
+def tokenizer_json_fingerprint(path: Path) -> str:
+    """sled.fingerprint of a tokenizer.json read with the `tokenizers` library: the same
+    (id, token) table transformers' tokenizer of that file reports, added tokens included,
+    without importing transformers (a few seconds for gemma3's 33 MB file, not ten)."""
+    import tokenizers
+
+    from sled.fingerprint import fingerprint_vocab
+
+    tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    return fingerprint_vocab(tokenizer.get_vocab(with_added_tokens=True))
+
+
+def _entry_digest(key: str, fingerprint: str) -> str:
+    return hashlib.sha256(f"{key}\n{fingerprint}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def read_fingerprint(file: Path, key: str) -> str | None:
+    """The fingerprint cached in FILE for KEY, or None when the entry is missing or not whole
+    (it names its key, holds a well-formed fingerprint and a sha256 of both)."""
+    try:
+        entry = json.loads(file.read_text())
+        fingerprint = entry["fingerprint"]
+        if entry["key"] == key and FINGERPRINT.fullmatch(fingerprint) and \
+                entry["sha256"] == _entry_digest(key, fingerprint):
+            return fingerprint
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def write_fingerprint(file: Path, key: str, fingerprint: str) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    entry = {"key": key, "fingerprint": fingerprint, "sha256": _entry_digest(key, fingerprint)}
+    write_atomically(file, json.dumps(entry).encode())  # a concurrent reader sees all or nothing

@@ -11,22 +11,20 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import logging
-import re
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
-from drafters.base import KVDrafter, drafter_threads
-from sled.cache import cache_dir, write_atomically
+from drafters.base import (KVDrafter, drafter_threads, read_fingerprint, tokenizer_json_fingerprint,
+                           write_fingerprint)
+from sled.cache import cache_dir
 from sled.progress import phase
 
 log = logging.getLogger("sled.drafter")
 
 _FINGERPRINTS: dict[str, str] = {}  # cache key (file, size, mtime, transformers) -> fingerprint
-FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")  # what sled.fingerprint makes
 
 
 class GGUFDrafter(KVDrafter):
@@ -97,13 +95,13 @@ def gguf_fingerprint(path: Path, converted: Path | None = None) -> str:
     if key in _FINGERPRINTS:
         return _FINGERPRINTS[key]
     file = cache_dir() / "fingerprints" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
-    fingerprint = _read_entry(file, key)
+    fingerprint = read_fingerprint(file, key)
     if fingerprint is None:
         first = " (first use of this file, seconds)" if converted else \
             " (first use of this file, up to half a minute)"
         with phase("drafter.fingerprint", f"fingerprinting the tokenizer of {path.name}{first}"):
             fingerprint = _fingerprint_of(path, converted)
-        _write_entry(file, key, fingerprint)
+        write_fingerprint(file, key, fingerprint)
     else:
         log.debug("drafter tokenizer fingerprint of %s read from %s", path.name, file)
     _FINGERPRINTS[key] = fingerprint
@@ -122,37 +120,11 @@ def _transformers_version() -> str:
 def _fingerprint_of(path: Path, converted: Path | None) -> str:
     """The fingerprint from the converted copy's tokenizer.json when there is one, else from the
     tokenizer transformers converts out of the GGUF's metadata."""
-    from sled.fingerprint import fingerprint_tokenizer, fingerprint_vocab
+    from sled.fingerprint import fingerprint_tokenizer
 
     if converted is not None and (converted / "tokenizer.json").is_file():
-        import tokenizers
-
-        tokenizer = tokenizers.Tokenizer.from_file(str(converted / "tokenizer.json"))
-        return fingerprint_vocab(tokenizer.get_vocab(with_added_tokens=True))
+        return tokenizer_json_fingerprint(converted / "tokenizer.json")
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return fingerprint_tokenizer(tokenizer)
-
-
-def _entry_digest(key: str, fingerprint: str) -> str:
-    return hashlib.sha256(f"{key}\n{fingerprint}".encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _read_entry(file: Path, key: str) -> str | None:
-    """The cached fingerprint for KEY, or None when the entry is missing or not whole."""
-    try:
-        entry = json.loads(file.read_text())
-        fingerprint = entry["fingerprint"]
-        if entry["key"] == key and FINGERPRINT.fullmatch(fingerprint) and \
-                entry["sha256"] == _entry_digest(key, fingerprint):
-            return fingerprint
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return None
-
-
-def _write_entry(file: Path, key: str, fingerprint: str) -> None:
-    file.parent.mkdir(parents=True, exist_ok=True)
-    entry = {"key": key, "fingerprint": fingerprint, "sha256": _entry_digest(key, fingerprint)}
-    write_atomically(file, json.dumps(entry).encode())  # a concurrent reader sees all or nothing

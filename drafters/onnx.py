@@ -10,6 +10,7 @@ so a round never re-runs the prefix.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from functools import cached_property
 from pathlib import Path
@@ -17,7 +18,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime_genai as og
 
-from drafters.base import KVDrafter, drafter_threads
+from drafters.base import (KVDrafter, drafter_threads, read_fingerprint, tokenizer_json_fingerprint,
+                           write_fingerprint)
+from sled.cache import cache_dir
+from sled.progress import phase
 
 
 DEFAULT_MAX_LENGTH = 4096  # context + draft positions a drafter holds (the GGUF drafter's n_ctx)
@@ -54,12 +58,20 @@ class ONNXDrafter(KVDrafter):
 
     @cached_property
     def tokenizer_fingerprint(self) -> str:
-        """Of the HF tokenizer files the model builder copied into the export folder."""
-        from transformers import AutoTokenizer
-
-        from sled.fingerprint import fingerprint_tokenizer
-
-        return fingerprint_tokenizer(AutoTokenizer.from_pretrained(str(self.path)))
+        """Of the HF tokenizer files the model builder copied into the export folder: read from
+        $SLED_CACHE/fingerprints while tokenizer.json keeps its size and mtime, else computed
+        (sled.progress shows it) and kept there."""
+        path = (self.path / "tokenizer.json").resolve()
+        stat = path.stat()
+        key = f"onnx|{path}|{stat.st_size}|{stat.st_mtime_ns}"
+        name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".json"
+        file = cache_dir() / "fingerprints" / name
+        fingerprint = read_fingerprint(file, key)
+        if fingerprint is None:
+            with phase("drafter.fingerprint", f"fingerprinting the tokenizer of {self.path.name}"):
+                fingerprint = tokenizer_json_fingerprint(path)
+            write_fingerprint(file, key, fingerprint)
+        return fingerprint
 
     def _truncate(self, length: int) -> int:
         self.generator.rewind_to(length)

@@ -118,3 +118,23 @@ def test_the_fingerprint_from_a_converted_copy_is_the_gguf_conversions():
         pytest.skip("smollm2-135m has no converted copy in the sled cache (sled models prepare)")
     path = gguf_path("smollm2-135m")
     assert _fingerprint_of(path, converted) == _fingerprint_of(path, None)
+
+
+ONNX_EXPORT = Path.home() / ".cache" / "sled" / "onnx" / "smollm2-135m-int4"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (ONNX_EXPORT / "genai_config.json").is_file(),
+                    reason="needs the prepared smollm2-135m ONNX export (sled models prepare --onnx)")
+def test_an_onnx_drafter_fingerprints_its_tokenizer_once(tmp_path, monkeypatch, capsys):
+    from transformers import AutoTokenizer
+
+    from drafters.onnx import ONNXDrafter
+    from sled.fingerprint import fingerprint_tokenizer
+
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path))
+    first = ONNXDrafter(ONNX_EXPORT, max_length=256).tokenizer_fingerprint
+    assert "fingerprinting the tokenizer of smollm2-135m-int4" in capsys.readouterr().err
+    second = ONNXDrafter(ONNX_EXPORT, max_length=256).tokenizer_fingerprint
+    assert "fingerprinting" not in capsys.readouterr().err          # read from the sled cache
+    assert first == second == fingerprint_tokenizer(AutoTokenizer.from_pretrained(ONNX_EXPORT))

@@ -28,9 +28,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--refusals", type=positive_int, default=40, help="refused Opens measured")
     parser.add_argument("--prompt-len", type=positive_int, default=2_000_000,
                         help="ids in each refused prompt")
-    parser.add_argument("--rounds", type=positive_int, default=40, help="rounds timed alone, and at least "
-                                                               "as many during the burst")
-    parser.add_argument("--burst", type=positive_int, default=12, help="GetTokenizer calls sent at once")
+    parser.add_argument("--rounds", type=positive_int, default=40,
+                        help="rounds timed alone, and at least as many during the burst")
+    parser.add_argument("--burst", type=positive_int, default=12,
+                        help="GetTokenizer calls sent at once")
     parser.add_argument("--slots", type=positive_int, default=8, help="the server's max_sessions")
     parser.add_argument("--idle-timeout", type=positive_float, default=5.0,
                         help="the server's idle timeout (s); longer than filling the slots takes")

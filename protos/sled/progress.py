@@ -34,7 +34,7 @@ def prefix() -> str:
     """The command that runs ("sled serve", "sled bench startup"), from the process's argv."""
     argv = sys.argv
     program = Path(argv[0]) if argv else Path()
-    if program.name != "sled" and program.parent.name != "sled_cli":   # sled, python -m sled_cli.main
+    if program.name != "sled" and program.parent.name != "sled_cli":   # python -m sled_cli.main
         return "sled"
     words = [w for w in argv[1:3] if not w.startswith("-")]
     if len(words) == 2 and words[0] not in ("bench", "models", "trace", "sdsat"):
