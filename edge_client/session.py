@@ -24,7 +24,7 @@ from edge_client.proposer import Draft, Head, Proposer
 from edge_client.result import GenerationResult, RoundStat, ServerEvent
 from edge_client.speculation import Speculation
 from edge_client.transport import ServerLost, Stream, Transport, VerifyError, lost_server
-from edge_client.wire import SessionRequest, draft_message, drafter_label
+from edge_client.wire import SessionRequest, draft_message, drafter_label, with_target_fingerprint
 from sled.fingerprint import short
 from sled.printable import printable
 from sled.sampling import Sampling
@@ -164,6 +164,9 @@ class DeviceSession:
         resuming = connect_s is not None
         if switch and self.reopen_on is not None:
             self.stub = self.reopen_on()
+        if not self.request.fingerprint and self.stub is not None:
+            # a drafter with no tokenizer of its own drafts the target's ids: say which
+            self.request = await with_target_fingerprint(self.request, self.stub, connect_s)
         stream = self.transport(self.stub, timeout=self.settings.timeout, wait_for_ready=resuming)
         try:
             opening = stream.send(self.request.open_message(self.result.token_ids))

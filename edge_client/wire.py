@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from drafters.base import Proposal
@@ -33,6 +33,16 @@ def open_message(prompt_ids: Sequence[int], sampling: Sampling, max_new_tokens: 
                                         cache_salt=cache_salt))
     sampling.to_proto(msg.open.sampling)
     return msg
+
+
+async def with_target_fingerprint(request: SessionRequest, stub,
+                                  connect_s: float | None = None) -> SessionRequest:
+    """The request with the server's tokenizer fingerprint (ModelInfo), for a drafter that has
+    no tokenizer of its own and drafts in the target's ids; connect_s (resuming) waits that long
+    for the server."""
+    info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=connect_s or 30.0,
+                                   wait_for_ready=connect_s is not None)
+    return replace(request, fingerprint=info.tokenizer_fingerprint)
 
 
 def draft_message(round: int, proposal: Proposal, lookahead: int = 0) -> pb.DeviceMessage:

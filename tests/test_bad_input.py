@@ -20,7 +20,7 @@ from drafters.hf import HFDrafter
 from drafters.ngram import NgramDrafter
 from edge_client.session import RoundSettings, generate
 from edge_client.transport import VerifyError
-from sled.fingerprint import fingerprint_vocab, short
+from sled.fingerprint import fingerprint_tokenizer, fingerprint_vocab, short
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from lab.tiny import make_tokenizer
@@ -35,15 +35,18 @@ MAX_MESSAGE = 1024
 LIMITS = dict(max_draft_len=MAX_DRAFT, context_length=CONTEXT, max_q_support=MAX_Q,
               max_message_bytes=MAX_MESSAGE)
 OTHER_FP = fingerprint_vocab({"<other>": 0, "vocab": 1})
+TARGET_FP = fingerprint_tokenizer(make_tokenizer())    # the tiny target's tokenizer
 A, B, C = 5, 6, 7   # valid ids (the tiny vocabulary has a few hundred)
 
 
 # --- messages ---------------------------------------------------------------------------------
 
 def open_msg(prompt, max_new_tokens: int = 8, *, temperature: float = 0.0, top_p: float = 1.0,
-             stop_ids=(), fingerprint: str = "", drafter: str = "raw-test",
+             stop_ids=(), fingerprint: str | None = None, drafter: str = "raw-test",
              ignore_eos: bool = True) -> pb.DeviceMessage:
     # ignore_eos: a valid round can never end a session early, so later rounds are still live.
+    # fingerprint: the target's unless given (a drafting session must send one)
+    fingerprint = TARGET_FP if fingerprint is None else fingerprint
     msg = pb.DeviceMessage(open=pb.Open(prompt_ids=list(prompt), max_new_tokens=max_new_tokens,
                                         stop_ids=list(stop_ids), tokenizer_fingerprint=fingerprint,
                                         drafter=drafter, ignore_eos=ignore_eos))
@@ -150,6 +153,9 @@ CASES = [
          lambda V, P: [open_msg(P, fingerprint=OTHER_FP, drafter="hf:other-drafter")],
          PRECONDITION, Reason.REASON_TOKENIZER_MISMATCH,
          ("{model}", short(OTHER_FP), "hf:other-drafter", "does not match")),
+    Case("no_fingerprint", lambda V, P: [open_msg(P, fingerprint="")], INVALID,
+         Reason.REASON_TOKENIZER_MISMATCH,
+         ("tokenizer_fingerprint is empty", "sends drafts", short(TARGET_FP))),
     Case("temperature_negative", lambda V, P: [open_msg(P, temperature=-0.5)], INVALID,
          Reason.REASON_BAD_SAMPLING, ("bad sampling params", "temperature must be >= 0")),
     Case("temperature_nan", lambda V, P: [open_msg(P, temperature=math.nan)], INVALID,

@@ -20,6 +20,7 @@ from edge_client.settings import DeviceSettings
 from edge_client.wire import open_message
 from sled.mqtt import Backoff
 from sled.sampling import Sampling
+from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from tests.conftest import PROMPT_TEXTS, greedy_reference
 from tests.mqtt_broker import (Mosquitto, Watcher, eventually, mosquitto,  # noqa: F401
@@ -280,8 +281,11 @@ async def test_tls_uses_the_configured_ca_and_says_when_the_certificate_is_not_t
 async def hold_session(address: str, prompt: list[int]):
     """An open session on a server (load for its announcements); cancel the call to end it."""
     channel = grpc.aio.insecure_channel(address)
-    call = pb_grpc.VerifierStub(channel).Generate()
-    await call.write(open_message(prompt, Sampling(), 64, drafter="holder"))
+    stub = pb_grpc.VerifierStub(channel)
+    info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+    call = stub.Generate()
+    await call.write(open_message(prompt, Sampling(), 64, fingerprint=info.tokenizer_fingerprint,
+                                  drafter="holder"))
     await call.read()
     return channel, call
 

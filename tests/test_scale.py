@@ -12,17 +12,20 @@ import pytest
 from conftest import greedy_reference
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
+from lab.tiny import make_tokenizer
+from sled.fingerprint import fingerprint_tokenizer
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from verify_server.draft_advice import suggest_draft_len
 
 Reason = pb.ErrorDetail.Reason
+TARGET_FP = fingerprint_tokenizer(make_tokenizer())    # the tiny target's tokenizer
 SYSTEM = list(range(40, 120))    # an 80-token shared instruction: 5 blocks of 16
 
 
 def open_msg(prompt, max_new_tokens: int, mode=pb.GENERATION_MODE_DEVICE_DRAFTS) -> pb.DeviceMessage:
     return pb.DeviceMessage(open=pb.Open(prompt_ids=list(prompt), max_new_tokens=max_new_tokens,
-                                         ignore_eos=True, mode=mode))
+                                         ignore_eos=True, mode=mode, tokenizer_fingerprint=TARGET_FP))
 
 
 def draft_msg(round: int, tokens, deadline_ms: int = 0) -> pb.DeviceMessage:

@@ -12,6 +12,8 @@ import torch
 from conftest import greedy_reference
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
+from lab.tiny import make_tokenizer
+from sled.fingerprint import fingerprint_tokenizer
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
@@ -21,6 +23,7 @@ from verify_server.target import Target
 
 Reason = pb.ErrorDetail.Reason
 SLOTS = 3
+TARGET_FP = fingerprint_tokenizer(make_tokenizer())    # the tiny target's tokenizer
 
 
 def adapter_spec(model, seed: int = 0) -> SatSpec:
@@ -38,7 +41,8 @@ async def serve_sat(serve, model, tokenizer, spec: SatSpec, **settings):
 async def server_sat(stub, prompt, max_new: int, stop_ids=(), sampling: Sampling = Sampling(),
                      mode=pb.GENERATION_MODE_SERVER_SAT):
     msg = pb.DeviceMessage(open=pb.Open(prompt_ids=prompt, max_new_tokens=max_new,
-                                        stop_ids=list(stop_ids), ignore_eos=True, mode=mode))
+                                        stop_ids=list(stop_ids), ignore_eos=True, mode=mode,
+                                        tokenizer_fingerprint=TARGET_FP))
     sampling.to_proto(msg.open.sampling)
     call = stub.Generate()
     await call.write(msg)
@@ -53,7 +57,8 @@ async def server_sat(stub, prompt, max_new: int, stop_ids=(), sampling: Sampling
 async def lookahead_error(stub, prompt, lookahead: int) -> grpc.aio.AioRpcError:
     """Open a session, send one draft asking for `lookahead` SAT slots: the error it ends with."""
     call = stub.Generate()
-    await call.write(pb.DeviceMessage(open=pb.Open(prompt_ids=prompt, max_new_tokens=4)))
+    await call.write(pb.DeviceMessage(open=pb.Open(prompt_ids=prompt, max_new_tokens=4,
+                                                   tokenizer_fingerprint=TARGET_FP)))
     await call.read()
     await call.write(pb.DeviceMessage(draft=pb.Draft(round=0, token_ids=[5], lookahead=lookahead)))
     with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -105,7 +110,7 @@ async def test_hints_are_the_targets_sat_guesses(serve, models, tokenizer, promp
     async with grpc.aio.insecure_channel(server.address) as channel:
         call = VerifierStub(channel).Generate()
         await call.write(pb.DeviceMessage(open=pb.Open(prompt_ids=prompt, max_new_tokens=8,
-                                                       ignore_eos=True)))
+                                                       ignore_eos=True, tokenizer_fingerprint=TARGET_FP)))
         await call.read()
         await call.write(pb.DeviceMessage(draft=pb.Draft(round=0, token_ids=want[:3], lookahead=SLOTS)))
         verdict = (await call.read()).verdict

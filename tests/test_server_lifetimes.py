@@ -19,6 +19,8 @@ import grpc
 import pytest
 
 from conftest import greedy_reference, run_sled
+from lab.tiny import make_tokenizer
+from sled.fingerprint import fingerprint_tokenizer
 from sled.v1 import verifier_pb2 as pb
 from verify_server.server import start_server
 from verify_server.session import Session
@@ -52,6 +54,9 @@ def rss_bytes() -> int:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+FINGERPRINT = fingerprint_tokenizer(make_tokenizer())    # the tiny target's tokenizer
+
+
 def open_bytes(prompt_len: int, max_new_tokens: int = 1, ids: int = A) -> bytes:
     return pb.DeviceMessage(open=pb.Open(prompt_ids=[ids] * prompt_len,
                                          max_new_tokens=max_new_tokens)).SerializeToString()
@@ -59,7 +64,7 @@ def open_bytes(prompt_len: int, max_new_tokens: int = 1, ids: int = A) -> bytes:
 
 def open_msg(prompt, max_new_tokens: int) -> pb.DeviceMessage:
     return pb.DeviceMessage(open=pb.Open(prompt_ids=list(prompt), max_new_tokens=max_new_tokens,
-                                         ignore_eos=True))
+                                         ignore_eos=True, tokenizer_fingerprint=FINGERPRINT))
 
 
 def draft_msg(round: int, tokens) -> pb.DeviceMessage:
@@ -249,21 +254,34 @@ async def test_get_tokenizer_does_no_work_per_call(serve, models, tokenizer, pro
         raise AssertionError("GetTokenizer serialized the tokenizer")
     monkeypatch.setattr(server.service.target.tokenizer, "save_pretrained", no_disk)
     service = server.service
-    await service.GetTokenizer(pb.GetTokenizerRequest(), HeldCall())   # warm-up
+    await chunks_of(service.GetTokenizer(pb.GetTokenizerRequest(), HeldCall()))   # warm-up
     started = time.perf_counter()
-    wire = await service.GetTokenizer(pb.GetTokenizerRequest(), HeldCall())
+    wire = await chunks_of(service.GetTokenizer(pb.GetTokenizerRequest(), HeldCall()))
     assert time.perf_counter() - started < 0.01
-    reply = pb.TokenizerFiles.FromString(wire)
-    assert {f.name: f.content for f in reply.files} == expected
-    assert reply.tokenizer_fingerprint == service.target.fingerprint
+    assert all(isinstance(chunk, bytes) for chunk in wire)     # encoded once, at start
+    replies = [pb.TokenizerChunk.FromString(chunk) for chunk in wire]
+    assert files_of(replies) == expected
+    assert {r.tokenizer_fingerprint for r in replies} == {service.target.fingerprint}
 
     async with grpc.aio.insecure_channel(server.address) as channel:
-        get = channel.unary_unary("/sled.v1.Verifier/GetTokenizer",
-                                  request_serializer=pb.GetTokenizerRequest.SerializeToString,
-                                  response_deserializer=pb.TokenizerFiles.FromString)
-        replies = await asyncio.gather(*[get(pb.GetTokenizerRequest()) for _ in range(12)])
-    assert all({f.name: f.content for f in r.files} == expected for r in replies)
+        get = channel.unary_stream("/sled.v1.Verifier/GetTokenizer",
+                                   request_serializer=pb.GetTokenizerRequest.SerializeToString,
+                                   response_deserializer=pb.TokenizerChunk.FromString)
+        replies = await asyncio.gather(*[chunks_of(get(pb.GetTokenizerRequest())) for _ in range(12)])
+    assert all(files_of(r) == expected for r in replies)
     await wait_until(lambda: service.tokenizer_calls == 2, "the calls to be counted done")
+
+
+async def chunks_of(stream) -> list:
+    return [chunk async for chunk in stream]
+
+
+def files_of(chunks) -> dict[str, bytes]:
+    """The files of a GetTokenizer stream, by name."""
+    files: dict[str, bytes] = {}
+    for chunk in chunks:
+        files[chunk.name] = files.get(chunk.name, b"") + chunk.data
+    return files
 
 
 class HeldCall:
@@ -277,6 +295,9 @@ class HeldCall:
 
     def set_details(self, details: str) -> None:
         self.details = details
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
 
     def add_done_callback(self, callback) -> None:
         self.callbacks.append(callback)
@@ -292,20 +313,22 @@ async def test_get_tokenizer_calls_in_flight_are_bounded(serve, models):
     server = await serve(models["llama"], max_tokenizer_calls=1)
     service = server.service
     held, refused_call, later = HeldCall(), HeldCall(), HeldCall()
-    assert isinstance(await service.GetTokenizer(pb.GetTokenizerRequest(), held), bytes)
-    reply = await service.GetTokenizer(pb.GetTokenizerRequest(), refused_call)
-    assert refused_call.code == grpc.StatusCode.RESOURCE_EXHAUSTED and reply == pb.TokenizerFiles()
+    held_stream = service.GetTokenizer(pb.GetTokenizerRequest(), held)
+    assert isinstance(await anext(held_stream), bytes)      # its first chunk sent, the rest not
+    reply = await chunks_of(service.GetTokenizer(pb.GetTokenizerRequest(), refused_call))
+    assert refused_call.code == grpc.StatusCode.RESOURCE_EXHAUSTED and reply == []
     assert "limit 1" in refused_call.details and not refused_call.callbacks
     held.done()
-    assert await service.GetTokenizer(pb.GetTokenizerRequest(), later) == service.target.tokenizer_reply
+    assert tuple(await chunks_of(service.GetTokenizer(pb.GetTokenizerRequest(), later))) \
+        == service.target.tokenizer_reply
     later.done()
     assert service.tokenizer_calls == 0
     async with grpc.aio.insecure_channel(server.address) as channel:   # done over the wire too
-        get = channel.unary_unary("/sled.v1.Verifier/GetTokenizer",
-                                  request_serializer=pb.GetTokenizerRequest.SerializeToString,
-                                  response_deserializer=pb.TokenizerFiles.FromString)
+        get = channel.unary_stream("/sled.v1.Verifier/GetTokenizer",
+                                   request_serializer=pb.GetTokenizerRequest.SerializeToString,
+                                   response_deserializer=pb.TokenizerChunk.FromString)
         for _ in range(3):
-            assert (await get(pb.GetTokenizerRequest())).files
+            assert files_of(await chunks_of(get(pb.GetTokenizerRequest())))
     await wait_until(lambda: service.tokenizer_calls == 0, "the wire calls to be counted done")
 
 

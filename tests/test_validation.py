@@ -36,7 +36,7 @@ def session(**kw) -> Session:
 
 
 def test_an_open_request_is_checked_in_order():
-    ok = pb.Open(prompt_ids=[1, 2, 3], max_new_tokens=5)
+    ok = pb.Open(prompt_ids=[1, 2, 3], max_new_tokens=5, tokenizer_fingerprint=TARGET.fingerprint)
     assert validation.check_open(ok, TARGET, SETTINGS, 0).greedy
     # several faults: the first in the fixed order wins
     both = pb.Open(prompt_ids=[1, 200], max_new_tokens=0)

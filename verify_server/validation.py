@@ -68,6 +68,7 @@ def check_open(request: pb.Open, target: Target, settings: ServerSettings, open_
                                f"server is at its limit of {settings.max_sessions} sessions; "
                                "retry later or use another server")
     check_mode(request.mode, target)
+    check_fingerprint_sent(request, target)
     return sampling
 
 
@@ -87,6 +88,18 @@ def check_tokenizer(request: pb.Open, target: Target) -> None:
             f"({printable(request.drafter, QUOTED_CHARS) or 'unnamed drafter'}) does not match target "
             f"{target.model_id} tokenizer {short(target.fingerprint)}: "
             "draft with a model that shares the target's tokenizer")
+
+
+def check_fingerprint_sent(request: pb.Open, target: Target) -> None:
+    """A session whose device drafts must say which tokenizer it drafts in (the server modes
+    use no drafter of the device's)."""
+    if request.mode == pb.GENERATION_MODE_DEVICE_DRAFTS and not request.tokenizer_fingerprint:
+        raise errors.invalid(
+            Reason.REASON_TOKENIZER_MISMATCH,
+            "Open.tokenizer_fingerprint is empty: a session that sends drafts must send its "
+            "drafter's tokenizer fingerprint (a drafter drafting in the target's token ids sends "
+            f"ModelInfo.tokenizer_fingerprint, {short(target.fingerprint)}...; how it is computed: "
+            "sled/v1/verifier.proto, ModelInfo.tokenizer_fingerprint)")
 
 
 def check_prompt(request: pb.Open, target: Target) -> None:
