@@ -60,6 +60,8 @@ COMMANDS = {
                            "GGUF/ONNX drafter vs its runtime's own generation loop"),
         "sdsat": Command("lab.bench.sdsat", "SAT self-drafting vs plain decoding, and SAT "
                          "lookahead per drafter, on a SAT-tuned target"),
+        "startup": Command("lab.bench.startup", "where the wait before serving and before a "
+                           "device's first token goes, phase by phase (warm, or --cold)"),
         "reliability": Command("lab.bench.reliability", "memory kept per refused prompt, round "
                                "time under a GetTokenizer flood, slots freed from idle sessions"),
     }),
