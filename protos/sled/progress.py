@@ -88,11 +88,13 @@ def _spinning(line: str) -> Iterator[None]:
     else:                      # nested: take over the spinner's text, give it back at the end
         _status.update(Text(line))
         owner = False
+    ended = "stopped after"    # an exception (or Ctrl-C) ends the phase: not "done"
     try:
         yield
+        ended = "done in"
     finally:
         status = _status
-        status.console.print(f"{line} done in {time.perf_counter() - start:.1f} s", markup=False)
+        status.console.print(f"{line} {ended} {time.perf_counter() - start:.1f} s", markup=False)
         if owner:
             status.stop()
             _status = None
