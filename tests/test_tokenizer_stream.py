@@ -141,9 +141,20 @@ def assert_one_line_each(caplog, dropped: int) -> None:
     assert all("\n" not in r.getMessage() for r in lines)
 
 
-async def test_a_client_refusing_a_chunk_costs_one_log_line(served, big_tokenizer, caplog):
+def lengthened(server, chunks: int = 40) -> int:
+    """Make the server's stream far longer than flow control lets it send ahead of a client
+    that stops reading (1 MiB chunks of filler after the files); its length."""
+    filler = pb.TokenizerChunk(tokenizer_fingerprint=server.service.target.fingerprint,
+                               name="filler", data=b"x" * MAX_TOKENIZER_CHUNK_BYTES,
+                               size=chunks * MAX_TOKENIZER_CHUNK_BYTES).SerializeToString()
+    server.service.target.tokenizer_reply += (filler,) * chunks
+    return len(server.service.target.tokenizer_reply)
+
+
+async def test_a_client_refusing_a_chunk_costs_one_log_line(served, tokenizer, caplog):
     caplog.set_level(logging.DEBUG)
-    server = await served(big_tokenizer)
+    server = await served(tokenizer)
+    total = lengthened(server)
     small = [("grpc.max_receive_message_length", 1000)]
     for _ in range(3):
         async with grpc.aio.insecure_channel(server.address, options=small) as channel:
@@ -155,14 +166,13 @@ async def test_a_client_refusing_a_chunk_costs_one_log_line(served, big_tokenize
     await until(lambda: server.service.tokenizer_calls == 0)
     await asyncio.sleep(0.2)
     assert_one_line_each(caplog, dropped=3)
-    assert len(await fetch_with_default_limits(server.address)) > 1     # still serving
+    assert len(await fetch_with_default_limits(server.address)) == total   # still serving
 
 
-async def test_a_client_cancelling_mid_stream_costs_one_log_line(served, big_tokenizer, caplog):
+async def test_a_client_cancelling_mid_stream_costs_one_log_line(served, tokenizer, caplog):
     caplog.set_level(logging.DEBUG)
-    server = await served(big_tokenizer, max_tokenizer_calls=1)
-    total = len(server.service.target.tokenizer_reply)
-    assert total > 4
+    server = await served(tokenizer, max_tokenizer_calls=1)
+    total = lengthened(server)
     for how in ("cancel", "close the channel"):
         channel = grpc.aio.insecure_channel(server.address)
         call = pb_grpc.VerifierStub(channel).GetTokenizer(pb.GetTokenizerRequest(), timeout=30)
