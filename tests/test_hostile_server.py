@@ -169,8 +169,10 @@ def chunk_cases(honest: dict[str, bytes], fingerprint: str) -> dict[str, tuple[s
 CHUNK_RULES = {
     "bad offset": "out of order", "chunks out of order": "out of order",
     "oversize chunk": "chunk of 1048577 bytes", "wrong sha256": "do not match its sha256",
-    "size lie, short": "more of tokenizer.json than its size", "size lie, long": "before tokenizer.json was complete|inside tokenizer.json",
-    "size changed between chunks": "changed the size", "another file before the end": "before tokenizer.json was complete",
+    "size lie, short": "more of tokenizer.json than its size",
+    "size lie, long": "before tokenizer.json was complete|inside tokenizer.json",
+    "size changed between chunks": "changed the size",
+    "another file before the end": "before tokenizer.json was complete",
     "a file twice": "twice", "a chunk of another fingerprint": "another fingerprint",
     "no fingerprint on the chunks": "another fingerprint", "malformed sha256": "malformed sha256",
     "empty chunk": "empty chunk", "no files": "no tokenizer files",

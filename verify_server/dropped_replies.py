@@ -4,7 +4,8 @@ A client may cancel a call, close its connection or refuse a message (over its r
 while the server is still sending. When gRPC notices that first, the call just ends; when the
 send fails first, gRPC logs an ExecuteBatchError with a traceback of its own internals on the
 "grpc._cython.cygrpc" logger. Neither is anything an operator can act on, so the filter here turns
-that record into one INFO line naming the method, and GetTokenizer says how far its stream got.
+that record into one line naming the method (DEBUG for GetTokenizer, whose handler says at INFO
+how far its stream got; INFO for the others).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class DroppedReplyFilter(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         if type(error).__name__ == "ExecuteBatchError":
             method = re.search(r"\[([^\]]*)\]", record.getMessage())
-            record.msg = "a reply of %s was not delivered: the client cancelled, went away or refused it"
+            record.msg = ("a reply of %s was not delivered: the client cancelled, went away or "
+                          "refused it")
             record.args = (method.group(1) if method else "a call",)
             level = logging.DEBUG if record.args[0].endswith("/GetTokenizer") else logging.INFO
             record.levelno, record.levelname = level, logging.getLevelName(level)
