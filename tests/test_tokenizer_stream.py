@@ -208,6 +208,15 @@ def test_grpc_s_traceback_for_an_undelivered_reply_becomes_one_line(caplog):
     assert tokenizer_line.levelno == logging.DEBUG    # GetTokenizer's own line says it at INFO
     assert "Traceback" not in caplog.text
 
+    caplog.clear()
+    caplog.set_level(logging.INFO)     # a server logging at INFO shows no DEBUG line
+    try:
+        raise ExecuteBatchError('Failed "execute_batch"')
+    except ExecuteBatchError:
+        logging.getLogger(GRPC_LOGGER).exception(
+            "ExecuteBatchError raised in core by servicer method [/sled.v1.Verifier/GetTokenizer]")
+    assert not [r for r in caplog.records if r.name == GRPC_LOGGER]
+
 
 # --- the fingerprint ----------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ class DroppedReplyFilter(logging.Filter):
             level = logging.DEBUG if record.args[0].endswith("/GetTokenizer") else logging.INFO
             record.levelno, record.levelname = level, logging.getLevelName(level)
             record.exc_info = record.exc_text = None
+            return logging.getLogger(record.name).isEnabledFor(level)   # as if logged at it
         return True
 
 
