@@ -27,6 +27,7 @@ from conftest import greedy_reference
 from drafters.ngram import NgramDrafter
 from edge_client.session import generate
 from lab.tiny import make_tokenizer
+from sled.fingerprint import fingerprint_tokenizer
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from verify_server.server import start_server
@@ -35,6 +36,8 @@ from verify_server.target import Target
 
 CONTEXT, MAX_DRAFT, MAX_Q = 64, 4, 4
 VOCAB = len(make_tokenizer())
+FINGERPRINT = fingerprint_tokenizer(make_tokenizer())   # the tiny target's: device-drafts sessions open
+OPENED_SHARE = 0.2   # of the plausible sessions: fewer Opened means the deep checks went unfuzzed
 GENERATE = "/sled.v1.Verifier/Generate"     # the full method name in the generated stubs
 STREAM_TIMEOUT_S = 30.0                     # no example comes near it: hitting it is a hang
 RSS_GROWTH_MIB = 100
@@ -134,7 +137,8 @@ def plausible_open(draw):
                                                             seed=3)]))
     open_ = pb.Open(prompt_ids=draw(st.lists(token, min_size=1, max_size=12)),
                     max_new_tokens=draw(st.integers(1, 12)), ignore_eos=draw(st.booleans()),
-                    mode=draw(st.sampled_from([0, 0, 0, 1])), drafter="fuzz")
+                    mode=draw(st.sampled_from([0, 0, 0, 1])), drafter="fuzz",
+                    tokenizer_fingerprint=FINGERPRINT)
     if sampling is not None:
         open_.sampling.CopyFrom(sampling)
     return mutated(draw, open_)
@@ -226,6 +230,8 @@ class Fuzzed:
                                                   response_deserializer=pb.ServerMessage.FromString)
         self.rss_start = psutil.Process().memory_info().rss
         self.streams = 0
+        self.drafts_opens = 0      # streams that began with an Open in device-drafts mode
+        self.drafts_opened = 0     # ... and got an Opened, so their drafts reached the round
 
 
 @pytest.fixture(scope="module")
@@ -351,9 +357,30 @@ def clean(server) -> bool:
 @given(messages=stream_of_messages)
 async def test_any_message_sequence_ends_clearly(fuzzed, messages):
     call = fuzzed.stub.Generate(timeout=STREAM_TIMEOUT_S)
-    assert_clear_ending(*await exchange(call, messages))
+    replies, *ending = await exchange(call, messages)
+    assert_clear_ending(replies, *ending)
     await until_clean(fuzzed.server)
     fuzzed.streams += 1
+    count_drafts_session(fuzzed, messages, replies)
+
+
+def count_drafts_session(fuzzed: Fuzzed, messages, replies) -> None:
+    first = messages[0] if messages else pb.DeviceMessage()
+    if first.WhichOneof("kind") == "open" and first.open.mode == pb.GENERATION_MODE_DEVICE_DRAFTS:
+        fuzzed.drafts_opens += 1
+        fuzzed.drafts_opened += any(r.WhichOneof("kind") == "opened" for r in replies)
+
+
+async def test_the_fuzz_reached_the_rounds(fuzzed):
+    """Runs after the property above: a fair share of its device-drafts sessions were opened, so
+    the checks on drafts, q and rounds were fuzzed (an Open the server refuses whatever follows,
+    say for a missing fingerprint, would leave them untested while every stream ends clearly)."""
+    assert fuzzed.drafts_opens > 0, "no fuzzed session ran: run this module whole"
+    share = fuzzed.drafts_opened / fuzzed.drafts_opens
+    print(f"{fuzzed.drafts_opened} of {fuzzed.drafts_opens} device-drafts sessions opened")
+    assert share >= OPENED_SHARE, (
+        f"only {fuzzed.drafts_opened} of {fuzzed.drafts_opens} fuzzed device-drafts sessions "
+        "got an Opened: the rounds behind them went unfuzzed")
 
 
 @FUZZ
