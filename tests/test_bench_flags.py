@@ -110,3 +110,108 @@ def test_a_bench_cancelled_while_its_server_starts_ends_the_server(monkeypatch):
     finally:
         proc.kill()
     assert proc.returncode is not None
+
+
+def test_an_unexpected_grpc_error_stops_a_bench_with_one_line_and_exit_3(capsys, monkeypatch):
+    """A status the bench does not handle (here the server's GetTokenizer limit) is one line and
+    exit 3: exit 1 would say an output differs from the target's."""
+    import grpc
+
+    from lab.bench import reliability
+
+    async def refused(args):
+        raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
+                                   grpc.aio.Metadata(),
+                                   details="8 GetTokenizer replies are being sent (limit 8)")
+
+    monkeypatch.setattr(reliability, "bench", refused)
+    code, err = run_main(capsys, "bench", "reliability")
+    assert code == 3, err
+    assert err.strip().splitlines() == ["sled bench reliability: the server answered "
+                                        "RESOURCE_EXHAUSTED: 8 GetTokenizer replies are being "
+                                        "sent (limit 8)"], err
+
+
+def reliability_args(*argv: str):
+    import argparse
+
+    from lab.bench import reliability
+
+    parser = argparse.ArgumentParser()
+    reliability.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("burst", [None, "3", "40"])
+def test_the_reliability_server_answers_the_whole_burst_at_once(burst):
+    """The bench times rounds while --burst GetTokenizer calls are answered: its server must not
+    refuse any of them (its default limit, 8, is below the bench's default burst, 12)."""
+    from lab.bench import reliability
+
+    args = reliability_args(*(["--burst", burst] if burst else []))
+    flags = reliability.server_args(args)
+    assert int(flags[flags.index("--max-tokenizer-calls") + 1]) >= args.burst
+
+
+def test_a_reliability_prompt_that_fits_the_context_is_a_bad_flag(capsys):
+    """A prompt the server would not refuse for its length measures nothing: exit 2, one line,
+    before any server starts."""
+    code, err = run_main(capsys, "bench", "reliability", "--prompt-len", "100")
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--prompt-len 100" in lines[0] and "Traceback" not in err, err
+
+
+class RefusedOpen:
+    """A Generate call whose Open was refused with REASON and CODE."""
+
+    def __init__(self, reason: int, code) -> None:
+        from sled.v1 import verifier_pb2 as pb
+
+        self.reply = pb.ServerMessage(error=pb.ErrorDetail(reason=reason, message="refused"))
+        self._code = code
+
+    async def read(self):
+        return self.reply
+
+    async def code(self):
+        return self._code
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_the_reliability_refusals_count_only_refusals_for_length():
+    """An over-long prompt refused for anything else (an empty or wrong fingerprint) stops the
+    bench: it would not measure what a refused prompt keeps."""
+    import asyncio
+
+    import grpc
+
+    from lab.bench import harness, reliability
+    from sled.v1 import verifier_pb2 as pb
+
+    Reason = pb.ErrorDetail
+    asyncio.run(reliability._refused_for_size(
+        RefusedOpen(Reason.REASON_CONTEXT_OVERFLOW, grpc.StatusCode.INVALID_ARGUMENT)))
+    for reason, code in [(Reason.REASON_TOKENIZER_MISMATCH, grpc.StatusCode.INVALID_ARGUMENT),
+                         (Reason.REASON_TOKENIZER_MISMATCH, grpc.StatusCode.FAILED_PRECONDITION),
+                         (Reason.REASON_CONTEXT_OVERFLOW, grpc.StatusCode.RESOURCE_EXHAUSTED)]:
+        with pytest.raises(harness.Stop, match="not for its length") as stop:
+            asyncio.run(reliability._refused_for_size(RefusedOpen(reason, code)))
+        assert stop.value.code == harness.SERVER_FAILED
+
+
+@pytest.mark.slow
+def test_the_reliability_bench_runs_on_the_tiny_target(capsys, tmp_path):
+    """The whole bench, small, against the tiny target: every measurement, exit 0."""
+    import json
+
+    out = tmp_path / "reliability.json"
+    code, err = run_main(capsys, "bench", "reliability", "--refusals", "2", "--rounds", "3",
+                         "--prompt-len", "1000", "--slots", "2", "--idle-timeout", "0.5",
+                         "--out", str(out))
+    assert code == 0, err
+    results = json.loads(out.read_text())
+    assert results["refusals"]["refusals"] == 2 and results["tokenizer"]["calls"] == 12
+    assert results["idle_slots"]["admitted"]

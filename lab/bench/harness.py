@@ -5,12 +5,14 @@ target's greedy output, and the exit codes.
 A benchmark module exposes add_arguments(parser) (its own flags plus the shared ones below) and
 run(args), which is run_bench(NAME, its coroutine or function, args). Exit codes: 0 done; 1 an
 output differs from the target's greedy output; 2 bad flags, or a target that cannot run the
-benchmark; 3 the server did not start, or refused the work.
+benchmark; 3 the server did not start, or refused the work (also a gRPC error status the
+benchmark did not expect).
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import shlex
 import sys
 from contextlib import asynccontextmanager, contextmanager
@@ -32,13 +34,25 @@ class Stop(Exception):
 
 
 def run_bench(name: str, bench, args) -> int:
-    """`sled bench NAME`: bench(args), a coroutine function or a plain one, to its exit code."""
+    """`sled bench NAME`: bench(args), a coroutine function or a plain one, to its exit code.
+    A call the server ends with an error status the benchmark did not expect is one line and
+    exit 3 (its traceback goes to the debug log)."""
+    import grpc
+
+    from sled.printable import printable
+
     try:
         result = bench(args)
         return asyncio.run(result) if inspect.iscoroutine(result) else result
     except Stop as exc:
         print(f"sled bench {name}: {exc}", file=sys.stderr)
         return exc.code
+    except grpc.aio.AioRpcError as exc:
+        logging.getLogger(__name__).debug("sled bench %s: unexpected gRPC error", name,
+                                          exc_info=True)
+        print(f"sled bench {name}: the server answered {exc.code().name}: "
+              f"{printable(exc.details() or 'no details', 1000)}", file=sys.stderr)
+        return SERVER_FAILED
 
 
 @contextmanager

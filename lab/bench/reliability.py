@@ -4,7 +4,8 @@ Three measurements side by side, one server:
   refusals   the server's RSS before and after many refused Opens of a multi-million-id prompt
              (refused for context overflow): MiB kept per refusal;
   tokenizer  a normal session's round time alone and while a burst of GetTokenizer calls is
-             answered: the ratio of the medians, and the slowest round;
+             answered (the server answers --burst at once): the ratio of the medians, and the
+             slowest round;
   idle slots every slot taken by a finished session whose stream stays open: seconds until a
              new client gets in (the idle timeout frees them).
 """
@@ -17,6 +18,7 @@ import time
 from lab.bench import harness
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]      # ids every served vocabulary has
+CONTEXT_LENGTH = 256                       # the server's: a refused prompt is longer
 
 
 def add_arguments(parser) -> None:
@@ -43,10 +45,12 @@ def run(args) -> int:
 
 
 def server_args(args) -> list[str]:
-    # The refused prompts must reach the service, so the receive limit is raised for them.
-    return ["--dtype", args.dtype, "--context-length", "256", "--max-sessions", str(args.slots),
-            "--idle-timeout", str(args.idle_timeout),
-            "--max-message-bytes", str(args.prompt_len * 6 + (1 << 20))]
+    # The refused prompts must reach the service, so the receive limit is raised for them; the
+    # whole burst is answered at once, so the server's limit on GetTokenizer calls is the burst.
+    return ["--dtype", args.dtype, "--context-length", str(CONTEXT_LENGTH),
+            "--max-sessions", str(args.slots), "--idle-timeout", str(args.idle_timeout),
+            "--max-message-bytes", str(args.prompt_len * 6 + (1 << 20)),
+            "--max-tokenizer-calls", str(args.burst)]
 
 
 async def bench(args) -> int:
@@ -55,6 +59,10 @@ async def bench(args) -> int:
     from lab.tiny import cached_pair
     from sled.models import resolve_model
 
+    if args.prompt_len < CONTEXT_LENGTH:
+        raise harness.Stop(f"--prompt-len {args.prompt_len} fits the server's context length "
+                           f"{CONTEXT_LENGTH}, so it would not be refused: use {CONTEXT_LENGTH} "
+                           "or more")
     console = harness.bench_console()
     model = resolve_model(args.model) if args.model else cached_pair()[0]
     async with harness.serving(model, server_args(args), console) as served:
@@ -62,7 +70,8 @@ async def bench(args) -> int:
             refusals = await _refusals(served, args, progress)
             tokenizer = await _tokenizer_burst(served, args, progress)
             slots = await _idle_slots(served, args, progress)
-    results = {"model": args.model or "tiny random llama", "refusals": refusals, "tokenizer": tokenizer, "idle_slots": slots}
+    results = {"model": args.model or "tiny random llama", "refusals": refusals,
+               "tokenizer": tokenizer, "idle_slots": slots}
     _table(console, results, args)
     harness.write_results(console, args.out, results)
     return harness.DONE
@@ -78,7 +87,8 @@ async def _refusals(served, args, progress) -> dict:
     from sled.v1 import verifier_pb2 as pb
 
     server = psutil.Process(served.server.proc.pid)
-    big = pb.DeviceMessage(open=pb.Open(prompt_ids=[5] * args.prompt_len, max_new_tokens=1))
+    big = pb.DeviceMessage(open=pb.Open(prompt_ids=[5] * args.prompt_len, max_new_tokens=1,
+                                        tokenizer_fingerprint=served.fingerprint))
     wire = big.SerializeToString()
     async with grpc.aio.insecure_channel(served.server.address, options=[
             ("grpc.max_send_message_length", len(wire) + 1024)]) as channel:
@@ -91,11 +101,7 @@ async def _refusals(served, args, progress) -> dict:
                 before = server.memory_info().rss
             call = generate()
             await call.write(wire)
-            reply = await call.read()
-            if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "error":
-                raise harness.Stop(f"an over-long prompt was not refused: {reply}",
-                                   harness.SERVER_FAILED)
-            await call.code()
+            await _refused_for_size(call)
             progress.update(task, advance=1)
         await asyncio.sleep(0.5)
         after = server.memory_info().rss
@@ -103,6 +109,25 @@ async def _refusals(served, args, progress) -> dict:
     return {"refusals": args.refusals, "prompt_ids": args.prompt_len, "wire_bytes": len(wire),
             "rss_before_mib": before / (1 << 20), "rss_after_mib": after / (1 << 20),
             "mib_per_refusal": mib / args.refusals}
+
+
+async def _refused_for_size(call) -> None:
+    """The Open on CALL was refused for its length (context overflow, INVALID_ARGUMENT), not for
+    anything else; otherwise the benchmark stops (exit 3)."""
+    import grpc
+
+    from sled.v1 import verifier_pb2 as pb
+
+    reply = await call.read()
+    if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "error":
+        call.cancel()
+        raise harness.Stop(f"an over-long prompt was not refused: {reply}", harness.SERVER_FAILED)
+    code, error = await call.code(), reply.error
+    if (error.reason != pb.ErrorDetail.REASON_CONTEXT_OVERFLOW
+            or code != grpc.StatusCode.INVALID_ARGUMENT):
+        raise harness.Stop(f"an over-long prompt was refused, but not for its length: {code.name}, "
+                           f"{pb.ErrorDetail.Reason.Name(error.reason)}: {error.message}",
+                           harness.SERVER_FAILED)
 
 
 # --- a normal session under a GetTokenizer burst ------------------------------------------------
