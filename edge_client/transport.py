@@ -114,6 +114,8 @@ def connect_error(address: str, error: Exception) -> str:
                 "metrics port? the gRPC port is the one `sled serve` prints)")
     if isinstance(error, grpc.aio.AioRpcError):
         detail = f"{error.code().name}: {printable(error.details() or '', 200)}"
+        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:   # up, but at a limit (its load)
+            return f"the server at {address} is busy ({detail}); try again"
     else:
         detail = "timed out" if isinstance(error, asyncio.TimeoutError) else printable(str(error), 200)
     return f"cannot reach a sled server at {address}: {detail}"

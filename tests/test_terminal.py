@@ -1,6 +1,6 @@
 """What a person sees at a terminal: Ctrl-C in a real pty (sled generate keeps what it committed,
 sled serve frees its port; one line, exit 130, never a traceback), and the one-line wording of a
-wrong address and of a drafter whose tokenizer the served model does not share."""
+wrong address, a busy server and a drafter whose tokenizer the served model does not share."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +20,8 @@ import pytest
 
 from conftest import run_sled
 from lab.server_process import ServerProcess, free_port
+from sled.v1 import verifier_pb2 as pb
+from sled.v1 import verifier_pb2_grpc as pb_grpc
 
 TARGET = "gemma3-270m"
 PROMPT = "Write a long story about a dragon who learns to read."
@@ -284,3 +286,34 @@ def test_a_tokenizer_mismatch_names_the_alias_and_the_served_model():
         drafter_fingerprint(FakeDrafter(f"gguf:{SITE_PATH}", SMOLLM2), GEMMA3, "gemma3-270m")
     assert "the drafter gguf:SmolLM2-135M-Instruct.Q4_1.gguf does not share" in by_path.value.message
     assert "site-packages" not in by_path.value.message
+
+
+class Busy(pb_grpc.VerifierServicer):
+    """A server at its bound of tokenizer replies: GetTokenizer refused as verify_server does."""
+
+    async def GetTokenizer(self, request, context):
+        context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        context.set_details("8 GetTokenizer replies are being sent (limit 8): retry in a moment")
+        return
+        yield
+
+
+async def test_a_busy_server_is_said_to_be_busy_not_unreachable():
+    from edge_client.transport import connect_error
+
+    address = f"127.0.0.1:{free_port()}"
+    server = grpc.aio.server()
+    pb_grpc.add_VerifierServicer_to_server(Busy(), server)
+    server.add_insecure_port(address)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in pb_grpc.VerifierStub(channel).GetTokenizer(pb.GetTokenizerRequest()):
+                    pass
+    finally:
+        await server.stop(0)
+    line = connect_error(address, refused.value)
+    assert line == (f"the server at {address} is busy (RESOURCE_EXHAUSTED: 8 GetTokenizer replies "
+                    "are being sent (limit 8): retry in a moment); try again"), line
+    assert "cannot reach" not in line
