@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from drafters.base import Drafter
 from edge_client.connection import cached_tokenizer
 from edge_client.drafting import SharedDrafter
-from edge_client.result import RoundStat, ServerEvent
+from edge_client.result import LOST, RoundStat, ServerEvent
 from edge_client.salt import device_salt
 from edge_client.servers import NoServer, Server, ServerDirectory
 from edge_client.session import RoundSettings, generate
@@ -372,7 +372,7 @@ class Device:
     def _log_server_event(self, request: Request, server: Server, event: ServerEvent) -> None:
         """A session lost its server (one WARNING line) or got one back (one INFO line)."""
         where = printable(server.id or server.endpoint, 200)
-        if event.kind == "lost":
+        if event.kind == LOST:
             log.warning("request %s: lost the verify server %s after %d tokens (%s); waiting up to "
                         "%g s for it or another to resume", request.request_id, where,
                         event.committed, event.detail, event.wait_s)

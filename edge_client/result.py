@@ -11,6 +11,9 @@ FINISH_NAMES = {pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_STOP: "stop",
 # How a session ends early on the device's side; its committed tokens are kept as partial output.
 INTERRUPTED = "interrupted"      # the user stopped it (Ctrl-C)
 SERVER_LOST = "server_lost"      # the server went away and none came back in time
+# What a session tells about its server mid-session (ServerEvent.kind).
+LOST = "lost"          # the server went away: the session waits for it or another
+RESUMED = "resumed"    # a server took the session back where its committed tokens end
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,9 +30,9 @@ class RoundStat:
 
 @dataclass(frozen=True, slots=True)
 class ServerEvent:
-    """A session lost its server ("lost": it waits up to wait_s for it or another to take the
-    session back) or got one back ("resumed"), after `committed` tokens."""
-    kind: str                # "lost" or "resumed"
+    """A session lost its server (LOST: it waits up to wait_s for it or another to take the
+    session back) or got one back (RESUMED), after `committed` tokens."""
+    kind: str                # LOST or RESUMED
     committed: int           # tokens committed so far (kept either way)
     wait_s: float            # how long the session waits for a server (its reconnect_s)
     detail: str = ""         # what the transport said (lost), how long it took (resumed)
