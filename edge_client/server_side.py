@@ -1,18 +1,75 @@
 """Generation the server does alone, for devices without a drafter: centralized serving
 (GENERATION_MODE_SERVER) or the target drafting for itself with SATs (GENERATION_MODE_SERVER_SAT).
 The device opens a session and reads one verdict per server step until one carries a finish
-reason; it sends no drafts.
+reason; it sends no drafts. A server lost mid-session is waited for as a drafting session waits
+(edge_client.session.Reconnect), and the session reopened where its committed tokens end.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
 
-from edge_client.result import GenerationResult
-from edge_client.transport import Stream, Transport
-from edge_client.wire import open_message
+import grpc
+
+from edge_client.result import GenerationResult, ServerEvent
+from edge_client.session import Reconnect, open_stream
+from edge_client.transport import Stream, Transport, VerifyError, lost_server
+from edge_client.wire import SessionRequest
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
+
+
+class ServerSideSession:
+    """One session in a server mode. It owns the stream and the result (the committed tokens);
+    a lost server is waited for up to reconnect_s (ServerLost when none came back in time, and
+    `result` keeps the committed tokens)."""
+
+    def __init__(self, stub, request: SessionRequest, *, timeout: float | None = None,
+                 transport: Transport = Stream.open, reconnect: Reconnect | None = None,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> None:
+        self.stub, self.request, self.timeout, self.transport = stub, request, timeout, transport
+        self.reconnect, self.on_tokens = reconnect or Reconnect(0.0), on_tokens
+        self.result = GenerationResult()
+        self.stream: Stream | None = None
+
+    async def run(self) -> GenerationResult:
+        """Open, then take each verdict the server streams until one ends the session."""
+        started = time.perf_counter()
+        try:
+            self.stream = await self.open_once()
+            while not await self.next_verdict(started):
+                pass
+            await self.stream.done_writing()
+        except BaseException:
+            if self.stream is not None:
+                self.stream.cancel()
+            raise
+        finally:
+            self.result.elapsed_s = time.perf_counter() - started
+        return self.result
+
+    async def open_once(self, connect_s: float | None = None, switch: bool = False) -> Stream:
+        """One attempt at opening for what is left: the prompt plus the committed tokens, and
+        max_new_tokens less them (switch: no server chooser here, the same stub is asked)."""
+        opening = self.request.open_message(self.result.token_ids)
+        return await open_stream(self.transport, self.stub, opening, self.timeout, connect_s)
+
+    async def next_verdict(self, started: float) -> bool:
+        """Commit the next verdict; True when it ends the session. A lost server: wait for it
+        (or another on the same address) and reopen, committing nothing this time."""
+        try:
+            verdict = (await self.stream.receive()).verdict
+        except (VerifyError, grpc.aio.AioRpcError) as error:
+            if not lost_server(error):
+                raise
+            self.stream.cancel()
+            self.result.resumes += 1
+            self.stream = await self.reconnect.recover(error, len(self.result.token_ids), self.open_once)
+            return False
+        finished = self.result.add(verdict, started)
+        if self.on_tokens is not None:
+            self.on_tokens(list(verdict.emitted_ids))
+        return finished
 
 
 async def generate_server_side(
@@ -28,26 +85,15 @@ async def generate_server_side(
     timeout: float | None = None,
     transport: Transport = Stream.open,
     cache_salt: str = "",
+    reconnect_s: float = 0.0,
+    on_server: Callable[[ServerEvent], None] | None = None,
 ) -> GenerationResult:
     """Open a session in `mode` and collect the verdicts the server streams to its end;
-    on_tokens sees each verdict's tokens; cache_salt scopes the server's prefix cache."""
-    started = time.perf_counter()
-    stream = transport(stub, timeout=timeout, wait_for_ready=False)
-    result = GenerationResult()
-    try:
-        await stream.send(open_message(prompt_ids, sampling, max_new_tokens, stop_ids,
-                                       drafter="server", ignore_eos=ignore_eos, mode=mode,
-                                       cache_salt=cache_salt))
-        await stream.receive()  # opened
-        finished = False
-        while not finished:
-            verdict = (await stream.receive()).verdict
-            finished = result.add(verdict, started)
-            if on_tokens is not None:
-                on_tokens(list(verdict.emitted_ids))
-        await stream.done_writing()
-    except BaseException:
-        stream.cancel()
-        raise
-    result.elapsed_s = time.perf_counter() - started
-    return result
+    on_tokens sees each verdict's tokens; cache_salt scopes the server's prefix cache.
+    reconnect_s: how long a lost server is waited for to resume the session (0: ServerLost at
+    once); on_server is told the loss and the resume (ServerEvent)."""
+    request = SessionRequest(prompt_ids, max_new_tokens, sampling, stop_ids, ignore_eos,
+                             drafter="server", cache_salt=cache_salt, mode=mode)
+    session = ServerSideSession(stub, request, timeout=timeout, transport=transport,
+                                reconnect=Reconnect(reconnect_s, on_server), on_tokens=on_tokens)
+    return await session.run()

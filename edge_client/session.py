@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 
 import grpc
 
 from drafters.base import Drafter, Proposal
 from edge_client.draft_policy import DraftPolicy
 from edge_client.proposer import Draft, Head, Proposer
-from edge_client.result import GenerationResult, RoundStat, ServerEvent
+from edge_client.result import LOST, RESUMED, GenerationResult, RoundStat, ServerEvent
 from edge_client.speculation import Speculation
 from edge_client.transport import ServerLost, Stream, Transport, VerifyError, lost_server
-from edge_client.wire import SessionRequest, draft_message, drafter_label, with_target_fingerprint
+from edge_client.wire import SessionRequest, draft_message, drafter_label
 from sled.fingerprint import short
 from sled.printable import printable
 from sled.sampling import Sampling
@@ -83,9 +83,9 @@ class DeviceSession:
 
     If the server goes away mid-session (UNAVAILABLE: a restart, a dropped link) or evicts it,
     the session is reopened with the prompt + its committed tokens (`result.resumes` counts
-    them). A lost server is told to `on_server` at once (a ServerEvent "lost"), and again when a
-    server took the session back ("resumed"); when none does within reconnect_s the session
-    raises ServerLost, and `result` keeps the committed tokens. `reopen_on()`, when given, is
+    them). A lost server is told to `on_server` at once (a ServerEvent LOST), and again when a
+    server took the session back (RESUMED); when none does within reconnect_s the session
+    raises ServerLost, and `result` keeps the committed tokens (Reconnect: the waiting). `reopen_on()`, when given, is
     asked for the stub to use after each lost server (a failover); with it, the first open waits
     and retries the same way. `policy` is the
     DraftPolicy to use and keep teaching (a device's earlier sessions on the same server: its
@@ -101,7 +101,8 @@ class DeviceSession:
                  on_server: Callable[[ServerEvent], None] | None = None) -> None:
         self.stub, self.request, self.settings = stub, request, settings
         self.transport, self.reopen_on = transport, reopen_on
-        self.on_tokens, self.on_round, self.on_server = on_tokens, on_round, on_server
+        self.on_tokens, self.on_round = on_tokens, on_round
+        self.reconnect = Reconnect(settings.reconnect_s, on_server)
         self.proposer = Proposer(drafter, request.sampling, settings.min_confidence)
         # Seeded sampling never pipelines: how many tokens get drafted ahead depends on timing,
         # and every draw moves the drafter's random stream, so a seeded run would not repeat.
@@ -161,48 +162,18 @@ class DeviceSession:
     async def open_once(self, connect_s: float | None = None, switch: bool = False) -> Stream:
         """One attempt. connect_s (resuming) waits up to that long for the server to take the
         open message, then as long as the prefill takes."""
-        resuming = connect_s is not None
         if switch and self.reopen_on is not None:
             self.stub = self.reopen_on()
         if not self.request.fingerprint and self.stub is not None:
             # a drafter with no tokenizer of its own drafts the target's ids: say which
-            self.request = await with_target_fingerprint(self.request, self.stub, connect_s)
-        stream = self.transport(self.stub, timeout=self.settings.timeout, wait_for_ready=resuming)
-        try:
-            opening = stream.send(self.request.open_message(self.result.token_ids))
-            await (asyncio.wait_for(opening, connect_s) if resuming else opening)
-            await stream.receive()  # opened: the prompt is in the server's KV
-        except BaseException:
-            stream.cancel()
-            raise
-        return stream
+            fingerprint = await target_fingerprint(self.stub, connect_s)
+            self.request = replace(self.request, fingerprint=fingerprint)
+        opening = self.request.open_message(self.result.token_ids)
+        return await open_stream(self.transport, self.stub, opening, self.settings.timeout, connect_s)
 
     async def reopen(self, lost: bool) -> Stream:
-        """Attempts with backoff until reconnect_s has passed. Each waits for its server a
-        bounded time, and every attempt after a lost server asks again which server to use (the
-        one it waited for may be gone for good)."""
-        reconnect_s = self.settings.reconnect_s
-        give_up, pause, connect_s = time.monotonic() + reconnect_s, PAUSE_S, CONNECT_S
-        while True:
-            left = give_up - time.monotonic()
-            try:
-                return await self.open_once(max(min(left, connect_s), 0.01), switch=lost)
-            except asyncio.TimeoutError:
-                if left <= connect_s:
-                    raise self.gave_up() from None
-                connect_s = min(connect_s * 2, MAX_CONNECT_S)
-            except (VerifyError, grpc.aio.AioRpcError) as error:
-                if not lost_server(error):
-                    raise
-                if time.monotonic() + pause > give_up:
-                    raise self.gave_up() from None
-            lost = True
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, MAX_PAUSE_S)
-
-    def gave_up(self) -> ServerLost:
-        return ServerLost(f"no server came back within {self.settings.reconnect_s:g} s to resume "
-                          f"the session after {len(self.result.token_ids)} committed tokens")
+        """Attempts with backoff until reconnect_s has passed (Reconnect.reopen)."""
+        return await self.reconnect.reopen(self.open_once, len(self.result.token_ids), lost)
 
     async def resume(self, error: Exception) -> None:
         """The server freed this session (idle eviction) or went away (restart, network):
@@ -218,24 +189,8 @@ class DeviceSession:
         if evicted:
             await self.open()
         else:
-            await self.recover(error)
+            self.stream = await self.reconnect.recover(error, len(self.result.token_ids), self.open_once)
         self.round, self.head, self.verdict_at = 0, None, None
-
-    async def recover(self, error: Exception) -> None:
-        """The server went away: say so at once, wait up to reconnect_s for it (or another) to
-        take the session back, and say so when one did. ServerLost when none did."""
-        committed, wait_s = len(self.result.token_ids), self.settings.reconnect_s
-        detail = printable(error.message if isinstance(error, VerifyError) else str(error), 200)
-        self.tell(ServerEvent("lost", committed, wait_s, detail))
-        if not wait_s:
-            raise self.gave_up() from None
-        started = time.monotonic()
-        await self.open(resuming=True, lost=True)
-        self.tell(ServerEvent("resumed", committed, wait_s, f"after {time.monotonic() - started:.1f} s"))
-
-    def tell(self, event: ServerEvent) -> None:
-        if self.on_server is not None:
-            self.on_server(event)
 
     async def abandon(self) -> None:
         """The session failed or was cancelled: drop the stream and leave the drafter idle for
@@ -325,6 +280,95 @@ class DeviceSession:
             self.policy.observe(stat.verified, stat.accepted, stat.draft_ms, stat.round_trip_ms)
         if self.settings.draft_len == "adaptive":
             self.draft_len = self.policy.choose(stat.suggested_draft_len)
+
+
+# attempt(connect_s, switch) -> a Stream the session is open on again: one try at reopening it,
+# waiting up to connect_s for its server (switch: ask first which server to use now)
+Attempt = Callable[[float, bool], Awaitable[Stream]]
+
+
+class Reconnect:
+    """How any session (device drafts or server modes) waits for a lost server: it tells
+    `on_server` at once (LOST), retries its opening with backoff until reconnect_s has passed,
+    and tells again when a server took the session back (RESUMED); ServerLost when none did."""
+
+    def __init__(self, reconnect_s: float,
+                 on_server: Callable[[ServerEvent], None] | None = None) -> None:
+        self.reconnect_s, self.on_server = reconnect_s, on_server
+
+    async def recover(self, error: Exception, committed: int, attempt: Attempt) -> Stream:
+        """The server went away after `committed` tokens: say so, wait for it (or another)."""
+        detail = printable(error.message if isinstance(error, VerifyError) else str(error), 200)
+        self.tell(ServerEvent(LOST, committed, self.reconnect_s, detail))
+        if not self.reconnect_s:
+            raise self.gave_up(committed) from None
+        started = time.monotonic()
+        stream = await self.reopen(attempt, committed, lost=True)
+        self.tell(ServerEvent(RESUMED, committed, self.reconnect_s,
+                              f"after {time.monotonic() - started:.1f} s"))
+        return stream
+
+    async def reopen(self, attempt: Attempt, committed: int, lost: bool) -> Stream:
+        """Attempts with backoff until reconnect_s has passed. Each waits for its server a
+        bounded time, and every attempt after a lost server asks again which server to use (the
+        one it waited for may be gone for good)."""
+        give_up, pause, connect_s = time.monotonic() + self.reconnect_s, PAUSE_S, CONNECT_S
+        while True:
+            left = give_up - time.monotonic()
+            try:
+                return await attempt(max(min(left, connect_s), 0.01), lost)
+            except asyncio.TimeoutError:
+                if left <= connect_s:
+                    raise self.gave_up(committed) from None
+                connect_s = min(connect_s * 2, MAX_CONNECT_S)
+            except (VerifyError, grpc.aio.AioRpcError) as error:
+                if not lost_server(error):
+                    raise
+                if time.monotonic() + pause > give_up:
+                    raise self.gave_up(committed) from None
+            lost = True
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, MAX_PAUSE_S)
+
+    def gave_up(self, committed: int) -> ServerLost:
+        return ServerLost(f"no server came back within {self.reconnect_s:g} s to resume "
+                          f"the session after {committed} committed tokens")
+
+    def tell(self, event: ServerEvent) -> None:
+        if self.on_server is not None:
+            self.on_server(event)
+
+
+async def open_stream(transport: Transport, stub, opening: pb.DeviceMessage, timeout: float | None,
+                      connect_s: float | None = None) -> Stream:
+    """A Generate stream on which the session is open: `opening` sent and Opened received (the
+    prompt is in the server's KV). connect_s (resuming) waits up to that long for the server to
+    take the open message (asyncio.TimeoutError: it is still away), then as long as the prefill
+    takes."""
+    resuming = connect_s is not None
+    stream = transport(stub, timeout=timeout, wait_for_ready=resuming)
+    try:
+        sent = stream.send(opening)
+        await (asyncio.wait_for(sent, connect_s) if resuming else sent)
+        await stream.receive()  # opened
+    except BaseException:
+        stream.cancel()
+        raise
+    return stream
+
+
+async def target_fingerprint(stub, connect_s: float | None = None) -> str:
+    """The served model's tokenizer fingerprint (ModelInfo), for a drafter that has no tokenizer
+    of its own and drafts in the target's ids. connect_s (resuming) waits that long for a server
+    that is not up: one still away then is asyncio.TimeoutError, as a stream's opening is."""
+    try:
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=connect_s or 30.0,
+                                       wait_for_ready=connect_s is not None)
+    except grpc.aio.AioRpcError as error:
+        if connect_s is not None and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise asyncio.TimeoutError from None
+        raise
+    return info.tokenizer_fingerprint
 
 
 def drafter_fingerprint(drafter: Drafter, target_fingerprint: str | None,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from drafters.base import Proposal
@@ -35,16 +35,6 @@ def open_message(prompt_ids: Sequence[int], sampling: Sampling, max_new_tokens: 
     return msg
 
 
-async def with_target_fingerprint(request: SessionRequest, stub,
-                                  connect_s: float | None = None) -> SessionRequest:
-    """The request with the server's tokenizer fingerprint (ModelInfo), for a drafter that has
-    no tokenizer of its own and drafts in the target's ids; connect_s (resuming) waits that long
-    for the server."""
-    info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=connect_s or 30.0,
-                                   wait_for_ready=connect_s is not None)
-    return replace(request, fingerprint=info.tokenizer_fingerprint)
-
-
 def draft_message(round: int, proposal: Proposal, lookahead: int = 0) -> pb.DeviceMessage:
     """Round r's draft, with q per position in sampling mode and m SAT hints asked for."""
     q = [pb.SparseDistribution(ids=d.ids, probs=d.probs) for d in proposal.q or ()]
@@ -63,9 +53,10 @@ class SessionRequest:
     fingerprint: str = ""          # the drafter's tokenizer (or the target's when it has none)
     drafter: str = ""              # the drafter's name, for the server's logs and metrics
     cache_salt: str = ""           # prefix cache scope: shared with the same salt from this host
+    mode: int = pb.GENERATION_MODE_DEVICE_DRAFTS   # who drafts: the device, or the server alone
 
     def open_message(self, committed: Sequence[int]) -> pb.DeviceMessage:
         """Open (or reopen) the session for what is left after the committed tokens."""
         return open_message(list(self.prompt_ids) + list(committed), self.sampling,
                             self.max_new_tokens - len(committed), self.stop_ids, self.fingerprint,
-                            self.drafter, self.ignore_eos, cache_salt=self.cache_salt)
+                            self.drafter, self.ignore_eos, self.mode, self.cache_salt)

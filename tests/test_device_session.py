@@ -10,13 +10,15 @@ import pytest
 
 from drafters.base import Proposal, SparseQ
 from edge_client.proposer import Head, Proposer
-from edge_client.session import AUTO_FIRST_DRAFT_LEN, DeviceSession, RoundSettings
+from edge_client.session import AUTO_FIRST_DRAFT_LEN, CONNECT_S, DeviceSession, RoundSettings
 from edge_client.transport import VerifyError
 from edge_client.wire import SessionRequest
 from lab.link import LinkStream
 from lab.profiles import Link, LinkProfile
+from lab.server_process import free_port
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
+from sled.v1 import verifier_pb2_grpc as pb_grpc
 
 # The scripted target continues any context with its length: after [10, 11] (length 2) comes 2.
 PROMPT = [10, 11]
@@ -147,6 +149,41 @@ async def test_other_errors_end_the_session():
                            transport=lambda stub, **_: Refusing(ScriptedServer()))
     with pytest.raises(VerifyError, match="no"):
         await device.run()
+
+
+class ModelInfoOnly(pb_grpc.VerifierServicer):
+    """A server that answers GetModelInfo only (the scripted transport plays its streams)."""
+    FINGERPRINT = "sha256:" + "3" * 64
+
+    async def GetModelInfo(self, request, context):
+        return pb.ModelInfo(model_id="counting", tokenizer_fingerprint=self.FINGERPRINT)
+
+
+async def test_a_session_that_asks_the_fingerprint_waits_for_a_server_not_up_yet():
+    """A drafter with no tokenizer asks the server for the target's fingerprint before opening.
+    A server that is still away there is waited for like any reopening (up to reconnect_s), not
+    a refusal that ends the session: the daemon's sessions open this way."""
+    address = f"127.0.0.1:{free_port()}"
+    channel = grpc.aio.insecure_channel(address)
+    stub, scripted = pb_grpc.VerifierStub(channel), ScriptedServer()
+    device = DeviceSession(stub, CountingDrafter(), SessionRequest(PROMPT, 6),
+                           RoundSettings(draft_len=2, reconnect_s=60), transport=scripted.transport,
+                           reopen_on=lambda: stub)
+    running = asyncio.create_task(device.run())
+    server = grpc.aio.server()
+    try:
+        await asyncio.sleep(CONNECT_S * 2.5)     # past the first attempts' wait for a server
+        assert not running.done(), running.result()
+        pb_grpc.add_VerifierServicer_to_server(ModelInfoOnly(), server)
+        server.add_insecure_port(address)
+        await server.start()
+        result = await asyncio.wait_for(running, 60)
+    finally:
+        running.cancel()
+        await server.stop(0)
+        await channel.close()
+    assert result.token_ids == list(range(2, 8))
+    assert scripted.opens[0].tokenizer_fingerprint == ModelInfoOnly.FINGERPRINT
 
 
 @pytest.mark.parametrize("bad", [{"draft_len": 0}, {"draft_len": "long"}, {"draft_len": True},
