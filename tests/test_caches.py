@@ -202,7 +202,8 @@ def fake_conversion(pair, monkeypatch):
 
     calls = []
 
-    def convert(gguf, out):
+    def convert(gguf, out, alias):     # sled.models._convert's signature
+        assert alias == "smollm2-135m"
         calls.append(out)
         for path in Path(pair[0]).iterdir():
             shutil.copy(path, out / path.name)
