@@ -7,7 +7,10 @@ its sha256, within MAX_TOKENIZER_BYTES); the fingerprint is bounded (and only it
 folder). The files are written into a temporary folder inside the cache, loaded and checked
 against the fingerprint there, and only then renamed into place with their manifest.
 A cached copy is used only while its manifest verifies (every file hashed: they are small) and
-the loaded tokenizer matches its fingerprint; anything else is fetched again. A refused server
+the loaded tokenizer matches its fingerprint; anything else is fetched again. The manifest
+records the fingerprint its files were checked against (written only after that check), so a
+copy that verifies in full is not fingerprinted again (262k tokens for gemma3); a copy whose
+manifest records none (or another) is, and gets it recorded when it matches. A refused server
 raises TokenizerRefused, one line naming the server. The channel keeps gRPC's default message
 limits: every message of the protocol fits them.
 """
@@ -21,8 +24,9 @@ from pathlib import Path
 import grpc
 
 from edge_client.tokenizer_chunks import TokenizerChunks, TokenizerRefused
-from sled.cache import (MAX_FINGERPRINT_CHARS, CacheError, partial_dir, publish, tokenizer_dir,
-                        verify_folder, write_manifest)
+from sled.cache import (MAX_FINGERPRINT_CHARS, CacheError, manifest_fingerprint, partial_dir,
+                        publish, read_manifest, record_fingerprint, tokenizer_dir, verify_folder,
+                        write_manifest)
 from sled.fingerprint import fingerprint_tokenizer, short
 from sled.printable import printable
 from sled.v1 import verifier_pb2 as pb
@@ -100,6 +104,7 @@ def cached_tokenizer(fingerprint: str):
     folder = tokenizer_dir(fingerprint)
     if not folder.exists():
         return None
+    files, checked = read_manifest(folder), manifest_fingerprint(folder) == fingerprint
     if not verify_folder(folder, full=True):
         log.warning("cached tokenizer %s is incomplete or damaged: fetching it again",
                     printable(short(fingerprint)))
@@ -110,11 +115,24 @@ def cached_tokenizer(fingerprint: str):
         log.warning("cached tokenizer %s cannot be loaded (%s): fetching it again",
                     printable(short(fingerprint)), printable(str(exc), 200))
         return None
+    if checked:     # these very files (hashed just now) were checked against it when written
+        return tokenizer
     if fingerprint_tokenizer(tokenizer) != fingerprint:
         log.warning("cached tokenizer %s does not match its fingerprint: fetching it again",
                     printable(short(fingerprint)))
         return None
+    _record(folder, files, fingerprint)
     return tokenizer
+
+
+def _record(folder: Path, files: dict[str, dict], fingerprint: str) -> None:
+    """A copy from before manifests recorded fingerprints gets its fingerprint recorded (the
+    entries verified above, not hashed again); a cache that cannot be written keeps working."""
+    try:
+        record_fingerprint(folder, files, fingerprint)
+    except OSError as exc:
+        log.debug("cannot record the fingerprint of cached tokenizer %s: %s",
+                  printable(short(fingerprint)), exc)
 
 
 def save_tokenizer(fingerprint: str, files: dict[str, bytes], address: str):
@@ -127,7 +145,7 @@ def save_tokenizer(fingerprint: str, files: dict[str, bytes], address: str):
         partial = partial_dir(folder)
         try:
             tokenizer = _checked_tokenizer(partial, fingerprint, files, address)
-            write_manifest(partial)
+            write_manifest(partial, fingerprint)      # checked against it just now
             publish(partial, folder)
         finally:
             shutil.rmtree(partial, ignore_errors=True)

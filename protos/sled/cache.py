@@ -12,6 +12,8 @@ converted gemma3 checkpoint is 1 GB, about a second of hashing per start for dam
 mtime already reveal (a truncated, deleted, rewritten or copied file); what they miss is only a
 same-size edit that also puts the old mtime back, which no accident does. A single file whose
 content is known (the assembled GGUF) is checked the same way against a stamp (verified_file).
+A manifest may also record the tokenizer fingerprint its files were checked against (written
+only after that check): a folder that verifies in full then needs no fingerprinting again.
 
 Nothing a peer sends becomes a path here: a tokenizer's folder is named by the sha256 of the
 fingerprint string the server sent (tokenizer_dir), and only TOKENIZER_FILES are written into it.
@@ -68,11 +70,33 @@ def _entry(path: Path, sha256: str | None = None) -> dict:
             "sha256": sha256 or file_sha256(path)}
 
 
-def write_manifest(folder: Path) -> None:
+def write_manifest(folder: Path, fingerprint: str | None = None) -> None:
     """Record every file of the folder (subfolders included, by relative path) in its manifest:
-    the last write of a cache entry, after which verify_folder() accepts it."""
+    the last write of a cache entry, after which verify_folder() accepts it. FINGERPRINT: the
+    tokenizer fingerprint these files were checked against (pass it only after that check)."""
     entries = {name: _entry(folder / name) for name in sorted(_files(folder))}
-    write_atomically(folder / MANIFEST, json.dumps({"files": entries}, indent=1).encode())
+    _write_manifest(folder, entries, fingerprint)
+
+
+def _write_manifest(folder: Path, entries: dict[str, dict], fingerprint: str | None) -> None:
+    manifest = {"files": entries} | ({"fingerprint": fingerprint} if fingerprint else {})
+    write_atomically(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def manifest_fingerprint(folder: Path) -> str | None:
+    """The tokenizer fingerprint the folder's files were checked against, when its manifest
+    records one (trust it only together with verify_folder(folder, full=True))."""
+    try:
+        fingerprint = json.loads((folder / MANIFEST).read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return fingerprint if isinstance(fingerprint, str) and fingerprint else None
+
+
+def record_fingerprint(folder: Path, files: dict[str, dict], fingerprint: str) -> None:
+    """Add FINGERPRINT to a manifest whose FILES (read_manifest) were verified in full and
+    loaded into a tokenizer that matched it: the entries are those checked, not hashed again."""
+    _write_manifest(folder, files, fingerprint)
 
 
 def _files(folder: Path) -> set[str]:
@@ -113,7 +137,7 @@ def verify_folder(folder: Path, full: bool = False) -> bool:
     try:
         if _files(folder) != set(manifest):
             return False
-        rehashed = False
+        seen = {}                   # the entries as found now: new mtimes, checked content
         for name, want in manifest.items():
             stat = (folder / name).stat()
             if stat.st_size != want["size"]:
@@ -121,9 +145,9 @@ def verify_folder(folder: Path, full: bool = False) -> bool:
             if full or stat.st_mtime_ns != want["mtime_ns"]:
                 if file_sha256(folder / name) != want["sha256"]:
                     return False
-                rehashed |= stat.st_mtime_ns != want["mtime_ns"]
-        if rehashed:
-            write_manifest(folder)
+            seen[name] = want | {"mtime_ns": stat.st_mtime_ns}
+        if seen != manifest:        # what was hashed is recorded, not hashed again
+            _write_manifest(folder, seen, manifest_fingerprint(folder))
     except OSError:
         return False
     return True
