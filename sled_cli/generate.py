@@ -66,15 +66,21 @@ async def _generate(args, shown: "Shown") -> int:
     from sled.v1 import verifier_pb2 as pb
 
     server_modes = {"server": pb.GENERATION_MODE_SERVER, "sat": pb.GENERATION_MODE_SERVER_SAT}
-    try:
-        sampling, settings, drafter = _round_inputs(args, server_modes)
-    except (ValueError, OSError) as exc:
-        shown.say(str(exc))
-        return 2
     async with Connection(args.server) as conn:
+        # the target's model info and tokenizer come while the drafter loads (in a thread);
+        # a wrong flag is still said first
+        target = asyncio.create_task(_target(conn))
         try:
-            info = await conn.model_info(timeout=15, wait_for_ready=False)
-            shown.tokenizer = await conn.tokenizer()
+            sampling, settings, drafter = await asyncio.to_thread(_round_inputs, args, server_modes)
+        except (ValueError, OSError) as exc:
+            await _dropped(target)
+            shown.say(str(exc))
+            return 2
+        except BaseException:
+            await _dropped(target)
+            raise
+        try:
+            info, shown.tokenizer = await target
         except grpc.aio.AioRpcError as exc:
             shown.say(connect_error(args.server, exc))
             return 3
@@ -84,6 +90,18 @@ async def _generate(args, shown: "Shown") -> int:
         prompt_ids = shown.tokenizer(args.prompt).input_ids
         mode = server_modes.get(args.drafter)
         return await _session(conn.stub, info, prompt_ids, sampling, settings, drafter, mode, shown)
+
+
+async def _target(conn):
+    """The served model's info and tokenizer (from the device's cache, or fetched)."""
+    info = await conn.model_info(timeout=15, wait_for_ready=False)
+    return info, await conn.tokenizer()
+
+
+async def _dropped(task: asyncio.Task) -> None:
+    """Cancel TASK and wait for it: whatever it raised is not this command's answer any more."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, shown: "Shown") -> int:
