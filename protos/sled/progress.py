@@ -11,7 +11,8 @@ line is all. Nothing is written to stdout (generate's stdout is the generated te
 inside another updates the spinner's text and gives it back when it ends.
 
 Every finished phase is also kept in TIMINGS (key, seconds) for `sled bench startup`, and
-logged at DEBUG on the "sled.progress" logger.
+logged at DEBUG on the "sled.progress" logger. A phase ended by an exception of any kind (an
+error, KeyboardInterrupt, a cancelled task's CancelledError) says "stopped after", never "done".
 """
 from __future__ import annotations
 
@@ -62,14 +63,16 @@ def phase(key: str, message: str) -> Iterator[None]:
         print(line, file=sys.stderr, flush=True)
         context = contextlib.nullcontext()
     _stack.append(line)
+    ended = "stopped after"    # an error, Ctrl-C or a cancelled task ends it: not "done"
     try:
         with context:
             yield
+        ended = "done in"
     finally:
         _stack.pop()
         seconds = time.perf_counter() - start
         TIMINGS.append((key, seconds))
-        log.debug("phase %s took %.2f s", key, seconds)
+        log.debug("phase %s %s %.2f s", key, ended, seconds)
 
 
 @contextlib.contextmanager
