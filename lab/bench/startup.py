@@ -2,9 +2,11 @@
 
 Each start runs in a fresh child process, as a person's command would: the server's (imports,
 assembling and converting a built-in on first use, the target's tokenizer and weights, the rest:
-fingerprint and GetTokenizer reply) and the drafter's (imports, loading it, its tokenizer
-fingerprint). The phases are sled.progress's own, so the table names what the progress lines say.
-Last, `sled generate` against the started server gives the seconds to its first token.
+fingerprint and GetTokenizer reply), the drafter's (imports, loading it, its tokenizer
+fingerprint) and the device's copy of the target's tokenizer (model info and the tokenizer from
+the device's cache, as `sled generate` gets them while its drafter loads). The phases are
+sled.progress's own, so the table names what the progress lines say. Last, `sled generate`
+against the started server gives the seconds to its first token.
 
 --cold runs everything twice: first in an empty temporary sled cache (first use: the GGUF is
 assembled and converted, fingerprints computed, the tokenizer fetched), then warm in that cache.
@@ -25,6 +27,7 @@ from lab.bench import harness
 SERVER_PHASES = ["imports", "gguf.assemble", "target.convert", "target.tokenizer",
                  "target.weights", "target.rest", "total"]
 DRAFTER_PHASES = ["imports", "gguf.assemble", "drafter", "drafter.fingerprint", "total"]
+DEVICE_PHASES = ["imports", "device.tokenizer", "total"]
 
 
 def add_arguments(parser) -> None:
@@ -75,8 +78,8 @@ def _one_start(args, env: dict) -> dict:
     """A server start, a drafter start and a `sled generate` against the server: their phases."""
     server = _child("server", args.target, env)
     drafter = _child("drafter", args.drafter, env)
-    first_token = _first_token(args, env)
-    return {"server": server, "drafter": drafter, "first_token_s": first_token}
+    device, first_token = _first_token(args, env)
+    return {"server": server, "drafter": drafter, "device": device, "first_token_s": first_token}
 
 
 def _child(kind: str, spec: str, env: dict) -> dict:
@@ -103,6 +106,11 @@ def child(kind: str, spec: str) -> None:
 
         imported = time.perf_counter() - start
         load_target(ServerSettings(model=spec))
+    elif kind == "device":
+        from edge_client.connection import Connection  # noqa: F401  (generate's imports)
+
+        imported = time.perf_counter() - start
+        progress.TIMINGS.append(("device.tokenizer", _device_tokenizer(spec)))
     else:
         from drafters import load_drafter
         from edge_client.session import generate  # noqa: F401  (generate's imports)
@@ -119,16 +127,35 @@ def child(kind: str, spec: str) -> None:
     print(json.dumps(phases))
 
 
-def _first_token(args, env: dict) -> float:
-    """Seconds from `sled generate --drafter D` starting to its first byte of text, against a
-    server started beforehand (not counted), both in ENV's sled cache."""
+def _device_tokenizer(address: str) -> float:
+    """Seconds for the target's model info and tokenizer (from the device's cache once fetched)."""
+    import asyncio
+
+    from edge_client.connection import Connection
+
+    async def load() -> float:
+        start = time.perf_counter()
+        async with Connection(address) as conn:
+            await conn.tokenizer()
+        return time.perf_counter() - start
+
+    return asyncio.run(load())
+
+
+def _first_token(args, env: dict) -> tuple[dict, float]:
+    """Against a server started beforehand (not counted), both in ENV's sled cache: the device's
+    tokenizer phases, then the seconds from `sled generate --drafter D` starting to its first
+    byte of text."""
     import asyncio
 
     from sled.models import resolve_model
 
-    async def measure() -> float:
+    async def measure() -> tuple[dict, float]:
         async with harness.serving(resolve_model(args.target)) as served:
-            return await asyncio.to_thread(_generate, served.server.address, args.drafter, env)
+            address = served.server.address
+            await asyncio.to_thread(_child, "device", address, env)     # fetched on a first use
+            device = await asyncio.to_thread(_child, "device", address, env)
+            return device, await asyncio.to_thread(_generate, address, args.drafter, env)
 
     return asyncio.run(measure())
 
@@ -152,9 +179,10 @@ def _print(console, runs: dict, args) -> None:
     from rich.table import Table
 
     names = list(runs)
-    for side, phases in (("server", SERVER_PHASES), ("drafter", DRAFTER_PHASES)):
-        table = Table(title=f"{side} start-up ({args.target if side == 'server' else args.drafter}),"
-                      " seconds per phase")
+    sides = {"server": (SERVER_PHASES, args.target), "drafter": (DRAFTER_PHASES, args.drafter),
+             "device": (DEVICE_PHASES, f"the tokenizer of {args.target}")}
+    for side, (phases, what) in sides.items():
+        table = Table(title=f"{side} start-up ({what}), seconds per phase")
         table.add_column("phase")
         for name in names:
             table.add_column(name, justify="right")
