@@ -90,9 +90,9 @@ def test_the_tokenizer_of_a_copy_converted_without_a_template_gets_it(alias, tmp
 
 
 # -- the README's example, end to end ------------------------------------------------------------
-def reference_reply(target: Target, messages: list[dict]) -> tuple[str, str]:
-    """(text, finish reason) of the target's generate(do_sample=False) on the templated prompt,
-    up to the end of its turn (or its EOS)."""
+def reference_reply(target: Target, messages: list[dict]) -> tuple[str, str, dict]:
+    """(text, finish reason, usage) of the target's generate(do_sample=False) on the templated
+    prompt, up to the end of its turn (or its EOS), which counts as a completion token."""
     tokenizer = target.tokenizer
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
     assert prompt[0] == tokenizer.bos_token_id and prompt[1] != tokenizer.bos_token_id  # one BOS
@@ -102,7 +102,8 @@ def reference_reply(target: Target, messages: list[dict]) -> tuple[str, str]:
     ends = set(turn_end_ids(tokenizer)) | set(target.eos_ids)
     cut = next((i for i, token in enumerate(new) if token in ends), None)
     finish = "length" if cut is None else "stop"
-    return tokenizer.decode(new[:cut], skip_special_tokens=True), finish
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": len(new) if cut is None else cut + 1}
+    return tokenizer.decode(new[:cut], skip_special_tokens=True), finish, usage
 
 
 @pytest.fixture(scope="module")
@@ -133,14 +134,16 @@ async def readme_setup(tmp_path_factory):
 @pytest.mark.slow
 async def test_readme_chat_example_is_the_target_greedy_reply(readme_setup):
     port, target = readme_setup
-    want, finish = reference_reply(target, CONVERSATION)
+    want, finish, usage = reference_reply(target, CONVERSATION)
+    assert want.strip(), "the target's own reply is empty: nothing would be compared"
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                 max_retries=0, timeout=120)
     try:
         done = await client.chat.completions.create(model=TARGET, messages=CONVERSATION,
                                                     temperature=0, max_tokens=MAX_TOKENS)
         stream = await client.chat.completions.create(model=TARGET, messages=CONVERSATION,
-                                                      temperature=0, max_tokens=MAX_TOKENS, stream=True)
+                                                      temperature=0, max_tokens=MAX_TOKENS, stream=True,
+                                                      stream_options={"include_usage": True})
         chunks = [chunk async for chunk in stream]
     finally:
         await client.close()
@@ -148,3 +151,6 @@ async def test_readme_chat_example_is_the_target_greedy_reply(readme_setup):
     assert done.choices[0].finish_reason == finish
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
+    for answered in (done.usage, chunks[-1].usage):   # the stream's last chunk carries its usage
+        assert (answered.prompt_tokens, answered.completion_tokens) == \
+            (usage["prompt_tokens"], usage["completion_tokens"]), answered
