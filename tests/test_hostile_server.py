@@ -72,7 +72,7 @@ async def hostile():
 
     async def start(fingerprint: str, files: dict[str, bytes] | list[pb.TokenizerChunk],
                     model_id: str = "../../model", refusal: str = "") -> str:
-        server = grpc.aio.server(options=[("grpc.max_send_message_length", 128 << 20)])
+        server = grpc.aio.server()   # gRPC's default limits: every chunk fits them
         info = pb.ModelInfo(model_id=model_id, vocab_size=320, tokenizer_fingerprint=fingerprint,
                             eos_token_ids=[2], context_length=1024)
         sent = chunked(fingerprint, files) if isinstance(files, dict) else files
@@ -142,6 +142,10 @@ def chunk_cases(honest: dict[str, bytes], fingerprint: str) -> dict[str, tuple[s
         return chunks
 
     big = b"x" * (MAX_TOKENIZER_CHUNK_BYTES + 1)
+    # two files, each well under the bound, that together declare more than it
+    part = b" " * (MAX_TOKENIZER_BYTES * 5 // 8)
+    too_much = chunked(fingerprint, {"vocab.json": part, "merges.txt": part},
+                       piece=MAX_TOKENIZER_CHUNK_BYTES)
     oversize = pb.TokenizerChunk(tokenizer_fingerprint=fingerprint, name="added_tokens.json", data=big,
                                  size=len(big), sha256=hashlib.sha256(big).hexdigest())
     return {
@@ -162,6 +166,7 @@ def chunk_cases(honest: dict[str, bytes], fingerprint: str) -> dict[str, tuple[s
         "malformed sha256": (fingerprint, stream(first={"sha256": "../../x"})),
         "empty chunk": (fingerprint, stream(second={"data": b""})),
         "no files": (fingerprint, []),
+        "files too big together": (fingerprint, too_much),
     }
 
 
@@ -176,6 +181,7 @@ CHUNK_RULES = {
     "a file twice": "twice", "a chunk of another fingerprint": "another fingerprint",
     "no fingerprint on the chunks": "another fingerprint", "malformed sha256": "malformed sha256",
     "empty chunk": "empty chunk", "no files": "no tokenizer files",
+    "files too big together": f"bytes of tokenizer files \\(at most {MAX_TOKENIZER_BYTES}\\)",
 }
 
 
@@ -192,6 +198,9 @@ def test_each_broken_stream_is_refused_for_the_rule_it_breaks(tokenizer, tokeniz
                 received.add(chunk)
             received.files()
         assert str(refused.value).startswith("the server at server:1 ") and "\n" not in str(refused.value)
+        if name == "files too big together":   # at the second file's first chunk, none of it kept
+            assert (chunk.name, chunk.offset) == ("merges.txt", 0)
+            assert "merges.txt" not in received.done and received.current is None
     received = TokenizerChunks(fingerprint, "server:1")
     for chunk in chunked(fingerprint, tokenizer_files):
         received.add(chunk)
@@ -200,7 +209,7 @@ def test_each_broken_stream_is_refused_for_the_rule_it_breaks(tokenizer, tokeniz
 
 # the command's own runs (a child process each): one per kind of hostility; the daemon gets all
 CLI_CASES = ("absolute fingerprint", "absolute file name", "unknown file name", "huge file",
-             "oversize chunk", "wrong sha256")
+             "oversize chunk", "wrong sha256", "files too big together")
 
 
 def outside_cache(tmp: Path, cache: Path) -> list[Path]:

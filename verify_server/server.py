@@ -73,7 +73,6 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     service = VerifierService(target, scheduler, settings, metrics)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", settings.receive_limit(target.context_length)),
-        ("grpc.max_send_message_length", 64 << 20),
         ("grpc.so_reuseport", 0),      # a second server on a used port fails, never shares it
     ])
     add_verifier(service, server)
