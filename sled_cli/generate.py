@@ -48,15 +48,15 @@ def add_arguments(parser) -> None:
 
 async def run(args) -> int:
     """Connect, generate, print. Ctrl-C (the cancelled task) and a server that does not come
-    back still print the committed tokens, then one line: exit 130 and 5."""
+    back still print the committed tokens, then one line: exit 130 and 5. A Ctrl-C after the
+    output has ended (while the connection closes) prints nothing more: the exit code stays."""
     from edge_client.result import INTERRUPTED
 
     shown = Shown(args)
     try:
         return await _generate(args, shown)
     except asyncio.CancelledError:
-        shown.end(INTERRUPTED)
-        return 130
+        return shown.end(INTERRUPTED)
 
 
 async def _generate(args, shown: "Shown") -> int:
@@ -74,19 +74,16 @@ async def _generate(args, shown: "Shown") -> int:
             sampling, settings, drafter = await asyncio.to_thread(_round_inputs, args, server_modes)
         except (ValueError, OSError) as exc:
             await _dropped(target)
-            shown.say(str(exc))
-            return 2
+            return shown.fail(str(exc), 2)
         except BaseException:
             await _dropped(target)
             raise
         try:
             info, shown.tokenizer = await target
         except grpc.aio.AioRpcError as exc:
-            shown.say(connect_error(args.server, exc))
-            return 3
+            return shown.fail(connect_error(args.server, exc), 3)
         except CacheError as exc:  # the server's tokenizer was refused (or cannot be kept)
-            shown.say(str(exc))
-            return 3
+            return shown.fail(str(exc), 3)
         prompt_ids = shown.tokenizer(args.prompt).input_ids
         mode = server_modes.get(args.drafter)
         return await _session(conn.stub, info, prompt_ids, sampling, settings, drafter, mode, shown)
@@ -118,7 +115,8 @@ async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, sh
         if drafter is None:   # a thin device: the server generates (and drafts with SATs)
             result = await generate_server_side(
                 stub, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                stop_ids=args.stop_id, on_tokens=shown.stream, mode=mode, cache_salt=args.cache_salt)
+                stop_ids=args.stop_id, on_tokens=shown.stream, mode=mode, cache_salt=args.cache_salt,
+                reconnect_s=args.reconnect_s, on_server=shown.server_event)
         else:
             shown.session = device_session(
                 stub, drafter, prompt_ids, max_new_tokens=args.max_new_tokens, settings=settings,
@@ -128,16 +126,12 @@ async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, sh
             result = await shown.session.run()
     except (VerifyError, grpc.aio.AioRpcError) as exc:
         if isinstance(exc, ServerLost) or lost_server(exc):
-            shown.end(SERVER_LOST, waited=isinstance(exc, ServerLost))
-            return 5
+            return shown.end(SERVER_LOST, waited=isinstance(exc, ServerLost))
         if isinstance(exc, VerifyError) and exc.reason == "REASON_TOKENIZER_MISMATCH":
-            shown.say(printable(str(exc), 400))    # found here, before anything was sent
-        else:
-            detail = str(exc) if isinstance(exc, VerifyError) else f"{exc.code().name}: {exc.details()}"
-            shown.say(f"server refused: {printable(detail, 200)}")
-        return 4
-    shown.finish(result)
-    return 0
+            return shown.fail(printable(str(exc), 400), 4)   # found here, before anything was sent
+        detail = str(exc) if isinstance(exc, VerifyError) else f"{exc.code().name}: {exc.details()}"
+        return shown.fail(f"server refused: {printable(detail, 200)}", 4)
+    return shown.finish(result)
 
 
 def _round_inputs(args, server_modes):
@@ -157,7 +151,8 @@ def _round_inputs(args, server_modes):
 
 class Shown:
     """What one `sled generate` shows: the text streamed so far, the session behind it, and one
-    line on stderr for each thing a person should know (a lost server, a resumed one, the end)."""
+    line on stderr for each thing a person should know (a lost server, a resumed one, the end).
+    It ends once (finish, end or fail decide the exit code); after that it prints nothing more."""
 
     def __init__(self, args) -> None:
         self.args = args
@@ -166,6 +161,7 @@ class Shown:
         self.session = None        # the DeviceSession, when this device drafts
         self.committed: list[int] = []
         self.mid_line = False      # text was printed that does not end its line
+        self.code: int | None = None   # the exit code, once the output has ended
 
     def stream(self, tokens: list[int]) -> None:
         """A verdict's committed tokens: printed as text as soon as each character is whole."""
@@ -182,7 +178,9 @@ class Shown:
 
     def server_event(self, event) -> None:
         """The session lost its server, or got one back: say so at once."""
-        if event.kind == "lost":
+        from edge_client.result import LOST
+
+        if event.kind == LOST:
             self.say(f"lost the server at {self.args.server} after {event.committed} tokens; "
                      f"waiting up to {event.wait_s:g} s for it (or another) to resume")
         else:
@@ -194,19 +192,31 @@ class Shown:
         print(("\n" if self.mid_line else "") + f"sled generate: {line}", file=sys.stderr, flush=True)
         self.mid_line = False
 
-    def finish(self, result) -> None:
-        """A whole generation: the rest of the text (or one JSON object) and its statistics."""
+    def finish(self, result) -> int:
+        """A whole generation: the rest of the text (or one JSON object) and its statistics; 0."""
+        self.code = 0
         self._print(result, whole=True)
         if not self.args.json:
             print(f"[{result.finish_reason}] {len(result.token_ids)} tokens in {result.rounds} "
                   f"rounds, acceptance {result.acceptance_rate:.0%}, "
                   f"{result.tokens_per_round:.2f} tokens/round", file=sys.stderr)
+        return self.code
 
-    def end(self, finish_reason: str, waited: bool = False) -> None:
+    def fail(self, line: str, code: int) -> int:
+        """No generation (a wrong flag, no server, a refusal): one line; its exit code."""
+        self.code = code
+        self.say(line)
+        return code
+
+    def end(self, finish_reason: str, waited: bool = False) -> int:
         """A generation cut short: the committed tokens as output, then why it ended (waited:
-        the session waited for a lost server in vain)."""
+        the session waited for a lost server in vain); 130 interrupted, 5 server lost. Once the
+        output has ended, nothing is printed: the exit code already decided."""
         from edge_client.result import INTERRUPTED, GenerationResult
 
+        if self.code is not None:
+            return self.code
+        self.code = 130 if finish_reason == INTERRUPTED else 5
         if self.session is not None:
             result = self.session.partial(finish_reason)
         else:
@@ -219,6 +229,7 @@ class Shown:
                      f"{self.args.reconnect_s:g} s; {len(result.token_ids)} tokens kept")
         else:
             self.say(f"lost the server at {self.args.server}; {len(result.token_ids)} tokens kept")
+        return self.code
 
     def _print(self, result, whole: bool = False) -> None:
         """The result as one JSON object, or the rest of its text and the newline that ends it
