@@ -1,6 +1,7 @@
 """A server lost in the middle of `sled generate` (kill -9): the loss is said at once; a server
-that comes back on the same address takes the session back and the output is the uninterrupted
-run's, token for token; with none back in time the committed tokens are kept (exit 5)."""
+that comes back on the same address takes the session back (a drafting session or a server mode)
+and the output is the uninterrupted run's, token for token; with none back in time the committed
+tokens are kept (exit 5)."""
 from __future__ import annotations
 
 import asyncio
@@ -65,8 +66,8 @@ class Generation:
     """`sled generate` as a child process; its stdout and stderr are read as they come, each
     stderr line with the monotonic time it arrived."""
 
-    def __init__(self, address: str, *flags: str) -> None:
-        self.proc = subprocess.Popen([*SLED, "generate", "--server", address, "--drafter", "ngram",
+    def __init__(self, address: str, *flags: str, drafter: str = "ngram") -> None:
+        self.proc = subprocess.Popen([*SLED, "generate", "--server", address, "--drafter", drafter,
                                       "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW), *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.stdout = b""
@@ -124,6 +125,31 @@ async def test_a_server_back_on_the_same_address_finishes_the_generation(served)
         await run.until(lambda: run.said("lost the server at"), 30)
         assert run.said("lost the server at") - died < SAID_WITHIN_S, run.stderr
         assert f"lost the server at {served.address} after" in run.stderr
+        assert "waiting up to 300 s for it (or another) to resume" in run.stderr
+        await served.start()
+        code = await run.wait(240)
+    finally:
+        run.proc.kill()
+    assert code == 0, run.stderr[-3000:]
+    assert "resumed after" in run.stderr and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stdout.decode() == text + "\n"      # the uninterrupted run's, token for token
+
+
+@pytest.mark.slow
+async def test_a_server_mode_generation_resumes_on_a_server_back_on_the_same_address(served):
+    """--drafter server: the server generates alone, and a lost one is waited for all the same;
+    the output is the uninterrupted greedy run's, token for token."""
+    if served.proc is None or served.proc.poll() is not None:
+        await served.start()
+    _, text = await served.uninterrupted()
+    before = served.emitted()
+    run = Generation(served.address, "--reconnect-s", "300", drafter="server")
+    try:
+        await run.until(lambda: served.emitted() >= before + 4, 120)
+        served.kill()
+        died = time.monotonic()
+        await run.until(lambda: run.said("lost the server at"), 30)
+        assert run.said("lost the server at") - died < SAID_WITHIN_S, run.stderr
         assert "waiting up to 300 s for it (or another) to resume" in run.stderr
         await served.start()
         code = await run.wait(240)
@@ -195,3 +221,77 @@ async def test_the_daemon_logs_the_lost_server_and_the_resume(models, drafter_mo
     assert len(lost) == 1 and lost[0].levelno == logging.WARNING, caplog.text
     assert "req-lost" in lost[0].getMessage() and f"127.0.0.1:{port}" in lost[0].getMessage()
     assert len(resumed) == 1 and resumed[0].levelno == logging.INFO, caplog.text
+
+
+class ServerGoesOnce:
+    """Stream.open, keeping each session's Open: after the first verdict the server is stopped
+    (no goodbye on any stream) and a new one starts on the same address `down_s` later."""
+
+    def __init__(self, running: list, start, down_s: float) -> None:
+        self.running, self.start, self.down_s = running, start, down_s
+        self.opens: list[pb.Open] = []
+
+    def transport(self, stub, **options):
+        from edge_client.transport import Stream
+
+        outer = self
+
+        class Watched(Stream):
+            async def send(self, msg):
+                if msg.WhichOneof("kind") == "open":
+                    outer.opens.append(msg.open)
+                await super().send(msg)
+
+            async def receive(self):
+                msg = await super().receive()
+                if msg.WhichOneof("kind") == "verdict" and len(outer.running) == 1:
+                    await outer.running[0].stop(grace=0)
+                    outer.running.append(asyncio.create_task(outer.restart()))
+                return msg
+
+        return Watched.open(stub, **options)
+
+    async def restart(self):
+        await asyncio.sleep(self.down_s)
+        return await self.start()
+
+
+@pytest.mark.parametrize("mode", [pb.GENERATION_MODE_SERVER, pb.GENERATION_MODE_SERVER_SAT])
+async def test_a_server_mode_session_resumes_on_a_server_back_on_the_same_address(
+        models, tokenizer, prompts, mode):
+    """A server mode waits for a lost server as a drafting session does: said at once, reopened
+    with the prompt + the committed tokens for the tokens left, the output the target's own."""
+    from edge_client.result import LOST, RESUMED
+    from edge_client.server_side import generate_server_side
+    from test_sdsat_serving import adapter_spec
+    from tests.conftest import greedy_reference
+    from verify_server.server import start_server
+    from verify_server.settings import ServerSettings
+    from verify_server.target import Target
+
+    sat = adapter_spec(models["llama"]) if mode == pb.GENERATION_MODE_SERVER_SAT else None
+    target = Target.from_model(models["llama"], tokenizer, "tiny", sat=sat)
+    port, max_new = free_port(), 60
+
+    async def start():
+        return await start_server(target, ServerSettings(kv_budget=64 << 20), "127.0.0.1", port)
+
+    running = [await start()]
+    server, events, streamed = ServerGoesOnce(running, start, down_s=1.5), [], []
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        result = await generate_server_side(
+            pb_grpc.VerifierStub(channel), prompts[0], max_new_tokens=max_new, ignore_eos=True,
+            mode=mode, transport=server.transport, reconnect_s=60, on_server=events.append,
+            on_tokens=streamed.extend)
+    finally:
+        await channel.close()
+        last = running[-1]
+        await (await last if isinstance(last, asyncio.Task) else last).stop(grace=0)
+    assert result.token_ids == streamed == greedy_reference(models["llama"], prompts[0], max_new)
+    assert result.resumes == 1 and [e.kind for e in events] == [LOST, RESUMED], events
+    committed = events[0].committed
+    assert 0 < committed < max_new
+    resumed = server.opens[-1]
+    assert list(resumed.prompt_ids) == prompts[0] + result.token_ids[:committed]
+    assert resumed.max_new_tokens == max_new - committed and resumed.mode == mode
