@@ -138,3 +138,31 @@ def test_an_onnx_drafter_fingerprints_its_tokenizer_once(tmp_path, monkeypatch, 
     second = ONNXDrafter(ONNX_EXPORT, max_length=256).tokenizer_fingerprint
     assert "fingerprinting" not in capsys.readouterr().err          # read from the sled cache
     assert first == second == fingerprint_tokenizer(AutoTokenizer.from_pretrained(ONNX_EXPORT))
+
+
+async def test_the_startup_bench_times_the_devices_copy_of_the_targets_tokenizer(
+        serve, models, tokenizer, tmp_path, monkeypatch, capsys):
+    """`sled bench startup` has a device table: the model info and the tokenizer as `sled
+    generate` gets them (fetched once, then from the device's cache)."""
+    import asyncio
+
+    from lab.bench.startup import DEVICE_PHASES, _device_tokenizer, _print
+    from sled.cache import manifest_fingerprint, tokenizer_dir
+    from sled.fingerprint import fingerprint_tokenizer
+
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path))
+    server = await serve(models["llama"])
+    for _ in range(2):                                    # fetched, then from the cache
+        assert await asyncio.to_thread(_device_tokenizer, server.address) > 0
+    fingerprint = fingerprint_tokenizer(tokenizer)
+    assert manifest_fingerprint(tokenizer_dir(fingerprint)) == fingerprint
+
+    class Args:
+        target, drafter = "gemma3-270m", "gguf:gemma3-270m"
+
+    from rich.console import Console
+    run = {"server": {}, "drafter": {}, "device": {"device.tokenizer": 1.25}, "first_token_s": 2.0}
+    _print(Console(width=200), {"warm 1": run}, Args)
+    out = capsys.readouterr().out
+    device = out[out.index("device start-up"):]            # the title wraps to the table's width
+    assert all(phase in device for phase in DEVICE_PHASES) and "1.25" in device
