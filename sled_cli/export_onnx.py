@@ -1,7 +1,12 @@
 """`sled export-onnx`: an HF checkpoint or built-in model to an int4/int8/fp32 ONNX drafter."""
 from __future__ import annotations
 
+import logging
+import sys
+
 from sled_cli.flags import builtin_aliases
+
+log = logging.getLogger("sled.export_onnx")
 
 
 def add_arguments(parser) -> None:
@@ -19,7 +24,14 @@ def run(args) -> int:
     from sled.models import BUILTIN
 
     if args.out is None and args.source not in BUILTIN:
-        raise SystemExit("sled export-onnx: OUT_DIR is required unless SOURCE is a built-in model")
+        print("sled export-onnx: OUT_DIR is required unless SOURCE is a built-in model "
+              f"({builtin_aliases()})", file=sys.stderr)
+        return 2
     out = args.out or alias_dir(args.source, args.precision)
-    print(export(args.source, out, args.precision, args.execution_provider))
+    try:
+        print(export(args.source, out, args.precision, args.execution_provider))
+    except (OSError, ValueError) as exc:   # no checkpoint at SOURCE, OUT not an empty folder
+        log.debug("export-onnx refused", exc_info=True)
+        print(f"sled export-onnx: {exc}", file=sys.stderr)
+        return 2
     return 0
