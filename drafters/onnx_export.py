@@ -105,13 +105,24 @@ def export(source: str, out: str | Path, precision: str = "int4",
     partial = partial_dir(out)
     console = Console(stderr=True)
     try:
-        _run_builder(source, checkpoint, partial, precision, execution_provider, console)
+        with _said(console, f"exporting {source} to ONNX ({precision})"):
+            _run_builder(source, checkpoint, partial, precision, execution_provider, console)
         write_manifest(partial)
         publish(partial, out)  # a concurrent export of the same model may get there first
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     console.print(f"exported {source} ({precision}) -> {out}")
     return out
+
+
+def _said(console, message: str):
+    """A terminal gets the builder's progress bar; anywhere else (a pipe, a log) the plain line
+    of sled.progress says what the wait is for, at once."""
+    import contextlib
+
+    from sled.progress import phase
+
+    return contextlib.nullcontext() if console.is_terminal else phase("onnx.export", message)
 
 
 def _run_builder(source: str, checkpoint: Path, partial: Path, precision: str,

@@ -208,3 +208,22 @@ def test_export_onnx_refuses_a_bad_source_or_out_in_one_line(argv, capsys, monke
     code, err = run_main(capsys, "export-onnx", *argv)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("sled export-onnx: "), err
+
+
+def test_export_onnx_says_what_it_waits_for_before_the_builder_runs(tmp_path, capsys,
+                                                                     monkeypatch):
+    """Into a pipe (no progress bar), `sled export-onnx` names the export on stderr at once."""
+    import drafters.onnx_export as onnx_export
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    said_first = []
+
+    def builder(source, checkpoint, partial, precision, provider, console):
+        said_first.append(capsys.readouterr().err)
+        (partial / "genai_config.json").write_text("{}")
+
+    monkeypatch.setattr(onnx_export, "_run_builder", builder)
+    code, err = run_main(capsys, "export-onnx", str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert code == 0 and (tmp_path / "out" / "genai_config.json").is_file()
+    assert "exporting" in said_first[0] and "to ONNX (int4)" in said_first[0], said_first
