@@ -15,6 +15,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
+from sled import progress
 from sled_cli.flags import HelpFormatter, checked_numbers
 from sled_cli.logs import configure_logging
 
@@ -112,6 +113,7 @@ def _add_commands(parser: argparse.ArgumentParser, table: dict, dest: str) -> No
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    progress.set_command(_command_name(argv))
     try:
         return _dispatch(argv)
     except KeyboardInterrupt:   # Ctrl-C: the command's own cleanup (finally, async with) ran

@@ -22,25 +22,24 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 log = logging.getLogger("sled.progress")
 
 TIMINGS: list[tuple[str, float]] = []   # (phase key, seconds) of every finished phase
 _stack: list[str] = []                  # the messages of the phases running now, outermost first
 _status = None                          # the terminal's spinner while a phase runs
+_command = "sled"                       # what the lines start with: set_command()
+
+
+def set_command(name: str) -> None:
+    """Name the command whose phases these are ("sled serve"); sled_cli.main sets it once."""
+    global _command
+    _command = name
 
 
 def prefix() -> str:
-    """The command that runs ("sled serve", "sled bench startup"), from the process's argv."""
-    argv = sys.argv
-    program = Path(argv[0]) if argv else Path()
-    if program.name != "sled" and program.parent.name != "sled_cli":   # python -m sled_cli.main
-        return "sled"
-    words = [w for w in argv[1:3] if not w.startswith("-")]
-    if len(words) == 2 and words[0] not in ("bench", "models", "trace", "sdsat"):
-        words = words[:1]
-    return " ".join(["sled", *words])
+    """The command that runs, as sled_cli.main named it ("sled" when nothing did)."""
+    return _command
 
 
 def on_terminal() -> bool:
