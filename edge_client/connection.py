@@ -35,9 +35,8 @@ from sled.v1 import verifier_pb2_grpc as pb_grpc
 log = logging.getLogger("sled.device")
 
 CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 30_000)]
-
-__all__ = ["Connection", "TokenizerRefused", "cached_tokenizer", "checked_fingerprint",
-           "save_tokenizer"]
+BUSY_RETRIES = 5        # GetTokenizer asked again this many times while the server is busy
+BUSY_PAUSE_S = 0.5      # the first pause; it doubles (0.5 + 1 + 2 + 4 + 8 s in all)
 
 
 class Connection:
@@ -68,8 +67,25 @@ class Connection:
         return tokenizer
 
     async def tokenizer_files(self, fingerprint: str, timeout: float = 60.0) -> dict[str, bytes]:
-        """The server's GetTokenizer stream, each chunk checked as it arrives; the call is
-        cancelled at the first chunk refused."""
+        """The server's tokenizer files. A server at its bound of GetTokenizer calls (a fleet
+        starting at once) answers RESOURCE_EXHAUSTED: it is asked again after a pause that
+        doubles, BUSY_RETRIES times, before its refusal is raised."""
+        pause, refused = BUSY_PAUSE_S, 0
+        while True:
+            try:
+                return await self._tokenizer_stream(fingerprint, timeout)
+            except grpc.aio.AioRpcError as exc:
+                refused += 1
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or refused > BUSY_RETRIES:
+                    raise
+                log.info("the server at %s is busy sending its tokenizer (%s): asking again in "
+                         "%.1f s", self.address, printable(exc.details() or "", 200), pause)
+                await asyncio.sleep(pause)
+                pause *= 2
+
+    async def _tokenizer_stream(self, fingerprint: str, timeout: float) -> dict[str, bytes]:
+        """One GetTokenizer stream, each chunk checked as it arrives; the call is cancelled at
+        the first chunk refused."""
         chunks = TokenizerChunks(fingerprint, self.address)
         call = self.stub.GetTokenizer(pb.GetTokenizerRequest(), timeout=timeout)
         try:

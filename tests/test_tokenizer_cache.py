@@ -7,7 +7,8 @@ import hashlib
 
 import pytest
 
-from edge_client.connection import Connection, TokenizerRefused, cached_tokenizer
+from edge_client.connection import Connection, cached_tokenizer
+from edge_client.tokenizer_chunks import TokenizerRefused
 from edge_client.tokenizer_chunks import TokenizerChunks
 from lab.tiny import make_tokenizer
 from sled.cache import cache_dir, tokenizer_dir

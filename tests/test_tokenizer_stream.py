@@ -290,3 +290,48 @@ async def test_the_device_sends_the_target_s_fingerprint_for_a_drafter_without_a
         result = await generate(pb_grpc.VerifierStub(channel), NgramDrafter(), list(prompts[1]),
                                 max_new_tokens=4)
     assert len(result.token_ids) == 4
+
+
+# --- a busy server --------------------------------------------------------------------------------
+
+async def test_a_device_asks_a_busy_server_again(served, tokenizer, tmp_path, monkeypatch):
+    """At its bound of GetTokenizer calls the server refuses (RESOURCE_EXHAUSTED); the device
+    waits and asks again, and gets the tokenizer once the slot is free."""
+    import edge_client.connection as connection
+
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path))
+    monkeypatch.setattr(connection, "BUSY_PAUSE_S", 0.2)
+    server = await served(tokenizer, max_tokenizer_calls=1)
+    files = server.service.target.tokenizer_reply
+    lengthened(server)      # so that a client reading nothing holds its slot
+    holder = grpc.aio.insecure_channel(server.address)
+    call = pb_grpc.VerifierStub(holder).GetTokenizer(pb.GetTokenizerRequest(), timeout=30)
+    assert (await call.read()).offset == 0
+    async with Connection(server.address) as conn:
+        fetch = asyncio.create_task(conn.tokenizer())
+        await asyncio.sleep(1.0)
+        assert not fetch.done()                              # refused, and asking again
+        server.service.target.tokenizer_reply = files
+        call.cancel()
+        await holder.close()
+        assert fingerprint_tokenizer(await asyncio.wait_for(fetch, 20)) == \
+            server.service.target.fingerprint
+
+
+async def test_a_server_busy_for_good_is_refused_after_the_retries(served, tokenizer, tmp_path,
+                                                                   monkeypatch):
+    import edge_client.connection as connection
+
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path))
+    monkeypatch.setattr(connection, "BUSY_PAUSE_S", 0.05)
+    monkeypatch.setattr(connection, "BUSY_RETRIES", 2)
+    server = await served(tokenizer, max_tokenizer_calls=1)
+    lengthened(server)
+    async with grpc.aio.insecure_channel(server.address) as holder:
+        call = pb_grpc.VerifierStub(holder).GetTokenizer(pb.GetTokenizerRequest(), timeout=30)
+        assert (await call.read()).offset == 0
+        async with Connection(server.address) as conn:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await conn.tokenizer()
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        call.cancel()
