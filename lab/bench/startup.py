@@ -122,7 +122,7 @@ def child(kind: str, spec: str) -> None:
         phases[key] = phases.get(key, 0.0) + seconds
     phases["total"] = time.perf_counter() - start
     if kind == "server":
-        loaded = sum(phases.get(k, 0.0) for k in SERVER_PHASES[:5])
+        loaded = sum(phases.get(key, 0.0) for key in SERVER_PHASES[:5])
         phases["target.rest"] = phases["total"] - loaded
     print(json.dumps(phases))
 
