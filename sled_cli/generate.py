@@ -66,20 +66,16 @@ async def _generate(args, shown: "Shown") -> int:
     from sled.v1 import verifier_pb2 as pb
 
     server_modes = {"server": pb.GENERATION_MODE_SERVER, "sat": pb.GENERATION_MODE_SERVER_SAT}
+    try:
+        sampling, settings, drafter = await asyncio.to_thread(_round_inputs, args, server_modes)
+    except (ValueError, OSError) as exc:
+        return shown.fail(str(exc), 2)
+    # the drafter loads before the target's tokenizer, not beside it: both may import
+    # transformers, whose lazy imports are not safe from two threads at once
     async with Connection(args.server) as conn:
-        # the target's model info and tokenizer come while the drafter loads (in a thread);
-        # a wrong flag is still said first
-        target = asyncio.create_task(_target(conn))
         try:
-            sampling, settings, drafter = await asyncio.to_thread(_round_inputs, args, server_modes)
-        except (ValueError, OSError) as exc:
-            await _dropped(target)
-            return shown.fail(str(exc), 2)
-        except BaseException:
-            await _dropped(target)
-            raise
-        try:
-            info, shown.tokenizer = await target
+            info = await conn.model_info(timeout=15, wait_for_ready=False)
+            shown.tokenizer = await conn.tokenizer()
         except grpc.aio.AioRpcError as exc:
             return shown.fail(connect_error(args.server, exc), 3)
         except CacheError as exc:  # the server's tokenizer was refused (or cannot be kept)
@@ -87,18 +83,6 @@ async def _generate(args, shown: "Shown") -> int:
         prompt_ids = shown.tokenizer(args.prompt).input_ids
         mode = server_modes.get(args.drafter)
         return await _session(conn.stub, info, prompt_ids, sampling, settings, drafter, mode, shown)
-
-
-async def _target(conn):
-    """The served model's info and tokenizer (from the device's cache, or fetched)."""
-    info = await conn.model_info(timeout=15, wait_for_ready=False)
-    return info, await conn.tokenizer()
-
-
-async def _dropped(task: asyncio.Task) -> None:
-    """Cancel TASK and wait for it: whatever it raised is not this command's answer any more."""
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
 
 
 async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, shown: "Shown") -> int:
@@ -181,10 +165,11 @@ class Shown:
         from edge_client.result import LOST
 
         if event.kind == LOST:
-            self.say(f"lost the server at {self.args.server} after {event.committed} tokens; "
-                     f"waiting up to {event.wait_s:g} s for it (or another) to resume")
+            self.say(f"lost the server at {self.args.server} after "
+                     f"{_count(event.committed, 'token')}; waiting up to {event.wait_s:g} s for it (or another) to resume")
         else:
-            self.say(f"the server is back: resumed after {event.committed} tokens ({event.detail})")
+            self.say(f"the server is back: resumed after {_count(event.committed, 'token')} "
+                     f"({event.detail})")
 
     def say(self, line: str) -> None:
         """One line on stderr, on a line of its own."""
@@ -197,8 +182,8 @@ class Shown:
         self.code = 0
         self._print(result, whole=True)
         if not self.args.json:
-            print(f"[{result.finish_reason}] {len(result.token_ids)} tokens in {result.rounds} "
-                  f"rounds, acceptance {result.acceptance_rate:.0%}, "
+            print(f"[{result.finish_reason}] {_count(len(result.token_ids), 'token')} in "
+                  f"{_count(result.rounds, 'round')}, acceptance {result.acceptance_rate:.0%}, "
                   f"{result.tokens_per_round:.2f} tokens/round", file=sys.stderr)
         return self.code
 
@@ -223,12 +208,13 @@ class Shown:
             result = GenerationResult(token_ids=list(self.committed), finish_reason=finish_reason)
         self._print(result)
         if finish_reason == INTERRUPTED:
-            self.say(f"interrupted after {len(result.token_ids)} tokens")
+            self.say(f"interrupted after {_count(len(result.token_ids), 'token')}")
         elif waited:
             self.say(f"the server at {self.args.server} did not come back within "
-                     f"{self.args.reconnect_s:g} s; {len(result.token_ids)} tokens kept")
+                     f"{self.args.reconnect_s:g} s; {_count(len(result.token_ids), 'token')} kept")
         else:
-            self.say(f"lost the server at {self.args.server}; {len(result.token_ids)} tokens kept")
+            self.say(f"lost the server at {self.args.server}; "
+                     f"{_count(len(result.token_ids), 'token')} kept")
         return self.code
 
     def _print(self, result, whole: bool = False) -> None:
@@ -248,3 +234,8 @@ class Shown:
             sys.stdout.write(text)
             sys.stdout.flush()
             self.mid_line = not text.endswith("\n")
+
+
+def _count(n: int, noun: str) -> str:
+    """ "1 token", "8 tokens"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"

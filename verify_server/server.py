@@ -161,13 +161,14 @@ async def serve_forever(target: Target, settings: ServerSettings,
     running = await start_server(target, settings, host, settings.port)
     if settings.metrics_port is not None:
         try:
-            running.metrics.serve_http(settings.metrics_port, addr=host)
+            http, _ = running.metrics.serve_http(settings.metrics_port, addr=host)
         except OSError as exc:
             await running.stop(grace=0)
             why = ("is in use" if exc.errno == errno.EADDRINUSE
                    else f"cannot be used ({exc.strerror})")
             raise OSError(f"metrics port {host}:{settings.metrics_port} {why}") from None
-        log.info("metrics on http://%s:%d/metrics", host, settings.metrics_port)
+        # port 0 asks for a free port: say the one it got
+        log.info("metrics on http://%s:%d/metrics", host, http.server_address[1])
     announcing = None
     if announce is not None:
         from verify_server.announce import Announcer
