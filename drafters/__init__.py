@@ -47,6 +47,7 @@ def load_drafter(spec: str, q_support: int = 32) -> Drafter:
     """The drafter SPEC names; one loaded from a built-in alias keeps it as `alias`, the name a
     person gave it (its `name` says which file it is)."""
     resolved = resolve_spec(spec)
+    check_alias(*resolved.partition(":")[::2])   # a typo is said before anything loads
     with _loading(spec, resolved):
         drafter = _load_resolved(spec, resolved, q_support)
     if resolved != spec:
@@ -56,7 +57,6 @@ def load_drafter(spec: str, q_support: int = 32) -> Drafter:
 
 def _load_resolved(spec: str, resolved: str, q_support: int) -> Drafter:
     kind, _, arg = resolved.partition(":")
-    check_alias(kind, arg)
     if kind == "ngram":
         from drafters.ngram import NgramDrafter
         try:
