@@ -37,6 +37,18 @@ def run_sled(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([*SLED, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    """sled's main(argv) in this process: (exit code, stdout, stderr)."""
+    from sled_cli.main import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A tiny random Llama target + drafter saved as checkpoints: (target dir, drafter dir)."""

@@ -7,7 +7,8 @@ import importlib
 
 import pytest
 
-from sled_cli.main import COMMANDS, main
+from conftest import run_main
+from sled_cli.main import COMMANDS
 
 BENCHES = COMMANDS["bench"].commands
 
@@ -33,14 +34,6 @@ BAD_VALUES = [
 ]
 
 
-def run_main(capsys, *argv: str) -> tuple[int, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
-
-
 def test_every_bench_has_bad_values_listed():
     assert set(BENCHES) <= {bench for bench, _, _ in BAD_VALUES}
 
@@ -50,7 +43,7 @@ def test_a_bench_flag_out_of_range_is_one_line_and_exit_2(capsys, monkeypatch, b
     module = importlib.import_module(BENCHES[bench].module)
     monkeypatch.setattr(module, "run", lambda args: 0)   # a flag let through would run: exit 0
     required = ["--model", "gguf:smollm2-135m"] if bench == "drafter" else []
-    code, err = run_main(capsys, "bench", bench, *required, flag, value)
+    code, _, err = run_main(capsys, "bench", bench, *required, flag, value)
     errors = [line for line in err.splitlines() if not line.startswith(("usage:", " "))]
     assert code == 2, err
     assert len(errors) == 1 and flag in errors[0] and "Traceback" not in err, err
@@ -65,7 +58,7 @@ def test_a_refused_tokenizer_stops_a_bench_with_one_line_and_exit_3(capsys, monk
                          "fingerprint")
 
     monkeypatch.setattr(Connection, "tokenizer", refused)
-    code, err = run_main(capsys, "bench", "overhead", "--rounds", "1",
+    code, _, err = run_main(capsys, "bench", "overhead", "--rounds", "1",
                          "--out", str(tmp_path / "overhead.json"))
     assert code == 3, err
     assert err.strip().splitlines() == [line for line in err.strip().splitlines()
@@ -125,7 +118,7 @@ def test_an_unexpected_grpc_error_stops_a_bench_with_one_line_and_exit_3(capsys,
                                    details="8 GetTokenizer replies are being sent (limit 8)")
 
     monkeypatch.setattr(reliability, "bench", refused)
-    code, err = run_main(capsys, "bench", "reliability")
+    code, _, err = run_main(capsys, "bench", "reliability")
     assert code == 3, err
     assert err.strip().splitlines() == ["sled bench reliability: the server answered "
                                         "RESOURCE_EXHAUSTED: 8 GetTokenizer replies are being "
@@ -156,7 +149,7 @@ def test_the_reliability_server_answers_the_whole_burst_at_once(burst):
 def test_a_reliability_prompt_that_fits_the_context_is_a_bad_flag(capsys):
     """A prompt the server would not refuse for its length measures nothing: exit 2, one line,
     before any server starts."""
-    code, err = run_main(capsys, "bench", "reliability", "--prompt-len", "100")
+    code, _, err = run_main(capsys, "bench", "reliability", "--prompt-len", "100")
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "--prompt-len 100" in lines[0] and "Traceback" not in err, err
@@ -208,7 +201,7 @@ def test_the_reliability_bench_runs_on_the_tiny_target(capsys, tmp_path):
     import json
 
     out = tmp_path / "reliability.json"
-    code, err = run_main(capsys, "bench", "reliability", "--refusals", "2", "--rounds", "3",
+    code, _, err = run_main(capsys, "bench", "reliability", "--refusals", "2", "--rounds", "3",
                          "--prompt-len", "1000", "--slots", "2", "--idle-timeout", "0.5",
                          "--out", str(out))
     assert code == 0, err

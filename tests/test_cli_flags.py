@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from sled.models import BUILTIN
-from sled_cli.main import COMMANDS, Command, Group, main, parser
+from conftest import run_main
+from sled_cli.main import COMMANDS, Command, Group, parser
 
 
 def command_names(table: dict = COMMANDS, prefix: tuple = ()) -> list[tuple[str, ...]]:
@@ -35,16 +36,6 @@ def subparser(words: tuple[str, ...]) -> argparse.ArgumentParser:
 def own_argv(words: tuple[str, ...]) -> bool:
     entry = COMMANDS[words[0]]
     return isinstance(entry, Command) and entry.own_argv
-
-
-def run_main(capsys, *argv: str) -> tuple[int, str, str]:
-    """main(argv) in this process: (exit code, stdout, stderr)."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def flag_lines(help_text: str) -> dict[str, str]:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sled_cli.main import COMMANDS, Command, Group, main, parser
+from conftest import run_main
+from sled_cli.main import COMMANDS, Command, Group, parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -188,14 +189,6 @@ def test_the_example_configs_load(config, monkeypatch):
     load_settings(config)
 
 
-def run_main(capsys, *argv: str) -> tuple[int, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
-
-
 @pytest.mark.parametrize("argv", [("/nonexistent-checkpoint",),
                                   ("/nonexistent-checkpoint", "onnx-out"),
                                   ("CHECKPOINT", "README.md")])
@@ -205,7 +198,7 @@ def test_export_onnx_refuses_a_bad_source_or_out_in_one_line(argv, capsys, monke
     monkeypatch.chdir(ROOT)
     (tmp_path / "config.json").write_text("{}")   # enough of a checkpoint to reach OUT's check
     argv = [str(tmp_path) if word == "CHECKPOINT" else word for word in argv]
-    code, err = run_main(capsys, "export-onnx", *argv)
+    code, _, err = run_main(capsys, "export-onnx", *argv)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("sled export-onnx: "), err
 
@@ -224,6 +217,6 @@ def test_export_onnx_says_what_it_waits_for_before_the_builder_runs(tmp_path, ca
         (partial / "genai_config.json").write_text("{}")
 
     monkeypatch.setattr(onnx_export, "_run_builder", builder)
-    code, err = run_main(capsys, "export-onnx", str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    code, _, err = run_main(capsys, "export-onnx", str(tmp_path / "ckpt"), str(tmp_path / "out"))
     assert code == 0 and (tmp_path / "out" / "genai_config.json").is_file()
     assert "exporting" in said_first[0] and "to ONNX (int4)" in said_first[0], said_first
