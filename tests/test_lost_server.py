@@ -113,6 +113,22 @@ async def served():
     served.kill()
 
 
+async def killed_and_back(served, run, text: str) -> None:
+    """Kill the server under RUN: the loss is said at once; a server started again on its
+    address takes the session back and the output is the uninterrupted run's TEXT."""
+    served.kill()
+    died = time.monotonic()
+    await run.until(lambda: run.said("lost the server at"), 30)
+    assert run.said("lost the server at") - died < SAID_WITHIN_S, run.stderr
+    assert f"lost the server at {served.address} after" in run.stderr
+    assert "waiting up to 300 s for it (or another) to resume" in run.stderr
+    await served.start()
+    code = await run.wait(240)
+    assert code == 0, run.stderr[-3000:]
+    assert "resumed after" in run.stderr and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stdout.decode() == text + "\n"      # the uninterrupted run's, token for token
+
+
 @pytest.mark.slow
 async def test_a_server_back_on_the_same_address_finishes_the_generation(served):
     await served.start()
@@ -120,19 +136,9 @@ async def test_a_server_back_on_the_same_address_finishes_the_generation(served)
     run = Generation(served.address, "--reconnect-s", "300")
     try:
         await run.until(lambda: b"The dragon" in run.stdout, 120)
-        served.kill()
-        died = time.monotonic()
-        await run.until(lambda: run.said("lost the server at"), 30)
-        assert run.said("lost the server at") - died < SAID_WITHIN_S, run.stderr
-        assert f"lost the server at {served.address} after" in run.stderr
-        assert "waiting up to 300 s for it (or another) to resume" in run.stderr
-        await served.start()
-        code = await run.wait(240)
+        await killed_and_back(served, run, text)
     finally:
         run.proc.kill()
-    assert code == 0, run.stderr[-3000:]
-    assert "resumed after" in run.stderr and "Traceback" not in run.stderr, run.stderr[-3000:]
-    assert run.stdout.decode() == text + "\n"      # the uninterrupted run's, token for token
 
 
 @pytest.mark.slow
@@ -146,18 +152,9 @@ async def test_a_server_mode_generation_resumes_on_a_server_back_on_the_same_add
     run = Generation(served.address, "--reconnect-s", "300", drafter="server")
     try:
         await run.until(lambda: served.emitted() >= before + 4, 120)
-        served.kill()
-        died = time.monotonic()
-        await run.until(lambda: run.said("lost the server at"), 30)
-        assert run.said("lost the server at") - died < SAID_WITHIN_S, run.stderr
-        assert "waiting up to 300 s for it (or another) to resume" in run.stderr
-        await served.start()
-        code = await run.wait(240)
+        await killed_and_back(served, run, text)
     finally:
         run.proc.kill()
-    assert code == 0, run.stderr[-3000:]
-    assert "resumed after" in run.stderr and "Traceback" not in run.stderr, run.stderr[-3000:]
-    assert run.stdout.decode() == text + "\n"      # the uninterrupted run's, token for token
 
 
 @pytest.mark.slow
