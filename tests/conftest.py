@@ -86,13 +86,14 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: int | l
 
 @pytest.fixture
 async def serve(tokenizer):
-    """serve(model, **settings) -> a running in-process server (sat: the target's SATs); all
-    stopped after the test."""
+    """serve(model, **settings) -> a running in-process server (sat: the target's SATs; with
+    another tokenizer than the tiny one where given); all stopped after the test."""
     running = []
+    tiny_tokenizer = tokenizer
 
-    async def start(model, model_id: str = "tiny", sat=None, **settings):
+    async def start(model, model_id: str = "tiny", sat=None, tokenizer=None, **settings):
         settings.setdefault("kv_budget", 64 << 20)
-        target = Target.from_model(model, tokenizer, model_id, sat=sat)
+        target = Target.from_model(model, tokenizer or tiny_tokenizer, model_id, sat=sat)
         server = await start_server(target, ServerSettings(**settings))
         running.append(server)
         return server

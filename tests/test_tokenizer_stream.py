@@ -25,9 +25,6 @@ from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from verify_server.dropped_replies import GRPC_LOGGER, quiet_dropped_replies
 from verify_server.errors import Reason
-from verify_server.server import start_server
-from verify_server.settings import ServerSettings
-from verify_server.target import Target
 
 DEFAULT_RECEIVE_LIMIT = 4 << 20     # what every gRPC client accepts unless told otherwise
 
@@ -43,20 +40,14 @@ def big_tokenizer():
 
 
 @pytest.fixture
-async def served(models):
+def served(serve, models):
     """served(tokenizer, **settings) -> a running server of the tiny target with that tokenizer."""
-    running = []
 
     async def start(tokenizer, **settings):
         settings.setdefault("kv_budget", 16 << 20)
-        target = Target.from_model(models["llama"], tokenizer, "tokenizer-stream")
-        server = await start_server(target, ServerSettings(**settings))
-        running.append(server)
-        return server
+        return await serve(models["llama"], "tokenizer-stream", tokenizer=tokenizer, **settings)
 
-    yield start
-    for server in running:
-        await server.stop(grace=0)
+    return start
 
 
 async def fetch_with_default_limits(address: str) -> list[pb.TokenizerChunk]:
