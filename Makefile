@@ -5,6 +5,8 @@ BIN    := $(VENV)/bin
 # The CPU build of torch; the package range in pyproject.toml admits it.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# Every extra: the tests and the demo run both sides, every drafter and the benchmarks.
+EXTRAS := server,gguf,onnx,hf,export,lab,models,dev
 
 .PHONY: demo test install models mosquitto protos clean
 
@@ -14,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[gguf,onnx,models,dev]"
+	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 demo: $(STAMP)
