@@ -4,8 +4,9 @@ The target's tokenizer is fetched once per fingerprint into sled.cache.tokenizer
 server streams is checked chunk by chunk before anything is written (edge_client.tokenizer_chunks:
 only the file names of sled.cache.TOKENIZER_FILES, once each, in order, each whole and matching
 its sha256, within MAX_TOKENIZER_BYTES); the fingerprint is bounded (and only its hash names the
-folder). The files are written into a temporary folder inside the cache, loaded and checked
-against the fingerprint there, and only then renamed into place with their manifest.
+folder). The files are written into a temporary folder inside the cache, loaded (as an
+edge_client.tokenizer.DeviceTokenizer: no transformers on the device) and checked against the
+fingerprint there, and only then renamed into place with their manifest.
 A cached copy is used only while its manifest verifies (every file hashed: they are small) and
 the loaded tokenizer matches its fingerprint; anything else is fetched again. The manifest
 records the fingerprint its files were checked against (written only after that check), so a
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import grpc
 
+from edge_client.tokenizer import DeviceTokenizer
 from edge_client.tokenizer_chunks import TokenizerChunks, TokenizerRefused
 from sled.cache import (MAX_FINGERPRINT_CHARS, CacheError, manifest_fingerprint, partial_dir,
                         publish, read_manifest, record_fingerprint, tokenizer_dir, verify_folder,
@@ -186,7 +188,5 @@ def _checked_tokenizer(partial: Path, fingerprint: str, files: dict[str, bytes],
     return tokenizer
 
 
-def _load(folder: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+def _load(folder: Path) -> DeviceTokenizer:
+    return DeviceTokenizer.load(folder)

@@ -472,9 +472,17 @@ def _kind(error: VerifyError) -> str:
 
 
 def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    """The tokenizer of a local folder (what transformers' save_pretrained writes)."""
+    from edge_client.tokenizer import DeviceTokenizer
 
-    if not Path(path).exists():
+    folder = Path(path).expanduser()
+    if not folder.exists():
         raise SettingsError(f"tokenizer folder {path} does not exist")
-    return AutoTokenizer.from_pretrained(path)
+    if not (folder / "tokenizer.json").is_file():
+        raise SettingsError(f"tokenizer folder {path} has no tokenizer.json: the device needs one "
+                            f"(transformers' save_pretrained writes it)")
+    try:
+        return DeviceTokenizer.load(folder)
+    except Exception as exc:  # tokenizers raises plain Exception on a malformed file
+        raise SettingsError(f"cannot load the tokenizer in {path}: {printable(str(exc), 200)}") from None
 

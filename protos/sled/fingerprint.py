@@ -19,7 +19,8 @@ def fingerprint_vocab(vocab: Mapping[str, int]) -> str:
 
 
 def fingerprint_tokenizer(tokenizer) -> str:
-    """Fingerprint of a transformers tokenizer (its full vocabulary, added tokens included)."""
+    """Fingerprint of a tokenizer's full vocabulary, added tokens included: transformers' tokenizer
+    and the device's edge_client.tokenizer.DeviceTokenizer of the same files give the same one."""
     return fingerprint_vocab(tokenizer.get_vocab())
 
 
