@@ -213,7 +213,8 @@ def _special_tokens(config: dict, legacy_map: dict | None) -> tuple[dict[str, st
             extras += [t for t in map(_content, value) if t and t not in extras]
         elif key.endswith("_token") and _content(value):
             own[key] = _content(value)
-    return {**named, **own}, extras
+    ordered = {key: named[key] for key in NAMED_SPECIAL if key in named}
+    return {**ordered, **own}, extras
 
 
 def _add_missing_tokens(backend: tokenizers.Tokenizer, saved: dict, named: dict[str, str],
