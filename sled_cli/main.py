@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 
 from sled import progress
+from sled.extras import MissingExtra, require_extra
 from sled_cli.flags import HelpFormatter, checked_numbers
 from sled_cli.logs import configure_logging
 
@@ -32,6 +33,7 @@ class Command:
     help: str
     verbose: bool = False      # log at INFO even without -v
     own_argv: bool = False     # parses its own flags: run(argv) gets the words after its name
+    needs: tuple[str, ...] = ()   # the extras it cannot run without (sled.extras), checked first
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,34 +43,44 @@ class Group:
     commands: dict
 
 
+SERVER, SERVER_LAB = ("server",), ("server", "lab")   # what the server-side commands need
+
 COMMANDS = {
-    "serve": Command("sled_cli.serve", "run the shared verify server", verbose=True),
+    "serve": Command("sled_cli.serve", "run the shared verify server", verbose=True, needs=SERVER),
     "generate": Command("sled_cli.generate", "generate on this device, verified by a server"),
     "device": Command("sled_cli.device", "the device daemon: local OpenAI-compatible API, MQTT, "
                       "drafting (sled device --config FILE; sled device --help lists its "
                       "settings)", own_argv=True),
     "bench": Group("benchmarks", {
         "overhead": Command("lab.bench.overhead",
-                            "per-round gRPC + scheduling overhead on loopback"),
+                            "per-round gRPC + scheduling overhead on loopback", needs=SERVER),
         "acceptance": Command("lab.bench.acceptance",
-                              "acceptance and tokens per round per drafter and k"),
+                              "acceptance and tokens per round per drafter and k",
+                              needs=SERVER_LAB),
         "serve": Command("lab.bench.serve",
-                         "sled vs centralized serving as the number of devices grows"),
+                         "sled vs centralized serving as the number of devices grows",
+                         needs=SERVER_LAB),
         "device": Command("lab.bench.device", "adaptive draft length vs fixed k per link, and "
-                          "pipelined drafting on vs off per round trip time, on emulated devices"),
-        "engine": Command("lab.bench.engine", "paged engine vs the padded fallback as contexts grow"),
+                          "pipelined drafting on vs off per round trip time, on emulated devices",
+                          needs=SERVER_LAB),
+        "engine": Command("lab.bench.engine",
+                          "paged engine vs the padded fallback as contexts grow", needs=SERVER_LAB),
         "drafter": Command("lab.bench.drafter",
-                           "GGUF/ONNX drafter vs its runtime's own generation loop"),
+                           "GGUF/ONNX drafter vs its runtime's own generation loop", needs=SERVER),
         "sdsat": Command("lab.bench.sdsat", "SAT self-drafting vs plain decoding, and SAT "
-                         "lookahead per drafter, on a SAT-tuned target"),
+                         "lookahead per drafter, on a SAT-tuned target", needs=SERVER_LAB),
         "startup": Command("lab.bench.startup", "where the wait before serving and before a "
-                           "device's first token goes, phase by phase (warm, or --cold)"),
+                           "device's first token goes, phase by phase (warm, or --cold)",
+                           needs=SERVER),
         "reliability": Command("lab.bench.reliability", "memory kept per refused prompt, round "
-                               "time under a GetTokenizer flood, slots freed from idle sessions"),
+                               "time under a GetTokenizer flood, slots freed from idle sessions",
+                               needs=SERVER),
     }),
-    "demo": Command("sled_cli.demo", "loopback demo: a server and three devices on this machine"),
+    "demo": Command("sled_cli.demo", "loopback demo: a server and three devices on this machine",
+                    needs=SERVER),
     "export-onnx": Command("sled_cli.export_onnx",
-                           "export an HF checkpoint or built-in model to ONNX (drafter)"),
+                           "export an HF checkpoint or built-in model to ONNX (drafter)",
+                           needs=("export",)),
     "models": Group("built-in offline models", {
         "list": Command("sled_cli.models_list", "aliases, their packages and cached conversions"),
         "prepare": Command("sled_cli.models_prepare",
@@ -78,14 +90,16 @@ COMMANDS = {
                           "run a workload as one device; JSON lines of progress"),
     "trace": Group("drafter traces for emulated devices", {
         "record": Command("sled_cli.trace_record",
-                          "record a drafter's proposals along the target's greedy output"),
+                          "record a drafter's proposals along the target's greedy output",
+                          needs=SERVER),
     }),
     "sdsat": Group("semantic adaptive tokens: the target drafts for itself", {
         "train": Command("sled_cli.sdsat_train",
-                         "train SATs into a causal LM (an adapter, or all weights)"),
+                         "train SATs into a causal LM (an adapter, or all weights)",
+                         needs=SERVER_LAB),
     }),
     "make-tiny": Command("sled_cli.make_tiny",
-                         "write a tiny random target + drafter pair (testing)"),
+                         "write a tiny random target + drafter pair (testing)", needs=SERVER),
 }
 
 
@@ -118,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(argv)
     except KeyboardInterrupt:   # Ctrl-C: the command's own cleanup (finally, async with) ran
         return interrupted(_command_name(argv))
+    except MissingExtra as exc:  # this install lacks what the command needs: one line, exit 2
+        print(f"{_command_name(argv)}: {exc}", file=sys.stderr, flush=True)
+        return 2
 
 
 def _dispatch(argv: list[str]) -> int:
@@ -127,6 +144,8 @@ def _dispatch(argv: list[str]) -> int:
     if isinstance(entry, Command) and entry.own_argv:
         return importlib.import_module(entry.module).run(argv[1:])
     args = parser().parse_args(argv)
+    for extra in args.entry.needs:
+        require_extra(extra, "this command")
     configure_logging(logging.INFO if args.verbose or args.entry.verbose else logging.WARNING)
     result = importlib.import_module(args.entry.module).run(args)
     return asyncio.run(result) if inspect.iscoroutine(result) else result

@@ -66,6 +66,9 @@ def _help(field) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sled.extras import require_extra
+
+    require_extra("server", "the verify server")
     flags = {name: getattr(args, name) for name in ServerSettings.model_fields if hasattr(args, name)}
     try:
         settings = load_settings(args.config, flags)

