@@ -72,6 +72,9 @@ COMMANDS = {
         "startup": Command("lab.bench.startup", "where the wait before serving and before a "
                            "device's first token goes, phase by phase (warm, or --cold)",
                            needs=SERVER),
+        "footprint": Command("lab.bench.footprint", "the device daemon's memory, start-up and "
+                             "installed size per drafter, in slim venvs and a full one",
+                             needs=SERVER_LAB),
         "reliability": Command("lab.bench.reliability", "memory kept per refused prompt, round "
                                "time under a GetTokenizer flood, slots freed from idle sessions",
                                needs=SERVER),

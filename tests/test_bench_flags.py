@@ -31,6 +31,8 @@ BAD_VALUES = [
     ("reliability", "--rounds", "0"), ("reliability", "--burst", "0"),
     ("reliability", "--slots", "0"), ("reliability", "--idle-timeout", "0"),
     ("startup", "--reps", "0"),
+    ("footprint", "--requests", "0"), ("footprint", "--max-tokens", "0"),
+    ("footprint", "--reps", "0"), ("footprint", "--slim", "gguf,server"),
 ]
 
 
@@ -208,3 +210,59 @@ def test_the_reliability_bench_runs_on_the_tiny_target(capsys, tmp_path):
     results = json.loads(out.read_text())
     assert results["refusals"]["refusals"] == 2 and results["tokenizer"]["calls"] == 12
     assert results["idle_slots"]["admitted"]
+
+
+@pytest.mark.parametrize("flag, value, said", [
+    ("--python", "/no/such/python", "--python /no/such/python: no such file"),
+    ("--source", "/tmp", "--source /tmp: not a sled source tree"),
+    ("--compare", "/no/such/before.json", "/no/such/before.json")])
+def test_a_footprint_path_that_is_not_there_is_one_line_and_exit_2(capsys, tmp_path, flag, value,
+                                                                      said):
+    """Said before any venv is built or any server starts."""
+    code, _, err = run_main(capsys, "bench", "footprint", "--slim", "none", flag, value,
+                            "--out", str(tmp_path / "footprint.json"))
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0] and "Traceback" not in err, err
+
+
+def test_the_footprint_budgets_are_the_issued_ones():
+    from lab.bench.footprint import budget
+
+    run = {"drafter": "ngram", "idle_rss_mb": 119.0, "ready_without_load_s": 1.9,
+           "model_file_mb": None}
+    assert budget(run) == []
+    assert budget({**run, "idle_rss_mb": 121.0, "ready_without_load_s": 2.1}) == \
+        ["RSS > 120", "ready > 2 s"]
+    gguf = {**run, "drafter": "gguf:gemma3-270m", "idle_rss_mb": 370.0, "model_file_mb": 253.1}
+    assert budget(gguf) == []
+    assert budget({**gguf, "idle_rss_mb": 374.0}) == ["RSS > file + 120"]
+
+
+def test_a_slim_venv_gets_a_built_in_drafter_as_its_file(monkeypatch):
+    """A venv without the model packages cannot resolve gguf:ALIAS: it is given the file the
+    alias resolves to here; the full environment keeps the alias."""
+    import drafters
+    from lab.bench.footprint import Env, _daemon_spec
+
+    monkeypatch.setattr(drafters, "resolve_spec", lambda spec: "gguf:/cache/gemma.gguf")
+    slim, full = Env("slim[gguf]", "python", extras="gguf"), Env("full", "python")
+    assert _daemon_spec(slim, "gguf:gemma3-270m") == "gguf:/cache/gemma.gguf"
+    assert _daemon_spec(full, "gguf:gemma3-270m") == "gguf:gemma3-270m"
+    assert _daemon_spec(slim, "ngram") == "ngram"
+    assert _daemon_spec(slim, "gguf:/my/own.gguf") == "gguf:/my/own.gguf"
+
+
+def test_an_environment_size_leaves_out_llama_cpp_when_asked(monkeypatch, tmp_path):
+    from lab import slim_env
+
+    (tmp_path / "llama_cpp" / "lib").mkdir(parents=True)
+    (tmp_path / "llama_cpp" / "lib" / "libllama.so").write_bytes(b"x" * 3_000_000)
+    (tmp_path / "llama_cpp_python-0.3.36.dist-info").mkdir()
+    (tmp_path / "llama_cpp_python-0.3.36.dist-info" / "RECORD").write_bytes(b"x" * 100_000)
+    (tmp_path / "numpy").mkdir()
+    (tmp_path / "numpy" / "core.so").write_bytes(b"x" * 2_000_000)
+    monkeypatch.setattr(slim_env, "site_packages", lambda python: [tmp_path])
+    size = slim_env.environment_size("python")
+    assert size["site_packages_mb"] == 5.1 and size["without_llama_cpp_mb"] == 2.0
+    assert size["largest"][0] == ["llama_cpp", 3.0]
