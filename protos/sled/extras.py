@@ -7,7 +7,7 @@ traceback ending in ModuleNotFoundError.
 """
 from __future__ import annotations
 
-import importlib
+import importlib.util
 
 
 # The modules (top-level names) each extra installs that sled imports, as pyproject.toml lists them.
@@ -27,32 +27,30 @@ class MissingExtra(ValueError):
     the configuration asking for what is not there, and every place that says a bad setting in
     one line (exit 2) says this too."""
 
-    def __init__(self, what: str, extra: str, detail: str = "") -> None:
+    def __init__(self, what: str, extra: str) -> None:
         self.extra = extra
-        super().__init__(f'{what} needs the {extra} extra: pip install "sled[{extra}]"{detail}')
+        super().__init__(f'{what} needs the {extra} extra: pip install "sled[{extra}]"')
 
 
 def require(extra: str, what: str, *modules: str) -> None:
-    """Import MODULES (top-level names) or raise MissingExtra naming EXTRA; WHAT is the thing that
-    needs them, as the message starts ("the onnx drafter")."""
+    """MissingExtra naming EXTRA unless MODULES (top-level names) are installed; WHAT is the thing
+    that needs them, as the message starts ("the onnx drafter"). Found, not imported: a check
+    before a progress line costs no import of torch."""
     for module in modules:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise MissingExtra(what, extra, _detail(module, exc)) from exc
+        if not installed(module):
+            raise MissingExtra(what, extra)
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):   # an import hook refused it, or a broken module entry
+        return False
 
 
 def require_extra(extra: str, what: str) -> None:
     """require() of every module EXTRA installs (EXTRAS)."""
     require(extra, what, *EXTRAS[extra])
-
-
-def _detail(module: str, exc: ImportError) -> str:
-    """Nothing when MODULE itself is absent; else what failed inside it (a broken install)."""
-    missing = (exc.name or "").split(".")[0]
-    if not missing or missing == module:
-        return ""
-    return f" (importing {module} failed: {exc})"
 
 
 __all__ = ["EXTRAS", "MissingExtra", "require", "require_extra"]
