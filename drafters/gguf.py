@@ -5,6 +5,9 @@ variable, else llama-cpp-python's default (half the CPU cores for decoding).
 
 Like drafters.hf it keeps the KV cache of the tokens it has seen: each proposal evaluates only the
 new suffix of the context, and rollback() drops the cache past the committed length.
+
+Its tokenizer fingerprint comes from the file's own token table (gguf_fingerprint), read with the
+gguf package's value types: no tokenizer is converted and transformers is never imported.
 """
 from __future__ import annotations
 
@@ -12,29 +15,42 @@ import contextlib
 import hashlib
 import io
 import logging
+import mmap
+import struct
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
+from gguf import GGUF_MAGIC, GGUFValueType
 
-from drafters.base import (KVDrafter, drafter_threads, read_fingerprint, tokenizer_json_fingerprint,
-                           write_fingerprint)
+from drafters.base import KVDrafter, drafter_threads, read_fingerprint, write_fingerprint
 from sled.cache import cache_dir
+from sled.fingerprint import fingerprint_vocab
 from sled.progress import phase
 
 log = logging.getLogger("sled.drafter")
 
-_FINGERPRINTS: dict[str, str] = {}  # cache key (file, size, mtime, transformers) -> fingerprint
+MODEL_KEY, TOKENS_KEY = "tokenizer.ggml.model", "tokenizer.ggml.tokens"
+# How gguf_vocab spells the tokens; a cached fingerprint made by other rules is made again.
+RULES = "gguf-tokens-1"
+_FINGERPRINTS: dict[str, str] = {}  # cache key (file, size, mtime, RULES) -> fingerprint
+
+# struct formats of the fixed-size GGUF value types
+_SCALARS = {
+    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
+}
 
 
 class GGUFDrafter(KVDrafter):
     capacity_name = "n_ctx"
 
     def __init__(self, path: str | Path, n_threads: int | None = None, n_ctx: int = 4096,
-                 q_support: int = 32, converted: Path | None = None) -> None:
+                 q_support: int = 32) -> None:
         super().__init__()
         self.path = Path(path)
-        self.converted = converted   # a transformers copy of this GGUF (a built-in's), if any
         self.llm = open_llama(self.path, n_threads, n_ctx)
         self.name = f"gguf:{self.path}"
         self.q_support = q_support
@@ -44,7 +60,7 @@ class GGUFDrafter(KVDrafter):
 
     @property
     def tokenizer_fingerprint(self) -> str:
-        return gguf_fingerprint(self.path, self.converted)
+        return gguf_fingerprint(self.path)
 
     def _truncate(self, length: int) -> int:
         memory = llama_cpp.llama_get_memory(self.llm.ctx)
@@ -77,30 +93,26 @@ def open_llama(path: Path, n_threads: int | None = None, n_ctx: int = 4096) -> l
                                swa_full=True, verbose=False)
 
 
-def gguf_fingerprint(path: Path, converted: Path | None = None) -> str:
-    """sled.fingerprint of the tokenizer transformers converts from this GGUF file.
+def gguf_fingerprint(path: Path) -> str:
+    """sled.fingerprint of the tokenizer the GGUF file carries in its metadata.
 
-    That is what a target loaded (or converted) from the same GGUF reports, so a drafter and a
-    target from one file match. The conversion takes seconds (gemma3: ~20 s), so the result is
-    cached in memory and in $SLED_CACHE/fingerprints, keyed by file, size, mtime and the
-    transformers version (the conversion's rules change between versions; read from the package's
-    metadata, so a cached fingerprint costs no import of transformers). A cached entry is
-    used only when it is whole: it names its key, holds a well-formed fingerprint and a sha256
-    of both (a truncated or altered entry is computed again). When the file is a built-in
-    model's whose transformers copy is cached (CONVERTED), the fingerprint is read from that
-    copy's tokenizer.json (a few seconds) instead of converting the GGUF again.
+    The (id, token) table is tokenizer.ggml.tokens, spelled the way transformers' conversion of
+    the same file spells it (gguf_vocab), so a drafter and a target loaded or converted from one
+    file match, with no transformers on the device. Reading gemma3's 262k tokens takes about a
+    second, so the result is cached in memory and in $SLED_CACHE/fingerprints, keyed by file,
+    size, mtime and RULES. A cached entry is used only when it is whole: it names its key, holds a
+    well-formed fingerprint and a sha256 of both (a truncated or altered entry is computed again).
     """
     stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_transformers_version()}"
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{RULES}"
     if key in _FINGERPRINTS:
         return _FINGERPRINTS[key]
     file = cache_dir() / "fingerprints" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
     fingerprint = read_fingerprint(file, key)
     if fingerprint is None:
-        first = " (first use of this file, seconds)" if converted else \
-            " (first use of this file, up to half a minute)"
-        with phase("drafter.fingerprint", f"fingerprinting the tokenizer of {path.name}{first}"):
-            fingerprint = _fingerprint_of(path, converted)
+        with phase("drafter.fingerprint", f"fingerprinting the tokenizer of {path.name} "
+                   "(first use of this file, a few seconds)"):
+            fingerprint = fingerprint_vocab(gguf_vocab(path))
         write_fingerprint(file, key, fingerprint)
     else:
         log.debug("drafter tokenizer fingerprint of %s read from %s", path.name, file)
@@ -108,23 +120,85 @@ def gguf_fingerprint(path: Path, converted: Path | None = None) -> str:
     return fingerprint
 
 
-def _transformers_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+def gguf_vocab(path: Path) -> dict[str, int]:
+    """token -> id from the file's tokenizer.ggml.tokens. A SentencePiece vocabulary
+    (tokenizer.ggml.model "llama", e.g. gemma3) stores a space as " " where transformers' tokenizer
+    says "\u2581"; a byte-level BPE one ("gpt2", e.g. smollm2) is taken as stored."""
+    fields = read_metadata(path, (MODEL_KEY, TOKENS_KEY))
+    if TOKENS_KEY not in fields:
+        raise ValueError(f"GGUF drafter: {path} carries no tokenizer (no {TOKENS_KEY})")
+    tokens = fields[TOKENS_KEY]
+    if fields.get(MODEL_KEY) == "llama":
+        tokens = [token.replace(" ", "\u2581") for token in tokens]
+    return {token: token_id for token_id, token in enumerate(tokens)}
 
+
+def read_metadata(path: Path, keys: tuple[str, ...]) -> dict:
+    """The values of KEYS from the GGUF header (the key-value part only; tensors are not read).
+
+    gguf.GGUFReader would do, but it makes a numpy view per array element: three arrays of 262k
+    (gemma3's tokens, scores and types) take it twenty seconds and more on a small CPU. This walks
+    the same layout (the gguf package's value types) and skips what it does not need."""
     try:
-        return version("transformers")
-    except PackageNotFoundError:
-        return "none"
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            header = _Header(data)
+            found = {}
+            for _ in range(header.count("Q")):
+                key = header.string()
+                kind = GGUFValueType(header.count("I"))
+                if key in keys:
+                    found[key] = header.value(kind)
+                else:
+                    header.skip(kind)
+            return found
+    except (ValueError, struct.error) as exc:   # empty, cut short, or not GGUF at all
+        raise ValueError(f"GGUF drafter: cannot read the metadata of {path}: {exc}") from None
 
 
-def _fingerprint_of(path: Path, converted: Path | None) -> str:
-    """The fingerprint from the converted copy's tokenizer.json when there is one, else from the
-    tokenizer transformers converts out of the GGUF's metadata."""
-    from sled.fingerprint import fingerprint_tokenizer
+class _Header:
+    """A cursor over a GGUF file's header: magic, version, tensor and key-value counts, then the
+    key-value pairs (byte order from the version, as gguf.GGUFReader decides it)."""
 
-    if converted is not None and (converted / "tokenizer.json").is_file():
-        return tokenizer_json_fingerprint(converted / "tokenizer.json")
-    import transformers
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data, self.offset = data, 0
+        magic, version = struct.unpack_from("<II", data, 0)
+        if magic != GGUF_MAGIC:
+            raise ValueError("not a GGUF file (bad magic)")
+        self.order = ">" if version & 0xFFFF == 0 else "<"   # big-endian: the version swapped
+        self.offset = 8
+        self.count("Q")                                      # tensors: not read here
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return fingerprint_tokenizer(tokenizer)
+    def count(self, fmt: str) -> int:
+        (value,) = struct.unpack_from(self.order + fmt, self.data, self.offset)
+        self.offset += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.count("Q")
+        raw = self.data[self.offset:self.offset + length]
+        self.offset += length
+        return raw.decode("utf-8", "surrogateescape")
+
+    def value(self, kind: GGUFValueType):
+        if kind == GGUFValueType.STRING:
+            return self.string()
+        if kind == GGUFValueType.ARRAY:
+            item, length = GGUFValueType(self.count("I")), self.count("Q")
+            return [self.value(item) for _ in range(length)]
+        (value,) = struct.unpack_from(self.order + _SCALARS[kind], self.data, self.offset)
+        self.offset += struct.calcsize(_SCALARS[kind])
+        return value
+
+    def skip(self, kind: GGUFValueType) -> None:
+        if kind == GGUFValueType.ARRAY:
+            item, length = GGUFValueType(self.count("I")), self.count("Q")
+            if item in _SCALARS:     # fixed-size items: one jump
+                self.offset += length * struct.calcsize(_SCALARS[item])
+            else:
+                for _ in range(length):
+                    self.skip(item)
+        elif kind == GGUFValueType.STRING:
+            length = self.count("Q")
+            self.offset += length
+        else:
+            self.offset += struct.calcsize(_SCALARS[kind])

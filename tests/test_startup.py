@@ -110,14 +110,17 @@ def test_a_warm_gguf_drafter_reads_its_fingerprint_from_the_cache(tmp_path):
 
 @pytest.mark.slow
 def test_the_fingerprint_from_a_converted_copy_is_the_gguf_conversions():
-    from drafters.gguf import _fingerprint_of
+    from drafters.base import tokenizer_json_fingerprint
+    from drafters.gguf import gguf_vocab
+    from sled.fingerprint import fingerprint_vocab
     from sled.models import converted_checkpoint, gguf_path
 
     converted = converted_checkpoint("smollm2-135m")
     if converted is None:
         pytest.skip("smollm2-135m has no converted copy in the sled cache (sled models prepare)")
     path = gguf_path("smollm2-135m")
-    assert _fingerprint_of(path, converted) == _fingerprint_of(path, None)
+    assert fingerprint_vocab(gguf_vocab(path)) == \
+        tokenizer_json_fingerprint(converted / "tokenizer.json")
 
 
 ONNX_EXPORT = Path.home() / ".cache" / "sled" / "onnx" / "smollm2-135m-int4"
