@@ -10,6 +10,7 @@ The source is copied first, so installing never writes build output into a worki
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -86,23 +87,50 @@ def importable(python: str | Path, modules: list[str]) -> dict[str, bool]:
     return _ask(python, code)
 
 
-def _tree_bytes(path: Path) -> int:
-    """Bytes of the files under PATH (a file: its own), links not followed."""
-    if path.is_symlink() or path.is_file():
-        return path.lstat().st_size
-    return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() or p.is_symlink())
+def _owners(folder: Path) -> dict[Path, str]:
+    """Each file a distribution installed under FOLDER (its RECORD) -> the distribution's name.
+    llama-cpp-python also puts lib/, include/ and bin/ there: RECORD finds them all."""
+    owners = {}
+    for record in folder.glob("*.dist-info/RECORD"):
+        name = record.parent.name.split("-")[0].lower()
+        for line in record.read_text(errors="replace").splitlines():
+            path = Path(os.path.normpath(folder / line.rsplit(",", 2)[0]))
+            if path.is_relative_to(folder):
+                owners[path] = name
+    return owners
+
+
+def _sizes(folder: Path) -> dict[str, int]:
+    """Bytes per distribution in FOLDER; a file no RECORD names (a later __pycache__) counts
+    for the distribution whose files share its folder, else for its top-level entry."""
+    root = folder.resolve()
+    owners = _owners(root)
+    folders = {}
+    for path, name in owners.items():
+        folders.setdefault(path.parent, name)
+    sizes: dict[str, int] = {}
+    for path in root.rglob("*"):
+        if path.is_dir() and not path.is_symlink():
+            continue
+        owner = owners.get(path)
+        parent = path.parent
+        while owner is None and parent != root:
+            owner, parent = folders.get(parent), parent.parent
+        owner = owner or path.relative_to(root).parts[0].lower()
+        sizes[owner] = sizes.get(owner, 0) + path.lstat().st_size
+    return sizes
 
 
 def environment_size(python: str | Path, largest: int = 8) -> dict:
     """MB (10^6 bytes, files' own sizes) of PYTHON's site-packages, the same without
-    llama-cpp-python, and the LARGEST top-level entries."""
-    entries: dict[str, int] = {}
+    llama-cpp-python, and the LARGEST distributions."""
+    sizes: dict[str, int] = {}
     for folder in site_packages(python):
-        for entry in folder.iterdir():
-            entries[entry.name] = entries.get(entry.name, 0) + _tree_bytes(entry)
-    total = sum(entries.values())
-    llama = sum(size for name, size in entries.items() if name.lower().startswith(LLAMA_CPP))
-    top = sorted(entries.items(), key=lambda item: -item[1])[:largest]
+        for name, size in _sizes(folder).items():
+            sizes[name] = sizes.get(name, 0) + size
+    total = sum(sizes.values())
+    llama = sum(size for name, size in sizes.items() if name.startswith(LLAMA_CPP))
+    top = sorted(sizes.items(), key=lambda item: -item[1])[:largest]
     return {"site_packages_mb": round(total / MB, 1),
             "without_llama_cpp_mb": round((total - llama) / MB, 1),
             "largest": [[name, round(size / MB, 1)] for name, size in top]}

@@ -254,15 +254,23 @@ def test_a_slim_venv_gets_a_built_in_drafter_as_its_file(monkeypatch):
 
 
 def test_an_environment_size_leaves_out_llama_cpp_when_asked(monkeypatch, tmp_path):
+    """What llama-cpp-python installed, its RECORD says (lib/ beside its package too); a file no
+    RECORD names counts for the distribution whose files share its folder."""
     from lab import slim_env
 
-    (tmp_path / "llama_cpp" / "lib").mkdir(parents=True)
-    (tmp_path / "llama_cpp" / "lib" / "libllama.so").write_bytes(b"x" * 3_000_000)
-    (tmp_path / "llama_cpp_python-0.3.36.dist-info").mkdir()
-    (tmp_path / "llama_cpp_python-0.3.36.dist-info" / "RECORD").write_bytes(b"x" * 100_000)
-    (tmp_path / "numpy").mkdir()
-    (tmp_path / "numpy" / "core.so").write_bytes(b"x" * 2_000_000)
+    files = {"llama_cpp/llama.py": 1_000_000, "lib/libggml.so": 2_000_000,
+             "llama_cpp/__pycache__/llama.cpython-311.pyc": 500_000,
+             "numpy/core.so": 2_000_000, "numpy/__init__.py": 100_000, "six.py": 400_000}
+    for name, size in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x" * size)
+    records = {"llama_cpp_python-0.3.36": ["llama_cpp/llama.py", "lib/libggml.so"],
+               "numpy-2.1.0": ["numpy/core.so", "numpy/__init__.py"]}
+    for dist, recorded in records.items():
+        (tmp_path / f"{dist}.dist-info").mkdir()
+        (tmp_path / f"{dist}.dist-info" / "RECORD").write_text(
+            "".join(f"{name},sha256=x,{files[name]}\n" for name in recorded))
     monkeypatch.setattr(slim_env, "site_packages", lambda python: [tmp_path])
     size = slim_env.environment_size("python")
-    assert size["site_packages_mb"] == 5.1 and size["without_llama_cpp_mb"] == 2.0
-    assert size["largest"][0] == ["llama_cpp", 3.0]
+    assert size["site_packages_mb"] == 6.0 and size["without_llama_cpp_mb"] == 2.5
+    assert size["largest"][:3] == [["llama_cpp_python", 3.5], ["numpy", 2.1], ["six.py", 0.4]]
