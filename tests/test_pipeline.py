@@ -18,9 +18,10 @@ from edge_client.speculation import Speculation
 from lab.link import link_transport
 from lab.profiles import DeviceProfile, Link, LinkProfile
 from lab.traces import Trace, TraceDrafter
-from sled.sampling import Sampling, warp
+from sled.sampling import Sampling
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from test_sampling_e2e import total_variation
+from verify_server.warp import warp
 
 MAX_NEW = 24
 LINK = LinkProfile("test", rtt_ms=6.0, jitter_ms=1.0, bandwidth_mbps=0.0)

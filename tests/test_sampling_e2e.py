@@ -11,8 +11,9 @@ import torch
 
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
-from sled.sampling import Sampling, warp
+from sled.sampling import Sampling
 from sled.v1 import verifier_pb2_grpc as pb_grpc
+from verify_server.warp import warp
 
 SAMPLING = Sampling(temperature=1.0, top_k=12)
 COUNTS = (200, 800, 3200)

@@ -1,5 +1,6 @@
-"""sled.sampling: warp() is exactly transformers' temperature -> top-k -> top-p warpers + softmax,
-and Sampling validates its fields and reads the wire message the way the proto documents."""
+"""verify_server.warp: the server's warp() is exactly transformers' temperature -> top-k -> top-p
+warpers + softmax, and Sampling validates its fields and reads the wire message the way the proto
+documents. (The device's numpy warp is held to this one in test_sampling_warp.py.)"""
 from __future__ import annotations
 
 import itertools
@@ -14,8 +15,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from sled.sampling import Sampling, warp
+from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
+from verify_server.warp import warp
 
 VOCAB = 50
 TEMPERATURES = (0.3, 0.7, 1.0, 1.8)

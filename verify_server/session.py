@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sled.sampling import Sampling, new_generator
+from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from verify_server.acceptance import Outcome
 from verify_server.kv import SessionKV
+from verify_server.warp import new_generator
 
 
 @dataclass(slots=True, eq=False)

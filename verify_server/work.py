@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sled.sampling import warp
 from verify_server.acceptance import DraftQ, Outcome, verify_greedy, verify_sampling
 from verify_server.engine import Row
 from verify_server.session import Session
+from verify_server.warp import warp
 
 
 @dataclass(slots=True, eq=False)
