@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
-import torch
 
 from sled.cache import write_atomically
 from sled.sampling import Sampling, warp
@@ -43,7 +42,7 @@ class Drafter(Protocol):
     tokenizer_fingerprint: str | None
 
     def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
-                generator: torch.Generator | None = None) -> Proposal:
+                generator: np.random.Generator | None = None) -> Proposal:
         """Draft draft_len >= 1 tokens continuing `context` (prompt + committed tokens)."""
         ...
 
@@ -87,31 +86,40 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def choose_token(logits: torch.Tensor | np.ndarray, sampling: Sampling, q_support: int,
-                 generator: torch.Generator | None = None) -> tuple[int, SparseQ | None]:
-    """One draft token from logits [vocab] (torch or numpy): the argmax, or a draw with its q."""
+def choose_token(logits: np.ndarray, sampling: Sampling, q_support: int,
+                 generator: np.random.Generator | None = None) -> tuple[int, SparseQ | None]:
+    """One draft token from logits [vocab]: the argmax, or a draw with its q."""
     if sampling.greedy:
-        return int(logits.argmax()), None
+        return int(np.argmax(logits)), None
     # Sample from the warped distribution truncated to q_support ids: that truncated q is
     # exactly what was sampled from, so the server's rejection sampling stays exact.
-    probs = warp(torch.as_tensor(logits), sampling)
-    top = torch.topk(probs, min(q_support, probs.shape[-1]))
-    support = top.values[top.values > 0]
-    ids = top.indices[: len(support)]
-    q = support / support.sum()
-    pick = int(torch.multinomial(q, 1, generator=generator))
-    return int(ids[pick]), SparseQ(ids.tolist(), q.float().tolist())
+    ids, q = truncated_q(warp(logits, sampling), q_support)
+    rng = generator if generator is not None else np.random.default_rng()
+    cumulative = np.cumsum(q)                                   # [support]
+    pick = min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")),
+               len(ids) - 1)
+    return int(ids[pick]), SparseQ(ids.tolist(), q.tolist())
 
 
-def token_confidence(logits: torch.Tensor | np.ndarray, token: int, q: SparseQ | None) -> float:
+def truncated_q(probs: np.ndarray, q_support: int) -> tuple[np.ndarray, np.ndarray]:
+    """The q_support most likely ids of probs [vocab] with nonzero probability, most likely
+    first (equal ones: lower id first), and their probabilities renormalised: ([n], [n] float64).
+    Of ids tied at the cut, which are kept is argpartition's choice (fixed for given probs)."""
+    n = min(q_support, probs.shape[-1])
+    top = np.argpartition(probs, probs.shape[-1] - n)[-n:]      # [n] the n most likely, any order
+    top = top[np.lexsort((top, -probs[top]))]                   # most likely first
+    top = top[probs[top] > 0]
+    support = probs[top].astype(np.float64)
+    return top, support / support.sum()
+
+
+def token_confidence(logits: np.ndarray, token: int, q: SparseQ | None) -> float:
     """The drafter's probability of the token it drafted from logits [vocab]: q(token) when it
     was sampled, else (greedy) the softmax maximum, 1 / sum(exp(logits - max))."""
     if q is not None:
         return q.probs[q.ids.index(token)]
-    if isinstance(logits, np.ndarray):
-        return 1.0 / float(np.exp(logits - logits.max(), dtype=np.float64).sum())
-    scores = logits.double()
-    return 1.0 / float(torch.exp(scores - scores.max()).sum())
+    scores = np.asarray(logits, dtype=np.float64)
+    return 1.0 / float(np.exp(scores - scores.max()).sum())
 
 
 def drafter_threads(n_threads: int | None) -> int | None:
@@ -137,7 +145,7 @@ class KVDrafter:
         self.evaluated = 0               # tokens run through the model so far
 
     def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
-                generator: torch.Generator | None = None, *, min_confidence: float = 0.0,
+                generator: np.random.Generator | None = None, *, min_confidence: float = 0.0,
                 with_confidence: bool = False) -> Proposal:
         """Draft up to draft_len tokens; with min_confidence > 0 the draft ends after the first token the
         drafter is less sure of than that (at least one token is always drafted)."""

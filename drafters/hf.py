@@ -1,6 +1,7 @@
 """A transformers causal LM as drafter (any AutoModelForCausalLM that shares the target's ids)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
@@ -35,10 +36,10 @@ class HFDrafter(KVDrafter):
         return length
 
     @torch.inference_mode()
-    def _run(self, tokens: list[int]) -> torch.Tensor:  # [vocab]
+    def _run(self, tokens: list[int]) -> np.ndarray:  # [vocab] float32, for choose_token
         start = len(self._seen)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(tokens), device=self.device)[None]
         out = self.model(input_ids=ids, position_ids=positions, past_key_values=self._cache,
                          use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float()
+        return out.logits[0, -1].float().cpu().numpy()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
 from drafters.base import Proposal
 from sled.sampling import Sampling
@@ -24,7 +24,7 @@ class NgramDrafter:
         self.name = f"ngram:{max_ngram}"
 
     def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
-                generator: torch.Generator | None = None) -> Proposal:
+                generator: np.random.Generator | None = None) -> Proposal:
         tokens = list(context)
         draft: list[int] = []
         while len(draft) < draft_len:

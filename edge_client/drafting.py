@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
 from drafters.base import Drafter, Proposal, reports_confidence
 from sled.sampling import Sampling
@@ -32,7 +32,7 @@ class SharedDrafter:
         return reports_confidence(self.inner)
 
     def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
-                generator: torch.Generator | None = None, **options) -> Proposal:
+                generator: np.random.Generator | None = None, **options) -> Proposal:
         with self._lock:
             return self.inner.propose(context, draft_len, sampling, generator, **options)
 

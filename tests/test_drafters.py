@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -150,7 +151,7 @@ def test_hf_greedy_matches_transformers_generate(models, tokenizer, prompts, arc
 
 
 def sampled(drafter: HFDrafter, context: list[int], k: int, seed: int) -> Proposal:
-    return drafter.propose(context, k, SAMPLING, torch.Generator().manual_seed(seed))
+    return drafter.propose(context, k, SAMPLING, np.random.default_rng(seed))
 
 
 
@@ -209,7 +210,7 @@ def test_hf_sampling_returns_q_per_token(models, tokenizer, prompts, sampling, q
     drafter = HFDrafter(models["llama"], tokenizer, q_support=q_support)
     widths = []
     for seed, context in enumerate(prompts):
-        proposal = drafter.propose(context, 6, sampling, torch.Generator().manual_seed(seed))
+        proposal = drafter.propose(context, 6, sampling, np.random.default_rng(seed))
         widths += assert_valid_q(proposal, 6, sampling, q_support, len(tokenizer))
     if sampling.top_p == 1.0 and sampling.top_k == 0:
         assert max(widths) == q_support  # truncated to q_support, not narrower

@@ -7,6 +7,7 @@ import math
 import time
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -33,10 +34,10 @@ class ScriptedDrafter(KVDrafter):
         super().__init__()
         self.confidence = confidence
 
-    def _run(self, tokens: list[int]) -> torch.Tensor:  # [vocab]
+    def _run(self, tokens: list[int]) -> np.ndarray:  # [vocab]
         position = len(self._seen) + len(tokens)            # of the token these logits draft
         c = self.confidence.get(position, 0.99)
-        logits = torch.full((VOCAB,), math.log((1 - c) / (VOCAB - 1)))
+        logits = np.full(VOCAB, math.log((1 - c) / (VOCAB - 1)), dtype=np.float32)
         logits[position % VOCAB] = math.log(c)
         return logits
 
@@ -87,7 +88,7 @@ def test_confidence_is_the_drafters_probability_of_its_token(drafter_models, tok
         probs = model(torch.tensor([prompts[0]])).logits[0, -1].softmax(-1)
     assert greedy.confidence[0] == pytest.approx(float(probs.max()), rel=1e-6)
     sampling = Sampling(temperature=0.8, top_k=10)
-    sampled = drafter.propose(prompts[0], 3, sampling, torch.Generator().manual_seed(1),
+    sampled = drafter.propose(prompts[0], 3, sampling, np.random.default_rng(1),
                               with_confidence=True)
     for token, q, confidence in zip(sampled.token_ids, sampled.q, sampled.confidence):
         assert confidence == q.probs[q.ids.index(token)]

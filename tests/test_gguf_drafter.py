@@ -3,6 +3,7 @@ rollback equals a fresh drafter, only new tokens are evaluated, sampled q are va
 specs load, and the tokenizer fingerprint is the one transformers converts from the same file."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,7 +56,7 @@ def native_greedy(native: llama_cpp.Llama, context: list[int], n: int) -> list[i
 
 
 def sampled(drafter: GGUFDrafter, context: list[int], k: int, seed: int) -> Proposal:
-    return drafter.propose(context, k, SAMPLING, torch.Generator().manual_seed(seed))
+    return drafter.propose(context, k, SAMPLING, np.random.default_rng(seed))
 
 
 def assert_same_proposal(got: Proposal, want: Proposal) -> None:
@@ -142,7 +143,7 @@ def test_sampling_returns_a_valid_sparse_q_per_token(path, context, sampling, q_
     drafter = new_drafter(path, q_support=q_support)
     widths = []
     for seed in range(3):
-        proposal = drafter.propose(context[:8 + 4 * seed], 6, sampling, torch.Generator().manual_seed(seed))
+        proposal = drafter.propose(context[:8 + 4 * seed], 6, sampling, np.random.default_rng(seed))
         widths += assert_valid_q(proposal, 6, sampling, q_support, drafter.n_vocab)
     if sampling.top_p == 1.0 and sampling.top_k == 0:
         assert max(widths) == q_support  # truncated to q_support, not narrower

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,7 +61,7 @@ def greedy_oracle(model, context: list[int], k: int) -> list[int]:
 
 def sampled(drafter: ONNXDrafter, context: list[int], k: int, seed: int,
             sampling: Sampling = SAMPLING) -> Proposal:
-    return drafter.propose(context, k, sampling, torch.Generator().manual_seed(seed))
+    return drafter.propose(context, k, sampling, np.random.default_rng(seed))
 
 
 def assert_same_proposal(got: Proposal, want: Proposal) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
 from drafters.base import Proposal, stop_index
 from lab.traces.format import Trace
@@ -42,7 +42,7 @@ class TraceDrafter:
         return self.trace.confidences is not None
 
     def propose(self, context: Sequence[int], k: int, sampling: Sampling,
-                generator: torch.Generator | None = None, *, min_confidence: float = 0.0,
+                generator: np.random.Generator | None = None, *, min_confidence: float = 0.0,
                 with_confidence: bool = False) -> Proposal:
         if not sampling.greedy:
             raise ValueError("a trace replays greedy drafts only: use temperature 0")
@@ -67,7 +67,7 @@ class TraceDrafter:
         return Proposal(tokens, None, confidence if scored else None)
 
     async def apropose(self, context: Sequence[int], k: int, sampling: Sampling,
-                       generator: torch.Generator | None = None, **options) -> Proposal:
+                       generator: np.random.Generator | None = None, **options) -> Proposal:
         """propose() after the emulated drafting time, without a thread.
 
         A draft costs the device profile's time for the tokens drafted (k, or fewer after an

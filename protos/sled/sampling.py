@@ -1,16 +1,16 @@
 """What SamplingParams mean: the warp from logits to the distribution a token is drawn from.
 
-The server applies it to the target's logits to get p; drafters apply it to their own logits
-before drawing, so q tends towards p. Order and tie rules follow transformers' warpers:
-temperature, then top-k (ties at the k-th value kept), then top-p (smallest set whose mass
-reaches top_p, at least one token).
+Drafters apply it (numpy, here) to their own logits before drawing, so q tends towards p; the
+server applies its torch twin (verify_server.warp) to the target's logits to get p. Order and
+tie rules follow transformers' warpers: temperature, then top-k (ties at the k-th value kept),
+then top-p (smallest set whose mass reaches top_p, at least one token).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,36 +58,50 @@ class Sampling:
 DRAFTER_SEED_OFFSET = 0x5EED
 
 
-def new_generator(sampling: Sampling, offset: int = 0) -> torch.Generator | None:
-    """The random stream of one request: None when greedy; seeded with seed + offset when the
-    request has a seed (so it repeats); otherwise seeded from the OS, so unseeded requests
-    never share a stream. The one place sled makes a sampling generator."""
+def new_generator(sampling: Sampling, offset: int = 0) -> np.random.Generator | None:
+    """The device's random stream of one request: None when greedy; seeded with seed + offset
+    when the request has a seed (so it repeats); otherwise seeded from the OS, so unseeded
+    requests never share a stream. The one place the device makes a sampling generator (the
+    server's twin, a torch.Generator, is verify_server.warp.new_generator)."""
     if sampling.greedy:
         return None
-    generator = torch.Generator()
     if sampling.seed is not None:
-        generator.manual_seed((sampling.seed + offset) % 2**64)   # torch takes 64 bits
-    else:
-        generator.seed()
-    return generator
+        return np.random.default_rng((sampling.seed + offset) % 2**64)
+    return np.random.default_rng()
 
 
-def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+def warp(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
     """Probabilities to sample from, for sampling mode.
 
-    logits: [..., vocab] -> probs: [..., vocab] in float32/64, rows sum to 1.
+    logits: [..., vocab] -> probs: [..., vocab] float64, rows sum to 1. The same steps as the
+    server's torch warp (verify_server.warp), so a drafter's q follows the rules p follows.
     """
     if sampling.greedy:
         raise ValueError("warp() is for sampling; greedy takes the argmax of the logits")
-    scores = logits.to(torch.float64) / sampling.temperature
-    if 0 < sampling.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+    scores = np.asarray(logits, dtype=np.float64) / sampling.temperature   # [..., vocab]
+    vocab = scores.shape[-1]
+    if 0 < sampling.top_k < vocab:
+        kth = np.partition(scores, vocab - sampling.top_k, axis=-1)[..., vocab - sampling.top_k, None]
+        scores = np.where(scores < kth, -np.inf, scores)      # ties at the k-th value stay
     if sampling.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cumulative <= (1.0 - sampling.top_p)
-        remove_sorted[..., -1] = False  # always keep the most likely token
-        remove = remove_sorted.scatter(-1, order, remove_sorted)
-        scores = scores.masked_fill(remove, float("-inf"))
-    return scores.softmax(dim=-1)
+        scores = np.where(_outside_nucleus(scores, sampling.top_p), -np.inf, scores)
+    return _softmax(scores)
+
+
+def _outside_nucleus(scores: np.ndarray, top_p: float) -> np.ndarray:
+    """[..., vocab] True where top-p drops a token: in ascending order, those whose cumulative
+    mass is <= 1 - top_p, never the most likely. Tied scores go in id order (a stable sort), as
+    torch's sort orders them on rows of up to 16 and whenever it sorts stably."""
+    order = np.argsort(scores, axis=-1, kind="stable")                   # [..., vocab] ascending
+    cumulative = np.cumsum(_softmax(np.take_along_axis(scores, order, axis=-1)), axis=-1)
+    remove_sorted = cumulative <= (1.0 - top_p)
+    remove_sorted[..., -1] = False  # always keep the most likely token
+    remove = np.empty_like(remove_sorted)
+    np.put_along_axis(remove, order, remove_sorted, axis=-1)
+    return remove
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    """softmax over the last axis, computed as torch computes it: exp(x - max) * (1 / sum)."""
+    shifted = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return shifted * (1.0 / shifted.sum(axis=-1, keepdims=True))
