@@ -246,7 +246,7 @@ def test_a_slim_venv_gets_a_built_in_drafter_as_its_file(monkeypatch):
     from lab.bench.footprint import Env, _daemon_spec
 
     monkeypatch.setattr(drafters, "resolve_spec", lambda spec: "gguf:/cache/gemma.gguf")
-    slim, full = Env("slim[gguf]", "python", extras="gguf"), Env("full", "python")
+    slim, full = Env("slim gguf", "python", extras="gguf"), Env("full", "python")
     assert _daemon_spec(slim, "gguf:gemma3-270m") == "gguf:/cache/gemma.gguf"
     assert _daemon_spec(full, "gguf:gemma3-270m") == "gguf:gemma3-270m"
     assert _daemon_spec(slim, "ngram") == "ngram"

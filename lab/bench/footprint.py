@@ -127,18 +127,20 @@ def _check_paths(args) -> None:
 
 def _environments(args, venvs: Path, console) -> list[Env]:
     """--python's environment, then a slim venv per --slim extra (built, or reused in --venvs)."""
+    from rich.markup import escape
+
     from lab import slim_env
 
     envs = [Env(args.label, args.python, args.source)]
     extras = [e.strip() for e in args.slim.split(",") if e.strip() and e.strip() != "none"]
     for extra in extras:
-        with console.status(f"building a venv with sled[{extra}] (pip's cache; minutes the "
-                            "first time)"):
+        with console.status(escape(f"building a venv with sled[{extra}] (pip's cache; "
+                                   "minutes the first time)")):
             try:
                 python = slim_env.build(venvs / f"slim-{extra}", extra, args.source or slim_env.REPO)
             except (slim_env.BuildError, subprocess.TimeoutExpired) as exc:
                 raise harness.Stop(f"the slim venv sled[{extra}]: {exc}") from None
-        envs.append(Env(f"slim[{extra}]", str(python), None, extra))
+        envs.append(Env(f"slim {extra}", str(python), None, extra))
     for env in envs:
         with console.status(f"sizing {env.name}"):
             env.size = slim_env.environment_size(env.python)
