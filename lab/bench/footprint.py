@@ -97,7 +97,7 @@ class Env:
 async def bench(args) -> int:
     from sled.models import resolve_model
 
-    console = harness.bench_console()
+    console = harness.bench_console(150)
     specs = [spec.strip() for spec in args.drafters.split(",") if spec.strip()]
     compare = _load_compare(args.compare)
     _check_paths(args)
