@@ -29,7 +29,8 @@ class BuildError(RuntimeError):
     """pip or venv failed: the message is the last line it wrote."""
 
 
-def build(folder: str | Path, extras: str, source: str | Path = REPO, timeout: float = 1800) -> Path:
+def build(folder: str | Path, extras: str, source: str | Path = REPO,
+          timeout: float = 1800) -> Path:
     """A venv in FOLDER with SOURCE installed with EXTRAS ("gguf", "gguf,onnx", "" for the core
     alone); its python. An existing venv in FOLDER is reused as it is."""
     folder = Path(folder)
@@ -67,7 +68,8 @@ def _run(command: list[str], timeout: float) -> None:
 
 def _ask(python: str | Path, code: str) -> object:
     """The JSON that CODE prints when run by PYTHON (in the environment that python belongs to)."""
-    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=tempfile.gettempdir())     # not a folder with sled's code in it
     if done.returncode != 0:
         raise BuildError(f"{python} could not run: {done.stderr.strip()[-300:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

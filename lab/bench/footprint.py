@@ -137,7 +137,8 @@ def _environments(args, venvs: Path, console) -> list[Env]:
         with console.status(escape(f"building a venv with sled[{extra}] (pip's cache; "
                                    "minutes the first time)")):
             try:
-                python = slim_env.build(venvs / f"slim-{extra}", extra, args.source or slim_env.REPO)
+                source = args.source or slim_env.REPO
+                python = slim_env.build(venvs / f"slim-{extra}", extra, source)
             except (slim_env.BuildError, subprocess.TimeoutExpired) as exc:
                 raise harness.Stop(f"the slim venv sled[{extra}]: {exc}") from None
         envs.append(Env(f"slim {extra}", str(python), None, extra))
@@ -211,15 +212,17 @@ class Daemon:
         self.port = free_port()
         config.write_text(json.dumps({"id": "footprint", "servers": [address], "drafter": spec,
                                       "host": "127.0.0.1", "port": self.port}))   # JSON is YAML
-        environ = dict(os.environ)
+        # Run where no sled code lies (python -c puts the working folder first on sys.path), so
+        # an environment runs its own installed copy, or --source's.
+        environ = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
         if env.source:
             environ["PYTHONPATH"] = os.pathsep.join([env.source, str(Path(env.source) / "protos")])
         self.lines: list[str] = []
         self.model = ""
         self.started = time.monotonic()
         self.proc = subprocess.Popen([env.python, "-c", DAEMON, "device", "--config", str(config)],
-                                     cwd=env.source, env=environ, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
+                                     cwd=env.source or config.parent, env=environ,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
