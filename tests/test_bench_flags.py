@@ -274,3 +274,29 @@ def test_an_environment_size_leaves_out_llama_cpp_when_asked(monkeypatch, tmp_pa
     size = slim_env.environment_size("python")
     assert size["site_packages_mb"] == 6.0 and size["without_llama_cpp_mb"] == 2.5
     assert size["largest"][:3] == [["llama_cpp_python", 3.5], ["numpy", 2.1], ["six.py", 0.4]]
+
+
+@pytest.mark.slow
+def test_the_footprint_bench_runs_an_ngram_daemon_on_the_tiny_target(capsys, tmp_path):
+    """The whole bench, small (this environment only, the tiny target, an n-gram daemon), then
+    again set beside the first run: every measurement, a ratio, exit 0."""
+    import json
+    import re
+
+    from lab.tiny import cached_pair
+
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    flags = ["--target", str(cached_pair()[0]), "--drafters", "ngram", "--slim", "none",
+             "--requests", "2", "--max-tokens", "4"]
+    code, _, err = run_main(capsys, "bench", "footprint", *flags, "--out", str(first))
+    assert code == 0, err
+    code, out, err = run_main(capsys, "bench", "footprint", *flags, "--compare", str(first),
+                              "--out", str(second))
+    assert code == 0, err
+    results = json.loads(second.read_text())
+    [run] = results["runs"]
+    assert run["env"] == "full" and run["drafter"] == "ngram" and run["load_s"] == 0
+    assert 0 < run["idle_rss_mb"] <= run["loaded_hwm_mb"] and 0 < run["ready_s"] < 120
+    env = results["envs"]["full"]
+    assert env["modules"]["torch"] and 0 < env["without_llama_cpp_mb"] <= env["site_packages_mb"]
+    assert re.search(r"\b\d+\.\d\dx\b", out) and second.with_suffix(".png").exists()   # a ratio
