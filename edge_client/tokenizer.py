@@ -64,6 +64,9 @@ class DeviceTokenizer:
         """The tokenizer saved in FOLDER (FileNotFoundError when it has no tokenizer.json)."""
         folder = Path(folder)
         backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        # tokenizer.json may carry truncation/padding; transformers' tok(text) applies neither
+        backend.no_truncation()
+        backend.no_padding()
         config = _read_json(folder / "tokenizer_config.json") or {}
         template = config.get("chat_template")
         if isinstance(template, (list, tuple)):   # named templates: [{"name", "template"}, ...]
@@ -234,6 +237,19 @@ def _add_missing_tokens(backend: tokenizers.Tokenizer, saved: dict, named: dict[
             have.add(content)
     if tokens:
         backend.add_tokens(tokens)
+    _make_special(backend, [*named.values(), *extras])
+
+
+def _make_special(backend: tokenizers.Tokenizer, contents: list[str]) -> None:
+    """A named or extra special token that tokenizer.json marks special=false is special all
+    the same (transformers re-adds it as one): skip_special_tokens drops it."""
+    plain = {token.content: token for token in backend.get_added_tokens_decoder().values()
+             if not token.special and token.content in contents}
+    if plain:
+        backend.add_special_tokens([
+            AddedToken(token.content, special=True, lstrip=token.lstrip, rstrip=token.rstrip,
+                       normalized=token.normalized, single_word=token.single_word)
+            for token in plain.values()])
 
 
 def _clean_up_spaces(text: str) -> str:

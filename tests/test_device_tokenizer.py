@@ -179,11 +179,20 @@ def test_templates_see_what_transformers_gives_them(tiny):
                        {"name": "tool_use", "template": "T{{ messages[0]['content'] }}"}]},
     {"split_special_tokens": True},
     {"clean_up_tokenization_spaces": True},
+    {"tokenizer.json": {                                           # tok(text) applies neither
+        "truncation": {"direction": "Right", "max_length": 4, "strategy": "LongestFirst",
+                       "stride": 0},
+        "padding": {"strategy": {"Fixed": 12}, "direction": "Right", "pad_to_multiple_of": None,
+                    "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"}}},
 ])
 def test_tokenizer_config_entries_mean_what_they_mean_to_transformers(tokenizer, tmp_path, config_change):
     folder = saved(tokenizer, tmp_path / "tok")
+    config_change = dict(config_change)
+    backend_change = config_change.pop("tokenizer.json", {})
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, **config_change}))
+    backend = json.loads((folder / "tokenizer.json").read_text())
+    (folder / "tokenizer.json").write_text(json.dumps({**backend, **backend_change}))
     device, reference = DeviceTokenizer.load(folder), AutoTokenizer.from_pretrained(folder)
     same_tables(device, reference)
     assert device.special_tokens_map == reference.special_tokens_map
@@ -307,3 +316,27 @@ def test_builtin_chat_prompts(builtin):
     for tokenizer in (device, reference):
         with pytest.raises(Exception, match="alternate"):
             tokenizer.apply_chat_template(alternating, chat_template=GEMMA3)
+
+
+@pytest.mark.slow
+def test_a_named_special_token_marked_plain_in_tokenizer_json_is_special(tmp_path):
+    """SmolLM2's <|im_end|> (its eos) written special=false in tokenizer.json: transformers makes
+    it special again, so decode(skip_special_tokens=True) drops it; the device does the same."""
+    from sled.models import hf_checkpoint
+
+    checkpoint = hf_checkpoint("smollm2-135m")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (checkpoint / name).is_file():
+            (tmp_path / name).write_bytes((checkpoint / name).read_bytes())
+    backend = json.loads((tmp_path / "tokenizer.json").read_text())
+    for token in backend["added_tokens"]:
+        if token["content"] == "<|im_end|>":
+            token["special"] = False
+            end = token["id"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(backend))
+    device, reference = DeviceTokenizer.load(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    ids = reference("hi").input_ids + [end]
+    assert device.decode(ids, skip_special_tokens=True) == \
+        reference.decode(ids, skip_special_tokens=True) == "hi"
+    assert device.added_tokens_decoder[end].special and device.all_special_ids == reference.all_special_ids
+    same_encoding(device, reference, "hi<|im_end|> there <|im_start|>")
