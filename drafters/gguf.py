@@ -6,8 +6,8 @@ variable, else llama-cpp-python's default (half the CPU cores for decoding).
 Like drafters.hf it keeps the KV cache of the tokens it has seen: each proposal evaluates only the
 new suffix of the context, and rollback() drops the cache past the committed length.
 
-Its tokenizer fingerprint comes from the file's own token table (gguf_fingerprint), read with the
-gguf package's value types: no tokenizer is converted and transformers is never imported.
+Its tokenizer fingerprint comes from the file's own token table (gguf_fingerprint), read by
+sled.gguf_metadata: no tokenizer is converted and transformers is never imported.
 """
 from __future__ import annotations
 
@@ -15,17 +15,15 @@ import contextlib
 import hashlib
 import io
 import logging
-import mmap
-import struct
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
-from gguf import GGUF_MAGIC, GGUFValueType
 
 from drafters.base import KVDrafter, drafter_threads, read_fingerprint, write_fingerprint
 from sled.cache import cache_dir
 from sled.fingerprint import fingerprint_vocab
+from sled.gguf_metadata import read_metadata
 from sled.progress import phase
 
 log = logging.getLogger("sled.drafter")
@@ -34,14 +32,6 @@ MODEL_KEY, TOKENS_KEY = "tokenizer.ggml.model", "tokenizer.ggml.tokens"
 # How gguf_vocab spells the tokens; a cached fingerprint made by other rules is made again.
 RULES = "gguf-tokens-1"
 _FINGERPRINTS: dict[str, str] = {}  # cache key (file, size, mtime, RULES) -> fingerprint
-
-# struct formats of the fixed-size GGUF value types
-_SCALARS = {
-    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
-    GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
-    GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
-    GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
-}
 
 
 class GGUFDrafter(KVDrafter):
@@ -124,81 +114,15 @@ def gguf_vocab(path: Path) -> dict[str, int]:
     """token -> id from the file's tokenizer.ggml.tokens. A SentencePiece vocabulary
     (tokenizer.ggml.model "llama", e.g. gemma3) stores a space as " " where transformers' tokenizer
     says "\u2581"; a byte-level BPE one ("gpt2", e.g. smollm2) is taken as stored."""
-    fields = read_metadata(path, (MODEL_KEY, TOKENS_KEY))
+    try:
+        fields = read_metadata(path, (MODEL_KEY, TOKENS_KEY))
+    except ValueError as exc:   # empty, cut short, hostile, or not GGUF at all
+        raise ValueError(f"GGUF drafter: {exc}") from None
     if TOKENS_KEY not in fields:
         raise ValueError(f"GGUF drafter: {path} carries no tokenizer (no {TOKENS_KEY})")
     tokens = fields[TOKENS_KEY]
+    if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
+        raise ValueError(f"GGUF drafter: {path}: {TOKENS_KEY} is not a list of strings")
     if fields.get(MODEL_KEY) == "llama":
         tokens = [token.replace(" ", "\u2581") for token in tokens]
     return {token: token_id for token_id, token in enumerate(tokens)}
-
-
-def read_metadata(path: Path, keys: tuple[str, ...]) -> dict:
-    """The values of KEYS from the GGUF header (the key-value part only; tensors are not read).
-
-    gguf.GGUFReader would do, but it makes a numpy view per array element: three arrays of 262k
-    (gemma3's tokens, scores and types) take it twenty seconds and more on a small CPU. This walks
-    the same layout (the gguf package's value types) and skips what it does not need."""
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            header = _Header(data)
-            found = {}
-            for _ in range(header.count("Q")):
-                key = header.string()
-                kind = GGUFValueType(header.count("I"))
-                if key in keys:
-                    found[key] = header.value(kind)
-                else:
-                    header.skip(kind)
-            return found
-    except (ValueError, struct.error) as exc:   # empty, cut short, or not GGUF at all
-        raise ValueError(f"GGUF drafter: cannot read the metadata of {path}: {exc}") from None
-
-
-class _Header:
-    """A cursor over a GGUF file's header: magic, version, tensor and key-value counts, then the
-    key-value pairs (byte order from the version, as gguf.GGUFReader decides it)."""
-
-    def __init__(self, data: mmap.mmap) -> None:
-        self.data, self.offset = data, 0
-        magic, version = struct.unpack_from("<II", data, 0)
-        if magic != GGUF_MAGIC:
-            raise ValueError("not a GGUF file (bad magic)")
-        self.order = ">" if version & 0xFFFF == 0 else "<"   # big-endian: the version swapped
-        self.offset = 8
-        self.count("Q")                                      # tensors: not read here
-
-    def count(self, fmt: str) -> int:
-        (value,) = struct.unpack_from(self.order + fmt, self.data, self.offset)
-        self.offset += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        length = self.count("Q")
-        raw = self.data[self.offset:self.offset + length]
-        self.offset += length
-        return raw.decode("utf-8", "surrogateescape")
-
-    def value(self, kind: GGUFValueType):
-        if kind == GGUFValueType.STRING:
-            return self.string()
-        if kind == GGUFValueType.ARRAY:
-            item, length = GGUFValueType(self.count("I")), self.count("Q")
-            return [self.value(item) for _ in range(length)]
-        (value,) = struct.unpack_from(self.order + _SCALARS[kind], self.data, self.offset)
-        self.offset += struct.calcsize(_SCALARS[kind])
-        return value
-
-    def skip(self, kind: GGUFValueType) -> None:
-        if kind == GGUFValueType.ARRAY:
-            item, length = GGUFValueType(self.count("I")), self.count("Q")
-            if item in _SCALARS:     # fixed-size items: one jump
-                self.offset += length * struct.calcsize(_SCALARS[item])
-            else:
-                for _ in range(length):
-                    self.skip(item)
-        elif kind == GGUFValueType.STRING:
-            length = self.count("Q")
-            self.offset += length
-        else:
-            self.offset += struct.calcsize(_SCALARS[kind])

@@ -98,18 +98,7 @@ def builtin_files(alias: str) -> tuple[Path, Path]:
     return gguf_path(alias), converted
 
 
-@pytest.mark.slow
-def test_the_metadata_reader_reads_what_gguf_reader_does():
-    from gguf import GGUFReader
-
-    from drafters.gguf import MODEL_KEY, TOKENS_KEY, read_metadata
-
-    path, _ = builtin_files("smollm2-135m")
-    fields = GGUFReader(str(path)).fields
-    ours = read_metadata(path, (MODEL_KEY, TOKENS_KEY, "tokenizer.ggml.bos_token_id"))
-    assert ours[MODEL_KEY] == fields[MODEL_KEY].contents()
-    assert ours[TOKENS_KEY] == fields[TOKENS_KEY].contents()
-    assert ours["tokenizer.ggml.bos_token_id"] == fields["tokenizer.ggml.bos_token_id"].contents()
+# (the metadata reader against gguf.GGUFReader: tests/test_gguf_metadata.py)
 
 
 @pytest.mark.slow

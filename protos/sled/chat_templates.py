@@ -67,16 +67,19 @@ GEMMA3 = (
     "{%- endif -%}\n"
 )
 
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"   # where a GGUF file carries its template
+
 # What turn_end_ids() puts in an assistant turn to find what the template writes after it.
 _REPLY_MARK = "sled-reply-mark"
 
 
 def gguf_chat_template(path: Path) -> str | None:
-    """The chat template a GGUF file carries in its metadata, None when it has none."""
-    from gguf import GGUFReader
+    """The chat template a GGUF file carries in its metadata, None when it has none (a
+    ValueError of one line when the file cannot be read)."""
+    from sled.gguf_metadata import read_metadata
 
-    field = GGUFReader(str(path)).fields.get("tokenizer.chat_template")
-    return str(field.contents()) if field is not None else None
+    template = read_metadata(path, (CHAT_TEMPLATE_KEY,)).get(CHAT_TEMPLATE_KEY)
+    return str(template) if template is not None else None
 
 
 def builtin_chat_template(alias: str) -> str | None:
