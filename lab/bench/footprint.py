@@ -179,6 +179,9 @@ async def _measure(env: Env, spec: str, address: str, args, console, scratch: st
     import asyncio
 
     daemon_spec = _daemon_spec(env, spec)
+    if daemon_spec != spec:
+        console.print(f"{env.name}: {spec} given as {daemon_spec} (the built-in aliases need "
+                      "the models extra; the same model)")
     starts = []
     for rep in range(args.reps):
         with console.status(f"{env.name}: sled device with {spec} (start {rep + 1}/{args.reps})"):
