@@ -7,11 +7,17 @@ JSON-like values (messages, tools, documents and every extra variable).
 
 A template that raises (raise_exception, an undefined name used wrongly, a sandbox refusal)
 raises jinja2's TemplateError (or the error jinja2 met): the caller decides what a person reads.
+
+A template may come from a server, so it is rendered only on a jinja2 whose sandbox has no known
+escape (MIN_JINJA2 and later, else a RuntimeError of one line), and `*` and `**` in a template
+refuse results over MAX_RESULT bytes (a string repeated a billion times, a number of a billion
+digits) instead of taking the device's memory or CPU.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -26,6 +32,59 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # The names a message's reasoning may come under; templates read the first.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+MIN_JINJA2 = (3, 1, 6)      # 3.1.5 and older: sandbox escapes through str.format and |attr
+MAX_RESULT = 1 << 20        # bytes (or digits' bits / 8) one `*` or `**` may make in a template
+
+# transformers' apply_chat_template keywords sled does not implement, each with the value that
+# asks for nothing beyond what sled does (text, or a plain list of ids)
+UNSUPPORTED = {"continue_final_message": False, "sanitize_control_tokens": False,
+               "padding": False, "truncation": False, "max_length": None, "return_tensors": None,
+               "return_dict": False, "return_assistant_tokens_mask": False,
+               "tokenizer_kwargs": None}
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with `*` and `**` bounded (MAX_RESULT)."""
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator: str, left, right):
+        if _too_big(operator, left, right):
+            raise jinja2.exceptions.SecurityError(
+                f"a chat template's {operator!r} would make more than {MAX_RESULT} bytes")
+        return super().call_binop(context, operator, left, right)
+
+
+def _too_big(operator: str, left, right) -> bool:
+    """Whether LEFT OPERATOR RIGHT would be over MAX_RESULT: a repeated sequence, or a power of
+    an integer (its bits / 8)."""
+    if operator == "*":
+        sequence, times = (left, right) if isinstance(right, int) else (right, left)
+        if isinstance(sequence, (str, bytes, list, tuple)) and isinstance(times, int):
+            return len(sequence) * times > MAX_RESULT
+        return False
+    if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+        return abs(left).bit_length() * right > 8 * MAX_RESULT
+    return False
+
+
+def check_jinja2(version: str | None = None) -> None:
+    """A RuntimeError of one line when jinja2 (VERSION, else the installed one) is older than
+    MIN_JINJA2: its sandbox can be escaped, so it must not render a template from a server."""
+    version = version or jinja2.__version__
+    found = tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+    if found < MIN_JINJA2:
+        need = ".".join(map(str, MIN_JINJA2))
+        raise RuntimeError(f"jinja2 {version} is too old to render a chat template safely (its "
+                           f"sandbox can be escaped): pip install \"jinja2>={need}\"")
+
+
+def check_keywords(keywords: Mapping[str, Any]) -> None:
+    """TypeError for a transformers apply_chat_template keyword sled does not implement (given a
+    value that asks for something), rather than handing it to the template as a variable."""
+    for name, value in keywords.items():
+        if name in UNSUPPORTED and value != UNSUPPORTED[name]:
+            raise TypeError(f"apply_chat_template: {name}={value!r} is not supported here "
+                            f"(only {name}={UNSUPPORTED[name]!r})")
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -89,8 +148,8 @@ def _strftime_now(format: str) -> str:
 @lru_cache(maxsize=16)
 def compiled(template: str) -> jinja2.Template:
     """The template compiled once (a chat template is rendered for every request)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
+                   extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
                        dict=_TemplateDict(), namespace=_TemplateNamespace)
@@ -143,7 +202,10 @@ def template_messages(conversation) -> list[dict]:
 def render(template: str, conversation, add_generation_prompt: bool = False, tools=None,
            documents=None, variables: Mapping[str, Any] | None = None) -> str:
     """The conversation written out by the template. `variables` (the tokenizer's special
-    tokens as strings, then the caller's extra names) are visible to the template as well."""
+    tokens as strings, then the caller's extra names) are visible to the template as well; a
+    transformers keyword sled does not implement among them is a TypeError (check_keywords)."""
+    check_jinja2()
+    check_keywords(variables or {})
     if tools is not None and not all(isinstance(tool, dict) for tool in tools):
         raise ValueError("tools must be JSON schemas (dicts)")
     if documents is not None and not all(isinstance(doc, dict) for doc in documents):
