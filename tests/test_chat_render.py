@@ -23,7 +23,8 @@ def test_a_jinja2_with_a_sandbox_escape_is_refused_in_one_line(tiny, monkeypatch
     chat = [{"role": "user", "content": "q"}]
     monkeypatch.setattr(jinja2, "__version__", "3.1.5")
     with pytest.raises(RuntimeError, match=r'too old .* pip install "jinja2>=3.1.6"') as raised:
-        device.apply_chat_template(chat, chat_template="{{ messages[0]['content'] }}", tokenize=False)
+        device.apply_chat_template(chat, chat_template="{{ messages[0]['content'] }}",
+                                   tokenize=False)
     assert "\n" not in str(raised.value)
     monkeypatch.setattr(jinja2, "__version__", "3.2.0")
     assert device.apply_chat_template(chat, chat_template="{{ messages[0]['content'] }}",

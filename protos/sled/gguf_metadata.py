@@ -121,7 +121,8 @@ class _Header:
             return self.number(self._format(kind))
         item, length = self.array_head()
         if length > MAX_ITEMS:
-            raise ValueError(f"an array of {length} items is more than {MAX_ITEMS} (byte {self.offset})")
+            raise ValueError(f"an array of {length} items is more than {MAX_ITEMS} "
+                             f"(byte {self.offset})")
         if item == STRING:
             return [self.string() for _ in range(length)]
         fmt = self._format(item)
