@@ -11,7 +11,9 @@ A cached copy is used only while its manifest verifies (every file hashed: they 
 the loaded tokenizer matches its fingerprint; anything else is fetched again. The manifest
 records the fingerprint its files were checked against (written only after that check), so a
 copy that verifies in full is not fingerprinted again (262k tokens for gemma3); a copy whose
-manifest records none (or another) is, and gets it recorded when it matches. A refused server
+manifest records none (or another) is, and gets it recorded when it matches. Either way the
+tokenizer returned carries the fingerprint it was checked against (DeviceTokenizer.fingerprint),
+so the daemon does not hash it again. A refused server
 raises TokenizerRefused, one line naming the server. The channel keeps gRPC's default message
 limits: every message of the protocol fits them.
 """
@@ -30,6 +32,7 @@ from sled.cache import (MAX_FINGERPRINT_CHARS, CacheError, manifest_fingerprint,
                         publish, read_manifest, record_fingerprint, tokenizer_dir, verify_folder,
                         write_manifest)
 from sled.fingerprint import fingerprint_tokenizer, short
+from sled.memory import release_freed_heap
 from sled.printable import printable
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
@@ -133,13 +136,13 @@ def cached_tokenizer(fingerprint: str):
         log.warning("cached tokenizer %s cannot be loaded (%s): fetching it again",
                     printable(short(fingerprint)), printable(str(exc), 200))
         return None
-    if checked:     # these very files (hashed just now) were checked against it when written
-        return tokenizer
-    if fingerprint_tokenizer(tokenizer) != fingerprint:
-        log.warning("cached tokenizer %s does not match its fingerprint: fetching it again",
-                    printable(short(fingerprint)))
-        return None
-    _record(folder, files, fingerprint)
+    if not checked:     # else these very files (hashed just now) were checked against it
+        if _hashed(tokenizer) != fingerprint:
+            log.warning("cached tokenizer %s does not match its fingerprint: fetching it again",
+                        printable(short(fingerprint)))
+            return None
+        _record(folder, files, fingerprint)
+    tokenizer.fingerprint = fingerprint     # nobody needs to hash its vocabulary again
     return tokenizer
 
 
@@ -182,10 +185,19 @@ def _checked_tokenizer(partial: Path, fingerprint: str, files: dict[str, bytes],
     except Exception as exc:
         raise TokenizerRefused(f"the tokenizer the server at {address} sent cannot be loaded: "
                                f"{printable(str(exc), 200)}") from None
-    if fingerprint_tokenizer(tokenizer) != fingerprint:
+    if _hashed(tokenizer) != fingerprint:
         raise TokenizerRefused(f"the tokenizer the server at {address} sent does not match its "
                                f"fingerprint {printable(fingerprint)}")
+    tokenizer.fingerprint = fingerprint     # checked just now
     return tokenizer
+
+
+def _hashed(tokenizer) -> str:
+    """The fingerprint of a tokenizer's vocabulary as loaded (the check itself, never a carried
+    one), with the hash's freed heap given back."""
+    fingerprint = fingerprint_tokenizer(tokenizer)
+    release_freed_heap()
+    return fingerprint
 
 
 def _load(folder: Path) -> DeviceTokenizer:

@@ -33,9 +33,10 @@ from edge_client.salt import device_salt
 from edge_client.servers import NoServer, Server, ServerDirectory
 from edge_client.session import RoundSettings, generate
 from edge_client.settings import DeviceSettings, SettingsError
+from edge_client.tokenizer import tokenizer_fingerprint
 from edge_client.transport import ServerLost, VerifyError, connect_error
 from sled.cache import CacheError
-from sled.fingerprint import fingerprint_tokenizer, short
+from sled.fingerprint import short
 from sled.printable import printable
 from sled.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator
 
@@ -181,8 +182,9 @@ class Device:
         return self.tokenizer is not None and self.drafter is not None
 
     def _set_fingerprint(self) -> None:
-        """The tokenizer servers must share: the drafter's own, else the local tokenizer's."""
-        own = fingerprint_tokenizer(self.tokenizer) if self.tokenizer is not None else ""
+        """The tokenizer servers must share: the drafter's own, else the local tokenizer's (the
+        fingerprint its files were checked against when it carries one: not hashed again)."""
+        own = tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else ""
         fingerprint = (self.drafter.tokenizer_fingerprint if self.drafter else None) or own
         self.directory.set_fingerprint(fingerprint)
         if own and own != fingerprint:
@@ -431,7 +433,7 @@ class Device:
             except (ValueError, OSError) as exc:
                 raise SettingsError(f"drafter {updated.drafter!r} cannot be loaded: {exc}") from None
             if drafter.tokenizer_fingerprint and self.tokenizer is not None and \
-                    drafter.tokenizer_fingerprint != fingerprint_tokenizer(self.tokenizer):
+                    drafter.tokenizer_fingerprint != tokenizer_fingerprint(self.tokenizer):
                 raise SettingsError(f"drafter {updated.drafter!r} has another tokenizer "
                                     f"({short(drafter.tokenizer_fingerprint)}) than this device's target")
             self.drafter = drafter

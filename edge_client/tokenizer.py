@@ -18,6 +18,12 @@ How transformers 5 reads such a folder, and so how this does:
 - The chat template: chat_template.jinja, else tokenizer_config's "chat_template" (a string, or a
   list of named templates). chat_template.json is a processor's file: the tokenizer ignores it.
 - decode never cleans up spaces of a BPE model (transformers refuses to: it corrupts the text).
+
+A tokenizer whose files were checked against a fingerprint (a cached copy whose manifest records
+it, or the server's files just checked) carries it in `fingerprint`, so nobody hashes its
+vocabulary again (about a second and 70 MB for gemma3's 262k tokens): tokenizer_fingerprint()
+reads it there, else computes it. Loading gives the parser's freed heap back to the system
+(sled.memory): gemma3's tokenizer.json leaves about 260 MB of it otherwise.
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, processors
 
-from edge_client import chat_render
+from sled.fingerprint import fingerprint_tokenizer
+from sled.memory import release_freed_heap
 
 NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                  "mask_token")
@@ -49,6 +56,8 @@ class DeviceTokenizer:
         config = dict(config or {})
         self.backend = backend
         self.chat_template = chat_template
+        # sled.fingerprint of these very files when they were checked against it, else None
+        self.fingerprint: str | None = None
         self._named, self._extra = _special_tokens(config, special_tokens_map)
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self._clean_up_bpe = bool(config.get(
@@ -75,7 +84,9 @@ class DeviceTokenizer:
             template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         legacy_map = None if "added_tokens_decoder" in config else \
             _read_json(folder / "special_tokens_map.json")
-        return cls(backend, config, legacy_map, template)
+        tokenizer = cls(backend, config, legacy_map, template)
+        release_freed_heap()    # the parsed JSON's temporaries: hundreds of MB for a big vocabulary
+        return tokenizer
 
     # -- text to ids -----------------------------------------------------------------------
     def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
@@ -119,6 +130,8 @@ class DeviceTokenizer:
                             add_generation_prompt: bool = False, tokenize: bool = True, **extra):
         """The conversation through the chat template: its text (tokenize=False) or its ids,
         encoded without adding special tokens (the template writes them)."""
+        from edge_client import chat_render   # jinja2: imported by the first chat prompt, not at start
+
         template = self.get_chat_template(chat_template, tools)
         if not conversation:
             raise ValueError("cannot apply a chat template to an empty conversation")
@@ -180,6 +193,18 @@ class DeviceTokenizer:
                 return token
             return self.convert_tokens_to_ids(token)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sled.fingerprint of TOKENIZER: the one its files were checked against when it carries it
+    (a DeviceTokenizer from a checked copy), else hashed from its vocabulary, and the hash's freed
+    heap given back."""
+    known = tokenizer.fingerprint if isinstance(tokenizer, DeviceTokenizer) else None
+    if known:
+        return known
+    fingerprint = fingerprint_tokenizer(tokenizer)
+    release_freed_heap()
+    return fingerprint
 
 
 def _read_json(path: Path) -> dict | None:

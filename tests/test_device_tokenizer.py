@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from edge_client.daemon import _load_tokenizer
 from edge_client.openai_api import ApiError, Message, chat_prompt
 from edge_client.settings import SettingsError
-from edge_client.tokenizer import DeviceTokenizer
+from edge_client.tokenizer import DeviceTokenizer, tokenizer_fingerprint
 from sled.chat_templates import GEMMA3, turn_end_ids, with_chat_template
 from sled.fingerprint import fingerprint_tokenizer
 
@@ -340,3 +340,139 @@ def test_a_named_special_token_marked_plain_in_tokenizer_json_is_special(tmp_pat
         reference.decode(ids, skip_special_tokens=True) == "hi"
     assert device.added_tokens_decoder[end].special and device.all_special_ids == reference.all_special_ids
     same_encoding(device, reference, "hi<|im_end|> there <|im_start|>")
+
+
+# -- the fingerprint a checked tokenizer carries -----------------------------------------------
+
+@pytest.fixture
+def hashes(monkeypatch):
+    """Counts the vocabulary hashes made through edge_client.tokenizer.tokenizer_fingerprint."""
+    import edge_client.tokenizer as device_tokenizer
+
+    calls = []
+
+    def counted(tokenizer):
+        calls.append(1)
+        return fingerprint_tokenizer(tokenizer)
+
+    monkeypatch.setattr(device_tokenizer, "fingerprint_tokenizer", counted)
+    return calls
+
+
+def test_a_loaded_folder_carries_no_fingerprint_and_is_hashed(tiny, hashes, tmp_path):
+    _, reference = tiny
+    loaded = DeviceTokenizer.load(saved(reference, tmp_path))
+    assert loaded.fingerprint is None
+    assert tokenizer_fingerprint(loaded) == fingerprint_tokenizer(reference) and len(hashes) == 1
+    assert tokenizer_fingerprint(reference) == fingerprint_tokenizer(reference)   # any tokenizer
+
+
+def test_a_checked_copy_carries_its_fingerprint_and_is_not_hashed_again(tokenizer, hashes,
+                                                                         tmp_path, monkeypatch):
+    from edge_client.connection import cached_tokenizer, save_tokenizer
+    from sled.cache import tokenizer_dir, write_manifest
+
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path / "cache"))
+    fingerprint = fingerprint_tokenizer(tokenizer)
+    files = {path.name: path.read_bytes() for path in saved(tokenizer, tmp_path / "files").iterdir()}
+    fetched = save_tokenizer(fingerprint, files, "server:1")      # checked against the server's
+    cached = cached_tokenizer(fingerprint)                        # its manifest records it
+    assert fetched.fingerprint == cached.fingerprint == fingerprint
+    assert tokenizer_fingerprint(fetched) == tokenizer_fingerprint(cached) == fingerprint
+    assert hashes == []
+    write_manifest(tokenizer_dir(fingerprint))                    # a manifest recording none
+    unrecorded = cached_tokenizer(fingerprint)                    # hashed there, then carried
+    assert unrecorded.fingerprint == fingerprint and tokenizer_fingerprint(unrecorded) == fingerprint
+    assert hashes == []
+
+
+def test_the_device_compares_the_carried_fingerprint_with_its_drafter(tokenizer, tmp_path,
+                                                                       monkeypatch, hashes):
+    """A carried fingerprint stands for the tokenizer in the device's check: a drafter of
+    another vocabulary is refused just as when the tokenizer is hashed."""
+    from edge_client.daemon import Device
+    from edge_client.settings import DeviceSettings
+
+    device_tok = DeviceTokenizer.load(saved(tokenizer, tmp_path / "tok"))
+    device_tok.fingerprint = fingerprint_tokenizer(tokenizer)
+    device = Device(DeviceSettings(id="carried", servers=["127.0.0.1:1"], drafter="ngram"),
+                    tokenizer=device_tok)
+    device.drafter = types.SimpleNamespace(tokenizer_fingerprint=None)
+    device._set_fingerprint()
+    assert device.directory.fingerprint == device_tok.fingerprint and hashes == []
+    device.drafter = types.SimpleNamespace(tokenizer_fingerprint="sha256:" + "0" * 64)
+    with pytest.raises(SettingsError, match="does not match the drafter"):
+        device._set_fingerprint()
+    assert hashes == []
+
+
+def test_loading_and_hashing_give_the_freed_heap_back(tiny, tmp_path, monkeypatch):
+    import edge_client.tokenizer as device_tokenizer
+
+    calls = []
+    monkeypatch.setattr(device_tokenizer, "release_freed_heap", lambda: calls.append(1))
+    loaded = DeviceTokenizer.load(saved(tiny[1], tmp_path))
+    assert calls == [1]
+    tokenizer_fingerprint(loaded)
+    assert calls == [1, 1]
+
+
+
+def test_loading_and_hashing_give_the_freed_heap_back(tiny, tmp_path, monkeypatch):
+    import edge_client.tokenizer as device_tokenizer
+
+    calls = []
+    monkeypatch.setattr(device_tokenizer, "release_freed_heap", lambda: calls.append(1))
+    loaded = DeviceTokenizer.load(saved(tiny[1], tmp_path))
+    assert calls == [1]
+    tokenizer_fingerprint(loaded)
+    assert calls == [1, 1]
+
+
+# -- what the device refuses to render ---------------------------------------------------------
+
+def test_a_jinja2_with_a_sandbox_escape_is_refused_in_one_line(tiny, monkeypatch):
+    import jinja2
+
+    device, _ = tiny
+    chat = [{"role": "user", "content": "q"}]
+    monkeypatch.setattr(jinja2, "__version__", "3.1.5")
+    with pytest.raises(RuntimeError, match=r'too old .* pip install "jinja2>=3.1.6"') as raised:
+        device.apply_chat_template(chat, chat_template="{{ messages[0]['content'] }}", tokenize=False)
+    assert "\n" not in str(raised.value)
+    monkeypatch.setattr(jinja2, "__version__", "3.2.0")
+    assert device.apply_chat_template(chat, chat_template="{{ messages[0]['content'] }}",
+                                      tokenize=False) == "q"
+
+
+@pytest.mark.parametrize("keyword", [
+    {"continue_final_message": True}, {"return_dict": True}, {"return_tensors": "np"},
+    {"padding": True}, {"truncation": True}, {"max_length": 8},
+    {"return_assistant_tokens_mask": True}, {"tokenizer_kwargs": {"add_special_tokens": True}},
+])
+def test_transformers_keywords_sled_does_not_implement_are_refused(tiny, keyword):
+    """Not handed to the template as a variable (which would quietly do nothing)."""
+    device, _ = tiny
+    chat = [{"role": "user", "content": "q"}]
+    with pytest.raises(TypeError, match=f"{next(iter(keyword))}=.* is not supported"):
+        device.apply_chat_template(chat, chat_template="{{ messages[0]['content'] }}", **keyword)
+
+
+def test_the_no_op_values_of_those_keywords_are_accepted(tiny):
+    device, _ = tiny
+    chat = [{"role": "user", "content": "q"}]
+    assert device.apply_chat_template(chat, chat_template="{{ messages[0]['content'] }}",
+                                      tokenize=False, return_dict=False, padding=False,
+                                      max_length=None, continue_final_message=False) == "q"
+
+
+@pytest.mark.parametrize("template", ["{{ 'ab' * 1000000000 }}", "{{ 1000000000 * 'ab' }}",
+                                      "{{ [0] * 10 ** 9 }}", "{{ 10 ** 100000000 }}"])
+def test_a_template_cannot_make_a_huge_value(tiny, template):
+    device, _ = tiny
+    with pytest.raises(Exception, match="more than 1048576 bytes"):
+        device.apply_chat_template([{"role": "user", "content": "q"}], chat_template=template,
+                                   tokenize=False)
+    assert device.apply_chat_template([{"role": "user", "content": "q"}], tokenize=False,
+                                      chat_template="{{ 'ab' * 3 }}{{ 2 ** 10 }}{{ 3 * 0.5 }}") == \
+        "ababab10241.5"
