@@ -214,3 +214,23 @@ def test_fingerprint_is_the_tokenizer_transformers_converts_from_the_gguf(path, 
     # Another model's vocabulary: another fingerprint.
     monkeypatch.setenv("SLED_CACHE", str(tmp_path))
     assert gguf_fingerprint(gemma3) != want
+
+
+def test_a_prompt_longer_than_a_batch_gives_the_logits_of_one_batch(path):
+    """The drafter feeds a prompt N_BATCH tokens at a time (llama.cpp's compute buffer, sized by
+    the batch, stays small): its logits are those of llama-cpp-python's default batch of 512."""
+    import contextlib
+    import io
+
+    from drafters.gguf import N_BATCH
+
+    drafter = new_drafter(path)
+    with contextlib.redirect_stderr(io.StringIO()):
+        whole = llama_cpp.Llama(str(path), n_ctx=1024, n_threads=2, n_threads_batch=2,
+                                n_batch=512, n_ubatch=512, swa_full=True, verbose=False)
+    prompt = whole.tokenize((TEXT * 12).encode(), add_bos=True)
+    assert N_BATCH < len(prompt) <= 512
+    whole.eval(prompt)
+    want = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(whole.ctx, -1),
+                                 shape=(drafter.n_vocab,)).copy()   # [vocab]
+    assert np.array_equal(drafter._run(prompt), want)
