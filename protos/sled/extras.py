@@ -14,7 +14,7 @@ import importlib.util
 EXTRAS = {
     "server": ("torch", "transformers", "grpc_health", "grpc_reflection"),
     "hf": ("torch", "transformers"),
-    "gguf": ("llama_cpp", "gguf"),
+    "gguf": ("llama_cpp",),
     "onnx": ("onnxruntime_genai",),
     "export": ("torch", "transformers", "onnx", "onnx_ir", "onnxruntime_genai"),
     "lab": ("matplotlib", "psutil"),
