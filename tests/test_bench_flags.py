@@ -226,7 +226,7 @@ def test_a_footprint_path_that_is_not_there_is_one_line_and_exit_2(capsys, tmp_p
     assert len(lines) == 1 and said in lines[0] and "Traceback" not in err, err
 
 
-def test_the_footprint_budgets_are_the_issued_ones():
+def test_the_footprint_budgets_are_the_documented_ones():
     from lab.bench.footprint import budget
 
     run = {"drafter": "ngram", "idle_rss_mb": 119.0, "ready_without_load_s": 1.9,

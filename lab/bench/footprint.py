@@ -326,7 +326,7 @@ def _load_compare(path: str | None) -> dict | None:
 
 
 def budget(run: dict) -> list[str]:
-    """The issue's budgets this run misses (empty: all met)."""
+    """The device budgets (BENCHMARKS.md, "Device footprint") this run misses (empty: all met)."""
     missed = []
     if run["drafter"] == "ngram" and run["idle_rss_mb"] > BUDGET_NGRAM_MB:
         missed.append(f"RSS > {BUDGET_NGRAM_MB}")
