@@ -54,6 +54,8 @@ class RoundSettings:
     rounds where the session's own estimates say it pays (DraftPolicy.pipelining_pays).
     lookahead=m asks a SAT-tuned target for m hint tokens per verdict: when the last draft was
     accepted whole, the next draft starts with the hints and the drafter continues after them.
+    A seeded sampling session drafts AUTO_FIRST_DRAFT_LEN under "auto" and "adaptive" and never
+    pipelines, so that it repeats (both would make the round split depend on timing).
     reconnect_s: how long a lost server is retried, with backoff, before the session fails
     (0: at once). timeout: the deadline of each Generate call (None: none).
     """
@@ -106,13 +108,18 @@ class DeviceSession:
         self.proposer = Proposer(drafter, request.sampling, settings.min_confidence)
         # Seeded sampling never pipelines: how many tokens get drafted ahead depends on timing,
         # and every draw moves the drafter's random stream, so a seeded run would not repeat.
-        self.pipelining = settings.pipeline and (request.sampling.greedy or request.sampling.seed is None)
-        adaptive = settings.draft_len == "adaptive"
+        seeded = not request.sampling.greedy and request.sampling.seed is not None
+        self.pipelining = settings.pipeline and not seeded
+        # For the same reason a seeded session drafts a fixed length: "auto" and "adaptive" follow
+        # the server's load and the measured timings, and the round split moves both streams.
+        self.draft_mode = AUTO_FIRST_DRAFT_LEN if seeded and isinstance(settings.draft_len, str) \
+            else settings.draft_len
+        adaptive = self.draft_mode == "adaptive"
         if policy is None and (adaptive or self.pipelining):
             policy = DraftPolicy(max_draft_len=settings.max_draft_len)
         self.policy = policy
         self.draft_len = policy.choose() if adaptive else \
-            AUTO_FIRST_DRAFT_LEN if settings.draft_len == "auto" else settings.draft_len
+            AUTO_FIRST_DRAFT_LEN if self.draft_mode == "auto" else self.draft_mode
         self.result = GenerationResult()
         self.stream: Stream | None = None
         self.round = 0
@@ -274,11 +281,11 @@ class DeviceSession:
         self.result.round_stats.append(stat)
         if self.on_round is not None:
             self.on_round(stat)
-        if self.settings.draft_len == "auto" and stat.suggested_draft_len:
+        if self.draft_mode == "auto" and stat.suggested_draft_len:
             self.draft_len = stat.suggested_draft_len
         if self.policy is not None:
             self.policy.observe(stat.verified, stat.accepted, stat.draft_ms, stat.round_trip_ms)
-        if self.settings.draft_len == "adaptive":
+        if self.draft_mode == "adaptive":
             self.draft_len = self.policy.choose(stat.suggested_draft_len)
 
 

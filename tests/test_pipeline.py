@@ -165,6 +165,36 @@ async def test_seeded_sampling_does_not_pipeline_and_repeats(serve, models, draf
     assert len(unseeded.token_ids) == 30
 
 
+async def test_seeded_sampling_drafts_a_fixed_length_and_repeats(serve, models, drafter_models, tokenizer,
+                                                                 prompts):
+    """"adaptive" and "auto" pick lengths from timings and the server's load, and the round split
+    moves both random streams: a seeded session drafts AUTO_FIRST_DRAFT_LEN whatever its policy
+    has learned, so two devices with different histories give the same text."""
+    from edge_client.draft_policy import DraftPolicy
+    from edge_client.session import AUTO_FIRST_DRAFT_LEN
+
+    server = await serve(models["gemma3"])
+    stub = VerifierStub(grpc.aio.insecure_channel(server.address))
+
+    async def run(draft_len, policy=None, seed=7):
+        return await generate(stub, HFDrafter(drafter_models["gemma3"], tokenizer), prompts[1],
+                              max_new_tokens=30, ignore_eos=True, policy=policy,
+                              settings=RoundSettings(draft_len=draft_len, max_draft_len=16),
+                              sampling=Sampling(temperature=0.9, top_p=0.95, seed=seed))
+
+    eager = DraftPolicy(max_draft_len=16, acceptance=0.99, draft_ms=0.01, round_ms=500.0)
+    shy = DraftPolicy(max_draft_len=16, acceptance=0.05, draft_ms=50.0, round_ms=1.0)
+    assert eager.choose() != shy.choose()          # unseeded, these two would split rounds apart
+    fixed, learned_a, learned_b, auto = [await run(*args) for args in
+                                         ((AUTO_FIRST_DRAFT_LEN,), ("adaptive", eager),
+                                          ("adaptive", shy), ("auto",))]
+    assert learned_a.token_ids == learned_b.token_ids == auto.token_ids == fixed.token_ids
+    assert all(s.verified <= AUTO_FIRST_DRAFT_LEN for s in learned_a.round_stats + learned_b.round_stats)
+    unseeded = await run("adaptive", DraftPolicy(max_draft_len=16, acceptance=0.99, draft_ms=0.01,
+                                                 round_ms=500.0), seed=None)
+    assert max(s.verified for s in unseeded.round_stats) > AUTO_FIRST_DRAFT_LEN   # still adaptive
+
+
 SAMPLING = Sampling(temperature=1.0, top_k=2)
 SAMPLES = 1200
 

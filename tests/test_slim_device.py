@@ -56,8 +56,8 @@ def _clean_env(**extra: str) -> dict:
 async def slim_device(slim_python, tmp_path_factory):
     """(device API port, target): `sled device` from the slim venv, with its own sled cache (the
     target's tokenizer comes from the server), in front of the target as `sled serve --model
-    gemma3-270m` loads it, served from this environment. A fixed draft length: an adaptive one
-    follows the measured round times, so a seeded request would not draw the same numbers."""
+    gemma3-270m` loads it, served from this environment, with the device's default draft length
+    (a seeded request drafts a fixed length whatever that is)."""
     torch.set_num_threads(2)
     port, server_port = free_port(), free_port()
     gguf = resolve_spec(f"gguf:{TARGET}")                        # gguf:/.../the assembled file
@@ -65,7 +65,7 @@ async def slim_device(slim_python, tmp_path_factory):
     log = (home / "device.log").open("w")
     device = subprocess.Popen([str(slim_python.parent / "sled"), "device", "--servers",
                                f'["127.0.0.1:{server_port}"]', "--drafter", gguf, "--port",
-                               str(port), "--id", "slim-test", "--policy.draft-len", "4"],
+                               str(port), "--id", "slim-test"],
                               stdout=log, stderr=log, cwd=home,
                               env=_clean_env(SLED_CACHE=str(home / "cache")))
     server = None
