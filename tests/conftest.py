@@ -37,6 +37,20 @@ def run_sled(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([*SLED, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def count_fingerprints(monkeypatch, module) -> list[int]:
+    """Counts the vocabulary hashes MODULE makes through its fingerprint_tokenizer (one 1 each)."""
+    from sled.fingerprint import fingerprint_tokenizer
+
+    calls: list[int] = []
+
+    def counted(tokenizer):
+        calls.append(1)
+        return fingerprint_tokenizer(tokenizer)
+
+    monkeypatch.setattr(module, "fingerprint_tokenizer", counted)
+    return calls
+
+
 def run_main(capsys, *argv: str) -> tuple[int, str, str]:
     """sled's main(argv) in this process: (exit code, stdout, stderr)."""
     from sled_cli.main import main

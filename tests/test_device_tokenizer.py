@@ -24,6 +24,7 @@ from edge_client.settings import SettingsError
 from edge_client.tokenizer import DeviceTokenizer, tokenizer_fingerprint
 from sled.chat_templates import GEMMA3, turn_end_ids, with_chat_template
 from sled.fingerprint import fingerprint_tokenizer
+from conftest import count_fingerprints
 
 TEXTS = [
     "", " ", "  ", "\n", "\n\n\n", "\t", "hello world", "Hello, World!", " leading space",
@@ -349,14 +350,7 @@ def hashes(monkeypatch):
     """Counts the vocabulary hashes made through edge_client.tokenizer.tokenizer_fingerprint."""
     import edge_client.tokenizer as device_tokenizer
 
-    calls = []
-
-    def counted(tokenizer):
-        calls.append(1)
-        return fingerprint_tokenizer(tokenizer)
-
-    monkeypatch.setattr(device_tokenizer, "fingerprint_tokenizer", counted)
-    return calls
+    return count_fingerprints(monkeypatch, device_tokenizer)
 
 
 def test_a_loaded_folder_carries_no_fingerprint_and_is_hashed(tiny, hashes, tmp_path):

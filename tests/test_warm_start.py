@@ -19,19 +19,13 @@ from sled import progress
 from sled.cache import (MANIFEST, manifest_fingerprint, read_manifest, tokenizer_dir,
                         verify_folder, write_manifest)
 from sled.fingerprint import fingerprint_tokenizer
+from conftest import count_fingerprints
 
 
 @pytest.fixture
 def fingerprints(monkeypatch):
     """Counts the device's tokenizer fingerprintings (the slow part of a cached load)."""
-    calls = []
-
-    def counted(tokenizer):
-        calls.append(1)
-        return fingerprint_tokenizer(tokenizer)
-
-    monkeypatch.setattr(connection, "fingerprint_tokenizer", counted)
-    return calls
+    return count_fingerprints(monkeypatch, connection)
 
 
 def _files(tokenizer, folder) -> dict[str, bytes]:
