@@ -79,6 +79,14 @@ COMMANDS = {
                                "time under a GetTokenizer flood, slots freed from idle sessions",
                                needs=SERVER_LAB),
     }),
+    "lab": Group("the lab testbed: a fleet of devices against one server, with one report", {
+        "run": Command("lab.run", "run a scenario locally: sled serve, Mosquitto and one sled "
+                       "device process per device", needs=SERVER_LAB),
+        "compose": Command("lab.compose", "run a scenario in Docker Compose: build the images, "
+                           "bring the fleet up, collect the report", needs=SERVER_LAB),
+        "device": Command("lab.device_entry", "a device container's entrypoint: take a place in "
+                          "the scenario's fleet, set up its link, run sled device"),
+    }),
     "demo": Command("sled_cli.demo", "loopback demo: a server and three devices on this machine",
                     needs=SERVER),
     "export-onnx": Command("sled_cli.export_onnx",
