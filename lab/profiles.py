@@ -18,10 +18,19 @@ class DeviceProfile:
     name: str
     draft_ms_per_token: float    # one drafted token on this board
     round_overhead_ms: float     # per round: feeding the verdict's tokens back, sampling, framing
+    cpus: float = 0.0            # container CPU quota, in x86 server cores (0 = no quota)
+    memory_mb: int = 0           # container memory limit (0 = no limit)
 
     def __post_init__(self) -> None:
         if self.draft_ms_per_token < 0 or self.round_overhead_ms < 0:
             raise ValueError(f"device profile {self.name!r}: latencies must be >= 0")
+        if self.cpus < 0 or self.memory_mb < 0:
+            raise ValueError(f"device profile {self.name!r}: cpus and memory_mb must be >= 0")
+
+    def cpus_on(self, host_cpus: int) -> float:
+        """The quota a container can get on a host with host_cpus cores (Docker refuses more
+        than the host has): cpus_on(2) of a 2.5-core profile is 2.0; 0 stays 0 (no quota)."""
+        return min(self.cpus, float(host_cpus)) if self.cpus else 0.0
 
     def draft_seconds(self, draft_len: int) -> float:
         """Drafting draft_len tokens in one round: draft_seconds(4) on pi5 = (4 * 20 + 3) ms."""
@@ -40,12 +49,26 @@ class LinkProfile:
             raise ValueError(f"link profile {self.name!r}: rtt, jitter and bandwidth must be >= 0")
 
 
-# Assumptions, not measurements: per-token latency of a ~270M-parameter Q4 drafter
-# (Gemma 3 270M Q4_K_M on llama.cpp) with a short context, and the per-round overhead on top.
+# Where the numbers come from:
+# - draft_ms_per_token, round_overhead_ms: assumptions, not measurements on the boards: the
+#   per-token latency of a ~270M-parameter Q4 drafter (Gemma 3 270M Q4_K_M on llama.cpp) with a
+#   short context, and the per-round overhead on top. For scale, BENCHMARKS.md ("drafter") measured
+#   the same GGUF drafter at 83.8 tok/s (12 ms per token) on 2 cores of an AMD EPYC VM.
+# - cpus: the board's cores times an assumed per-core speed relative to one x86 server core (an
+#   assumption from the cores' public clock and generation, not a benchmark): Cortex-A72 at
+#   1.8 GHz ~0.3 of a server core, Cortex-A76 at 2.4 GHz ~0.6, Cortex-A78AE at 1.5 GHz ~0.55.
+# - memory_mb: the public RAM size of the model named (pi4: the common 4 GB board; pi5: 8 GB;
+#   Orin Nano 8 GB, shared between its CPU and GPU, so the whole of it is the drafter's ceiling).
 DEVICES = {p.name: p for p in (
-    DeviceProfile("pi4", draft_ms_per_token=45.0, round_overhead_ms=6.0),
-    DeviceProfile("pi5", draft_ms_per_token=20.0, round_overhead_ms=3.0),
-    DeviceProfile("orin-nano", draft_ms_per_token=8.0, round_overhead_ms=1.5),
+    # Raspberry Pi 4 Model B: 4x Cortex-A72 @ 1.8 GHz (public spec) -> 4 x 0.3 = 1.2 cores; 4 GB
+    DeviceProfile("pi4", draft_ms_per_token=45.0, round_overhead_ms=6.0, cpus=1.2, memory_mb=4096),
+    # Raspberry Pi 5: 4x Cortex-A76 @ 2.4 GHz (public spec) -> 4 x 0.6 = 2.4 cores; 8 GB
+    DeviceProfile("pi5", draft_ms_per_token=20.0, round_overhead_ms=3.0, cpus=2.4, memory_mb=8192),
+    # Jetson Orin Nano 8 GB: 6x Cortex-A78AE @ 1.5 GHz (public spec) -> 6 x 0.55 = 3.3 cores;
+    # its GPU would draft faster than the CPU (the lower draft time assumes it does)
+    DeviceProfile("orin-nano", draft_ms_per_token=8.0, round_overhead_ms=1.5, cpus=3.3,
+                  memory_mb=8192),
+    # no board: drafting as fast as the host runs it, no container limits
     DeviceProfile("instant", draft_ms_per_token=0.0, round_overhead_ms=0.0),
 )}
 
@@ -73,7 +96,7 @@ def _parse(spec: str, table: dict, kind: str):
         if key not in fields:
             raise ValueError(f"bad {kind} profile {spec!r}: {key!r} is not one of {', '.join(sorted(fields))}")
         try:
-            changes[key] = float(value)
+            changes[key] = type(getattr(profile, key))(float(value))   # memory_mb stays an int
         except ValueError:
             raise ValueError(f"bad {kind} profile {spec!r}: {key} needs a number") from None
     return dataclasses.replace(profile, name=spec, **changes)
