@@ -1,0 +1,188 @@
+"""A lab scenario: the fleet, the workload, the SLO and the fault timeline, read from YAML.
+
+`load_scenario("smoke")` reads the built-in lab/scenarios/smoke.yaml; any other spec is a path.
+A bad scenario raises ScenarioError naming the key and the file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lab.profiles import device_profile, link_profile
+
+SCENARIOS = Path(__file__).with_name("scenarios")
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot run: the message names the key and the file."""
+
+
+@dataclass(frozen=True)
+class DeviceSlot:
+    """One device of the expanded fleet, in order: ids dev-00, dev-01, ..."""
+    index: int
+    id: str
+    device: str     # device profile spec, e.g. "pi5"
+    link: str       # link profile spec, e.g. "wifi:rtt_ms=20"
+    drafter: str    # drafter spec, e.g. "gguf:gemma3-270m"
+    group: int      # which fleet entry it came from
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FleetGroup(_Strict):
+    count: int = Field(1, ge=1)
+    device: str
+    link: str
+    drafter: str
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, spec: str) -> str:
+        device_profile(spec)
+        return spec
+
+    @field_validator("link")
+    @classmethod
+    def _link(cls, spec: str) -> str:
+        link_profile(spec)
+        return spec
+
+
+class Workload(_Strict):
+    source: str = "humaneval"       # "humaneval", "chat" or a prompt file
+    limit: int | None = Field(None, ge=1)
+
+
+class Arrivals(_Strict):
+    mode: Literal["closed", "poisson"] = "closed"
+    rate_per_s: float | None = Field(None, gt=0)     # per device, poisson only
+
+    @model_validator(mode="after")
+    def _rate(self) -> "Arrivals":
+        if self.mode == "poisson" and self.rate_per_s is None:
+            raise ValueError("poisson arrivals need rate_per_s")
+        return self
+
+
+class Sampling(_Strict):
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Slo(_Strict):
+    tokens_per_s: float = Field(10.0, gt=0)    # per device
+    ttft_s: float = Field(2.0, gt=0)
+
+
+class Fault(_Strict):
+    at_s: float = Field(ge=0)
+    kind: Literal["server_kill", "broker_restart", "link_cut"]
+    device: str | None = None       # link_cut: the device id
+    down_s: float = Field(2.0, ge=0)
+
+
+class ServerSection(_Strict):
+    args: list[str] = []
+
+
+class Scenario(_Strict):
+    name: str
+    target: str
+    fleet: list[FleetGroup] = Field(min_length=1)
+    workload: Workload = Workload()
+    arrivals: Arrivals = Arrivals()
+    requests: int | None = Field(None, ge=1)
+    duration_s: float | None = Field(None, gt=0)
+    max_tokens: int = Field(64, ge=1)
+    sampling: Sampling = Sampling()
+    slo: Slo = Slo()
+    centralized: bool = False
+    fleet_sizes: list[int] | None = None
+    faults: list[Fault] = []
+    via: Literal["mqtt", "openai"] = "mqtt"
+    costs: dict[str, Any] = {}
+    server: ServerSection = ServerSection()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Scenario":
+        if (self.requests is None) == (self.duration_s is None):
+            raise ValueError("give exactly one of requests and duration_s")
+        total = sum(group.count for group in self.fleet)
+        for n in self.fleet_sizes or []:
+            if not 1 <= n <= total:
+                raise ValueError(f"fleet_sizes: {n} is not within 1..{total} (the fleet's size)")
+        ids = {slot.id for slot in self.slots()}
+        for i, fault in enumerate(self.faults):
+            if fault.kind == "link_cut" and fault.device not in ids:
+                raise ValueError(f"faults.{i}.device: link_cut needs a device id of the fleet "
+                                 f"(dev-00..dev-{total - 1:02d}), not {fault.device!r}")
+        return self
+
+    def slots(self) -> list[DeviceSlot]:
+        """The fleet expanded in order."""
+        slots: list[DeviceSlot] = []
+        for group_index, group in enumerate(self.fleet):
+            for _ in range(group.count):
+                i = len(slots)
+                slots.append(DeviceSlot(i, f"dev-{i:02d}", group.device, group.link,
+                                        group.drafter, group_index))
+        return slots
+
+    def sizes(self) -> list[int]:
+        """The fleet sizes to run: the first n devices for each n."""
+        return list(self.fleet_sizes or [len(self.slots())])
+
+
+def scenario_path(spec: str | Path) -> Path:
+    """A built-in name ("smoke") or a path to a YAML file."""
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path
+    return SCENARIOS / f"{spec}.yaml"
+
+
+def builtin_scenarios() -> list[str]:
+    return sorted(p.stem for p in SCENARIOS.glob("*.yaml"))
+
+
+def load_scenario(spec: str | Path) -> Scenario:
+    path = scenario_path(spec)
+    if not path.is_file():
+        raise ScenarioError(f"scenario {str(spec)!r} is neither a file nor a built-in "
+                            f"({', '.join(builtin_scenarios())})")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ScenarioError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{path}: a scenario is a mapping of keys (name, target, fleet, ...)")
+    return parse_scenario(data, path)
+
+
+def parse_scenario(data: dict, path: Path | str = "<scenario>") -> Scenario:
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as e:
+        raise ScenarioError(f"{path}: {_first_error(e)}") from None
+
+
+def _first_error(e: ValidationError) -> str:
+    error = e.errors()[0]
+    key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = "unknown key"
+    return f"{key}: {message}"
