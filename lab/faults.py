@@ -1,0 +1,96 @@
+"""The fault timeline of a phase: each step at its at_s from the phase start.
+
+    server_kill     SIGKILL the verify server, wait down_s, start it again (and wait until it serves)
+    broker_restart  stop the broker, wait down_s, start it again
+    link_cut        the device's link goes down (MQTT config {"emulation": {"link_down": true}}),
+                    down_s later it comes back
+
+Each step gives {"kind", "at_s", "device", "down_s", "done_at_s", "ok", "note"}: ok says the
+step happened as asked (the component came back, the device reported its link cut and restored).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from lab.fleet import DeviceHandle, Fleet
+from lab.scenario import Fault
+from sled.mqtt import device_topic, encode
+
+
+async def run_faults(fleet: Fleet, faults: list[Fault], started: float, prefix: str = "sled") -> list[dict]:
+    """Every step on its own task, each at `started + at_s` (time.monotonic)."""
+    steps = [_timed(fleet, fault, started, prefix) for fault in faults]
+    return list(await asyncio.gather(*steps))
+
+
+async def _timed(fleet: Fleet, fault: Fault, started: float, prefix: str) -> dict:
+    await asyncio.sleep(max(0.0, started + fault.at_s - time.monotonic()))
+    record = {"kind": fault.kind, "at_s": round(time.monotonic() - started, 3), "device": fault.device,
+              "down_s": fault.down_s, "done_at_s": None, "ok": False, "note": ""}
+    try:
+        record["note"] = await STEPS[fault.kind](fleet, fault, prefix)
+        record["ok"] = True
+    except Exception as exc:    # a step that failed is a result to report, not a crash
+        record["note"] = f"{type(exc).__name__}: {exc}"
+    record["done_at_s"] = round(time.monotonic() - started, 3)
+    return record
+
+
+async def server_kill(fleet: Fleet, fault: Fault, prefix: str) -> str:
+    await fleet.kill_server()
+    await asyncio.sleep(fault.down_s)
+    begun = time.monotonic()
+    await fleet.start_server()
+    return f"server killed (SIGKILL), serving again {time.monotonic() - begun:.1f} s after restart"
+
+
+async def broker_restart(fleet: Fleet, fault: Fault, prefix: str) -> str:
+    await fleet.stop_broker()
+    await asyncio.sleep(fault.down_s)
+    await fleet.start_broker()
+    return "broker stopped and started again"
+
+
+async def link_cut(fleet: Fleet, fault: Fault, prefix: str) -> str:
+    handle = next(h for h in fleet.devices if h.id == fault.device)
+    await set_link_down(fleet, handle, True, prefix)
+    await asyncio.sleep(fault.down_s)
+    await set_link_down(fleet, handle, False, prefix)
+    return f"{handle.id}'s link cut for {fault.down_s:g} s"
+
+
+STEPS = {"server_kill": server_kill, "broker_restart": broker_restart, "link_cut": link_cut}
+
+
+async def set_link_down(fleet: Fleet, handle: DeviceHandle, down: bool, prefix: str,
+                        timeout_s: float = 10.0) -> None:
+    """Publish the live setting, then wait until the device's /health reports it."""
+    await publish_config(fleet, handle.id, {"emulation": {"link_down": down}}, prefix)
+    await wait_status(handle, lambda s: (s.get("emulation") or {}).get("link_down") == down,
+                      f"{handle.id} did not report link_down={down}", timeout_s)
+
+
+async def publish_config(fleet: Fleet, device_id: str, changes: dict, prefix: str = "sled") -> None:
+    """One settings change to a device over MQTT, as the lab user."""
+    async with fleet.broker.client(f"sled-lab-config-{device_id}-{time.monotonic_ns()}") as client:
+        await client.publish(device_topic(prefix, device_id, "config"), encode(changes), qos=1)
+
+
+async def wait_status(handle: DeviceHandle, holds, what: str, timeout_s: float = 10.0) -> dict:
+    """Poll the device's /health until `holds(status)`; the status, or TimeoutError naming `what`."""
+    give_up = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
+        while True:
+            try:
+                async with http.get(handle.api_url + "/health") as response:
+                    status = await response.json()
+                if holds(status):
+                    return status
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                pass
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"{what} within {timeout_s:g} s")
+            await asyncio.sleep(0.1)
