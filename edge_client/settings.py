@@ -24,6 +24,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from lab.profiles import device_profile, link_profile
 from sled.endpoint import parse_endpoint
 from sled.mqtt import DEFAULT_PREFIX, check_topic_level, check_topic_prefix
 from sled.settings_files import SettingsError, file_source, settings_file
@@ -84,6 +85,31 @@ class MqttSettings(Section):
         return bool(self.host)
 
 
+class EmulationSettings(Section):
+    """Lab emulation (sled lab): a board's drafting speed and a network link, in user space."""
+    # a device profile (lab.profiles: "pi5", "pi4:draft_ms_per_token=50"): pads each draft to
+    # the board's time; "" = drafting as fast as this machine does
+    device: str = ""
+    # a link profile ("wifi", "lte:rtt_ms=60"): the session streams get its delays; "" = none
+    link: str = ""
+    # the link is cut: open streams fail as with a lost connection, new ones wait for it
+    link_down: bool = False
+
+    @field_validator("device")
+    @classmethod
+    def _device_profile(cls, value: str) -> str:
+        if value:
+            device_profile(value)       # a ValueError names the bad profile
+        return value
+
+    @field_validator("link")
+    @classmethod
+    def _link_profile(cls, value: str) -> str:
+        if value:
+            link_profile(value)
+        return value
+
+
 # A device id is one MQTT topic level and part of the broker client id: kept short.
 MAX_DEVICE_ID_CHARS = 128
 
@@ -110,8 +136,12 @@ class DeviceSettings(BaseSettings):
     reconnect_s: float = Field(30.0, ge=0)
     # with no server reachable, go on with the drafter alone: lossy, marked "lossless": false
     unverified_fallback: bool = False
+    # "draft": this device drafts and the server verifies; "server": the server generates every
+    # token (centralized serving, the lab's baseline)
+    mode: Literal["draft", "server"] = "draft"
     policy: PolicySettings = PolicySettings()
     mqtt: MqttSettings = MqttSettings()
+    emulation: EmulationSettings = EmulationSettings()
 
     @field_validator("id")
     @classmethod
@@ -141,7 +171,7 @@ class DeviceSettings(BaseSettings):
 
 # Keys that take effect at once when changed at run time; the rest need a restart.
 LIVE_KEYS = {"servers", "drafter", "policy", "max_new_tokens", "reconnect_s", "unverified_fallback",
-             "max_sessions"}
+             "max_sessions", "mode", "emulation"}
 
 
 def _merge(base: dict, changes: dict) -> dict:
