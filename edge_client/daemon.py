@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import time
+import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -28,13 +29,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from drafters.base import Drafter
 from edge_client.connection import cached_tokenizer
 from edge_client.drafting import SharedDrafter
+from edge_client.emulation import LinkEmulation, PacedDrafter
 from edge_client.result import LOST, RoundStat, ServerEvent
 from edge_client.salt import device_salt
 from edge_client.servers import NoServer, Server, ServerDirectory
+from edge_client.server_side import generate_server_side
 from edge_client.session import RoundSettings, generate
 from edge_client.settings import DeviceSettings, SettingsError
 from edge_client.tokenizer import tokenizer_fingerprint
 from edge_client.transport import ServerLost, VerifyError, connect_error
+from lab.profiles import device_profile
 from sled.cache import CacheError
 from sled.fingerprint import short
 from sled.printable import printable
@@ -64,6 +68,17 @@ class Request:
     stop_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """What one request's generation runs with: its settings as they were when it started,
+    and where its tokens and server events go."""
+    request: Request
+    max_tokens: int
+    settings: DeviceSettings
+    on_tokens: Callable[[list[int]], None]
+    on_server: Callable[[ServerEvent], None]
 
 
 @dataclass(slots=True)
@@ -96,6 +111,11 @@ class DeviceMetrics:
                                     registry=r)
         self.draft_seconds = Histogram("sled_device_draft_seconds", "Drafting time per round",
                                        registry=r)
+        # per draft position (1..k): how often a draft reached it, and how often it was accepted
+        self.position_drafted = Counter("sled_device_position_drafted", "Draft tokens verified at "
+                                        "each draft position", ["position"], registry=r)
+        self.position_accepted = Counter("sled_device_position_accepted", "Draft tokens accepted "
+                                         "at each draft position", ["position"], registry=r)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         found = self.registry.get_sample_value(name, labels or {})
@@ -154,6 +174,9 @@ class Device:
         self.listeners: list[Callable[[], None]] = []   # told when settings or state change
         self.mqtt = None          # the MQTT control plane (edge_client.mqtt.DeviceMqtt) when one runs
         self.cache_salt = ""      # secret to this device (edge_client.salt), known from start()
+        # the lab's user-space link (its cuts too), seeded per device so runs repeat
+        self.link = LinkEmulation(seed=zlib.crc32(settings.id.encode()))
+        self.link.configure(settings.emulation)
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -309,7 +332,7 @@ class Device:
                 raise
 
     async def _generate(self, request: Request, queue: asyncio.Queue) -> None:
-        settings = self.settings
+        settings = self.settings        # this request keeps the settings it started with
         max_tokens = request.max_tokens or settings.max_new_tokens
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         committed: list[int] = []
@@ -338,19 +361,12 @@ class Device:
         def on_server(event: ServerEvent) -> None:
             self._log_server_event(request, current["server"], event)
 
-        policy = settings.policy
+        generation = Generation(request, max_tokens, settings, on_tokens, on_server)
         try:
-            result = await generate(
-                server.stub, self.drafter, request.prompt_ids, max_new_tokens=max_tokens,
-                sampling=request.sampling, stop_ids=request.stop_ids,
-                target_fingerprint=server.fingerprint or None, ignore_eos=request.ignore_eos,
-                settings=RoundSettings(
-                    draft_len=policy.draft_len, max_draft_len=policy.max_draft_len,
-                    min_confidence=policy.min_confidence, pipeline=policy.pipeline,
-                    lookahead=policy.lookahead, reconnect_s=settings.reconnect_s),
-                reopen_on=reopen, on_tokens=on_tokens, on_round=self._count_round,
-                on_server=on_server, target_model=server.model,
-                cache_salt=self.cache_salt)   # this device's sessions share a system prompt's blocks
+            if settings.mode == "server":
+                result = await self._centralized(server, generation)
+            else:
+                result = await self._drafted(server, generation, reopen)
         except VerifyError as exc:
             if exc.code == grpc.StatusCode.UNAVAILABLE and settings.unverified_fallback:
                 await self._draft_alone(request, request.prompt_ids + committed,
@@ -362,11 +378,50 @@ class Device:
         self.metrics.resumes.inc(result.resumes)
         queue.put_nowait(Chunk([], result.finish_reason))
 
+    async def _drafted(self, server: Server, generation: Generation, reopen: Callable[[], object]):
+        """The device drafts, the server verifies (mode "draft")."""
+        request, settings = generation.request, generation.settings
+        policy = settings.policy
+        return await generate(
+            server.stub, self._session_drafter(settings), request.prompt_ids,
+            max_new_tokens=generation.max_tokens, sampling=request.sampling, stop_ids=request.stop_ids,
+            target_fingerprint=server.fingerprint or None, ignore_eos=request.ignore_eos,
+            settings=RoundSettings(
+                draft_len=policy.draft_len, max_draft_len=policy.max_draft_len,
+                min_confidence=policy.min_confidence, pipeline=policy.pipeline,
+                lookahead=policy.lookahead, reconnect_s=settings.reconnect_s),
+            transport=self.link.transport(), reopen_on=reopen, on_tokens=generation.on_tokens,
+            on_round=self._count_round, on_server=generation.on_server, target_model=server.model,
+            cache_salt=self.cache_salt)   # this device's sessions share a system prompt's blocks
+
+    async def _centralized(self, server: Server, generation: Generation):
+        """The server generates every token, the device only streams them (mode "server": the
+        centralized baseline). A cut link is waited for first, as a drafting session's first
+        open waits for its server."""
+        request, settings = generation.request, generation.settings
+        await self.link.wait_up(settings.reconnect_s)
+        return await generate_server_side(
+            server.stub, request.prompt_ids, max_new_tokens=generation.max_tokens,
+            sampling=request.sampling, stop_ids=request.stop_ids, ignore_eos=request.ignore_eos,
+            on_tokens=generation.on_tokens, transport=self.link.transport(),
+            cache_salt=self.cache_salt, reconnect_s=settings.reconnect_s,
+            on_server=generation.on_server)
+
+    def _session_drafter(self, settings: DeviceSettings):
+        """The shared drafter, paced to the emulated board's speed when there is one."""
+        if not settings.emulation.device:
+            return self.drafter
+        return PacedDrafter(self.drafter, device_profile(settings.emulation.device))
+
     def _count_round(self, stat: RoundStat) -> None:
         """One round of any session, in the metrics and the telemetry window."""
         self.metrics.rounds.inc()
         self.metrics.draft_tokens.inc(stat.verified)
         self.metrics.accepted_tokens.inc(stat.accepted)
+        for position in range(1, stat.verified + 1):      # positions 1..verified were drafted,
+            self.metrics.position_drafted.labels(str(position)).inc()
+        for position in range(1, stat.accepted + 1):      # 1..accepted accepted
+            self.metrics.position_accepted.labels(str(position)).inc()
         self.metrics.round_trip.observe(stat.round_trip_ms / 1e3)
         self.metrics.draft_seconds.observe(stat.draft_ms / 1e3)
         self.window.round(stat)
@@ -443,6 +498,7 @@ class Device:
         if updated.max_sessions != self.settings.max_sessions:
             self._slots = asyncio.Semaphore(updated.max_sessions)
         self.settings = updated
+        self.link.configure(updated.emulation)      # a cut fails the open streams at once
         self._refresh_state()
         self._tell()
         return updated
@@ -456,6 +512,8 @@ class Device:
             "reason": self.reason,
             "model": self.model_id,
             "drafter": self.settings.drafter,
+            "mode": self.settings.mode,
+            "emulation": self.emulation_status(),
             "active_sessions": self._active,
             "uptime_s": round(time.monotonic() - self.started, 1),
             "cpu_load": round(load, 3) if load is not None else None,
@@ -463,6 +521,12 @@ class Device:
             "mqtt": self.mqtt.summary() if self.mqtt is not None else None,
             **self.window.summary(),
         }
+
+    def emulation_status(self) -> dict:
+        """What the lab emulates here: the board, the link, whether it is cut, and how."""
+        emulation = self.settings.emulation
+        return {"device": emulation.device, "link": emulation.link, "link_down": emulation.link_down,
+                "kind": self.link.kind}
 
 
 def _kind(error: VerifyError) -> str:

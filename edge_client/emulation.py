@@ -1,0 +1,214 @@
+"""Lab emulation on the device, in user space: a board's drafting speed and the network link
+under the session streams, with cuts. Neither changes a token: drafts are padded in time only,
+and a cut link loses messages the way a lost connection does, which the sessions' resume
+already survives without losing or repeating a committed token.
+
+    emulation = LinkEmulation(seed=7)
+    emulation.configure(settings.emulation)        # link "wifi", link_down False
+    await generate(stub, PacedDrafter(drafter, device_profile("pi5")), prompt_ids,
+                   max_new_tokens=32, transport=emulation.transport())
+    emulation.configure(settings.emulation)        # link_down True: every open stream fails
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from collections.abc import Awaitable, Sequence
+
+import grpc
+import numpy as np
+
+from drafters.base import Drafter, Proposal, reports_confidence
+from edge_client.transport import Stream, Transport, VerifyError
+from lab.link import link_transport
+from lab.profiles import DeviceProfile, Link, link_profile
+from sled.sampling import Sampling
+
+LINK_DOWN = "the emulated link is down"
+USER_SPACE, NONE = "user-space", "none"
+
+
+class PacedDrafter:
+    """A drafter slowed to a board's speed: a proposal of k tokens that took t seconds here is
+    returned after max(0, profile.draft_seconds(k) - t). Continuing right where its last
+    proposal ended (drafting ahead of a verdict, one token at a time) skips the per-round
+    overhead, as the drafter's KV is warm there. The tokens are the inner drafter's own."""
+
+    def __init__(self, drafter: Drafter, profile: DeviceProfile) -> None:
+        self.inner = drafter
+        self.profile = profile
+        self.name = drafter.name
+        self.alias = getattr(drafter, "alias", None)
+        self.tokenizer_fingerprint = drafter.tokenizer_fingerprint
+        self._drafted_to: list[int] | None = None      # context + proposal of the last proposal
+
+    @property
+    def reports_confidence(self) -> bool:
+        return reports_confidence(self.inner)
+
+    def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
+                generator: np.random.Generator | None = None, **options) -> Proposal:
+        """Unpaced (a caller in a thread); sessions await apropose()."""
+        return self.inner.propose(context, draft_len, sampling, generator, **options)
+
+    async def apropose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
+                       generator: np.random.Generator | None = None, **options) -> Proposal:
+        """The inner drafter's proposal, after the board's drafting time."""
+        warm = self._drafted_to is not None and list(context) == self._drafted_to
+        started = time.perf_counter()
+        proposal = await self._inner_proposal(context, draft_len, sampling, generator, options)
+        took = time.perf_counter() - started
+        self._drafted_to = list(context) + list(proposal.token_ids)
+        await asyncio.sleep(max(0.0, self.draft_seconds(len(proposal.token_ids), warm) - took))
+        return proposal
+
+    def _inner_proposal(self, context, draft_len, sampling, generator, options) -> Awaitable[Proposal]:
+        inner_apropose = getattr(self.inner, "apropose", None)
+        if inner_apropose is not None:
+            return inner_apropose(context, draft_len, sampling, generator, **options)
+        return asyncio.to_thread(self.inner.propose, context, draft_len, sampling, generator, **options)
+
+    def draft_seconds(self, draft_len: int, warm: bool = False) -> float:
+        """The board's time for draft_len tokens; warm: without the per-round overhead."""
+        overhead = self.profile.draft_seconds(0) if warm else 0.0
+        return self.profile.draft_seconds(draft_len) - overhead
+
+    def rollback(self, length: int) -> None:
+        self.inner.rollback(length)
+
+
+class LinkEmulation:
+    """One device's emulated network: its Link (profile and seeded jitter; a zero-delay loopback
+    when only a cut is asked for) and whether it is cut. It owns the open streams so a cut can
+    fail them all; new streams wait until the link is back (as gRPC's wait_for_ready does) or,
+    when they do not wait, fail as a lost connection at once."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self.spec = ""
+        self.down = False
+        self.link: Link | None = None
+        self._up = asyncio.Event()
+        self._up.set()
+        self._streams: weakref.WeakSet[CutStream] = weakref.WeakSet()
+
+    @property
+    def kind(self) -> str:
+        """How the link is emulated here: "user-space", or "none" (no link profile, no cut)."""
+        return USER_SPACE if self.link is not None else NONE
+
+    def configure(self, emulation) -> None:
+        """Take emulation.link and emulation.link_down (the device's EmulationSettings): a new
+        link profile applies to streams opened from now on; a cut fails every open stream."""
+        wanted = emulation.link or ("loopback" if emulation.link_down else "")
+        if wanted != self.spec:
+            self.spec = wanted
+            self.link = Link(link_profile(wanted), seed=self.seed) if wanted else None
+        self.set_down(emulation.link_down)
+
+    def set_down(self, down: bool) -> None:
+        if down and not self.down:
+            self._up.clear()
+            for stream in list(self._streams):
+                stream.cut()
+        elif not down:
+            self._up.set()
+        self.down = down
+
+    async def wait_up(self, timeout: float | None = None) -> bool:
+        """Wait until the link is up, at most timeout seconds; whether it is."""
+        try:
+            await asyncio.wait_for(self._up.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return not self.down
+
+    def transport(self) -> Transport:
+        """The Transport a session opens its streams with: over the link when one is emulated,
+        and always cuttable, so a cut also fails the streams opened before it."""
+        opener = link_transport(self.link) if self.link is not None else Stream.open
+
+        def open_stream(stub, *, timeout: float | None = None, wait_for_ready: bool = False):
+            stream = CutStream(self, opener, stub, timeout, wait_for_ready)
+            self._streams.add(stream)
+            return stream
+        return open_stream
+
+
+def link_lost() -> VerifyError:
+    """What a cut link looks like to a session: a lost server (UNAVAILABLE)."""
+    return VerifyError(grpc.StatusCode.UNAVAILABLE, LINK_DOWN)
+
+
+class CutStream:
+    """A session stream (edge_client.transport.Stream) over an emulated link that can be cut.
+    The gRPC call opens with the first message, once the link is up; after a cut every step
+    fails as a lost connection and the call is dropped (the server frees the session)."""
+
+    def __init__(self, emulation: LinkEmulation, opener: Transport, stub,
+                 timeout: float | None, wait_for_ready: bool) -> None:
+        self.emulation, self.opener, self.stub = emulation, opener, stub
+        self.timeout, self.wait_for_ready = timeout, wait_for_ready
+        self.inner = None
+        self._cut = asyncio.get_running_loop().create_future()
+
+    def cut(self) -> None:
+        if not self._cut.done():
+            self._cut.set_result(None)
+        if self.inner is not None:
+            self.inner.cancel()
+
+    async def send(self, msg) -> None:
+        if self.inner is None:
+            await self._connect()
+        await self._unless_cut(self.inner.send(msg))
+
+    async def receive(self):
+        if self.inner is None:
+            raise link_lost()
+        return await self._unless_cut(self.inner.receive())
+
+    async def done_writing(self) -> None:
+        self.emulation._streams.discard(self)
+        if self.inner is not None:
+            await self._unless_cut(self.inner.done_writing())
+
+    def cancel(self) -> None:
+        self.emulation._streams.discard(self)
+        if self.inner is not None:
+            self.inner.cancel()
+
+    async def _connect(self) -> None:
+        """Open the call once the link is up (a stream that does not wait fails at once)."""
+        if self.emulation.down:
+            if not self.wait_for_ready:
+                raise link_lost()
+            await self.emulation._up.wait()
+        if self._cut.done():
+            raise link_lost()
+        self.inner = self.opener(self.stub, timeout=self.timeout, wait_for_ready=self.wait_for_ready)
+
+    async def _unless_cut(self, step: Awaitable):
+        """step's result, unless the link is cut first: then what a lost connection raises."""
+        if self._cut.done():
+            if asyncio.iscoroutine(step):
+                step.close()
+            raise link_lost()
+        task = asyncio.ensure_future(step)
+        try:
+            await asyncio.wait({task, self._cut}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        if self._cut.done():
+            task.cancel()
+            task.add_done_callback(_consume)
+            raise link_lost()
+        return task.result()
+
+
+def _consume(task: asyncio.Future) -> None:
+    """A step dropped by a cut: its outcome is the lost connection's, never logged as unread."""
+    if not task.cancelled():
+        task.exception()
