@@ -1,8 +1,90 @@
-"""`sled lab run SCENARIO`: run a scenario locally (sled serve, Mosquitto, one sled device per
-device) or in compose, sled and the centralized baseline, then write the report."""
+"""`sled lab run SCENARIO`: run a scenario on a fleet (processes here, or Docker Compose), sled
+and then the centralized baseline for each fleet size, then write results.json and the report.
+
+    sled lab run smoke                       # lab-results/smoke-<time>/report.html
+    sled lab run my.yaml --out runs --run first --fleet compose
+
+Exit status: 0 ok, 1 a greedy output differed from the target's, 2 a bad flag, scenario or
+workload, 3 a component of the fleet did not start, 130 Ctrl-C.
+"""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from lab.faults import publish_config, run_faults, wait_status
+from lab.fleet import Fleet, FleetStartError
+from lab.results import Results, greedy_mismatches, phase_totals
+from lab.scenario import Scenario, ScenarioError, load_scenario
+
+PREFIX = "sled"
+# "chat": short questions a phone or a kiosk would ask (the workload's built-in chat set).
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for sleeping better.",
+    "Explain what a prime number is to a ten-year-old.",
+    "Write a haiku about the sea.",
+    "How do I boil an egg?",
+    "What does a router do in a home network?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "Why is the sky blue?",
+]
+
+
+class PhaseProgress:
+    """The live line of a phase: requests done, tokens, errors, elapsed. drive() reports each
+    finished request with `progress(record)` (or request_done) and streamed tokens with tokens(n)."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total = label, total
+        self.done = self.streamed = self.errors = 0
+        self.streaming = False      # tokens(n) was called: count those, not the records'
+        self.started = time.monotonic()
+
+    def __call__(self, record) -> None:
+        self.request_done(record)
+
+    def request_done(self, record) -> None:
+        self.done += 1
+        self.errors += 1 if getattr(record, "error", None) else 0
+        if not self.streaming:
+            self.streamed += len(getattr(record, "token_ids", None) or [])
+
+    def tokens(self, n: int) -> None:
+        self.streaming = True
+        self.streamed += n
+
+    def line(self) -> str:
+        total = f"/{self.total}" if self.total else ""
+        return (f"{self.label}: {self.done}{total} requests, {self.streamed} tokens, "
+                f"{self.errors} errors, {time.monotonic() - self.started:.0f} s")
+
+    @contextlib.asynccontextmanager
+    async def live(self):
+        """A rich live line on stderr, refreshed twice a second while the phase runs."""
+        from rich.console import Console
+        from rich.live import Live
+
+        with Live(self.line(), console=Console(stderr=True), transient=True) as live:
+            async def refresh() -> None:
+                while True:
+                    live.update(self.line())
+                    await asyncio.sleep(0.5)
+
+            task = asyncio.create_task(refresh())
+            try:
+                yield self
+            finally:
+                task.cancel()
+
+
+def phase_line(text: str) -> None:
+    print(f"sled lab run: {text}", file=sys.stderr, flush=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,9 +95,145 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet", choices=("local", "compose"), default="local",
                         help="processes on this machine, or Docker Compose (default: local)")
     parser.add_argument("--run", default=None, metavar="NAME",
-                        help="the run's folder name under --out (default: scenario and time)")
+                        help="the run's folder name under --out (default: scenario-time)")
 
 
 def run(args: argparse.Namespace) -> int:
-    print("sled lab run: not ready yet")
-    return 2
+    try:
+        scenario = load_scenario(args.scenario)
+        prompts = scenario_prompts(scenario)
+    except (ScenarioError, ValueError, OSError) as exc:
+        return _fail(str(exc), 2)
+    name = args.run or f"{scenario.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    folder = Path(args.out) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return asyncio.run(run_scenario(scenario, prompts, folder, args.fleet))
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"sled lab run: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def scenario_prompts(scenario: Scenario) -> list[str]:
+    """The workload's prompts, at most workload.limit."""
+    from lab.workload import load_workload
+
+    source, limit = scenario.workload.source, scenario.workload.limit
+    prompts = CHAT_PROMPTS if source == "chat" else load_workload(source)
+    return list(prompts[:limit] if limit else prompts)
+
+
+def make_fleet(kind: str, scenario: Scenario, folder: Path) -> Fleet:
+    if kind == "compose":
+        from lab.fleet_compose import ComposeFleet    # Docker only when asked for
+
+        return ComposeFleet(scenario, folder)
+    from lab.fleet_local import LocalFleet
+
+    return LocalFleet(scenario.target, folder, server_args=scenario.server.args, prefix=PREFIX)
+
+
+async def run_scenario(scenario: Scenario, prompts: list[str], folder: Path, kind: str) -> int:
+    """References, fleet up, every phase, fleet down, results and report; the exit status."""
+    references = await greedy_references(scenario, prompts)
+    fleet = make_fleet(kind, scenario, folder)
+    results = Results(folder.name, fleet.mode, scenario)
+    try:
+        phase_line(f"starting the fleet: {len(scenario.slots())} devices, target {scenario.target}")
+        await fleet.start(scenario.slots())
+        results.link_emulation = fleet.link_emulation()
+        await run_phases(fleet, scenario, prompts, references, results)
+    except FleetStartError as exc:
+        return _fail(f"{exc} (logs in {folder / 'logs'})", 3)
+    finally:
+        await fleet.stop()
+    results.server_power = server_power(scenario)
+    results.write(folder)
+    return finish(results, folder)
+
+
+async def greedy_references(scenario: Scenario, prompts: list[str]) -> list[list[int]] | None:
+    """The target's own greedy outputs (None when the scenario samples)."""
+    if not scenario.sampling.greedy:
+        return None
+    from lab.oracle import greedy_references as references
+
+    phase_line(f"greedy references: {len(prompts)} prompts on {scenario.target}")
+    return await asyncio.to_thread(references, scenario.target, prompts, scenario.max_tokens)
+
+
+async def run_phases(fleet: Fleet, scenario: Scenario, prompts, references, results: Results) -> None:
+    """For each fleet size: sled (with the fault timeline on the largest), then centralized."""
+    sizes = scenario.sizes()
+    for n in sizes:
+        faults = scenario.faults if n == max(sizes) else []
+        await run_phase(fleet, scenario, "sled", n, prompts, references, results, faults)
+        if scenario.centralized:
+            await run_phase(fleet, scenario, "centralized", n, prompts, references, results, [])
+    await set_mode(fleet, fleet.devices, "draft")
+
+
+async def run_phase(fleet: Fleet, scenario: Scenario, system: str, n: int, prompts, references,
+                    results: Results, faults) -> None:
+    """One phase: drive the first n devices while the sampler scrapes and faults happen."""
+    from lab import drive, scrape
+
+    devices = fleet.devices[:n]
+    await set_mode(fleet, devices, "server" if system == "centralized" else "draft")
+    progress = PhaseProgress(f"{system} x{n}", n * (scenario.requests or 0))
+    sampler = scrape.Sampler(fleet, devices)
+    started = time.monotonic()
+    async with sampler, progress.live():
+        fault_task = asyncio.create_task(run_faults(fleet, faults, started, PREFIX))
+        records = await drive.drive(fleet, scenario, devices, prompts, references, progress)
+        fault_records = await fault_task
+    wall_s = time.monotonic() - started
+    for record in records:
+        record.system, record.fleet_size = system, n
+    results.faults += fault_records
+    phase = results.add_phase(system, n, wall_s, records, sampler.server_summary(),
+                              sampler.device_summary())
+    phase_line(_summary(phase))
+
+
+async def set_mode(fleet: Fleet, devices, mode: str) -> None:
+    """Switch devices live over MQTT ("draft": sled; "server": centralized) and wait for it."""
+    async def switch(handle) -> None:
+        await publish_config(fleet, handle.id, {"mode": mode}, PREFIX)
+        await wait_status(handle, lambda s: s.get("mode") == mode and s.get("state") == "ready",
+                          f"{handle.id} did not switch to mode {mode}", 60)
+
+    await asyncio.gather(*(switch(handle) for handle in devices))
+
+
+def _summary(phase: dict) -> str:
+    t = phase_totals(phase)
+    return (f"{phase['system']} x{phase['fleet_size']}: {t['requests']} requests, {t['tokens']} tokens, "
+            f"{t['errors']} errors, {t['lost_tokens']} lost / {t['duplicated_tokens']} duplicated "
+            f"tokens in {phase['wall_s']:.1f} s")
+
+
+def server_power(scenario: Scenario) -> dict:
+    """From lab.costs: the GPU's draw where nvidia-smi reads one, else the documented assumption."""
+    try:
+        from lab.costs import server_power as measured
+    except ImportError:
+        return {"source": "assumed", "watts": None}
+    return measured(scenario.costs)
+
+
+def finish(results: Results, folder: Path) -> int:
+    """Write the report; 1 when any greedy output differed from the target's."""
+    from lab.report import build_report
+
+    document = results.document()
+    report = build_report(document, folder)
+    mismatches = greedy_mismatches(document)
+    failed = [f for f in results.faults if not f["ok"]]
+    phase_line(f"report: {report}")
+    for fault in failed:
+        phase_line(f"fault step {fault['kind']} at {fault['at_s']} s did not complete: {fault['note']}")
+    if mismatches:
+        return _fail(f"{mismatches} greedy outputs differed from the target's (see {report})", 1)
+    return 0
