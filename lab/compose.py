@@ -1,0 +1,279 @@
+"""`sled lab compose SCENARIO`: run a scenario in Docker Compose and collect its report.
+
+Steps, each shown as it runs; a step that fails ends the command with one line (the step and the
+tail of its log) and exit status 3:
+  base image   sled-base:bookworm from debootstrap (--build-base; cached by tag), or --base-image
+  wheelhouse   the project's wheel and every dependency (cached by pyproject.toml + the wheel)
+  images       server, device and broker images FROM the base (cached by wheelhouse + base)
+  run folder   broker files (lab.broker), the scenario, the compose environment and override
+  up           broker, server and one device replica per slot (--scale device=N)
+  limits       each device container's CPU quota and memory limit from its device profile
+  lab          `sled lab run /lab/scenario.yaml --fleet compose` in the lab container
+  down         containers, networks and volumes of the run (images stay as a cache)
+The report lands in OUT/<run>/ like `sled lab run`'s. The exit status is the lab's (0 ok, 1 a
+greedy output differed from the target's, 2 bad scenario, 3 a component did not start).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from lab.images import ROOT, BuildError, run_step
+
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+GPU_FILE = ROOT / "docker-compose.gpu.yml"
+OVERRIDE = "lab.override.yml"
+SLOT_WAIT_S = 180.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", help="a built-in scenario (smoke, fleet16, ...) or a YAML file")
+    parser.add_argument("--out", default="lab-results", metavar="DIR",
+                        help="where the run's folder goes (default: lab-results)")
+    parser.add_argument("--run", default=None, metavar="NAME",
+                        help="the run's folder name under --out (default: scenario and time)")
+    parser.add_argument("--base-image", default=None, metavar="IMAGE",
+                        help="the images' base (default: sled-base:bookworm when built, else "
+                             "python:3.11-slim-bookworm)")
+    parser.add_argument("--build-base", action="store_true",
+                        help="build sled-base:bookworm with debootstrap when it is missing")
+    parser.add_argument("--gpu", action="store_true",
+                        help="the server on one NVIDIA GPU (docker-compose.gpu.yml)")
+    parser.add_argument("--observe", action="store_true",
+                        help="also start Prometheus and Grafana (compose profile observe)")
+    parser.add_argument("--keep", action="store_true",
+                        help="leave the fleet running and the run folder in place")
+    parser.add_argument("--clean-images", action="store_true",
+                        help="remove the server, device and broker images afterwards")
+
+
+def run(args: argparse.Namespace) -> int:
+    from lab.scenario import ScenarioError, load_scenario, scenario_path
+
+    try:
+        scenario = load_scenario(args.scenario)
+    except ScenarioError as exc:
+        print(f"sled lab compose: {exc}", file=sys.stderr)
+        return 2
+    run_name = args.run or f"{scenario.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    lab = ComposeLab(scenario, scenario_path(args.scenario), run_name, Path(args.out).resolve(),
+                     gpu=args.gpu, observe=args.observe)
+    try:
+        return lab.run_all(args)
+    except BuildError as exc:
+        print(f"sled lab compose: {exc}", file=sys.stderr)
+        return 3
+
+
+def compose_command() -> list[str]:
+    """`docker compose` (v2) when the plugin answers, else Debian's `docker-compose`."""
+    try:
+        if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+            return ["docker", "compose"]
+    except FileNotFoundError:
+        pass
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    raise BuildError("docker compose", "neither `docker compose` nor `docker-compose` is installed "
+                     "(Debian: apt-get install docker.io docker-compose)")
+
+
+def docker_ready() -> None:
+    """The engine answers, or one line saying what to do."""
+    try:
+        done = subprocess.run(["docker", "info"], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise BuildError("docker", "docker is not installed (Debian: apt-get install docker.io "
+                         "docker-compose; or make docker)") from None
+    if done.returncode != 0:
+        raise BuildError("docker", f"the Docker engine does not answer: {done.stderr.strip()}")
+
+
+@dataclass
+class ComposeLab:
+    """One compose run of a scenario: its run folder, project name and compose command line."""
+    scenario: object
+    scenario_file: Path
+    run_name: str
+    out: Path
+    gpu: bool = False
+    observe: bool = False
+    tags: dict = field(default_factory=dict)
+
+    @property
+    def project(self) -> str:
+        return "sledlab" + "".join(c for c in self.run_name.lower() if c.isalnum())[-24:]
+
+    @property
+    def run_dir(self) -> Path:
+        return self.out / f".compose-{self.run_name}"
+
+    def compose(self, *words: str) -> list[str]:
+        files = [COMPOSE_FILE] + ([GPU_FILE] if self.gpu else []) + [self.run_dir / OVERRIDE]
+        argv = compose_command() + ["-p", self.project, "--project-directory", str(ROOT),
+                                    "--env-file", str(self.run_dir / ".env")]
+        for file in files:
+            argv += ["-f", str(file)]
+        for profile in ["lab"] + (["observe"] if self.observe else []):
+            argv += ["--profile", profile]
+        return argv + list(words)
+
+    def run_all(self, args: argparse.Namespace) -> int:
+        from lab.images import base_image, build_images, remove_images, wheelhouse
+
+        progress = Steps()
+        progress.step("docker", docker_ready)
+        base = args.base_image or progress.step("base image", base_image, args.build_base)
+        house = progress.step("wheelhouse", wheelhouse)
+        self.tags = progress.step("images", build_images, base, house)
+        progress.step("run folder", self.write_run_folder)
+        try:
+            progress.step("up", self.up)
+            progress.step("limits", self.apply_limits)
+            status = progress.step("lab", self.run_lab)
+        finally:
+            if not args.keep:
+                progress.step("down", self.down)
+                if args.clean_images:
+                    remove_images(list(self.tags.values()))
+        report = self.out / self.run_name
+        print(f"sled lab compose: report in {report}" if (report / "report.json").is_file()
+              else f"sled lab compose: the lab wrote no report (exit {status})")
+        return status
+
+    def write_run_folder(self) -> None:
+        write_run_folder(self)
+
+    def up(self) -> None:
+        n = len(self.scenario.slots())
+        services = ["broker", "server", "device"] + (["prometheus", "grafana"] if self.observe
+                                                     else [])
+        run_step("up", self.compose("up", "-d", "--no-build", "--scale", f"device={n}",
+                                    *services))
+
+    def apply_limits(self) -> None:
+        apply_limits(self.run_dir / "state" / "slots", len(self.scenario.slots()))
+
+    def run_lab(self) -> int:
+        """The lab container, its output straight to this terminal; its exit status."""
+        argv = self.compose("run", "--rm", "-T", "lab")
+        return subprocess.run(argv).returncode
+
+    def down(self) -> None:
+        subprocess.run(self.compose("down", "--volumes", "--remove-orphans", "--timeout", "5"),
+                       capture_output=True)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+class Steps:
+    """Each step on its own line with its time (rich), or BuildError with the step's name."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+
+    def step(self, name: str, fn, *args):
+        started = time.monotonic()
+        self.console.print(f"[bold]{name}[/bold] ...")
+        try:
+            result = fn(*args)
+        except BuildError:
+            raise
+        except (OSError, subprocess.SubprocessError, ValueError) as exc:
+            raise BuildError(name, str(exc)) from None
+        self.console.print(f"[green]{name}[/green] done in {time.monotonic() - started:.1f} s")
+        return result
+
+
+def write_run_folder(lab: ComposeLab) -> None:
+    """Broker files, the scenario, .env and the override for this fleet."""
+    from lab.broker import BrokerFiles
+
+    run_dir = lab.run_dir
+    shutil.rmtree(run_dir, ignore_errors=True)
+    (run_dir / "state" / "slots").mkdir(parents=True)
+    lab.out.mkdir(parents=True, exist_ok=True)
+    slots = lab.scenario.slots()
+    files = BrokerFiles.write(run_dir / "broker", slots, root="/mosquitto/config", port=1883)
+    shutil.copyfile(lab.scenario_file, run_dir / "scenario.yaml")
+    env = compose_env(lab, files.password("server"))
+    _write_private(run_dir / ".env", "".join(f"{k}={v}\n" for k, v in env.items()))
+    (run_dir / OVERRIDE).write_text(override_text(lab))
+
+
+def compose_env(lab: ComposeLab, server_password: str) -> dict[str, str]:
+    from sled.cache import cache_dir
+
+    return {
+        "COMPOSE_PROJECT_NAME": lab.project,
+        "SLED_SERVER_IMAGE": lab.tags.get("server", "sled-lab-server:latest"),
+        "SLED_DEVICE_IMAGE": lab.tags.get("device", "sled-lab-device:latest"),
+        "SLED_BROKER_IMAGE": lab.tags.get("broker", "sled-lab-broker:latest"),
+        "SLED_TARGET": lab.scenario.target,
+        "SLED_RUN_DIR": str(lab.run_dir),
+        "SLED_RESULTS": str(lab.out),
+        "SLED_CACHE": str(cache_dir().resolve()),
+        "SLED_RUN": lab.run_name,
+        "SLED_SERVER_MQTT_PASSWORD": server_password,
+    }
+
+
+def override_text(lab: ComposeLab) -> str:
+    """The scenario's part of the compose model: the server's extra flags (as a list, so no
+    shell splits them) and labels naming the run. JSON is YAML, and needs no quoting rules."""
+    server_cmd = (["serve", "--model", lab.scenario.target] + (["--device", "cuda"] if lab.gpu
+                                                               else [])
+                  + ["--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400",
+                     "--mqtt-host", "broker", "--mqtt-username", "server",
+                     "--server-id", "lab-server", "--announce-endpoint", "server:50051"]
+                  + list(lab.scenario.server.args))
+    labels = {"sled.lab.run": lab.run_name, "sled.lab.scenario": lab.scenario.name}
+    services = {name: {"labels": labels} for name in ("broker", "server", "device", "lab")}
+    services["server"]["command"] = server_cmd
+    return json.dumps({"services": services}, indent=2) + "\n"
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Mode 0600 from the start: it holds the server's broker password."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+
+
+def read_slot_files(folder: Path, count: int, timeout_s: float = SLOT_WAIT_S) -> list[dict]:
+    """The N slot files the device replicas write, waiting for all of them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = sorted(folder.glob("*.json"), key=lambda p: int(p.stem))
+        if len(found) >= count:
+            return [json.loads(p.read_text()) for p in found[:count]]
+        if time.monotonic() > deadline:
+            raise BuildError("limits", f"{len(found)} of {count} devices took a slot within "
+                             f"{timeout_s:.0f} s (see the device containers' logs)")
+        time.sleep(0.5)
+
+
+def apply_limits(folder: Path, count: int) -> None:
+    """`docker update` each device container to its device profile's CPU quota and memory."""
+    from lab.profiles import device_profile
+
+    host_cpus = os.cpu_count() or 1
+    for slot in read_slot_files(folder, count):
+        profile = device_profile(slot["device"])
+        argv = ["docker", "update"]
+        if profile.cpus:
+            argv += ["--cpus", f"{profile.cpus_on(host_cpus):g}"]
+        if profile.memory_mb:
+            argv += ["--memory", f"{profile.memory_mb}m", "--memory-swap", f"{profile.memory_mb}m"]
+        if len(argv) > 2:
+            run_step(f"limits ({slot['id']})", argv + [slot["container"]])

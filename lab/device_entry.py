@@ -1,0 +1,159 @@
+"""`sled lab device`: a device container's entrypoint in the compose lab.
+
+Every replica of the compose service `device` runs this. It
+  1. takes a slot of the scenario's fleet: the first index whose claim file it can create
+     (os.open O_CREAT|O_EXCL on the shared state folder, so two replicas never get the same one;
+     a restarted container finds its own claim again by its host name);
+  2. applies the slot's link profile: `tc qdisc ... netem` on eth0 when the kernel has netem,
+     else the daemon's user-space emulation (SLED_DEVICE_EMULATION__LINK), and says which in
+     its slot file;
+  3. writes the slot file (id, address, API port, which link emulation ran) for the lab runner;
+  4. execs `sled device` with the slot's id, drafter and device profile and the broker login.
+
+Only light modules are imported: the device image has no torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+API_PORT = 8000
+SERVER = "server:50051"
+BROKER_HOST = "broker"
+# Built-in GGUF drafters by the file the host's sled cache holds (the device image has no models
+# extra, so gguf:ALIAS is passed to the daemon as the file's path).
+GGUF_FILES = {"gemma3-270m": "gguf/gemma-3-270m-q4_k_m.gguf"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", default=os.environ.get("SLED_LAB_SCENARIO",
+                                                             "/lab/scenario.yaml"),
+                        help="the scenario file (default: /lab/scenario.yaml)")
+    parser.add_argument("--state", default=os.environ.get("SLED_LAB_STATE", "/lab/state"),
+                        help="the folder the replicas share for their slot claims")
+    parser.add_argument("--broker-files", default=os.environ.get("SLED_LAB_BROKER",
+                                                                 "/lab/broker"),
+                        help="the broker's folder (credentials.json)")
+    parser.add_argument("--interface", default="eth0", help="where netem goes (default: eth0)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="claim and report, print the daemon's environment, do not exec it")
+
+
+def run(args: argparse.Namespace) -> int:
+    from lab.scenario import ScenarioError, load_scenario
+
+    try:
+        slots = load_scenario(args.scenario).slots()
+    except ScenarioError as exc:
+        print(f"sled lab device: {exc}", file=sys.stderr)
+        return 2
+    slot = claim_slot(Path(args.state) / "slots", slots, socket.gethostname())
+    if slot is None:
+        print(f"sled lab device: every one of the scenario's {len(slots)} slots is taken; "
+              "scale the device service to the fleet's size", file=sys.stderr)
+        return 2
+    emulation = apply_link(slot.link, args.interface)
+    password = json.loads((Path(args.broker_files) / "credentials.json").read_text())[slot.id]
+    write_slot_file(Path(args.state) / "slots", slot, emulation)
+    env = daemon_env(slot, emulation, password)
+    if args.dry_run:
+        print(json.dumps({k: v for k, v in env.items() if k.startswith("SLED_DEVICE_")
+                          and "PASSWORD" not in k}, indent=2))
+        return 0
+    os.execvpe("sled", ["sled", "device"], {**os.environ, **env})
+
+
+def claim_slot(folder: Path, slots: list, host: str):
+    """This container's slot: its earlier claim (a restart), else the first free one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for slot in slots:
+        claim = folder / str(slot.index)
+        if claim.exists() and claim.read_text().strip() == host:
+            return slot
+    for slot in slots:
+        try:
+            fd = os.open(folder / str(slot.index), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "w") as out:
+            out.write(host + "\n")
+        return slot
+    return None
+
+
+def write_slot_file(folder: Path, slot, emulation: str) -> Path:
+    """<index>.json, written whole (rename) so the runner never reads half of it."""
+    info = {"index": slot.index, "id": slot.id, "device": slot.device, "link": slot.link,
+            "drafter": slot.drafter, "host": host_address(), "container": socket.gethostname(),
+            "port": API_PORT, "link_emulation": emulation}
+    path = folder / f"{slot.index}.json"
+    partial = folder / f".{slot.index}.json.partial"
+    partial.write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(partial, path)
+    return path
+
+
+def host_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return socket.gethostname()
+
+
+def netem_args(link_spec: str, interface: str) -> list[str]:
+    """tc's arguments for a link profile: the whole round trip on this side's egress (replies
+    come back undelayed, so a round trip takes rtt), jitter, and the rate when it has one."""
+    from lab.profiles import link_profile
+
+    p = link_profile(link_spec)
+    argv = ["tc", "qdisc", "replace", "dev", interface, "root", "netem",
+            "delay", f"{p.rtt_ms:g}ms"]
+    if p.jitter_ms:
+        argv.append(f"{p.jitter_ms:g}ms")
+    loss = getattr(p, "loss_pct", 0.0)
+    if loss:
+        argv += ["loss", f"{loss:g}%"]
+    if p.bandwidth_mbps:
+        argv += ["rate", f"{p.bandwidth_mbps:g}mbit"]
+    return argv
+
+
+def apply_link(link_spec: str, interface: str) -> str:
+    """"netem" when tc could set it up, else "user-space" (the daemon emulates the link)."""
+    try:
+        done = subprocess.run(netem_args(link_spec, interface), capture_output=True, text=True)
+    except FileNotFoundError:   # no tc in the image
+        return "user-space"
+    return "netem" if done.returncode == 0 else "user-space"
+
+
+def drafter_spec(spec: str, cache: Path) -> str:
+    """gguf:ALIAS becomes the GGUF file in the mounted cache; everything else is unchanged."""
+    kind, _, arg = spec.partition(":")
+    if kind == "gguf" and arg in GGUF_FILES and (cache / GGUF_FILES[arg]).is_file():
+        return f"gguf:{cache / GGUF_FILES[arg]}"
+    return spec
+
+
+def daemon_env(slot, emulation: str, password: str) -> dict[str, str]:
+    from sled.cache import cache_dir
+
+    env = {
+        "SLED_DEVICE_ID": slot.id,
+        "SLED_DEVICE_DRAFTER": drafter_spec(slot.drafter, cache_dir()),
+        "SLED_DEVICE_SERVERS": json.dumps([SERVER]),
+        "SLED_DEVICE_HOST": "0.0.0.0",
+        "SLED_DEVICE_PORT": str(API_PORT),
+        "SLED_DEVICE_EMULATION__DEVICE": slot.device,
+        "SLED_DEVICE_MQTT__HOST": BROKER_HOST,
+        "SLED_DEVICE_MQTT__USERNAME": slot.id,
+        "SLED_DEVICE_MQTT__PASSWORD": password,
+    }
+    if emulation == "user-space":
+        env["SLED_DEVICE_EMULATION__LINK"] = slot.link
+    return env
