@@ -1,0 +1,216 @@
+"""Sends a phase's workload to the fleet's devices and records every request.
+
+    records = await drive(fleet, scenario, fleet.devices, prompts, references, progress)
+
+Each device gets one loop: a closed loop (the next request when the previous one ends) or
+Poisson arrivals (exponential gaps at arrivals.rate_per_s, seeded per device; requests overlap),
+until `scenario.requests` requests per device or `scenario.duration_s` seconds. Prompts go round
+robin, each device starting at its own offset.
+
+Over MQTT (the default) one lab client publishes `<prefix>/devices/<id>/requests` and reads
+`<prefix>/devices/+/responses/#` (edge_client/mqtt.py documents the messages); over "openai" the
+official client streams completions from each device's API. A request cut by the broker going
+away, or answered "unavailable", is sent again (at most ATTEMPTS times); its record keeps the last
+attempt. With greedy sampling and references (the target's own outputs, lab.oracle) each record
+says whether it was lossless and how many tokens were lost or duplicated.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from lab.oracle import compare, decode_text, target_tokenizer
+
+ATTEMPTS = 3                  # sends of one request at most
+RETRY_PAUSE_S = 1.0           # before sending a failed request again
+REQUEST_TIMEOUT_S = 300.0     # one attempt, from sent to its last chunk
+RETRYABLE = {"unavailable", "broker"}   # failure kinds worth a second send
+
+
+@dataclass
+class RequestRecord:
+    """One request of a phase; times are seconds from the phase start."""
+    device: str
+    profile: str
+    link: str
+    drafter: str
+    system: str                       # "sled" or "centralized"
+    fleet_size: int
+    prompt_index: int
+    sent_at: float
+    first_token_at: float | None = None
+    done_at: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    chunks: int = 0
+    duplicated_chunks: list[int] = field(default_factory=list)
+    missing_chunks: list[int] = field(default_factory=list)
+    error: str | None = None
+    attempts: int = 0
+    lossless: bool | None = None      # None: not greedy, or no reference to check against
+    lost_tokens: int = 0
+    duplicated_tokens: int = 0
+
+
+@dataclass
+class Attempt:
+    """What one send of a request brought back."""
+    first_token_at: float | None = None
+    done_at: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    chunks: int = 0
+    duplicated_chunks: list[int] = field(default_factory=list)
+    missing_chunks: list[int] = field(default_factory=list)
+    error: str | None = None
+    kind: str | None = None           # the failure's kind ("unavailable", "broker", ...)
+
+
+@dataclass
+class Phase:
+    """What every device loop of one drive() shares."""
+    scenario: object
+    prompts: list[str]
+    references: list[list[int]] | None
+    sender: object                    # MqttSender or OpenAISender: send(handle, prompt) -> Attempt
+    clock: Callable[[], float]
+    progress: Callable
+    system: str
+    fleet_size: int
+    records: list[RequestRecord] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return float(self.scenario.sampling.temperature) == 0.0
+
+
+async def drive(fleet, scenario, devices, prompts: list[str], references: list[list[int]] | None,
+                progress: Callable[[RequestRecord], None], *, system: str = "sled",
+                tokenizer=None) -> list[RequestRecord]:
+    """Every device's loop until the scenario's requests or duration; the records in the order
+    requests ended. TOKENIZER (openai only): text <-> ids (default: the target's)."""
+    if not prompts:
+        raise ValueError("the workload has no prompts")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+
+    def clock() -> float:
+        return round(loop.time() - started, 4)
+
+    via = getattr(scenario, "via", "mqtt") or "mqtt"
+    async with make_sender(via, fleet, scenario, references, clock, tokenizer) as sender:
+        phase = Phase(scenario, list(prompts), references, sender, clock, progress, system,
+                      len(devices))
+        await asyncio.gather(*(device_loop(phase, handle, i) for i, handle in enumerate(devices)))
+    return phase.records
+
+
+def make_sender(via: str, fleet, scenario, references, clock, tokenizer):
+    from lab.drive_openai import OpenAISender
+    from lab.drive_mqtt import MqttSender
+
+    if via == "mqtt":
+        return MqttSender(fleet.broker, topic_prefix(fleet), clock, sampling_fields(scenario))
+    if via == "openai":
+        if tokenizer is None:              # the API sends text: ids come from the target's tokenizer
+            tokenizer = target_tokenizer(scenario.target)
+        return OpenAISender(clock, sampling_fields(scenario), tokenizer)
+    raise ValueError(f"via must be mqtt or openai, got {via!r}")
+
+
+def topic_prefix(fleet) -> str:
+    from sled.mqtt import DEFAULT_PREFIX
+    return getattr(fleet, "topic_prefix", None) or getattr(fleet, "prefix", None) or DEFAULT_PREFIX
+
+
+def sampling_fields(scenario) -> dict:
+    """The request fields every request of the phase carries."""
+    sampling = scenario.sampling
+    return {"max_tokens": int(scenario.max_tokens), "temperature": float(sampling.temperature),
+            "top_p": float(sampling.top_p), "top_k": int(sampling.top_k), "seed": sampling.seed}
+
+
+# -- the loops ------------------------------------------------------------------------------
+def more(phase: Phase, sent: int) -> bool:
+    """Whether a device sends another request: under its count, or within the duration."""
+    scenario = phase.scenario
+    if getattr(scenario, "requests", None) is not None:
+        return sent < int(scenario.requests)
+    return phase.clock() < float(scenario.duration_s)
+
+
+async def device_loop(phase: Phase, handle, position: int) -> None:
+    arrivals = phase.scenario.arrivals
+    if getattr(arrivals, "mode", "closed") == "poisson":
+        await poisson_loop(phase, handle, position, float(arrivals.rate_per_s))
+        return
+    sent = 0
+    while more(phase, sent):
+        await request(phase, handle, prompt_index(phase, position, sent))
+        sent += 1
+
+
+async def poisson_loop(phase: Phase, handle, position: int, rate_per_s: float) -> None:
+    """Arrivals at exponential gaps (seeded per device); requests run side by side."""
+    if rate_per_s <= 0:
+        raise ValueError(f"arrivals.rate_per_s must be above 0, got {rate_per_s}")
+    seed = phase.scenario.sampling.seed
+    gaps = random.Random(f"{seed}:{handle.slot.id}")
+    running: list[asyncio.Task] = []
+    sent = 0
+    while True:
+        await asyncio.sleep(gaps.expovariate(rate_per_s))
+        if not more(phase, sent):
+            break
+        running.append(asyncio.create_task(request(phase, handle, prompt_index(phase, position, sent))))
+        sent += 1
+    await asyncio.gather(*running)
+
+
+def prompt_index(phase: Phase, position: int, sent: int) -> int:
+    """Round robin over the prompts, each device starting at its own offset."""
+    return (position + sent) % len(phase.prompts)
+
+
+async def request(phase: Phase, handle, index: int) -> RequestRecord:
+    """One request, sent again while it fails for a retryable reason; recorded and reported."""
+    slot = handle.slot
+    record = RequestRecord(slot.id, slot.device, slot.link, slot.drafter, phase.system,
+                           phase.fleet_size, index, sent_at=phase.clock())
+    reference = phase.references[index] if phase.references is not None else None
+    while True:
+        record.attempts += 1
+        attempt = await phase.sender.send(handle, phase.prompts[index], reference)
+        if attempt.kind not in RETRYABLE or record.attempts >= ATTEMPTS:
+            break
+        await asyncio.sleep(RETRY_PAUSE_S)
+    take_attempt(record, attempt)
+    judge(record, reference, phase.greedy)
+    phase.records.append(record)
+    phase.progress(record)
+    return record
+
+
+def take_attempt(record: RequestRecord, attempt: Attempt) -> None:
+    for name in ("first_token_at", "done_at", "token_ids", "text", "chunks", "duplicated_chunks",
+                 "missing_chunks", "error"):
+        setattr(record, name, getattr(attempt, name))
+
+
+def judge(record: RequestRecord, reference: list[int] | None, greedy: bool) -> None:
+    """Lossless and the lost/duplicated counts against the target's greedy output."""
+    if reference is None or not greedy:
+        return
+    record.lost_tokens, record.duplicated_tokens = compare(reference, record.token_ids)
+    record.lossless = record.error is None and record.token_ids == list(reference)
+
+
+def new_request_id(device_id: str) -> str:
+    return f"lab-{device_id}-{uuid.uuid4().hex[:12]}"
+
+
+def reference_text(tokenizer, reference: list[int] | None) -> str | None:
+    return None if reference is None or tokenizer is None else decode_text(tokenizer, reference)
