@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # Every extra: the tests and the demo run both sides, every drafter and the benchmarks.
 EXTRAS := server,gguf,onnx,hf,export,lab,models,dev
 
-.PHONY: demo test install models mosquitto protos clean
+.PHONY: demo test install models mosquitto docker protos clean
 
 install: $(STAMP)
 
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/sled demo
 
-test: $(STAMP) mosquitto models
+test: $(STAMP) mosquitto docker models
 	$(BIN)/python -m pytest -q --durations=15
 
 # The built-in models the slow tests and the demo use, made once into the sled cache (each step
@@ -45,6 +45,36 @@ mosquitto:
 		echo "Mosquitto is missing and cannot be installed from here (not root, no passwordless sudo)."; \
 		echo "Install it, then run make test again:  sudo apt-get install mosquitto  (Debian/Ubuntu)"; \
 		echo "The MQTT tests fail until it is installed."; \
+	fi
+
+# The compose lab's test builds images and runs a fleet in Docker: install the engine, Compose and
+# debootstrap (the local base image) from the Debian packages when missing (as root, else through
+# passwordless sudo), and start dockerd in the background when it does not answer and we are root.
+DOCKER_PKGS := docker.io docker-compose debootstrap
+docker:
+	@if command -v docker >/dev/null 2>&1 && command -v docker-compose >/dev/null 2>&1 \
+		&& command -v debootstrap >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(DOCKER_PKGS) >/dev/null || \
+		{ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(DOCKER_PKGS) >/dev/null; } || \
+		echo "Docker could not be installed from the Debian packages; the compose lab test fails until it is."; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
+		sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(DOCKER_PKGS) >/dev/null || \
+		{ sudo -n apt-get update -q >/dev/null && sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(DOCKER_PKGS) >/dev/null; } || true; \
+	else \
+		echo "Docker is missing and cannot be installed from here (not root, no passwordless sudo)."; \
+		echo "Install it, then run make test again:  sudo apt-get install $(DOCKER_PKGS)  (Debian/Ubuntu)"; \
+		echo "The compose lab test fails until it is installed."; \
+	fi
+	@if command -v docker >/dev/null 2>&1 && ! docker info >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ] && command -v dockerd >/dev/null 2>&1; then \
+			nohup dockerd >/var/log/sled-dockerd.log 2>&1 & \
+			for i in $$(seq 1 30); do docker info >/dev/null 2>&1 && break; sleep 1; done; \
+			docker info >/dev/null 2>&1 || echo "dockerd did not start (see /var/log/sled-dockerd.log)."; \
+		else \
+			echo "The Docker engine does not answer and cannot be started from here (not root):"; \
+			echo "start it (sudo systemctl start docker), then run make test again."; \
+		fi; \
 	fi
 
 # Regenerate the committed gRPC stubs from protos/ (tests check they are current).

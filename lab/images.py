@@ -143,14 +143,29 @@ def image_tags(key: str) -> dict[str, str]:
 
 def build_images(base: str, house: Path) -> dict[str, str]:
     """Build the server, device and broker images from the wheelhouse (skipped when present)."""
-    tags = image_tags(f"{house.name}-{_base_id(base)}")
+    tags = image_tags(images_key(base, house))
     for name, tag in tags.items():
         if image_exists(tag):
             continue
         run_step(f"{name} image", ["docker", "build", "--quiet", "-f",
                  str(DOCKER / f"{name}.Dockerfile"), "--build-arg", f"BASE_IMAGE={base}",
                  "-t", tag, str(house)], env=_build_env())
+    prune_build_stages()
     return tags
+
+
+def prune_build_stages() -> None:
+    """The untagged build stages the classic builder leaves (label sled.lab.stage=build)."""
+    subprocess.run(["docker", "image", "prune", "--force", "--filter",
+                    "label=sled.lab.stage=build"], capture_output=True)
+
+
+def images_key(base: str, house: Path) -> str:
+    """The images' tag: the wheelhouse, the base image and the Dockerfiles, hashed."""
+    digest = hashlib.sha256(f"{house.name}:{_base_id(base)}".encode())
+    for dockerfile in sorted(DOCKER.glob("*.Dockerfile")):
+        digest.update(dockerfile.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _base_id(base: str) -> str:

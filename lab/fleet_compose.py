@@ -1,0 +1,140 @@
+"""ComposeFleet: the Fleet of a compose run, seen from inside the lab container.
+
+`sled lab compose` has brought up broker, server and the device replicas; each replica took a
+slot and wrote <state>/slots/<index>.json (lab.device_entry). This fleet waits for those files
+and for every device's /health, reaches the server's metrics at http://server:9400/metrics and
+logs in to the broker as "lab". Fault steps kill, stop and start the server and broker containers
+through the Docker Engine API on the mounted unix socket (no docker CLI in the image); the
+containers are found by compose's labels (project and service).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import aiohttp
+
+from lab.fleet import DeviceHandle, FleetStartError
+from lab.scenario import DeviceSlot
+from sled.mqtt import Broker
+
+SOCKET = "/var/run/docker.sock"
+SERVER_HOST, SERVER_PORT, SERVER_METRICS_PORT = "server", 50051, 9400
+BROKER_HOST, BROKER_PORT = "broker", 1883
+READY_S = 300.0     # the devices load their drafters and find the server
+RESTART_S = 180.0   # the server loads its target again
+
+
+class ComposeFleet:
+    mode = "compose"
+
+    def __init__(self, scenario=None, folder: Path | None = None, *,
+                 state: str | Path | None = None,
+                 broker_files: str | Path | None = None, project: str | None = None) -> None:
+        self.state = Path(state or os.environ.get("SLED_LAB_STATE", "/lab/state"))
+        folder = Path(broker_files or os.environ.get("SLED_LAB_BROKER", "/lab/broker"))
+        self.project = project or os.environ.get("COMPOSE_PROJECT_NAME", "sled")
+        password = json.loads((folder / "credentials.json").read_text())["lab"]
+        self.broker = Broker(BROKER_HOST, BROKER_PORT, "lab", password)
+        self.server_metrics_url = f"http://{SERVER_HOST}:{SERVER_METRICS_PORT}/metrics"
+        self.devices: list[DeviceHandle] = []
+        self._slot_files: dict[str, dict] = {}
+
+    async def start(self, slots: list[DeviceSlot]) -> None:
+        """Wait for each slot's device replica and its /health; the fleet is already up."""
+        files = await self._wait_slot_files(len(slots))
+        self._slot_files = {f["id"]: f for f in files}
+        self.devices = []
+        for slot in slots:
+            info = self._slot_files.get(slot.id)
+            if info is None:
+                raise FleetStartError(f"no device container took slot {slot.id}")
+            url = f"http://{info['host']}:{info['port']}"
+            self.devices.append(DeviceHandle(slot, url, url + "/metrics"))
+        await asyncio.gather(*(self._wait_ready(d) for d in self.devices))
+        await wait_port(SERVER_HOST, SERVER_PORT, READY_S, "the server")
+
+    async def stop(self) -> None:
+        """Nothing to tear down from inside: `sled lab compose` takes the project down."""
+
+    async def kill_server(self) -> None:
+        await self._engine("server", "kill?signal=SIGKILL")
+
+    async def start_server(self) -> None:
+        await self._engine("server", "start")
+        await wait_port(SERVER_HOST, SERVER_PORT, RESTART_S, "the restarted server")
+
+    async def stop_broker(self) -> None:
+        await self._engine("broker", "stop?t=2")
+
+    async def start_broker(self) -> None:
+        await self._engine("broker", "start")
+        await wait_port(BROKER_HOST, BROKER_PORT, 60.0, "the restarted broker")
+
+    def link_emulation(self) -> dict[str, str]:
+        return {device_id: info["link_emulation"] for device_id, info in self._slot_files.items()}
+
+    async def _wait_slot_files(self, count: int) -> list[dict]:
+        folder = self.state / "slots"
+        deadline = time.monotonic() + READY_S
+        while True:
+            found = sorted(folder.glob("*.json"), key=lambda p: int(p.stem))
+            if len(found) >= count:
+                return [json.loads(p.read_text()) for p in found]
+            if time.monotonic() > deadline:
+                raise FleetStartError(f"only {len(found)} of {count} device containers took a "
+                                      f"slot within {READY_S:.0f} s")
+            await asyncio.sleep(0.5)
+
+    async def _wait_ready(self, device: DeviceHandle) -> None:
+        """GET /health until 200 (the daemon answers 503 until its drafter and server are up)."""
+        deadline = time.monotonic() + READY_S
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            while time.monotonic() < deadline:
+                try:
+                    async with http.get(device.api_url + "/health") as response:
+                        if response.status == 200:
+                            return
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    pass
+                await asyncio.sleep(1.0)
+        raise FleetStartError(f"device {device.id} was not ready within {READY_S:.0f} s "
+                              f"({device.api_url}/health)")
+
+    async def _engine(self, service: str, action: str) -> None:
+        """POST /containers/<id>/<action> for the service's container(s) of this project."""
+        connector = aiohttp.UnixConnector(path=SOCKET)
+        async with aiohttp.ClientSession(connector=connector) as docker:
+            for container in await containers(docker, self.project, service):
+                async with docker.post(f"http://docker/containers/{container}/{action}") as r:
+                    if r.status >= 400 and r.status != 304:   # 304: already in that state
+                        raise RuntimeError(f"docker {action} {service}: {r.status} "
+                                           f"{(await r.text()).strip()}")
+
+
+async def containers(docker: aiohttp.ClientSession, project: str, service: str) -> list[str]:
+    """The ids of a compose service's containers, running or not."""
+    labels = [f"com.docker.compose.project={project}", f"com.docker.compose.service={service}"]
+    params = {"all": "1", "filters": json.dumps({"label": labels})}
+    async with docker.get("http://docker/containers/json", params=params) as response:
+        found = [c["Id"] for c in await response.json()]
+    if not found:
+        raise RuntimeError(f"no container of service {service} in compose project {project}")
+    return found
+
+
+async def wait_port(host: str, port: int, timeout_s: float, what: str) -> None:
+    """Until host:port accepts a TCP connection."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 3)
+            writer.close()
+            return
+        except (OSError, asyncio.TimeoutError):
+            await asyncio.sleep(1.0)
+    raise FleetStartError(f"{what} did not accept connections on {host}:{port} within "
+                          f"{timeout_s:.0f} s")

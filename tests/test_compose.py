@@ -1,0 +1,238 @@
+"""The compose lab: the compose files validate (alone, with the GPU override, with a scenario's
+generated override), a device replica claims a slot of its own, and (slow) the whole lab runs in
+Docker here: a debootstrap base image, a wheelhouse, the images, broker + server + 3 devices of
+two profiles, a short greedy scenario whose outputs all match the target's, and nothing of the
+run left behind."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lab import compose as lab_compose
+from lab import device_entry
+from lab.scenario import load_scenario, parse_scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIO = {
+    "name": "compose-test",
+    "target": "gemma3-270m",
+    "fleet": [
+        {"count": 2, "device": "pi5", "link": "wifi", "drafter": "ngram"},
+        {"count": 1, "device": "orin-nano", "link": "ethernet", "drafter": "gguf:gemma3-270m"},
+    ],
+    "workload": {"source": "humaneval", "limit": 2},
+    "requests": 1,
+    "max_tokens": 16,
+    "sampling": {"temperature": 0.0},
+    "centralized": False,
+}
+
+
+def compose_variants() -> list[list[str]]:
+    variants = []
+    if shutil.which("docker-compose"):
+        variants.append(["docker-compose"])
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
+                                                 capture_output=True).returncode == 0:
+        variants.append(["docker", "compose"])
+    return variants
+
+
+def require_compose() -> list[list[str]]:
+    variants = compose_variants()
+    if not variants:
+        pytest.fail("neither docker-compose nor `docker compose` is installed: the compose lab "
+                    "cannot be checked (make docker installs them from the Debian packages)")
+    return variants
+
+
+def check_config(compose: list[str], files: list[Path], env_file: Path | None = None) -> None:
+    argv = compose + ["--project-directory", str(ROOT)]
+    if env_file:
+        argv += ["--env-file", str(env_file)]
+    for file in files:
+        argv += ["-f", str(file)]
+    done = subprocess.run(argv + ["--profile", "lab", "--profile", "observe", "config", "-q"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, f"{' '.join(argv)} config: {done.stderr.strip()}"
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_compose_files_validate(gpu):
+    files = [ROOT / "docker-compose.yml"] + ([ROOT / "docker-compose.gpu.yml"] if gpu else [])
+    for compose in require_compose():
+        check_config(compose, files)
+
+
+def test_compose_config_shows_the_fleet_services():
+    compose = require_compose()[0]
+    done = subprocess.run(compose + ["-f", str(ROOT / "docker-compose.yml"), "--profile", "lab",
+                                     "--profile", "observe", "config", "--services"],
+                          capture_output=True, text=True, cwd=ROOT, check=True)
+    assert set(done.stdout.split()) == {"broker", "server", "device", "lab", "prometheus",
+                                        "grafana"}
+
+
+def test_gpu_override_reserves_a_gpu_for_the_server():
+    compose = require_compose()[0]
+    done = subprocess.run(compose + ["-f", str(ROOT / "docker-compose.yml"), "-f",
+                                     str(ROOT / "docker-compose.gpu.yml"), "config"],
+                          capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "driver: nvidia" in done.stdout and "--device cuda" in done.stdout.replace("\n", " ")
+
+
+def run_folder(tmp_path: Path, spec: str | Path) -> lab_compose.ComposeLab:
+    scenario = load_scenario(spec)
+    lab = lab_compose.ComposeLab(scenario, lab_compose_path(spec), "cfg", tmp_path)
+    lab.write_run_folder()
+    return lab
+
+
+def lab_compose_path(spec: str | Path) -> Path:
+    from lab.scenario import scenario_path
+    return scenario_path(spec)
+
+
+def test_scenario_override_validates_for_smoke(tmp_path):
+    lab = run_folder(tmp_path, "smoke")
+    for compose in require_compose():
+        check_config(compose, [ROOT / "docker-compose.yml", lab.run_dir / lab_compose.OVERRIDE],
+                     lab.run_dir / ".env")
+        check_config(compose, [ROOT / "docker-compose.yml", ROOT / "docker-compose.gpu.yml",
+                               lab.run_dir / lab_compose.OVERRIDE], lab.run_dir / ".env")
+    env = dict(line.split("=", 1) for line in (lab.run_dir / ".env").read_text().splitlines())
+    assert env["SLED_TARGET"] == "gemma3-270m"
+    assert (lab.run_dir / ".env").stat().st_mode & 0o077 == 0     # it holds a password
+    credentials = json.loads((lab.run_dir / "broker" / "credentials.json").read_text())
+    assert env["SLED_SERVER_MQTT_PASSWORD"] == credentials["server"]
+    assert {"dev-00", "dev-01", "dev-02", "server", "lab"} <= set(credentials)
+    assert "/mosquitto/config/passwords" in (lab.run_dir / "broker" / "mosquitto.conf").read_text()
+
+
+def test_override_carries_the_scenarios_server_flags(tmp_path):
+    data = dict(SCENARIO, server={"args": ["--max-sessions", "7"]})
+    path = tmp_path / "s.yaml"
+    path.write_text(json.dumps(data))
+    lab = run_folder(tmp_path, path)
+    override = json.loads((lab.run_dir / lab_compose.OVERRIDE).read_text())
+    command = override["services"]["server"]["command"]
+    assert command[:3] == ["serve", "--model", "gemma3-270m"]
+    assert command[-2:] == ["--max-sessions", "7"]
+
+
+def slots():
+    return parse_scenario(SCENARIO).slots()
+
+
+def test_replicas_claim_distinct_slots(tmp_path):
+    """Twelve claimants race for three slots: each slot goes to exactly one."""
+    folder, won, lock = tmp_path / "slots", [], threading.Lock()
+
+    def claim(host):
+        slot = device_entry.claim_slot(folder, slots(), host)
+        with lock:
+            won.append(None if slot is None else slot.index)
+
+    threads = [threading.Thread(target=claim, args=(f"c{i}",)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(i for i in won if i is not None) == [0, 1, 2]
+    assert won.count(None) == 9
+
+
+def test_a_restarted_replica_gets_its_own_slot_back(tmp_path):
+    folder = tmp_path / "slots"
+    first = device_entry.claim_slot(folder, slots(), "aaa")
+    second = device_entry.claim_slot(folder, slots(), "bbb")
+    assert (first.index, second.index) == (0, 1)
+    assert device_entry.claim_slot(folder, slots(), "bbb").index == 1
+
+
+def test_netem_arguments_follow_the_link_profile():
+    from lab.profiles import link_profile
+
+    argv = device_entry.netem_args("wifi:rtt_ms=20", "eth0")
+    assert argv[:7] == ["tc", "qdisc", "replace", "dev", "eth0", "root", "netem"]
+    assert argv[7:9] == ["delay", "20ms"]
+    if link_profile("wifi").bandwidth_mbps:
+        assert "rate" in argv
+
+
+def test_device_environment_uses_the_slot_and_user_space_link(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path))
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "gemma-3-270m-q4_k_m.gguf").write_bytes(b"GGUF")
+    slot = slots()[2]
+    env = device_entry.daemon_env(slot, "user-space", "pw")
+    assert env["SLED_DEVICE_ID"] == "dev-02"
+    assert env["SLED_DEVICE_DRAFTER"] == f"gguf:{tmp_path}/gguf/gemma-3-270m-q4_k_m.gguf"
+    assert env["SLED_DEVICE_EMULATION__DEVICE"] == "orin-nano"
+    assert env["SLED_DEVICE_EMULATION__LINK"] == "ethernet"
+    assert env["SLED_DEVICE_MQTT__USERNAME"] == "dev-02"
+    assert json.loads(env["SLED_DEVICE_SERVERS"]) == ["server:50051"]
+    assert "SLED_DEVICE_EMULATION__LINK" not in device_entry.daemon_env(slot, "netem", "pw")
+
+
+def test_slot_file_says_which_link_emulation_ran(tmp_path):
+    path = device_entry.write_slot_file(tmp_path, slots()[1], "user-space")
+    info = json.loads(path.read_text())
+    assert (info["id"], info["link_emulation"], info["port"]) == ("dev-01", "user-space", 8000)
+
+
+# The real run ------------------------------------------------------------------------------
+
+def docker_or_fail() -> None:
+    if shutil.which("docker") is None:
+        pytest.fail("docker is not installed: the compose lab cannot run (make docker)")
+    done = subprocess.run(["docker", "info"], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"the Docker engine does not answer ({done.stderr.strip()[-200:]}); "
+                    "start dockerd (make docker does as root)")
+
+
+def project_leftovers(project: str) -> dict[str, list[str]]:
+    label = f"label=com.docker.compose.project={project}"
+    found = {}
+    for kind, argv in (("containers", ["docker", "ps", "-aq", "--filter", label]),
+                       ("networks", ["docker", "network", "ls", "-q", "--filter", label]),
+                       ("volumes", ["docker", "volume", "ls", "-q", "--filter", label]),
+                       ("build stages", ["docker", "images", "-q", "--filter",
+                                         "label=sled.lab.stage=build"])):
+        found[kind] = subprocess.run(argv, capture_output=True, text=True).stdout.split()
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_compose_lab_runs_a_fleet_losslessly(tmp_path):
+    docker_or_fail()
+    scenario = tmp_path / "compose-test.yaml"
+    scenario.write_text(json.dumps(SCENARIO))
+    out = tmp_path / "lab-results"
+    log = tmp_path / "compose.log"
+    with log.open("w") as sink:
+        done = subprocess.run([sys.executable, "-m", "sled_cli.main", "lab", "compose",
+                               str(scenario), "--build-base", "--out", str(out), "--run", "ct"],
+                              stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    tail = "\n".join(log.read_text().splitlines()[-40:])
+    leftovers = project_leftovers("sledlabct")
+    assert done.returncode == 0, f"sled lab compose exited {done.returncode}:\n{tail}"
+    report = json.loads((out / "ct" / "report.json").read_text())
+    assert report["lossless"] is True, tail
+    results = json.loads((out / "ct" / "results.json").read_text())
+    records = [r for phase in results["phases"] for r in phase["requests"]]
+    assert len(records) == 3 and all(r["lossless"] is True and not r["error"] for r in records)
+    assert set(results["link_emulation"]) == {"dev-00", "dev-01", "dev-02"}
+    assert not any(leftovers.values()), f"left behind: {leftovers}"
+    assert not (out / ".compose-ct").exists()
