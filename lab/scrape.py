@@ -1,0 +1,214 @@
+"""What the server and the devices count, read from their Prometheus /metrics during a phase.
+
+    snapshot = read_metrics("http://127.0.0.1:9100/metrics")   # {sample name: [(labels, value)]}
+    forward_passes(snapshot)
+
+    async with Sampler(fleet.server_metrics_url, devices) as sampler:   # polls every second
+        ...                                                             # the phase runs
+    phase["server"], phase["devices"] = sampler.server(), sampler.devices()
+
+Counters are summed from one poll to the next, so a server restarted in a fault step (its
+counters back at zero) adds what it counted before and after; a poll that fails (the server is
+down) is skipped.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import urllib.request
+from collections import defaultdict
+
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger("sled.lab.scrape")
+
+Snapshot = dict[str, list[tuple[dict[str, str], float]]]
+
+# Counters the sampler sums over a phase: the server's, then each device's.
+SERVER_COUNTERS = ("sled_forward_passes_total", "sled_forward_seconds_sum")
+DEVICE_COUNTERS = ("sled_device_draft_tokens_total", "sled_device_accepted_tokens_total")
+POSITION_DRAFTED = "sled_device_position_drafted_total"
+POSITION_ACCEPTED = "sled_device_position_accepted_total"
+
+
+def parse_metrics(text: str) -> Snapshot:
+    """Every sample of a Prometheus text page, by sample name."""
+    samples: Snapshot = defaultdict(list)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name].append((dict(sample.labels), float(sample.value)))
+    return dict(samples)
+
+
+def read_metrics(url: str, timeout: float = 3.0) -> Snapshot:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return parse_metrics(response.read().decode())
+
+
+def value(snapshot: Snapshot, name: str, **labels: str) -> float:
+    """The sum of a sample's values whose labels include `labels` (0 when absent)."""
+    return sum(v for found, v in snapshot.get(name, []) if labels.items() <= found.items())
+
+
+def forward_passes(snapshot: Snapshot) -> float:
+    return value(snapshot, "sled_forward_passes_total")
+
+
+def forward_seconds(snapshot: Snapshot) -> float:
+    return value(snapshot, "sled_forward_seconds_sum")
+
+
+def kv_blocks(snapshot: Snapshot) -> tuple[float, float]:
+    """(used, total) KV pool blocks."""
+    return value(snapshot, "sled_kv_blocks_used"), value(snapshot, "sled_kv_blocks_total")
+
+
+def active_sessions(snapshot: Snapshot) -> float:
+    return value(snapshot, "sled_active_sessions")
+
+
+def batch_buckets(snapshot: Snapshot) -> dict[str, float]:
+    """sled_batch_size as cumulative counts by upper bound ("1", "2", ..., "+Inf")."""
+    return {_bound(labels["le"]): v for labels, v in snapshot.get("sled_batch_size_bucket", [])}
+
+
+def per_bucket(cumulative: dict[str, float]) -> dict[str, int]:
+    """Cumulative histogram counts as counts per bucket, in bound order."""
+    counts, below = {}, 0.0
+    for bound in sorted(cumulative, key=lambda b: math.inf if b == "+Inf" else float(b)):
+        counts[bound] = int(round(cumulative[bound] - below))
+        below = cumulative[bound]
+    return counts
+
+
+def positions(snapshot: Snapshot, name: str) -> dict[int, float]:
+    """A per-draft-position counter by position (1..k)."""
+    return {int(labels["position"]): v for labels, v in snapshot.get(name, []) if "position" in labels}
+
+
+def _bound(le: str) -> str:
+    number = float(le)
+    return "+Inf" if math.isinf(number) else f"{number:g}"
+
+
+class Totals:
+    """Counters summed across polls; a value lower than the last one is a restart from zero. The
+    first poll is the baseline; a labelled counter that appears later started at zero."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, float] | None = None
+        self.total: dict[str, float] = defaultdict(float)
+
+    def add(self, counters: dict[str, float]) -> None:
+        if self.last is None:
+            self.last = dict(counters)
+            return
+        for key, now in counters.items():
+            before = self.last.get(key, 0.0)
+            self.total[key] += now - before if now >= before else now
+            self.last[key] = now
+
+
+def server_counters(snapshot: Snapshot) -> dict[str, float]:
+    counters = {name: value(snapshot, name) for name in SERVER_COUNTERS}
+    counters.update({f"batch:{bound}": v for bound, v in batch_buckets(snapshot).items()})
+    return counters
+
+
+def device_counters(snapshot: Snapshot) -> dict[str, float]:
+    counters = {name: value(snapshot, name) for name in DEVICE_COUNTERS}
+    for name in (POSITION_DRAFTED, POSITION_ACCEPTED):
+        counters.update({f"{name}:{p}": v for p, v in positions(snapshot, name).items()})
+    return counters
+
+
+class Sampler:
+    """Polls the server and every device during a phase; the deltas and time series come out in
+    the shape of the results document's "server" and "devices" entries."""
+
+    def __init__(self, server_url: str, devices: list, interval_s: float = 1.0) -> None:
+        self.server_url, self.handles, self.interval_s = server_url, list(devices), interval_s
+        self.server_totals = Totals()
+        self.device_totals = {handle.slot.id: Totals() for handle in self.handles}
+        self.kv_used: list[list[float]] = []
+        self.sessions: list[list[float]] = []
+        self.kv_total = 0
+        self.started = 0.0
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> "Sampler":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        self.started = time.monotonic()
+        await self.poll()                        # the baseline
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self.poll()                        # what the last second counted
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.poll()
+
+    async def poll(self) -> None:
+        """One scrape of every component; one that fails is skipped."""
+        pages = await asyncio.gather(_fetch(self.server_url),
+                                     *(_fetch(h.metrics_url) for h in self.handles))
+        at = round(time.monotonic() - self.started, 3)
+        if pages[0] is not None:
+            self._take_server(at, pages[0])
+        for handle, page in zip(self.handles, pages[1:]):
+            if page is not None:
+                self.device_totals[handle.slot.id].add(device_counters(page))
+
+    def _take_server(self, at: float, snapshot: Snapshot) -> None:
+        self.server_totals.add(server_counters(snapshot))
+        used, total = kv_blocks(snapshot)
+        self.kv_used.append([at, int(used)])
+        self.sessions.append([at, int(active_sessions(snapshot))])
+        self.kv_total = max(self.kv_total, int(total))
+
+    def server(self) -> dict:
+        totals = self.server_totals.total
+        batches = {key.split(":", 1)[1]: v for key, v in totals.items() if key.startswith("batch:")}
+        return {"forward_passes": int(round(totals.get("sled_forward_passes_total", 0.0))),
+                "forward_seconds": totals.get("sled_forward_seconds_sum", 0.0),
+                "batch_sizes": per_bucket(batches), "kv_blocks_used": self.kv_used,
+                "kv_blocks_total": self.kv_total, "active_sessions": self.sessions}
+
+    def devices(self) -> dict:
+        return {handle.slot.id: self._device(handle) for handle in self.handles}
+
+    def _device(self, handle) -> dict:
+        totals = self.device_totals[handle.slot.id].total
+        return {"profile": handle.slot.device, "link": handle.slot.link, "drafter": handle.slot.drafter,
+                "position_drafted": _by_position(totals, POSITION_DRAFTED),
+                "position_accepted": _by_position(totals, POSITION_ACCEPTED),
+                "drafted": int(round(totals.get("sled_device_draft_tokens_total", 0.0))),
+                "accepted": int(round(totals.get("sled_device_accepted_tokens_total", 0.0)))}
+
+
+def _by_position(totals: dict[str, float], name: str) -> list[int]:
+    """Counts for positions 1..k (k: the highest position seen) as a list."""
+    found = {int(key.rsplit(":", 1)[1]): v for key, v in totals.items() if key.startswith(name + ":")}
+    return [int(round(found.get(p, 0.0))) for p in range(1, max(found, default=0) + 1)]
+
+
+async def _fetch(url: str) -> Snapshot | None:
+    try:
+        return await asyncio.to_thread(read_metrics, url)
+    except Exception as error:      # down during a fault step, or not up yet: skip this poll
+        log.debug("scrape of %s skipped: %s", url, error)
+        return None
