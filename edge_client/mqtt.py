@@ -5,8 +5,9 @@ Topics under `<prefix>/devices/<id>/` (prefix: settings.mqtt.topic_prefix, "sled
 
     status            retained {status..., "online": true}; the last will (and a clean stop)
                       leaves {"id", "online": false, "state": "offline"} there
-    telemetry         every mqtt.telemetry_s: the status with drafter, tokens/s, acceptance,
-                      RTT, active sessions and CPU load, plus "time" (Unix seconds)
+    telemetry         every mqtt.telemetry_s: the status with drafter, mode, emulation,
+                      tokens/s, acceptance, RTT, active sessions and CPU load, plus "time"
+                      (Unix seconds)
     config            in: a JSON object of settings changes, applied live (Device.apply)
     config/applied    out: {settings.public()..., "ok": true}, retained (the settings in force);
                       a refused change answers {"ok": false, "error"} NOT retained, so the
