@@ -237,3 +237,53 @@ async def test_greedy_references_match_what_a_device_returns_on_gemma3(mosquitto
         await device.close()
         await server.stop(grace=0)
     assert all(r.token_ids == references[r.prompt_index] and r.lossless for r in records), records
+
+
+async def test_a_request_cut_by_a_broker_restart_is_sent_again(mosquitto, tmp_path, monkeypatch):  # noqa: F811
+    """The broker dies after the first chunk and comes back on its port: the lab sends the request
+    again and records the second answer whole."""
+    import aiomqtt
+
+    import tests.mqtt_broker as broker_helpers
+
+    answer, asked, half_sent = [3, 4, 5, 6], [], asyncio.Event()
+    broker = mosquitto.broker()
+
+    async def answer_requests() -> None:          # a device that reconnects, as the daemon does
+        while True:
+            with contextlib.suppress(aiomqtt.MqttError):
+                async with broker.client("restart-device") as client:
+                    await client.subscribe("sled/devices/dev-09/requests", qos=1)
+                    async for message in client.messages:
+                        request = decode(message.payload)
+                        asked.append(request)
+                        topic = f"sled/devices/dev-09/responses/{request['request_id']}"
+                        last = 1 if len(asked) == 1 else 2    # the first answer never ends
+                        for index in range(last):
+                            message = {"request_id": request["request_id"], "index": index,
+                                       "token_ids": answer[2 * index:2 * index + 2], "text": ""}
+                            if index == 1:
+                                message["finish_reason"] = "length"
+                            await client.publish(topic, encode(message), qos=1)
+                        half_sent.set()
+            await asyncio.sleep(0.2)
+
+    async def restart_broker():
+        await half_sent.wait()
+        mosquitto.stop()
+        await asyncio.sleep(0.5)
+        monkeypatch.setattr(broker_helpers, "_free_port", lambda: mosquitto.port)
+        return await asyncio.to_thread(broker_helpers.start_mosquitto, tmp_path)
+
+    device_task = asyncio.create_task(answer_requests())
+    await asyncio.sleep(0.5)
+    restarted = asyncio.create_task(restart_broker())
+    try:
+        (record,) = await asyncio.wait_for(drive(SimpleNamespace(broker=broker), scenario("unused", requests=1),
+                                                 [handle("dev-09")], ["x"], [answer], lambda r: None), 60)
+    finally:
+        device_task.cancel()
+        await asyncio.gather(device_task, return_exceptions=True)
+        (await restarted).stop()
+    assert len(asked) == 2 and record.attempts == 2
+    assert record.error is None and record.token_ids == answer and record.lossless is True
