@@ -182,18 +182,16 @@ async def run_phase(fleet: Fleet, scenario: Scenario, system: str, n: int, promp
     devices = fleet.devices[:n]
     await set_mode(fleet, devices, "server" if system == "centralized" else "draft")
     progress = PhaseProgress(f"{system} x{n}", n * (scenario.requests or 0))
-    sampler = scrape.Sampler(fleet, devices)
+    sampler = scrape.Sampler(fleet.server_metrics_url, devices)
     started = time.monotonic()
     async with sampler, progress.live():
         fault_task = asyncio.create_task(run_faults(fleet, faults, started, PREFIX))
-        records = await drive.drive(fleet, scenario, devices, prompts, references, progress)
+        records = await drive.drive(fleet, scenario, devices, prompts, references, progress,
+                                    system=system)
         fault_records = await fault_task
     wall_s = time.monotonic() - started
-    for record in records:
-        record.system, record.fleet_size = system, n
     results.faults += fault_records
-    phase = results.add_phase(system, n, wall_s, records, sampler.server_summary(),
-                              sampler.device_summary())
+    phase = results.add_phase(system, n, wall_s, records, sampler.server(), sampler.devices())
     phase_line(_summary(phase))
 
 
