@@ -1,0 +1,102 @@
+"""Lab scenarios: what a bad scenario says (the key and the file), the fleet's expansion into
+device slots, built-in names, and every shipped scenario loading."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from lab.scenario import (DeviceSlot, ScenarioError, builtin_scenarios, load_scenario,
+                          parse_scenario)
+
+BASE = {"name": "t", "target": "gemma3-270m", "requests": 1,
+        "fleet": [{"count": 2, "device": "pi5", "link": "wifi", "drafter": "ngram"},
+                  {"count": 1, "device": "orin-nano", "link": "ethernet:rtt_ms=2",
+                   "drafter": "gguf:gemma3-270m"}]}
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "scenario.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def changed(**changes) -> dict:
+    data = {**BASE, "fleet": [dict(group) for group in BASE["fleet"]]}
+    data.update(changes)
+    return data
+
+
+def error_of(tmp_path, data) -> str:
+    path = write(tmp_path, data)
+    with pytest.raises(ScenarioError) as caught:
+        load_scenario(path)
+    assert path in str(caught.value)          # every message names the file
+    return str(caught.value)
+
+
+def test_slots_expand_the_fleet_in_order():
+    slots = parse_scenario(BASE).slots()
+    assert slots == [DeviceSlot(0, "dev-00", "pi5", "wifi", "ngram", 0),
+                     DeviceSlot(1, "dev-01", "pi5", "wifi", "ngram", 0),
+                     DeviceSlot(2, "dev-02", "orin-nano", "ethernet:rtt_ms=2", "gguf:gemma3-270m", 1)]
+    assert parse_scenario(BASE).sizes() == [3]
+    assert parse_scenario(changed(fleet_sizes=[1, 3])).sizes() == [1, 3]
+
+
+@pytest.mark.parametrize("data, key", [
+    (changed(fleet=[]), "fleet"),
+    (changed(fleet=[{"count": 0, "device": "pi5", "link": "wifi", "drafter": "ngram"}]), "fleet.0.count"),
+    (changed(fleet=[{"count": 1, "device": "pi9", "link": "wifi", "drafter": "ngram"}]), "fleet.0.device"),
+    (changed(fleet=[{"count": 1, "device": "pi5", "link": "wifi:bogus=1", "drafter": "ngram"}]),
+     "fleet.0.link"),
+    (changed(fleet_sizes=[4]), "fleet_sizes"),
+    (changed(fleet_sizes=[0]), "fleet_sizes"),
+    (changed(faults=[{"kind": "link_cut", "at_s": 1, "device": "dev-07", "down_s": 1}]), "faults.0.device"),
+    (changed(faults=[{"kind": "meteor", "at_s": 1}]), "faults.0.kind"),
+    (changed(duration_s=10), "requests and duration_s"),
+    (changed(requests=None), "requests and duration_s"),
+    (changed(sampling={"temprature": 0.5}), "sampling.temprature"),
+    (changed(arrivals={"mode": "poisson"}), "rate_per_s"),
+    (changed(surprise=1), "surprise"),
+])
+def test_a_bad_scenario_names_the_key(tmp_path, data, key):
+    assert key in error_of(tmp_path, data)
+
+
+def test_not_yaml_and_not_a_mapping(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: [unclosed\n")
+    with pytest.raises(ScenarioError, match="not valid YAML"):
+        load_scenario(path)
+    path.write_text("- a list\n")
+    with pytest.raises(ScenarioError, match="mapping"):
+        load_scenario(path)
+
+
+def test_an_unknown_name_lists_the_built_in_ones():
+    with pytest.raises(ScenarioError, match="smoke"):
+        load_scenario("no-such-scenario")
+
+
+def test_built_in_names_resolve_to_the_shipped_files():
+    assert {"smoke", "fleet16", "poisson", "faults"} <= set(builtin_scenarios())
+    smoke = load_scenario("smoke")
+    assert smoke.name == "smoke" and len(smoke.slots()) == 3
+    assert len({slot.device for slot in smoke.slots()}) == 2
+    assert {slot.drafter.split(":")[0] for slot in smoke.slots()} == {"ngram", "gguf"}
+    assert {f.kind for f in smoke.faults} == {"server_kill", "link_cut"} and smoke.centralized
+
+
+@pytest.mark.parametrize("name", builtin_scenarios())
+def test_every_shipped_scenario_loads(name):
+    scenario = load_scenario(name)
+    assert scenario.name == name and scenario.slots()
+
+
+def test_fleet16_is_the_mixed_fleet():
+    slots = load_scenario("fleet16").slots()
+    assert len(slots) == 16
+    assert {s.device for s in slots} == {"pi4", "pi5", "orin-nano"}
+    assert {s.link for s in slots} == {"wifi", "lte", "ethernet"}
+    assert {s.drafter.split(":")[0] for s in slots} == {"gguf", "onnx", "ngram"}
+    assert "broker_restart" in {f.kind for f in load_scenario("faults").faults}
