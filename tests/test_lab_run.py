@@ -1,0 +1,137 @@
+"""`sled lab run`: the broker's ACL really confines devices (a real Mosquitto), a bad scenario is
+one line and exit 2, and the smoke scenario runs end to end, fault steps included, with every
+greedy output equal to the target's and no token lost or duplicated."""
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import aiomqtt
+import pytest
+
+from lab.broker import BrokerFiles
+from lab.scenario import DeviceSlot
+from lab.server_process import free_port
+from sled.mqtt import Broker
+from tests.mqtt_broker import Mosquitto, _wait_listening, mosquitto_binary
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOTS = [DeviceSlot(i, f"dev-0{i}", "pi5", "wifi", "ngram", 0) for i in range(2)]
+
+
+@pytest.fixture
+def lab_broker(tmp_path):
+    port = free_port()
+    files = BrokerFiles.write(tmp_path / "broker", SLOTS, "sled", port=port, bind="127.0.0.1",
+                              run_as=getpass.getuser() if os.geteuid() == 0 else None,
+                              log=str(tmp_path / "mosquitto.log"))
+    process = subprocess.Popen([mosquitto_binary(), "-c", str(files.conf)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    broker = Mosquitto(port, process, tmp_path / "mosquitto.log", files.credentials)
+    _wait_listening(broker)
+    yield files, port
+    broker.stop()
+
+
+def login(files: BrokerFiles, port: int, user: str, password: str | None = None) -> aiomqtt.Client:
+    broker = Broker("127.0.0.1", port, username=user,
+                    password=files.password(user) if password is None else password)
+    return broker.client(f"acl-test-{user}")
+
+
+async def collect(client: aiomqtt.Client, seen: list, until: tuple[str, bytes]) -> None:
+    """Every message until `until` (a marker its publisher sent last, so nothing before it is
+    still on the way)."""
+    async for message in client.messages:
+        seen.append((message.topic.value, bytes(message.payload)))
+        if seen[-1] == until:
+            return
+
+
+def test_broker_files(lab_broker):
+    files, _ = lab_broker
+    assert stat.S_IMODE((files.folder / "credentials.json").stat().st_mode) == 0o600
+    assert set(json.loads((files.folder / "credentials.json").read_text())) == \
+        {"dev-00", "dev-01", "server", "lab"}
+    conf = files.conf.read_text()
+    assert "allow_anonymous false" in conf and f"acl_file {files.folder.resolve()}/acl" in conf
+    container = BrokerFiles.write(files.folder.parent / "c", SLOTS, "sled", root="/mosquitto/config")
+    assert "password_file /mosquitto/config/passwords" in container.conf.read_text()
+
+
+async def test_the_acl_confines_devices_and_the_server(lab_broker):
+    files, port = lab_broker
+    lab_seen, dev_seen = [], []
+    async with login(files, port, "lab") as lab, login(files, port, "dev-00") as dev, \
+            login(files, port, "server") as server:
+        await lab.subscribe("sled/#", qos=1)
+        await dev.subscribe([("sled/devices/dev-01/requests", 1), ("sled/devices/dev-00/requests", 1),
+                             ("sled/servers/#", 1), ("sled/devices/dev-01/config", 1)])
+        # a device: not another device's topics, not a server's, not its own requests
+        for topic in ("sled/devices/dev-01/status", "sled/devices/dev-01/responses/r1",
+                      "sled/servers/evil", "sled/devices/dev-00/requests"):
+            await dev.publish(topic, b"forbidden", qos=1)
+        await dev.publish("sled/devices/dev-00/status", b"mine", qos=1)
+        # the server: only its announcement
+        for topic in ("sled/servers/other", "sled/devices/dev-00/requests", "sled/devices/dev-00/config"):
+            await server.publish(topic, b"forbidden", qos=1)
+        await server.publish(f"sled/servers/{files.server_id}", b"announced", qos=1)
+        # the lab: every device's requests and config
+        await lab.publish("sled/devices/dev-01/requests", b"for dev-01", qos=1)
+        await lab.publish("sled/devices/dev-01/config", b"for dev-01", qos=1)
+        await lab.publish("sled/devices/dev-00/requests", b"for dev-00", qos=1)
+        await asyncio.wait_for(collect(dev, dev_seen, ("sled/devices/dev-00/requests", b"for dev-00")), 10)
+        await asyncio.wait_for(collect(lab, lab_seen, ("sled/devices/dev-00/requests", b"for dev-00")), 10)
+    assert not [m for m in lab_seen if m[1] == b"forbidden"], lab_seen
+    assert ("sled/devices/dev-00/status", b"mine") in lab_seen
+    assert ("sled/servers/lab-server", b"announced") in lab_seen
+    assert ("sled/servers/lab-server", b"announced") in dev_seen      # devices read announcements
+    assert not [m for m in dev_seen if "dev-01" in m[0]], dev_seen    # nor another's requests
+
+
+async def test_a_wrong_password_is_refused(lab_broker):
+    files, port = lab_broker
+    with pytest.raises(aiomqtt.MqttError):
+        async with login(files, port, "dev-00", password="guess"):
+            pass
+
+
+def sled(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sled_cli.main", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def test_a_bad_scenario_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntarget: gemma3-270m\nrequests: 1\nfleet:\n"
+                   "  - {count: 1, device: pi9, link: wifi, drafter: ngram}\n")
+    done = sled("lab", "run", str(bad), "--out", str(tmp_path), timeout=60)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "fleet.0.device" in lines[0] and str(bad) in lines[0], done.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_smoke_runs_end_to_end_with_its_fault_steps(tmp_path):
+    done = sled("lab", "run", "smoke", "--out", str(tmp_path), "--run", "smoke", timeout=480)
+    folder = tmp_path / "smoke"
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((folder / "report.json").read_text())
+    assert report["lossless"] is True
+    assert (folder / "report.html").stat().st_size > 0
+    results = json.loads((folder / "results.json").read_text())
+    assert [(p["system"], p["fleet_size"]) for p in results["phases"]] == [("sled", 3), ("centralized", 3)]
+    requests = [r for p in results["phases"] for r in p["requests"]]
+    assert len(requests) == 12 and all(r["error"] is None and r["lossless"] for r in requests)
+    assert sum(r["lost_tokens"] + r["duplicated_tokens"] for r in requests) == 0
+    assert sorted(f["kind"] for f in results["faults"]) == ["link_cut", "server_kill"]
+    assert all(f["ok"] for f in results["faults"]), results["faults"]
+    assert set(results["link_emulation"].values()) == {"user-space"}
+    assert results["phases"][0]["server"]["forward_passes"] > 0
