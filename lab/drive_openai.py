@@ -49,8 +49,10 @@ class OpenAISender:
         except openai.APIStatusError as error:
             attempt.kind = "unavailable" if error.status_code in UNAVAILABLE_STATUS else "api"
             attempt.error = f"{error.status_code}: {error.message}"
-        except (openai.APIConnectionError, openai.APITimeoutError) as error:
-            attempt.kind, attempt.error = "unavailable", f"the device's API: {error}"
+        except (openai.APIConnectionError, openai.APITimeoutError, OSError) as error:
+            attempt.kind, attempt.error = "unavailable", f"the device's API: {error or type(error).__name__}"
+        except openai.APIError as error:      # an error event in the middle of the stream
+            attempt.kind, attempt.error = "api", f"the device's API: {error}"
         attempt.done_at = self.clock()
         attempt.token_ids = self._ids(attempt.text, reference)
         return attempt
