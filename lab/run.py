@@ -17,6 +17,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import aiomqtt
+
 from lab.faults import publish_config, run_faults, wait_status
 from lab.fleet import Fleet, FleetStartError
 from lab.results import Results, greedy_mismatches, phase_totals
@@ -136,7 +138,10 @@ def make_fleet(kind: str, scenario: Scenario, folder: Path) -> Fleet:
 
 async def run_scenario(scenario: Scenario, prompts: list[str], folder: Path, kind: str) -> int:
     """References, fleet up, every phase, fleet down, results and report; the exit status."""
-    references = await greedy_references(scenario, prompts)
+    try:
+        references = await greedy_references(scenario, prompts)
+    except (ValueError, OSError) as exc:      # a target that cannot be loaded
+        return _fail(f"the target's greedy references: {exc}", 2)
     fleet = make_fleet(kind, scenario, folder)
     results = Results(folder.name, fleet.mode, scenario)
     try:
@@ -144,7 +149,7 @@ async def run_scenario(scenario: Scenario, prompts: list[str], folder: Path, kin
         await fleet.start(scenario.slots())
         results.link_emulation = fleet.link_emulation()
         await run_phases(fleet, scenario, prompts, references, results)
-    except FleetStartError as exc:
+    except (FleetStartError, TimeoutError, aiomqtt.MqttError) as exc:
         return _fail(f"{exc} (logs in {folder / 'logs'})", 3)
     finally:
         await fleet.stop()
