@@ -164,7 +164,7 @@ class ComposeLab:
 
     def run_lab(self) -> int:
         """The lab container, its output straight to this terminal; its exit status."""
-        argv = self.compose("run", "--rm", "-T", "lab")
+        argv = self.compose("run", "--rm", "--no-deps", "-T", "lab")
         return subprocess.run(argv).returncode
 
     def down(self) -> None:

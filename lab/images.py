@@ -109,7 +109,16 @@ def wheelhouse(root: Path | None = None) -> Path:
                             str(house), "--find-links", str(house), device, server, TORCH,
                             *SERVER_EXTRA_PACKAGES])
     (house / ".complete").write_text(key + "\n")
+    prune_wheelhouses(root, keep=house)
     return house
+
+
+def prune_wheelhouses(root: Path, keep: Path, count: int = 2) -> None:
+    """Only the newest wheelhouses stay (each is a few hundred MB); `keep` always does."""
+    houses = sorted((p for p in root.iterdir() if p.is_dir() and p != keep),
+                    key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in houses[count - 1:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def wheelhouse_key(wheel: Path) -> str:
