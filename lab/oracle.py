@@ -44,6 +44,18 @@ def greedy_ids(served, prompt_ids: list[int], max_tokens: int) -> list[int]:
     return generated[:ends[0] + 1] if ends else generated
 
 
+def served_dtype(server_args: list[str] | None) -> str:
+    """The --dtype a scenario's extra `sled serve` flags choose (float32 without one), so the
+    references come from the weights the server computes with."""
+    args = list(server_args or [])
+    for i, arg in enumerate(args):
+        if arg == "--dtype" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--dtype="):
+            return arg.split("=", 1)[1]
+    return "float32"
+
+
 def decode_text(tokenizer, ids: list[int]) -> str:
     """Text of ids as a device's API sends it (special tokens skipped, spaces as they are)."""
     return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -16,7 +16,7 @@ from edge_client.mqtt import DeviceMqtt
 from edge_client.openai_api import start_api
 from edge_client.settings import DeviceSettings
 from lab.drive import Attempt, RequestRecord, drive
-from lab.oracle import compare, greedy_references, load_target
+from lab.oracle import compare, greedy_references, load_target, served_dtype
 from sled.mqtt import Backoff, decode, encode
 from tests.conftest import PROMPT_TEXTS
 from tests.mqtt_broker import eventually, mosquitto  # noqa: F401
@@ -60,6 +60,13 @@ def scenario(target: str, via: str = "mqtt", requests: int | None = 2, mode: str
 ])
 def test_compare_counts_lost_and_duplicated_tokens(received, want):
     assert compare([1, 2, 3, 4], received) == want
+
+
+@pytest.mark.parametrize("args, want", [
+    (None, "float32"), ([], "float32"), (["--dtype", "bfloat16"], "bfloat16"),
+    (["--max-sessions", "4", "--dtype=float16"], "float16")])
+def test_the_references_use_the_dtype_the_server_is_given(args, want):
+    assert served_dtype(args) == want
 
 
 # -- the real thing ---------------------------------------------------------------------------
