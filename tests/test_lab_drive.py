@@ -286,8 +286,9 @@ async def test_a_request_cut_by_a_broker_restart_is_sent_again(mosquitto, tmp_pa
     await asyncio.sleep(0.5)
     restarted = asyncio.create_task(restart_broker())
     try:
-        (record,) = await asyncio.wait_for(drive(SimpleNamespace(broker=broker), scenario("unused", requests=1),
-                                                 [handle("dev-09")], ["x"], [answer], lambda r: None), 60)
+        phase = drive(SimpleNamespace(broker=broker), scenario("unused", requests=1), [handle("dev-09")],
+                      ["x"], [answer], lambda r: None)
+        (record,) = await asyncio.wait_for(phase, 60)
     finally:
         device_task.cancel()
         await asyncio.gather(device_task, return_exceptions=True)
