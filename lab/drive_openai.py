@@ -59,10 +59,11 @@ class OpenAISender:
 
     async def _stream(self, client, handle, prompt: str, attempt: Attempt) -> None:
         fields = self.fields
+        seed = {} if fields["seed"] is None else {"seed": fields["seed"]}
         stream = await client.completions.create(
             model=await self._model(client, handle.api_url.rstrip("/")), prompt=prompt, stream=True,
             max_tokens=fields["max_tokens"], temperature=fields["temperature"],
-            top_p=fields["top_p"], seed=fields["seed"], extra_body={"top_k": fields["top_k"]})
+            top_p=fields["top_p"], extra_body={"top_k": fields["top_k"]}, **seed)
         async for chunk in stream:
             piece = chunk.choices[0].text if chunk.choices else ""
             if piece and attempt.first_token_at is None:
