@@ -127,6 +127,16 @@ async def test_poisson_arrivals_send_the_scenarios_number_of_requests(device_sta
     assert len({r.sent_at for r in records}) == 4
 
 
+@pytest.mark.parametrize("via", ["mqtt", "openai"])
+async def test_sampled_requests_are_answered_and_not_judged(device_stack, references, via):
+    fleet = SimpleNamespace(broker=device_stack.broker)
+    (record,) = await drive(fleet, scenario(device_stack.target, via, requests=1, temperature=0.9),
+                            [handle("dev-00", device_stack.api_url)], PROMPT_TEXTS[:3], references,
+                            lambda record: None)
+    assert record.error is None and record.token_ids and record.lossless is None
+    assert (record.lost_tokens, record.duplicated_tokens) == (0, 0)
+
+
 # -- a device that fails first: a stand-in answering on a real broker ----------------------------
 @contextlib.asynccontextmanager
 async def flaky_device(broker, device_id: str, answer: list[int], failures: int):
