@@ -51,7 +51,11 @@ async def broker_restart(fleet: Fleet, fault: Fault, prefix: str) -> str:
     await fleet.stop_broker()
     await asyncio.sleep(fault.down_s)
     await fleet.start_broker()
-    return "broker stopped and started again"
+    begun = time.monotonic()
+    await asyncio.gather(*(wait_status(h, lambda s: (s.get("mqtt") or {}).get("connected") is True,
+                                       f"{h.id} did not reconnect to the broker", 120)
+                           for h in fleet.devices))
+    return f"broker stopped and started again; every device back on it {time.monotonic() - begun:.1f} s later"
 
 
 async def link_cut(fleet: Fleet, fault: Fault, prefix: str) -> str:
