@@ -172,3 +172,28 @@ async def test_status_reports_mode_and_emulation(device):
     with pytest.raises(SettingsError, match=r"emulation\.link"):
         await dev.apply({"emulation": {"link": "moon"}})
     assert dev.status()["emulation"]["link"] == "lte"
+
+
+async def test_health_and_metrics_over_http_show_the_lab_fields(device, prompts):
+    import aiohttp
+
+    from edge_client.openai_api import start_api
+
+    dev = await device(mode="draft", emulation={"device": "orin-nano", "link": "ethernet"},
+                       policy={"draft_len": 2, "pipeline": False})
+    await dev.complete(Request(prompts[0], max_tokens=8, ignore_eos=True))
+    runner, port = await start_api(dev, "127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/health") as response:
+                health = await response.json()
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as response:
+                metrics = await response.text()
+    finally:
+        await runner.cleanup()
+    assert health["mode"] == "draft"
+    assert health["emulation"] == {"device": "orin-nano", "link": "ethernet", "link_down": False,
+                                   "kind": "user-space"}
+    assert 'sled_device_position_drafted_total{position="1"}' in metrics
+    assert 'sled_device_position_accepted_total{position="' in metrics or \
+        dev.metrics.value("sled_device_accepted_tokens_total") == 0
