@@ -124,6 +124,10 @@ class LinkEmulation:
             pass
         return not self.down
 
+    def forget(self, stream: CutStream) -> None:
+        """A stream that ended: a cut no longer concerns it."""
+        self._streams.discard(stream)
+
     def transport(self) -> Transport:
         """The Transport a session opens its streams with: over the link when one is emulated,
         and always cuttable, so a cut also fails the streams opened before it."""
@@ -170,12 +174,13 @@ class CutStream:
         return await self._unless_cut(self.inner.receive())
 
     async def done_writing(self) -> None:
-        self.emulation._streams.discard(self)
-        if self.inner is not None:
-            await self._unless_cut(self.inner.done_writing())
+        """The session has its last verdict: a cut now loses nothing, so it is not an error."""
+        self.emulation.forget(self)
+        if self.inner is not None and not self._cut.done():
+            await self.inner.done_writing()
 
     def cancel(self) -> None:
-        self.emulation._streams.discard(self)
+        self.emulation.forget(self)
         if self.inner is not None:
             self.inner.cancel()
 
@@ -184,7 +189,7 @@ class CutStream:
         if self.emulation.down:
             if not self.wait_for_ready:
                 raise link_lost()
-            await self.emulation._up.wait()
+            await self.emulation.wait_up()
         if self._cut.done():
             raise link_lost()
         self.inner = self.opener(self.stub, timeout=self.timeout, wait_for_ready=self.wait_for_ready)
