@@ -30,6 +30,7 @@ from drafters.base import Drafter
 from edge_client.connection import cached_tokenizer
 from edge_client.drafting import SharedDrafter
 from edge_client.emulation import LinkEmulation, PacedDrafter
+from edge_client.proposer import Proposer
 from edge_client.result import LOST, RoundStat, ServerEvent
 from edge_client.salt import device_salt
 from edge_client.servers import NoServer, Server, ServerDirectory
@@ -42,7 +43,7 @@ from lab.profiles import device_profile
 from sled.cache import CacheError
 from sled.fingerprint import short
 from sled.printable import printable
-from sled.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator
+from sled.sampling import Sampling
 
 log = logging.getLogger("sled.device")
 
@@ -454,12 +455,13 @@ class Device:
 
     async def _draft_alone(self, request: Request, context: list[int], budget: int,
                            queue: asyncio.Queue) -> None:
-        """No server: the drafter's own tokens, marked lossless=False (opt-in only)."""
-        generator = new_generator(request.sampling, offset=DRAFTER_SEED_OFFSET)
+        """No server: the drafter's own tokens (at the emulated board's pace, when there is
+        one), marked lossless=False (opt-in only)."""
+        proposer = Proposer(self._session_drafter(self.settings), request.sampling)
         context = list(context)
         ends = set(request.stop_ids) | (set() if request.ignore_eos else set(self.eos_ids))
         for produced in range(1, budget + 1):
-            proposal = await asyncio.to_thread(self.drafter.propose, context, 1, request.sampling, generator)
+            proposal = await proposer.propose(context, 1)
             token = proposal.token_ids[0]
             context.append(token)
             self.metrics.tokens.labels(lossless="false").inc()
