@@ -397,16 +397,15 @@ class Device:
 
     async def _centralized(self, server: Server, generation: Generation):
         """The server generates every token, the device only streams them (mode "server": the
-        centralized baseline). A cut link is waited for first, as a drafting session's first
-        open waits for its server."""
+        centralized baseline). The first open waits for a server (or a cut link) up to
+        reconnect_s, as a drafting session's does."""
         request, settings = generation.request, generation.settings
-        await self.link.wait_up(settings.reconnect_s)
         return await generate_server_side(
             server.stub, request.prompt_ids, max_new_tokens=generation.max_tokens,
             sampling=request.sampling, stop_ids=request.stop_ids, ignore_eos=request.ignore_eos,
             on_tokens=generation.on_tokens, transport=self.link.transport(),
             cache_salt=self.cache_salt, reconnect_s=settings.reconnect_s,
-            on_server=generation.on_server)
+            on_server=generation.on_server, wait_first=True)
 
     def _session_drafter(self, settings: DeviceSettings):
         """The shared drafter, paced to the emulated board's speed when there is one."""

@@ -22,12 +22,15 @@ from sled.v1 import verifier_pb2 as pb
 class ServerSideSession:
     """One session in a server mode. It owns the stream and the result (the committed tokens);
     a lost server is waited for up to reconnect_s (ServerLost when none came back in time, and
-    `result` keeps the committed tokens)."""
+    `result` keeps the committed tokens). wait_first: the first open waits and retries the same
+    way (a daemon's request that may find its server restarting), as a drafting session does."""
 
     def __init__(self, stub, request: SessionRequest, *, timeout: float | None = None,
                  transport: Transport = Stream.open, reconnect: Reconnect | None = None,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> None:
+                 on_tokens: Callable[[list[int]], None] | None = None,
+                 wait_first: bool = False) -> None:
         self.stub, self.request, self.timeout, self.transport = stub, request, timeout, transport
+        self.wait_first = wait_first
         self.reconnect, self.on_tokens = reconnect or Reconnect(0.0), on_tokens
         self.result = GenerationResult()
         self.stream: Stream | None = None
@@ -36,7 +39,8 @@ class ServerSideSession:
         """Open, then take each verdict the server streams until one ends the session."""
         started = time.perf_counter()
         try:
-            self.stream = await self.open_once()
+            self.stream = await (self.reconnect.reopen(self.open_once, 0, lost=False)
+                                 if self.wait_first else self.open_once())
             while not await self.next_verdict(started):
                 pass
             await self.stream.done_writing()
@@ -87,13 +91,16 @@ async def generate_server_side(
     cache_salt: str = "",
     reconnect_s: float = 0.0,
     on_server: Callable[[ServerEvent], None] | None = None,
+    wait_first: bool = False,
 ) -> GenerationResult:
     """Open a session in `mode` and collect the verdicts the server streams to its end;
     on_tokens sees each verdict's tokens; cache_salt scopes the server's prefix cache.
     reconnect_s: how long a lost server is waited for to resume the session (0: ServerLost at
-    once); on_server is told the loss and the resume (ServerEvent)."""
+    once); on_server is told the loss and the resume (ServerEvent); wait_first: the first open
+    waits for the server up to reconnect_s too."""
     request = SessionRequest(prompt_ids, max_new_tokens, sampling, stop_ids, ignore_eos,
                              drafter="server", cache_salt=cache_salt, mode=mode)
     session = ServerSideSession(stub, request, timeout=timeout, transport=transport,
-                                reconnect=Reconnect(reconnect_s, on_server), on_tokens=on_tokens)
+                                reconnect=Reconnect(reconnect_s, on_server), on_tokens=on_tokens,
+                                wait_first=wait_first)
     return await session.run()

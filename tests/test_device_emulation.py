@@ -107,8 +107,9 @@ async def test_a_cut_link_mid_request_loses_and_repeats_no_token(device, models,
     assert dev.metrics.value("sled_device_requests_total", {"outcome": "ok"}) == 1
 
 
-async def test_a_request_sent_while_the_link_is_down_waits_for_it(device, models, prompts):
-    dev = await device(emulation={"link": "wifi", "link_down": True}, reconnect_s=20.0)
+@pytest.mark.parametrize("mode", ["draft", "server"])
+async def test_a_request_sent_while_the_link_is_down_waits_for_it(device, models, prompts, mode):
+    dev = await device(mode=mode, emulation={"link": "wifi", "link_down": True}, reconnect_s=20.0)
     asyncio.get_running_loop().call_later(
         0.3, lambda: asyncio.ensure_future(dev.apply({"emulation": {"link_down": False}})))
     tokens, _, _ = await dev.complete(Request(prompts[3], max_tokens=10, ignore_eos=True))
