@@ -162,10 +162,11 @@ async def greedy_references(scenario: Scenario, prompts: list[str]) -> list[list
     """The target's own greedy outputs (None when the scenario samples)."""
     if not scenario.sampling.greedy:
         return None
-    from lab.oracle import greedy_references as references
+    from lab.oracle import greedy_references as references, served_dtype
 
-    phase_line(f"greedy references: {len(prompts)} prompts on {scenario.target}")
-    return await asyncio.to_thread(references, scenario.target, prompts, scenario.max_tokens)
+    dtype = served_dtype(scenario.server.args)       # the weights the server verifies with
+    phase_line(f"greedy references: {len(prompts)} prompts on {scenario.target} ({dtype})")
+    return await asyncio.to_thread(references, scenario.target, prompts, scenario.max_tokens, dtype)
 
 
 async def run_phases(fleet: Fleet, scenario: Scenario, prompts, references, results: Results) -> None:
