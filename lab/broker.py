@@ -83,7 +83,7 @@ class BrokerFiles:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         users = [slot.id for slot in slots] + [SERVER_USER, LAB_USER]
-        credentials = {user: secrets.token_urlsafe(18) for user in users}
+        credentials = {user: secrets.token_hex(16) for user in users}   # never a leading "-"
         _write_passwords(folder / "passwords", credentials)
         (folder / "acl").write_text("\n".join(acl_lines([s.id for s in slots], prefix, server_id)) + "\n")
         root = root or str(folder.resolve())

@@ -131,7 +131,7 @@ class LocalFleet:
                 "--host", HOST, "--port", str(self.server_port),
                 "--metrics-port", str(self.metrics_port),
                 "--mqtt-host", HOST, "--mqtt-port", str(self.broker_port),
-                "--mqtt-username", SERVER_USER, "--mqtt-password", self.files.password(SERVER_USER),
+                "--mqtt-username", SERVER_USER, f"--mqtt-password={self.files.password(SERVER_USER)}",
                 "--mqtt-topic-prefix", self.prefix, "--server-id", self.files.server_id,
                 "--announce-endpoint", f"{HOST}:{self.server_port}", *self.server_args]
 
