@@ -1,0 +1,119 @@
+"""report.html: one self-contained page (inline CSS, PNGs as base64 data URIs, no external link
+or script). Every string from the results is escaped."""
+from __future__ import annotations
+
+import base64
+from html import escape
+from pathlib import Path
+
+CSS = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}
+table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th{background:#f3f3f3}td.l,th.l{text-align:left}.ok{color:#176f2c}.bad{color:#b00020}
+figure{margin:1.5em 0}img{max-width:100%}figcaption{color:#555}"""
+
+
+def _e(value) -> str:
+    """A cell: numbers rounded, None as a dash, everything escaped."""
+    if value is None:
+        return "&ndash;"
+    if isinstance(value, float):
+        return escape(f"{value:.4g}")
+    return escape(str(value))
+
+
+def lossless_line(report: dict) -> str:
+    """The losslessness verdict in words."""
+    d = report["lossless_detail"]
+    if report["lossless"] is None:
+        return ('<p class="l">Lossless: not checked (no request was greedy; sampled outputs have no '
+                "single reference).</p>")
+    if report["lossless"]:
+        return (f'<p class="ok"><b>Lossless: every one of {d["checked"]} greedy outputs matched the '
+                "target's own greedy output.</b></p>")
+    items = "".join(f"<li>{_e(m['system'])} x{_e(m['fleet_size'])}, device {_e(m['device'])}, "
+                    f"prompt {_e(m['prompt_index'])}: {_e(m['lost_tokens'])} lost, "
+                    f"{_e(m['duplicated_tokens'])} duplicated tokens{_error(m)}</li>" for m in d["mismatches"])
+    return (f'<p class="bad"><b>Not lossless: {d["mismatched"]} of {d["checked"]} greedy outputs '
+            f"differed from the target's own greedy output.</b></p><ul>{items}</ul>")
+
+
+def _error(m: dict) -> str:
+    return f" (error: {_e(m['error'])})" if m.get("error") else ""
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    head = "".join(f'<th class="l">{escape(h)}</th>' if i == 0 else f"<th>{escape(h)}</th>"
+                   for i, h in enumerate(headers))
+    body = "".join("<tr>" + "".join(f'<td class="l">{_e(c)}</td>' if i == 0 else f"<td>{_e(c)}</td>"
+                                    for i, c in enumerate(row)) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def headline_table(report: dict) -> str:
+    headers = ["system", "devices", "requests", "tokens", "system tok/s", "device tok/s p5", "p50", "p95",
+               "TTFT p50 s", "p95", "p99", "TPOT p50 s", "p95", "p99", "passes/token", "errors"]
+    rows = [[r["system"], r["fleet_size"], r["requests"], r["tokens"], r["system_tokens_per_s"],
+             *r["device_tokens_per_s"].values(), *r["ttft_s"].values(), *r["tpot_s"].values(),
+             r["forward_passes_per_token"], r["errors"]] for r in report["headline"]]
+    return _table(headers, rows)
+
+
+def capacity_line(report: dict) -> str:
+    slo = report["slo"]
+    parts = [f"{escape(system)}: {_e(c['fleet_size'])} devices" for system, c in report["capacity"].items()]
+    return (f"<p>Capacity at the SLO ({_e(slo.get('tokens_per_s'))} tokens/s per device at p5, "
+            f"TTFT p95 &le; {_e(slo.get('ttft_s'))} s): {'; '.join(parts) or 'no phase ran'}.</p>")
+
+
+def figures(report: dict, out_dir: Path) -> str:
+    parts = []
+    for plot in report["plots"]:
+        data = base64.b64encode((out_dir / plot["file"]).read_bytes()).decode("ascii")
+        parts.append(f'<figure><img alt="{escape(plot["file"])}" src="data:image/png;base64,{data}">'
+                     f"<figcaption>{escape(plot['caption'])}</figcaption></figure>")
+    for plot in report["skipped_plots"]:
+        parts.append(f"<p>Not plotted: {escape(plot['caption'])} ({escape(plot['reason'])}).</p>")
+    return "".join(parts)
+
+
+def cost_tables(report: dict) -> str:
+    costs = report["costs"]
+    server = costs["server"]
+    rows = [[name, system, c and c["energy_j_per_token"], c and c["device_j_per_token"],
+             c and c["usd_per_million_tokens"]]
+            for name, systems in costs["per_profile"].items() for system, c in systems.items()]
+    return (f"<p>Server power: {_e(server['watts'])} W ({_e(server['source'])}); server price "
+            f"{_e(server['price_per_hour'])} USD/h.</p>"
+            + _table(["device profile", "system", "J/token", "of it drafting J/token", "USD / M tokens"], rows)
+            + "<h3>Assumptions</h3>"
+            + _table(["assumption", "value", "unit", "source"],
+                     [[a["name"], a["value"], a["unit"], a["source"]] for a in costs["assumptions"]]))
+
+
+def links_table(report: dict) -> str:
+    rows = sorted(report["link_emulation"]["per_device"].items())
+    return _table(["device", "link emulation"], [list(r) for r in rows]) if rows else "<p>No device ran.</p>"
+
+
+def faults_table(report: dict) -> str:
+    if not report["faults"]:
+        return "<p>No fault steps.</p>"
+    rows = [[f["kind"], f["at_s"], f.get("device"), f.get("down_s"), f["ok"], f["requests_overlapping"],
+             f["lost_tokens"], f["duplicated_tokens"], f.get("note")] for f in report["faults"]]
+    return _table(["fault", "at s", "device", "down s", "ok", "requests open", "lost tokens",
+                   "duplicated tokens", "note"], rows)
+
+
+def page(report: dict, out_dir: Path) -> str:
+    machine = report.get("machine") or {}
+    title = f"sled lab: {report['run']}"
+    sections = [
+        f"<h1>{escape(title)}</h1>",
+        f"<p>Mode {_e(report['mode'])}, started {_e(report.get('started_at'))}; machine: "
+        f"{_e(machine.get('cpus'))} CPUs, {_e(machine.get('memory_gb'))} GB, "
+        f"{_e(machine.get('platform'))}, GPU {_e(machine.get('gpu'))}.</p>",
+        lossless_line(report), "<h2>Headline</h2>", headline_table(report), capacity_line(report),
+        "<h2>Plots</h2>", figures(report, out_dir), "<h2>Fault steps</h2>", faults_table(report), "<h2>Cost and energy</h2>", cost_tables(report),
+        "<h2>Link emulation</h2>", links_table(report)]
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
+            f"<style>{CSS}</style></head><body>{''.join(sections)}</body></html>\n")

@@ -1,0 +1,174 @@
+"""The numbers of a lab report, computed from the results document (lab/results.py).
+
+Definitions (the page states them too):
+- system tokens/s: every token the phase's requests received / the phase's wall time;
+- per-device tokens/s: a device's tokens / the seconds its requests were open (sent -> done);
+- TTFT: first token - sent; TPOT: (done - first token) / (tokens - 1), requests with 2+ tokens;
+- forward passes per token: the server's forward passes / the phase's tokens.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from lab.bench.report import percentile
+
+QUANTILES = (50, 95, 99)
+
+
+def _pcts(values: list[float], qs=QUANTILES) -> dict:
+    return {f"p{q}": (round(percentile(values, q), 6) if values else None) for q in qs}
+
+
+def _tokens(record: dict) -> int:
+    return len(record.get("token_ids") or [])
+
+
+def device_rates(phase: dict) -> dict[str, float]:
+    """Per device: its tokens / the seconds its requests were open."""
+    tokens, busy = defaultdict(int), defaultdict(float)
+    for r in phase["requests"]:
+        if r.get("done_at") is None or r.get("sent_at") is None:
+            continue
+        tokens[r["device"]] += _tokens(r)
+        busy[r["device"]] += max(0.0, r["done_at"] - r["sent_at"])
+    return {d: tokens[d] / busy[d] for d in tokens if busy[d] > 0}
+
+
+def ttfts(phase: dict) -> list[float]:
+    return [r["first_token_at"] - r["sent_at"] for r in phase["requests"]
+            if not r.get("error") and r.get("first_token_at") is not None]
+
+
+def tpots(phase: dict) -> list[float]:
+    return [(r["done_at"] - r["first_token_at"]) / (_tokens(r) - 1) for r in phase["requests"]
+            if not r.get("error") and r.get("first_token_at") is not None
+            and r.get("done_at") is not None and _tokens(r) > 1]
+
+
+def headline_row(phase: dict) -> dict:
+    """One system at one fleet size: the headline table's row."""
+    tokens = sum(_tokens(r) for r in phase["requests"])
+    wall = phase.get("wall_s") or 0.0
+    passes = (phase.get("server") or {}).get("forward_passes")
+    return {"system": phase["system"], "fleet_size": phase["fleet_size"],
+            "requests": len(phase["requests"]), "tokens": tokens,
+            "system_tokens_per_s": round(tokens / wall, 6) if wall > 0 else None,
+            "device_tokens_per_s": _pcts(list(device_rates(phase).values()), (5, 50, 95)),
+            "ttft_s": _pcts(ttfts(phase)), "tpot_s": _pcts(tpots(phase)),
+            "forward_passes_per_token": round(passes / tokens, 6) if passes is not None and tokens else None,
+            "errors": sum(1 for r in phase["requests"] if r.get("error"))}
+
+
+def headline(results: dict) -> list[dict]:
+    return [headline_row(p) for p in sorted(results["phases"], key=lambda p: (p["system"], p["fleet_size"]))]
+
+
+def capacity(rows: list[dict], slo: dict) -> dict:
+    """Per system: the largest fleet size whose p5 per-device tokens/s and TTFT p95 meet the SLO."""
+    out = {}
+    for system in sorted({row["system"] for row in rows}):
+        meeting = [row["fleet_size"] for row in rows if row["system"] == system and _meets(row, slo)]
+        out[system] = {"fleet_size": max(meeting) if meeting else None,
+                       "tokens_per_s": slo.get("tokens_per_s"), "ttft_s": slo.get("ttft_s")}
+    return out
+
+
+def _meets(row: dict, slo: dict) -> bool:
+    p5, ttft = row["device_tokens_per_s"]["p5"], row["ttft_s"]["p95"]
+    return (p5 is not None and ttft is not None and p5 >= slo.get("tokens_per_s", 0.0)
+            and ttft <= slo.get("ttft_s", float("inf")))
+
+
+def acceptance(results: dict) -> dict:
+    """Per drafter over every sled phase: overall accepted/drafted and per draft position."""
+    sums: dict = defaultdict(lambda: {"drafted": 0, "accepted": 0, "pos_d": [], "pos_a": []})
+    for phase in results["phases"]:
+        if phase["system"] != "sled":
+            continue
+        for dev in (phase.get("devices") or {}).values():
+            s = sums[dev.get("drafter", "?")]
+            s["drafted"] += dev.get("drafted") or 0
+            s["accepted"] += dev.get("accepted") or 0
+            _add(s["pos_d"], dev.get("position_drafted") or [])
+            _add(s["pos_a"], dev.get("position_accepted") or [])
+    return {name: {"drafted": s["drafted"], "accepted": s["accepted"],
+                   "rate": round(s["accepted"] / s["drafted"], 6) if s["drafted"] else None,
+                   "per_position": [round(a / d, 6) if d else None
+                                    for d, a in zip(s["pos_d"], s["pos_a"] + [0] * len(s["pos_d"]))]}
+            for name, s in sorted(sums.items())}
+
+
+def _add(total: list, values: list) -> None:
+    total.extend([0] * (len(values) - len(total)))
+    for i, v in enumerate(values):
+        total[i] += v
+
+
+def server(results: dict) -> list[dict]:
+    """Per phase: batch sizes (per bucket, and a mean from the buckets' upper bounds), utilisation."""
+    rows = []
+    for phase in results["phases"]:
+        srv = phase.get("server") or {}
+        buckets = {str(k): int(v) for k, v in (srv.get("batch_sizes") or {}).items()}
+        wall, busy = phase.get("wall_s") or 0.0, srv.get("forward_seconds")
+        rows.append({"system": phase["system"], "fleet_size": phase["fleet_size"],
+                     "batch_sizes": buckets, "batch_size_mean": _bucket_mean(buckets),
+                     "forward_passes": srv.get("forward_passes"), "forward_seconds": busy,
+                     "utilisation": round(busy / wall, 6) if busy is not None and wall > 0 else None})
+    return rows
+
+
+def _bucket_mean(buckets: dict[str, int]) -> float | None:
+    """The mean batch size with each count at its bucket's upper bound ("+Inf" at the last finite one)."""
+    finite = sorted(float(b) for b in buckets if b != "+Inf")
+    total = sum(buckets.values())
+    if not total or not finite:
+        return None
+    size = {b: (finite[-1] if b == "+Inf" else float(b)) for b in buckets}
+    return round(sum(size[b] * n for b, n in buckets.items()) / total, 6)
+
+
+def lossless_detail(results: dict) -> dict:
+    """Greedy requests checked against the target's own greedy output, and what differed."""
+    records = [(p, r) for p in results["phases"] for r in p["requests"]]
+    checked = [(p, r) for p, r in records if r.get("lossless") is not None]
+    failed = [{"system": p["system"], "fleet_size": p["fleet_size"], "device": r.get("device"),
+               "prompt_index": r.get("prompt_index"), "lost_tokens": r.get("lost_tokens") or 0,
+               "duplicated_tokens": r.get("duplicated_tokens") or 0, "error": r.get("error")}
+              for p, r in checked if r["lossless"] is False]
+    return {"checked": len(checked), "matched": len(checked) - len(failed), "mismatched": len(failed),
+            "not_checked": len(records) - len(checked),
+            "lost_tokens": sum(r.get("lost_tokens") or 0 for _, r in records),
+            "duplicated_tokens": sum(r.get("duplicated_tokens") or 0 for _, r in records),
+            "mismatches": failed}
+
+
+def lossless(detail: dict) -> bool | None:
+    """True: every greedy request matched; False: one did not; None: none was checked."""
+    if not detail["checked"]:
+        return None
+    return detail["mismatched"] == 0
+
+
+def faults(results: dict) -> list[dict]:
+    """Each fault step with the tokens lost and duplicated in the requests open while it lasted
+    (faults run in the sled phase of the largest fleet size)."""
+    sled = [p for p in results["phases"] if p["system"] == "sled"]
+    phase = max(sled, key=lambda p: p["fleet_size"]) if sled else {"requests": []}
+    out = []
+    for fault in results.get("faults") or []:
+        start = fault["at_s"]
+        end = fault.get("done_at_s") if fault.get("done_at_s") is not None else start + (fault.get("down_s") or 0)
+        hit = [r for r in phase["requests"] if _overlaps(r, start, end)]
+        out.append({**fault, "requests_overlapping": len(hit),
+                    "lost_tokens": sum(r.get("lost_tokens") or 0 for r in hit),
+                    "duplicated_tokens": sum(r.get("duplicated_tokens") or 0 for r in hit),
+                    "errors": sum(1 for r in hit if r.get("error"))})
+    return out
+
+
+def _overlaps(record: dict, start: float, end: float) -> bool:
+    sent, done = record.get("sent_at"), record.get("done_at")
+    if sent is None:
+        return False
+    return sent <= end and (done is None or done >= start)
