@@ -1,0 +1,227 @@
+"""The lab report from a synthetic results document: losslessness verdict, headline numbers,
+capacity, costs, fault accounting, the PNGs and a self-contained, escaped report.html."""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from lab import costs as lab_costs
+from lab.report import build_report, summarise
+
+HOSTILE = "dev-<script>alert(1)</script>"
+DEVICES = [("dev-00", "pi5", "wifi", "ngram"), ("dev-01", "pi4", "lte", "gguf:gemma3-270m"),
+           (HOSTILE, "pi5", "ethernet", "ngram")]
+# (ttft s, tpot s) per device index, per (system, fleet size); every request has 21 tokens
+TIMINGS = {("sled", 2): [(0.5, 0.1), (1.0, 0.2)],
+           ("sled", 3): [(0.5, 0.1), (1.0, 0.2), (0.8, 0.15)],
+           ("centralized", 2): [(0.4, 0.2), (0.6, 0.2)],
+           ("centralized", 3): [(0.4, 0.25), (2.0, 0.3), (0.6, 0.25)]}
+SLO = {"tokens_per_s": 4.0, "ttft_s": 1.5}
+
+
+def record(slot, system, n, ttft, tpot, sent=0.0, lossless=True, **extra) -> dict:
+    device, profile, link, drafter = slot
+    tokens = list(range(21))
+    first = sent + ttft
+    return {"device": device, "profile": profile, "link": link, "drafter": drafter, "system": system,
+            "fleet_size": n, "prompt_index": 0, "sent_at": sent, "first_token_at": first,
+            "done_at": first + 20 * tpot, "token_ids": tokens, "text": "x", "chunks": 3,
+            "duplicated_chunks": [], "missing_chunks": [], "error": None, "attempts": 1,
+            "lossless": lossless, "lost_tokens": 0, "duplicated_tokens": 0, **extra}
+
+
+def phase(system: str, n: int) -> dict:
+    requests = [record(DEVICES[i], system, n, *t) for i, t in enumerate(TIMINGS[(system, n)])]
+    drafting = system == "sled"
+    devices = {d: {"profile": p, "link": link, "drafter": dr,
+                   "position_drafted": [10, 10, 10] if drafting else [],
+                   "position_accepted": [8, 5, 2] if drafting else [],
+                   "drafted": 30 if drafting else 0, "accepted": 15 if drafting else 0}
+               for d, p, link, dr in DEVICES[:n]}
+    return {"system": system, "fleet_size": n, "wall_s": 10.0, "requests": requests,
+            "server": {"forward_passes": 21 * n if drafting else 42 * n, "forward_seconds": 2.5,
+                       "batch_sizes": {"1": 4, "2": 6, "4": 0, "+Inf": 0},
+                       "kv_blocks_used": [[0.0, 0], [1.0, 12], [2.0, 20]], "kv_blocks_total": 256,
+                       "active_sessions": [[0.0, 0], [1.0, n]]},
+            "devices": devices}
+
+
+def document() -> dict:
+    phases = [phase(s, n) for s in ("sled", "centralized") for n in (2, 3)]
+    # the only request of the largest sled phase open during the fault (6 s to 7 s)
+    phases[1]["requests"].append(record(DEVICES[0], "sled", 3, 0.5, 0.1, sent=6.5))
+    return {"run": "lab-<b>test</b>", "mode": "local", "started_at": "2026-11-23T21:00:00+00:00",
+            "scenario": {"name": "synthetic", "slo": SLO, "costs": {}},
+            "machine": {"cpus": 2, "memory_gb": 8.0, "platform": "Linux", "gpu": None},
+            "link_emulation": {"dev-00": "user-space", "dev-01": "user-space", HOSTILE: "netem"},
+            "phases": phases,
+            "faults": [{"kind": "server_kill", "at_s": 6.0, "device": None, "down_s": 1.0,
+                        "done_at_s": 7.0, "ok": True, "note": "restarted <quickly>"}],
+            "server_power": {"source": "assumed", "watts": 200.0}}
+
+
+def row(report: dict, system: str, n: int) -> dict:
+    return next(r for r in report["headline"] if r["system"] == system and r["fleet_size"] == n)
+
+
+def test_headline_numbers_match_hand_computed_values():
+    report = summarise(document())
+    r = row(report, "sled", 2)
+    assert r["tokens"] == 42 and r["requests"] == 2 and r["errors"] == 0
+    assert r["system_tokens_per_s"] == pytest.approx(4.2)           # 42 tokens / 10 s
+    # dev-00: 21 tokens in 0.5 + 2.0 s = 8.4 tok/s; dev-01: 21 in 1.0 + 4.0 s = 4.2 tok/s
+    # nearest rank over two values: p5 and p50 take the lower, p95 and p99 the higher
+    assert r["device_tokens_per_s"] == pytest.approx({"p5": 4.2, "p50": 4.2, "p95": 8.4})
+    assert r["ttft_s"] == pytest.approx({"p50": 0.5, "p95": 1.0, "p99": 1.0})
+    assert r["tpot_s"] == pytest.approx({"p50": 0.1, "p95": 0.2, "p99": 0.2})
+    assert r["forward_passes_per_token"] == pytest.approx(1.0)     # 42 passes / 42 tokens
+    c = row(report, "centralized", 2)
+    assert c["forward_passes_per_token"] == pytest.approx(2.0)     # 84 passes / 42 tokens
+
+
+def test_capacity_picks_the_largest_fleet_size_meeting_the_slo():
+    report = summarise(document())
+    # sled x3: slowest device 21 / (1.0 + 4.0) = 4.2 >= 4; TTFT p95 1.0 <= 1.5 -> 3 devices
+    assert report["capacity"]["sled"]["fleet_size"] == 3
+    # centralized x3: dev-01 waits 2.0 s for its first token (> 1.5) -> only 2 devices
+    assert report["capacity"]["centralized"]["fleet_size"] == 2
+    strict = copy.deepcopy(document())
+    strict["scenario"]["slo"] = {"tokens_per_s": 100.0, "ttft_s": 1.5}
+    assert summarise(strict)["capacity"]["sled"]["fleet_size"] is None
+
+
+def test_lossless_true_false_and_null():
+    doc = document()
+    report = summarise(doc)
+    assert report["lossless"] is True
+    assert report["lossless_detail"]["checked"] == 11 and report["lossless_detail"]["mismatched"] == 0
+
+    bad = copy.deepcopy(doc)
+    late = bad["phases"][1]["requests"][-1]
+    late.update(lossless=False, lost_tokens=2, duplicated_tokens=1)
+    report = summarise(bad)
+    assert report["lossless"] is False
+    assert report["lossless_detail"]["mismatched"] == 1
+    assert report["lossless_detail"]["lost_tokens"] == 2
+    fault = report["faults"][0]
+    assert (fault["requests_overlapping"], fault["lost_tokens"], fault["duplicated_tokens"]) == (1, 2, 1)
+
+    sampled = copy.deepcopy(doc)
+    for p in sampled["phases"]:
+        for r in p["requests"]:
+            r["lossless"] = None
+    assert summarise(sampled)["lossless"] is None
+
+    mixed = copy.deepcopy(doc)     # one phase sampled, the rest greedy: still judged on the greedy ones
+    for r in mixed["phases"][0]["requests"]:
+        r["lossless"] = None
+    report = summarise(mixed)
+    assert report["lossless"] is True and report["lossless_detail"]["not_checked"] == 2
+
+
+def test_acceptance_and_server_summaries():
+    report = summarise(document())
+    ngram = report["acceptance"]["ngram"]
+    # sled phases: dev-00 in both (2 x 30 drafted), the third device in x3 -> 90 drafted, 45 accepted
+    assert (ngram["drafted"], ngram["accepted"], ngram["rate"]) == (90, 45, 0.5)
+    assert ngram["per_position"] == pytest.approx([0.8, 0.5, 0.2])
+    server = report["server"][0]
+    assert server["utilisation"] == pytest.approx(0.25)             # 2.5 forward s / 10 s
+    assert server["batch_size_mean"] == pytest.approx((4 * 1 + 6 * 2) / 10)
+
+
+def test_costs_count_server_only_for_centralized_and_drafting_for_sled():
+    report = summarise(document())
+    pi4 = report["costs"]["per_profile"]["pi4"]
+    # centralized x3: 200 W x 10 s / 63 tokens, no device energy
+    assert pi4["centralized"]["energy_j_per_token"] == pytest.approx(2000 / 63, rel=1e-4)
+    assert pi4["centralized"]["device_j_per_token"] == 0
+    # sled x3 (84 tokens): server 2000/84 J; pi4 drafting 30 tokens x 45 ms x 6.4 W over its 21 tokens
+    assert pi4["sled"]["device_j_per_token"] == pytest.approx(30 * 0.045 * 6.4 / 21, rel=1e-4)
+    assert pi4["sled"]["energy_j_per_token"] == pytest.approx(2000 / 84 + 30 * 0.045 * 6.4 / 21, rel=1e-4)
+    names = {a["name"] for a in report["costs"]["assumptions"]}
+    assert {"pi5.busy_watts", "gpu_server_watts", "electricity_per_kwh"} <= names
+
+
+def test_cost_overrides_and_a_bad_key():
+    table = lab_costs.assumptions({"electricity_per_kwh": 0.3, "devices": {"pi5": {"busy_watts": 9}}})
+    assert table.electricity_per_kwh == 0.3
+    assert table.device("pi5:draft_ms_per_token=10").busy_watts == 9.0
+    assert table.device("pi4").busy_watts == lab_costs.CostAssumptions().device("pi4").busy_watts
+    with pytest.raises(ValueError, match="electricity_per_kwhh"):
+        lab_costs.assumptions({"electricity_per_kwhh": 0.3})
+    with pytest.raises(ValueError, match="devices.pi5.watts"):
+        lab_costs.assumptions({"devices": {"pi5": {"watts": 9}}})
+    doc = document()
+    doc["scenario"]["costs"] = {"nope": 1}
+    with pytest.raises(ValueError, match="nope"):
+        summarise(doc)
+
+
+def test_server_power_reads_nvidia_smi_or_assumes(monkeypatch):
+    monkeypatch.setattr(lab_costs.shutil, "which", lambda name: None)
+    assert lab_costs.server_power() == {"source": "assumed", "watts": 200.0}
+    assert lab_costs.server_power({"cpu_server_watts": 150})["watts"] == 150.0
+    monkeypatch.setattr(lab_costs.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(lab_costs.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout="312.5\n", stderr=""))
+    assert lab_costs.server_power() == {"source": "nvidia-smi", "watts": 312.5}
+    monkeypatch.setattr(lab_costs.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout="[N/A]\n", stderr=""))
+    assert lab_costs.server_power() == {"source": "assumed", "watts": 700.0}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    page = build_report(document(), out)
+    return out, page, json.loads((out / "report.json").read_text())
+
+
+def test_every_listed_png_exists_and_is_a_png(built):
+    out, page, report = built
+    assert page == out / "report.html"
+    files = {p["file"] for p in report["plots"]}
+    assert {"throughput.png", "faults.png", "costs.png", "kv_blocks.png", "acceptance.png"} <= files
+    for name in files:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert report["lossless"] is True and report["link_emulation"]["kinds"] == ["netem", "user-space"]
+
+
+def test_html_is_self_contained_and_embeds_the_images(built):
+    out, page, report = built
+    html = page.read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html)
+    assert "<script" not in html and "<link" not in html
+    assert html.count('src="data:image/png;base64,') == len(report["plots"])
+    assert "Lossless: every one of 11 greedy outputs matched the target's own greedy output" in html
+
+
+def test_hostile_strings_are_escaped(built):
+    out, page, report = built
+    html = page.read_text()
+    assert HOSTILE not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "<b>test</b>" not in html and "lab-&lt;b&gt;test&lt;/b&gt;" in html
+    assert "restarted &lt;quickly&gt;" in html
+
+
+def test_absent_data_skips_its_plot_and_says_so(tmp_path):
+    doc = document()
+    doc["faults"] = []
+    doc["phases"] = [p for p in doc["phases"] if p["system"] == "sled"]
+    build_report(doc, tmp_path)
+    report = json.loads((tmp_path / "report.json").read_text())
+    skipped = {p["file"] for p in report["skipped_plots"]}
+    assert {"faults.png", "sled_vs_centralized.png"} <= skipped
+    assert not (tmp_path / "faults.png").exists()
+    assert "Not plotted" in (tmp_path / "report.html").read_text()
+
+
+def test_importing_the_report_needs_no_plotting_library():
+    code = "import sys, lab.report; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
