@@ -160,7 +160,18 @@ def build_images(base: str, house: Path) -> dict[str, str]:
                  str(DOCKER / f"{name}.Dockerfile"), "--build-arg", f"BASE_IMAGE={base}",
                  "-t", tag, str(house)], env=_build_env())
     prune_build_stages()
+    prune_stale_images(tags)
     return tags
+
+
+def prune_stale_images(current: dict[str, str]) -> None:
+    """Earlier builds of the lab images (another wheelhouse, base or Dockerfile): only the
+    current tags stay cached."""
+    for name, tag in current.items():
+        repo = tag.rsplit(":", 1)[0]
+        listed = subprocess.run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}",
+                                 repo], capture_output=True, text=True).stdout.split()
+        remove_images([old for old in listed if old != tag])
 
 
 def prune_build_stages() -> None:
