@@ -12,6 +12,11 @@ th{background:#f3f3f3}td.l,th.l{text-align:left}.ok{color:#176f2c}.bad{color:#b0
 figure{margin:1.5em 0}img{max-width:100%}figcaption{color:#555}"""
 
 
+DEFINITIONS = ("<p>System tok/s: every token received / the phase's wall time. Device tok/s: a device's "
+               "tokens / the seconds its requests were open. TTFT: first token - sent. TPOT: (done - first "
+               "token) / (tokens - 1). Passes/token: the server's forward passes / tokens.</p>")
+
+
 def _e(value) -> str:
     """A cell: numbers rounded, None as a dash, everything escaped."""
     if value is None:
@@ -112,7 +117,7 @@ def page(report: dict, out_dir: Path) -> str:
         f"<p>Mode {_e(report['mode'])}, started {_e(report.get('started_at'))}; machine: "
         f"{_e(machine.get('cpus'))} CPUs, {_e(machine.get('memory_gb'))} GB, "
         f"{_e(machine.get('platform'))}, GPU {_e(machine.get('gpu'))}.</p>",
-        lossless_line(report), "<h2>Headline</h2>", headline_table(report), capacity_line(report),
+        lossless_line(report), "<h2>Headline</h2>", headline_table(report), DEFINITIONS, capacity_line(report),
         "<h2>Plots</h2>", figures(report, out_dir), "<h2>Fault steps</h2>", faults_table(report), "<h2>Cost and energy</h2>", cost_tables(report),
         "<h2>Link emulation</h2>", links_table(report)]
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'

@@ -107,7 +107,7 @@ def server(plt, report: dict, results: dict):
         buckets = list(row["batch_sizes"])
         axes[0].bar([x + i * 0.8 / len(rows) for x in range(len(buckets))], list(row["batch_sizes"].values()),
                     width=0.8 / len(rows), label=f"{row['system']} x{row['fleet_size']}")
-        axes[0].set_xticks(range(len(buckets)), buckets)
+        axes[0].set_xticks(range(len(buckets)), buckets, rotation=45)
     axes[0].set(xlabel="batch size (bucket upper bound)", ylabel="forward passes", title="Server batch sizes")
     axes[0].legend()
     util = [r for r in report["server"] if r["utilisation"] is not None]
