@@ -191,6 +191,22 @@ def test_slot_file_says_which_link_emulation_ran(tmp_path):
     assert (info["id"], info["link_emulation"], info["port"]) == ("dev-01", "user-space", 8000)
 
 
+def test_limits_follow_each_slots_device_profile(tmp_path, monkeypatch):
+    from lab.profiles import device_profile
+
+    for slot in slots():
+        device_entry.write_slot_file(tmp_path, slot, "user-space")
+    calls = []
+    monkeypatch.setattr(lab_compose, "run_step", lambda step, argv: calls.append(argv))
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    lab_compose.apply_limits(tmp_path, 3)
+    assert len(calls) == 3
+    orin = device_profile("orin-nano")
+    assert calls[2][:6] == ["docker", "update", "--cpus", f"{orin.cpus:g}", "--memory",
+                            f"{orin.memory_mb}m"]
+    assert calls[0][3] == f"{device_profile('pi5').cpus:g}"
+
+
 # The real run ------------------------------------------------------------------------------
 
 def docker_or_fail() -> None:
@@ -239,3 +255,17 @@ def test_compose_lab_runs_a_fleet_losslessly(tmp_path):
     assert [(f["kind"], f["ok"]) for f in results["faults"]] == [("server_kill", True)], tail
     assert not any(leftovers.values()), f"left behind: {leftovers}"
     assert not (out / ".compose-ct").exists()
+    assert_device_image_is_slim()
+
+
+def assert_device_image_is_slim() -> None:
+    """The device image has the drafters' runtimes and neither torch nor transformers."""
+    tags = subprocess.run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}",
+                           "sled-lab-device"], capture_output=True, text=True).stdout.split()
+    assert len(tags) == 1, f"expected one cached device image, found {tags}"
+    probe = ("import importlib.util as u; "
+             "print([m for m in ('torch', 'transformers', 'llama_cpp', 'onnxruntime_genai') "
+             "if u.find_spec(m)])")
+    done = subprocess.run(["docker", "run", "--rm", "--entrypoint", "/opt/sled/bin/python",
+                           tags[0], "-c", probe], capture_output=True, text=True)
+    assert done.stdout.strip() == "['llama_cpp', 'onnxruntime_genai']", done.stderr
