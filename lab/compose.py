@@ -97,6 +97,29 @@ def docker_ready() -> None:
         raise BuildError("docker", f"the Docker engine does not answer: {done.stderr.strip()}")
 
 
+def models_ready(scenario) -> None:
+    """The built-in models the containers read from the host's cache are there (the containers
+    have no models extra to assemble or convert them)."""
+    from lab.device_entry import GGUF_FILES
+    from sled.cache import cache_dir
+    from sled.models import BUILTIN, converted_checkpoint
+
+    missing = []
+    if scenario.target in BUILTIN and converted_checkpoint(scenario.target) is None:
+        missing.append(f"the target {scenario.target}")
+    for drafter in sorted({slot.drafter for slot in scenario.slots()}):
+        kind, _, alias = drafter.partition(":")
+        if alias not in BUILTIN:
+            continue
+        path = cache_dir() / (GGUF_FILES.get(alias, f"gguf/{alias}.gguf") if kind == "gguf"
+                              else f"onnx/{alias}-int4")
+        if kind in ("gguf", "onnx") and not path.exists():
+            missing.append(f"the drafter {drafter}")
+    if missing:
+        raise BuildError("models", f"{', '.join(missing)} not in {cache_dir()}: run "
+                         "`sled models prepare --onnx` first")
+
+
 @dataclass
 class ComposeLab:
     """One compose run of a scenario: its run folder, project name and compose command line."""
@@ -131,6 +154,7 @@ class ComposeLab:
 
         progress = Steps()
         progress.step("docker", docker_ready)
+        progress.step("models", models_ready, self.scenario)
         base = args.base_image or progress.step("base image", base_image, args.build_base)
         house = progress.step("wheelhouse", wheelhouse)
         self.tags = progress.step("images", build_images, base, house)

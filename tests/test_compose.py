@@ -207,6 +207,12 @@ def test_limits_follow_each_slots_device_profile(tmp_path, monkeypatch):
     assert calls[0][3] == f"{device_profile('pi5').cpus:g}"
 
 
+def test_missing_models_stop_before_any_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path))
+    with pytest.raises(lab_compose.BuildError, match="sled models prepare"):
+        lab_compose.models_ready(parse_scenario(SCENARIO))
+
+
 # The real run ------------------------------------------------------------------------------
 
 def docker_or_fail() -> None:
