@@ -135,3 +135,16 @@ def test_smoke_runs_end_to_end_with_its_fault_steps(tmp_path):
     assert all(f["ok"] for f in results["faults"]), results["faults"]
     assert set(results["link_emulation"].values()) == {"user-space"}
     assert results["phases"][0]["server"]["forward_passes"] > 0
+
+
+def test_a_lost_connection_is_not_taken_for_refused_credentials():
+    """A broker that goes away (paho's 'not connected', code 4) is retried at the normal pace; only
+    a CONNACK refusing the login waits the long refusal delay, or a broker restart left every
+    device off the broker for half a minute."""
+    from aiomqtt.exceptions import MqttConnectError
+
+    from sled.mqtt import refused_credentials
+
+    assert not refused_credentials(aiomqtt.MqttCodeError(4, "The client is not currently connected."))
+    assert refused_credentials(MqttConnectError(4))
+    assert refused_credentials(MqttConnectError(5))

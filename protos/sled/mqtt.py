@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiomqtt
+from aiomqtt.exceptions import MqttConnectError
 
 log = logging.getLogger("sled.mqtt")
 
@@ -115,7 +116,7 @@ def refused_credentials(error: BaseException) -> bool:
     """The broker answered the CONNECT with 'bad username or password' / 'not authorized'."""
     code = getattr(error, "rc", None)
     code = getattr(code, "value", code)
-    return isinstance(error, aiomqtt.MqttCodeError) and code in REFUSED_CREDENTIALS
+    return isinstance(error, MqttConnectError) and code in REFUSED_CREDENTIALS   # a CONNACK, not a lost link
 
 
 def describe(error: BaseException, broker: Broker) -> str:
