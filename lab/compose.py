@@ -9,6 +9,7 @@ tail of its log) and exit status 3:
   up           broker, server and one device replica per slot (--scale device=N)
   limits       each device container's CPU quota and memory limit from its device profile
   lab          `sled lab run /lab/scenario.yaml --fleet compose` in the lab container
+  logs         the broker's, server's and devices' logs into OUT/<run>/logs/compose.log
   down         containers, networks and volumes of the run (images stay as a cache)
 The report lands in OUT/<run>/ like `sled lab run`'s. The exit status is the lab's (0 ok, 1 a
 greedy output differed from the target's, 2 bad scenario, 3 a component did not start).
@@ -165,6 +166,7 @@ class ComposeLab:
             status = progress.step("lab", self.run_lab)
         finally:
             if not args.keep:
+                progress.step("logs", self.save_logs)
                 progress.step("down", self.down)
                 if args.clean_images:
                     remove_images(list(self.tags.values()))
@@ -190,6 +192,14 @@ class ComposeLab:
         """The lab container, its output straight to this terminal; its exit status."""
         argv = self.compose("run", "--rm", "--no-deps", "-T", "lab")
         return subprocess.run(argv).returncode
+
+    def save_logs(self) -> None:
+        """The broker's, server's and devices' logs into OUT/<run>/logs/compose.log."""
+        folder = self.out / self.run_name / "logs"
+        folder.mkdir(parents=True, exist_ok=True)
+        with (folder / "compose.log").open("w") as sink:
+            subprocess.run(self.compose("logs", "--no-color", "broker", "server", "device"),
+                           stdout=sink, stderr=subprocess.STDOUT)
 
     def down(self) -> None:
         subprocess.run(self.compose("down", "--volumes", "--remove-orphans", "--timeout", "5"),

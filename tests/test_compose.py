@@ -261,6 +261,7 @@ def test_compose_lab_runs_a_fleet_losslessly(tmp_path):
     assert [(f["kind"], f["ok"]) for f in results["faults"]] == [("server_kill", True)], tail
     assert not any(leftovers.values()), f"left behind: {leftovers}"
     assert not (out / ".compose-ct").exists()
+    assert "serving gemma3-270m" in (out / "ct" / "logs" / "compose.log").read_text()
     assert_device_image_is_slim()
 
 
