@@ -177,7 +177,6 @@ async def run_phases(fleet: Fleet, scenario: Scenario, prompts, references, resu
         await run_phase(fleet, scenario, "sled", n, prompts, references, results, faults)
         if scenario.centralized:
             await run_phase(fleet, scenario, "centralized", n, prompts, references, results, [])
-    await set_mode(fleet, fleet.devices, "draft")
 
 
 async def run_phase(fleet: Fleet, scenario: Scenario, system: str, n: int, prompts, references,
