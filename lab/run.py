@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import sys
 import time
 from datetime import datetime, timezone
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.run or f"{scenario.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     folder = Path(args.out) / name
     folder.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("mqtt").setLevel(logging.ERROR)   # paho's "N pending publish calls" per burst
     return asyncio.run(run_scenario(scenario, prompts, folder, args.fleet))
 
 
