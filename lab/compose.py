@@ -5,9 +5,12 @@ tail of its log) and exit status 3:
   base image   sled-base:bookworm from debootstrap (--build-base; cached by tag), or --base-image
   wheelhouse   the project's wheel and every dependency (cached by pyproject.toml + the wheel)
   images       server, device and broker images FROM the base (cached by wheelhouse + base)
-  run folder   broker files (lab.broker), the scenario, the compose environment and override
+  run folder   broker files (lab.broker), the scenario (a prompt file copied beside it), the
+               compose environment and override
   up           broker, server and one device replica per slot (--scale device=N)
   limits       each device container's CPU quota and memory limit from its device profile
+  passwords    each device container gets its own broker password, and only its own: devices
+               mount state/ and scenario.yaml, never broker/ (credentials.json holds them all)
   lab          `sled lab run /lab/scenario.yaml --fleet compose` in the lab container
   logs         the broker's, server's and devices' logs into OUT/<run>/logs/compose.log
   down         containers, networks and volumes of the run (images stay as a cache)
@@ -27,7 +30,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from lab.images import ROOT, BuildError, run_step
+from lab.broker import _write_secret
+from lab.device_entry import PASSWORD_FILE, wait_slot_files
+from lab.images import DOCKER, ROOT, TORCH, BuildError, run_step
 
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 GPU_FILE = ROOT / "docker-compose.gpu.yml"
@@ -54,11 +59,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="leave the fleet running and the run folder in place")
     parser.add_argument("--clean-images", action="store_true",
                         help="remove the server, device and broker images afterwards")
+    parser.add_argument("--torch", default=TORCH, metavar="SPEC",
+                        help=f"the torch the server image installs (default: {TORCH}); with "
+                             "--gpu a CUDA build of it")
 
 
 def run(args: argparse.Namespace) -> int:
     from lab.scenario import ScenarioError, load_scenario, scenario_path
 
+    missing = [p.name for p in (COMPOSE_FILE, DOCKER) if not p.exists()]
+    if missing:
+        print(f"sled lab compose: {' and '.join(missing)} not found next to the lab package "
+              f"({ROOT}); run it from a checkout of the sled repository", file=sys.stderr)
+        return 2
     try:
         scenario = load_scenario(args.scenario)
     except ScenarioError as exc:
@@ -121,6 +134,17 @@ def models_ready(scenario) -> None:
                          "`sled models prepare --onnx` first")
 
 
+def target_ready(scenario) -> None:
+    """The server container sees only the sled cache: a target given as a path is refused."""
+    from sled.models import BUILTIN
+
+    target = scenario.target
+    if target not in BUILTIN and (target.startswith(("/", ".", "~"))
+                                  or Path(target).expanduser().exists()):
+        raise BuildError("models", f"the target {target!r} is a path, which the server container "
+                         "does not mount; use a built-in target (sled models list)")
+
+
 @dataclass
 class ComposeLab:
     """One compose run of a scenario: its run folder, project name and compose command line."""
@@ -155,14 +179,18 @@ class ComposeLab:
 
         progress = Steps()
         progress.step("docker", docker_ready)
+        progress.step("models", target_ready, self.scenario)
         progress.step("models", models_ready, self.scenario)
         base = args.base_image or progress.step("base image", base_image, args.build_base)
-        house = progress.step("wheelhouse", wheelhouse)
+        house = progress.step("wheelhouse", wheelhouse, None, args.torch)
         self.tags = progress.step("images", build_images, base, house)
+        if self.gpu:
+            progress.step("cuda torch", cuda_torch_ready, self.tags["server"])
         progress.step("run folder", self.write_run_folder)
         try:
             progress.step("up", self.up)
             progress.step("limits", self.apply_limits)
+            progress.step("passwords", self.deliver_passwords)
             status = progress.step("lab", self.run_lab)
         finally:
             if not args.keep:
@@ -187,6 +215,11 @@ class ComposeLab:
 
     def apply_limits(self) -> None:
         apply_limits(self.run_dir / "state" / "slots", len(self.scenario.slots()))
+
+    def deliver_passwords(self) -> None:
+        credentials = json.loads((self.run_dir / "broker" / "credentials.json").read_text())
+        deliver_passwords(self.run_dir / "state" / "slots", len(self.scenario.slots()),
+                          credentials)
 
     def run_lab(self) -> int:
         """The lab container, its output straight to this terminal; its exit status."""
@@ -238,10 +271,33 @@ def write_run_folder(lab: ComposeLab) -> None:
     lab.out.mkdir(parents=True, exist_ok=True)
     slots = lab.scenario.slots()
     files = BrokerFiles.write(run_dir / "broker", slots, root="/mosquitto/config", port=1883)
-    shutil.copyfile(lab.scenario_file, run_dir / "scenario.yaml")
+    write_scenario(lab, run_dir)
     env = compose_env(lab, files.password("server"))
-    _write_private(run_dir / ".env", "".join(f"{k}={v}\n" for k, v in env.items()))
+    _write_secret(run_dir / ".env", "".join(f"{k}={v}\n" for k, v in env.items()))
     (run_dir / OVERRIDE).write_text(override_text(lab))
+
+
+BUILTIN_WORKLOADS = ("humaneval", "chat")
+
+
+def write_scenario(lab: ComposeLab, run_dir: Path) -> None:
+    """scenario.yaml for the containers; a prompt-file workload is copied to workload/ beside it
+    and the copy's workload.source names it as the containers see it (/lab/workload/...)."""
+    import yaml
+
+    data = yaml.safe_load(lab.scenario_file.read_text())
+    (run_dir / "workload").mkdir()
+    source = lab.scenario.workload.source
+    if source not in BUILTIN_WORKLOADS:
+        prompts = Path(source).expanduser()
+        if not prompts.is_absolute():       # relative to the scenario file's folder
+            prompts = lab.scenario_file.resolve().parent / prompts
+        if not prompts.is_file():
+            raise ValueError(f"the workload's prompt file {source!r} is not a file "
+                             f"(looked at {prompts})")
+        shutil.copyfile(prompts, run_dir / "workload" / prompts.name)
+        data["workload"]["source"] = f"/lab/workload/{prompts.name}"
+    (run_dir / "scenario.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def compose_env(lab: ComposeLab, server_password: str) -> dict[str, str]:
@@ -276,25 +332,34 @@ def override_text(lab: ComposeLab) -> str:
     return json.dumps({"services": services}, indent=2) + "\n"
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Mode 0600 from the start: it holds the server's broker password."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-
-
 def read_slot_files(folder: Path, count: int, timeout_s: float = SLOT_WAIT_S) -> list[dict]:
     """The N slot files the device replicas write, waiting for all of them."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = sorted(folder.glob("*.json"), key=lambda p: int(p.stem))
-        if len(found) >= count:
-            return [json.loads(p.read_text()) for p in found[:count]]
-        if time.monotonic() > deadline:
-            raise BuildError("limits", f"{len(found)} of {count} devices took a slot within "
-                             f"{timeout_s:.0f} s (see the device containers' logs)")
-        time.sleep(0.5)
+    try:
+        return wait_slot_files(folder, count, timeout_s)
+    except TimeoutError as exc:
+        raise BuildError("slots", f"{exc} (see the device containers' logs)") from None
+
+
+def deliver_passwords(folder: Path, count: int, credentials: dict[str, str]) -> None:
+    """Each device container's own broker password into a file inside it (written whole, then
+    renamed, so its entrypoint never reads half of it); no container sees another's."""
+    for slot in read_slot_files(folder, count):
+        script = (f"umask 077 && cat > {PASSWORD_FILE}.partial "
+                  f"&& mv {PASSWORD_FILE}.partial {PASSWORD_FILE}")
+        run_step(f"password ({slot['id']})",
+                 ["docker", "exec", "-i", slot["container"], "sh", "-c", script],
+                 input=credentials[slot["id"]])
+
+
+def cuda_torch_ready(server_image: str) -> None:
+    """With --gpu the server image's torch must be a CUDA build."""
+    probe = "import torch; print(torch.version.cuda)"
+    out = run_step("cuda torch", ["docker", "run", "--rm", "--entrypoint", "/opt/sled/bin/python",
+                                  server_image, "-c", probe]).strip().splitlines()
+    if not out or out[-1] in ("", "None"):
+        raise BuildError("cuda torch", "the server image's torch is a CPU build; pass --torch "
+                         "with a CUDA build of torch (e.g. --torch 'torch==2.13.0+cu128' with "
+                         "that wheel reachable by pip) for --gpu")
 
 
 def apply_limits(folder: Path, count: int) -> None:

@@ -8,7 +8,10 @@ Every replica of the compose service `device` runs this. It
      else the daemon's user-space emulation (SLED_DEVICE_EMULATION__LINK), and says which in
      its slot file;
   3. writes the slot file (id, address, API port, which link emulation ran) for the lab runner;
-  4. execs `sled device` with the slot's id, drafter and device profile and the broker login.
+  4. waits for its own broker password: `sled lab compose` reads the slot file and writes that
+     slot's password into PASSWORD_FILE inside this container (docker exec); the container
+     mounts only state/ and scenario.yaml, never the broker's credentials.json;
+  5. execs `sled device` with the slot's id, drafter and device profile and the broker login.
 
 Only light modules are imported: the device image has no torch.
 """
@@ -20,11 +23,15 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 API_PORT = 8000
 SERVER = "server:50051"
 BROKER_HOST = "broker"
+# Inside the container only (not a mount): this device's broker password, from sled lab compose.
+PASSWORD_FILE = "/tmp/sled-mqtt-password"
+PASSWORD_WAIT_S = 300.0
 # Built-in GGUF drafters by the file the host's sled cache holds (the device image has no models
 # extra, so gguf:ALIAS is passed to the daemon as the file's path).
 GGUF_FILES = {"gemma3-270m": "gguf/gemma-3-270m-q4_k_m.gguf"}
@@ -36,9 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the scenario file (default: /lab/scenario.yaml)")
     parser.add_argument("--state", default=os.environ.get("SLED_LAB_STATE", "/lab/state"),
                         help="the folder the replicas share for their slot claims")
-    parser.add_argument("--broker-files", default=os.environ.get("SLED_LAB_BROKER",
-                                                                 "/lab/broker"),
-                        help="the broker's folder (credentials.json)")
+    parser.add_argument("--password-file", default=PASSWORD_FILE,
+                        help="where this device's broker password arrives (default: "
+                             f"{PASSWORD_FILE})")
     parser.add_argument("--interface", default="eth0", help="where netem goes (default: eth0)")
     parser.add_argument("--dry-run", action="store_true",
                         help="claim and report, print the daemon's environment, do not exec it")
@@ -58,8 +65,12 @@ def run(args: argparse.Namespace) -> int:
               "scale the device service to the fleet's size", file=sys.stderr)
         return 2
     emulation = apply_link(slot.link, args.interface)
-    password = json.loads((Path(args.broker_files) / "credentials.json").read_text())[slot.id]
     write_slot_file(Path(args.state) / "slots", slot, emulation)
+    password = "" if args.dry_run else wait_password(Path(args.password_file))
+    if password is None:
+        print(f"sled lab device: no broker password for {slot.id} arrived in "
+              f"{args.password_file} within {PASSWORD_WAIT_S:.0f} s", file=sys.stderr)
+        return 3
     env = daemon_env(slot, emulation, password)
     if args.dry_run:
         print(json.dumps({k: v for k, v in env.items() if k.startswith("SLED_DEVICE_")
@@ -84,6 +95,30 @@ def claim_slot(folder: Path, slots: list, host: str):
             out.write(host + "\n")
         return slot
     return None
+
+
+def wait_password(path: Path, timeout_s: float = PASSWORD_WAIT_S) -> str | None:
+    """This device's password once sled lab compose has written it (renamed into place whole)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.is_file():
+            return path.read_text().strip()
+        time.sleep(0.5)
+    return None
+
+
+def wait_slot_files(folder: Path, count: int, timeout_s: float) -> list[dict]:
+    """The first `count` slot files the replicas write, waiting for all of them (the one reader
+    of slot files: sled lab compose and the lab's ComposeFleet both use it); TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = sorted(folder.glob("*.json"), key=lambda p: int(p.stem))
+        if len(found) >= count:
+            return [json.loads(p.read_text()) for p in found[:count]]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(found)} of {count} device containers took a slot "
+                               f"within {timeout_s:.0f} s")
+        time.sleep(0.5)
 
 
 def write_slot_file(folder: Path, slot, emulation: str) -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import aiohttp
 
+from lab.device_entry import wait_slot_files
 from lab.fleet import DeviceHandle, FleetStartError
 from lab.scenario import DeviceSlot
 from sled.mqtt import Broker
@@ -78,16 +79,10 @@ class ComposeFleet:
         return {device_id: info["link_emulation"] for device_id, info in self._slot_files.items()}
 
     async def _wait_slot_files(self, count: int) -> list[dict]:
-        folder = self.state / "slots"
-        deadline = time.monotonic() + READY_S
-        while True:
-            found = sorted(folder.glob("*.json"), key=lambda p: int(p.stem))
-            if len(found) >= count:
-                return [json.loads(p.read_text()) for p in found]
-            if time.monotonic() > deadline:
-                raise FleetStartError(f"only {len(found)} of {count} device containers took a "
-                                      f"slot within {READY_S:.0f} s")
-            await asyncio.sleep(0.5)
+        try:
+            return await asyncio.to_thread(wait_slot_files, self.state / "slots", count, READY_S)
+        except TimeoutError as exc:
+            raise FleetStartError(str(exc)) from None
 
     async def _wait_ready(self, device: DeviceHandle) -> None:
         """GET /health until 200 (the daemon answers 503 until its drafter and server are up)."""

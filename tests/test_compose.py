@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -130,6 +132,104 @@ def test_override_carries_the_scenarios_server_flags(tmp_path):
     assert command[-2:] == ["--max-sessions", "7"]
 
 
+def test_devices_mount_neither_the_broker_files_nor_the_run_folder(tmp_path):
+    """A device container sees state/, scenario.yaml and workload/ only: credentials.json
+    (every password) stays with the broker's folder and the lab."""
+    import yaml
+
+    lab = run_folder(tmp_path, "smoke")
+    compose = require_compose()[0]
+    argv = compose + ["--project-directory", str(ROOT), "--env-file", str(lab.run_dir / ".env"),
+                      "-f", str(ROOT / "docker-compose.yml"), "-f",
+                      str(lab.run_dir / lab_compose.OVERRIDE), "config"]
+    model = yaml.safe_load(subprocess.run(argv, capture_output=True, text=True, cwd=ROOT,
+                                          check=True).stdout)
+    volumes = model["services"]["device"]["volumes"]
+    sources = [Path(v["source"] if isinstance(v, dict) else v.split(":")[0]) for v in volumes]
+    run_dir = lab.run_dir.resolve()
+    mounted = sorted(str(p.relative_to(run_dir)) for p in sources if run_dir in p.parents
+                     or p == run_dir)
+    assert mounted == ["scenario.yaml", "state", "workload"]
+    assert "SLED_MQTT_PASSWORD" not in json.dumps(model["services"]["device"])
+
+
+def test_each_device_gets_only_its_own_password(tmp_path, monkeypatch):
+    for slot in slots():
+        device_entry.write_slot_file(tmp_path, slot, "user-space")
+    calls = []
+    monkeypatch.setattr(lab_compose, "run_step",
+                        lambda step, argv, **kw: calls.append((argv, kw["input"])))
+    credentials = {"dev-00": "a", "dev-01": "b", "dev-02": "c", "lab": "L", "server": "S"}
+    lab_compose.deliver_passwords(tmp_path, 3, credentials)
+    hosts = [json.loads((tmp_path / f"{i}.json").read_text())["container"] for i in range(3)]
+    assert [(argv[:4], password) for argv, password in calls] == [
+        (["docker", "exec", "-i", host], password) for host, password in zip(hosts, "abc")]
+    assert all(device_entry.PASSWORD_FILE in argv[-1] for argv, _ in calls)
+
+
+def test_device_waits_for_its_password_file(tmp_path):
+    path = tmp_path / "pw"
+    assert device_entry.wait_password(path, timeout_s=0.2) is None
+    path.write_text("secret\n")
+    assert device_entry.wait_password(path, timeout_s=0.2) == "secret"
+
+
+def test_a_prompt_file_workload_is_copied_into_the_run_folder(tmp_path):
+    folder = tmp_path / "scenarios"
+    folder.mkdir()
+    (folder / "prompts.txt").write_text("def add(a, b):\n")
+    path = folder / "s.yaml"
+    path.write_text(json.dumps(dict(SCENARIO, workload={"source": "prompts.txt"})))
+    lab = run_folder(tmp_path, path)
+    copied = load_scenario(lab.run_dir / "scenario.yaml")
+    assert copied.workload.source == "/lab/workload/prompts.txt"
+    assert (lab.run_dir / "workload" / "prompts.txt").read_text() == "def add(a, b):\n"
+
+
+def test_a_target_path_is_refused(tmp_path):
+    scenario = parse_scenario(dict(SCENARIO, target=str(tmp_path)))
+    with pytest.raises(lab_compose.BuildError, match="built-in target"):
+        lab_compose.target_ready(scenario)
+    lab_compose.target_ready(parse_scenario(SCENARIO))
+
+
+def test_the_wheelhouse_python_must_be_the_base_images():
+    from lab import images
+
+    images.python_ready(images.BASE_PYTHON)
+    with pytest.raises(lab_compose.BuildError, match="Python 3.11"):
+        images.python_ready((3, 12))
+
+
+def test_compose_without_the_compose_files_says_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(lab_compose, "COMPOSE_FILE", tmp_path / "docker-compose.yml")
+    args = SimpleNamespace(scenario="smoke")
+    assert lab_compose.run(args) == 2
+    assert "docker-compose.yml not found" in capsys.readouterr().err
+
+
+def test_observe_ports_are_published_on_loopback_only():
+    import yaml
+
+    model = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    for name in ("prometheus", "grafana"):
+        assert all(port.startswith("127.0.0.1:") for port in model["services"][name]["ports"])
+
+
+def test_dashboard_metrics_exist():
+    """Every metric a Grafana panel queries is one the server or the device daemon exports."""
+    exported = set(re.findall(r'"(sled_[a-z_]+)"', (ROOT / "verify_server" / "metrics.py")
+                              .read_text() + (ROOT / "edge_client" / "daemon.py").read_text()))
+    queried = set()
+    for board in (ROOT / "docker" / "grafana" / "dashboards").glob("*.json"):
+        queried |= set(re.findall(r"\bsled_[a-z_]+", board.read_text()))
+    assert queried
+    unknown = sorted(name for name in queried
+                     if re.sub(r"_(total|bucket|sum|count)$", "", name) not in exported
+                     and name not in exported)
+    assert not unknown, f"dashboard metrics no component exports: {unknown}"
+
+
 def slots():
     return parse_scenario(SCENARIO).slots()
 
@@ -236,21 +336,44 @@ def project_leftovers(project: str) -> dict[str, list[str]]:
     return found
 
 
+def remove_project(project: str) -> None:
+    """Everything a compose project made, found by its label, whether or not its `down` ran."""
+    label = f"label=com.docker.compose.project={project}"
+    for listing, remove in ((["docker", "ps", "-aq"], ["docker", "rm", "-f", "-v"]),
+                            (["docker", "network", "ls", "-q"], ["docker", "network", "rm"]),
+                            (["docker", "volume", "ls", "-q"], ["docker", "volume", "rm", "-f"])):
+        found = subprocess.run(listing + ["--filter", label], capture_output=True,
+                               text=True).stdout.split()
+        if found:
+            subprocess.run(remove + found, capture_output=True)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_compose_lab_runs_a_fleet_losslessly(tmp_path):
     docker_or_fail()
+    child = None
     scenario = tmp_path / "compose-test.yaml"
     scenario.write_text(json.dumps(SCENARIO))
     out = tmp_path / "lab-results"
     log = tmp_path / "compose.log"
-    with log.open("w") as sink:
-        done = subprocess.run([sys.executable, "-m", "sled_cli.main", "lab", "compose",
-                               str(scenario), "--build-base", "--out", str(out), "--run", "ct"],
-                              stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    tail = "\n".join(log.read_text().splitlines()[-40:])
-    leftovers = project_leftovers("sledlabct")
+    try:
+        with log.open("w") as sink:
+            child = subprocess.Popen([sys.executable, "-m", "sled_cli.main", "lab", "compose",
+                                      str(scenario), "--build-base", "--out", str(out), "--run",
+                                      "ct"], stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     start_new_session=True)
+            returncode = child.wait()
+        tail = "\n".join(log.read_text().splitlines()[-40:])
+        leftovers = project_leftovers("sledlabct")
+    finally:
+        # a timeout or an error here must not leave the fleet running
+        if child is not None and child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+        remove_project("sledlabct")
+    done = SimpleNamespace(returncode=returncode)
     assert done.returncode == 0, f"sled lab compose exited {done.returncode}:\n{tail}"
     report = json.loads((out / "ct" / "report.json").read_text())
     assert report["lossless"] is True, tail
