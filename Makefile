@@ -47,35 +47,40 @@ mosquitto:
 		echo "The MQTT tests fail until it is installed."; \
 	fi
 
-# The compose lab's test builds images and runs a fleet in Docker: install the engine, Compose and
-# debootstrap (the local base image) from the Debian packages when missing (as root, else through
-# passwordless sudo), and start dockerd in the background when it does not answer and we are root.
-DOCKER_PKGS := docker.io docker-compose debootstrap
+# The compose lab's test builds images and runs a fleet in Docker: install what is missing of the
+# engine, Compose and debootstrap (the local base image) from the Debian packages, one package at
+# a time (as root, else through passwordless sudo); `docker compose` v2 counts as Compose. Start
+# dockerd in the background when it does not answer. Never fails: the test says what is missing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] && echo root || { command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null && echo "sudo -n"; })
 docker:
-	@if command -v docker >/dev/null 2>&1 && command -v docker-compose >/dev/null 2>&1 \
-		&& command -v debootstrap >/dev/null 2>&1; then :; \
-	elif [ "$$(id -u)" = 0 ]; then \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(DOCKER_PKGS) >/dev/null || \
-		{ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(DOCKER_PKGS) >/dev/null; } || \
-		echo "Docker could not be installed from the Debian packages; the compose lab test fails until it is."; \
-	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
-		sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(DOCKER_PKGS) >/dev/null || \
-		{ sudo -n apt-get update -q >/dev/null && sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(DOCKER_PKGS) >/dev/null; } || true; \
+	@missing=""; \
+	command -v docker >/dev/null 2>&1 || missing="$$missing docker.io"; \
+	command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || missing="$$missing debootstrap"; \
+	run="$(SUDO)"; [ "$$run" = root ] && run=""; \
+	if [ -z "$$missing" ]; then :; \
+	elif [ -z "$(SUDO)" ]; then \
+		echo "Missing:$$missing; cannot install from here (not root, no passwordless sudo)."; \
+		echo "Install it, then run make test again:  sudo apt-get install$$missing  (Debian/Ubuntu)"; \
 	else \
-		echo "Docker is missing and cannot be installed from here (not root, no passwordless sudo)."; \
-		echo "Install it, then run make test again:  sudo apt-get install $(DOCKER_PKGS)  (Debian/Ubuntu)"; \
-		echo "The compose lab test fails until it is installed."; \
-	fi
-	@if command -v docker >/dev/null 2>&1 && ! docker info >/dev/null 2>&1; then \
-		if [ "$$(id -u)" = 0 ] && command -v dockerd >/dev/null 2>&1; then \
-			nohup dockerd >/var/log/sled-dockerd.log 2>&1 & \
+		updated=""; \
+		for pkg in $$missing; do \
+			$$run env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$pkg >/dev/null 2>&1 || \
+			{ [ -z "$$updated" ] && updated=1 && $$run apt-get update -q >/dev/null 2>&1; \
+			  $$run env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$pkg >/dev/null 2>&1; } || \
+			echo "$$pkg could not be installed from the Debian packages; the compose lab test fails until it is."; \
+		done; \
+	fi; \
+	if command -v docker >/dev/null 2>&1 && ! $$run docker info >/dev/null 2>&1; then \
+		if [ -n "$(SUDO)" ] && { command -v dockerd >/dev/null 2>&1 || [ -x /usr/sbin/dockerd ]; }; then \
+			$$run nohup dockerd >/tmp/sled-dockerd.log 2>&1 & \
 			for i in $$(seq 1 30); do docker info >/dev/null 2>&1 && break; sleep 1; done; \
-			docker info >/dev/null 2>&1 || echo "dockerd did not start (see /var/log/sled-dockerd.log)."; \
+			docker info >/dev/null 2>&1 || echo "dockerd did not start (see /tmp/sled-dockerd.log)."; \
 		else \
 			echo "The Docker engine does not answer and cannot be started from here (not root):"; \
 			echo "start it (sudo systemctl start docker), then run make test again."; \
 		fi; \
-	fi
+	fi; true
 
 # Regenerate the committed gRPC stubs from protos/ (tests check they are current).
 protos: $(STAMP)
