@@ -10,9 +10,12 @@ robin, each device starting at its own offset.
 Over MQTT (the default) one lab client publishes `<prefix>/devices/<id>/requests` and reads
 `<prefix>/devices/+/responses/#` (edge_client/mqtt.py documents the messages); over "openai" the
 official client streams completions from each device's API. A request cut by the broker going
-away, or answered "unavailable", is sent again (at most ATTEMPTS times); its record keeps the last
-attempt. With greedy sampling and references (the target's own outputs, lab.oracle) each record
-says whether it was lossless and how many tokens were lost or duplicated.
+away, answered "unavailable", or late (no first chunk, or no next chunk, in time) is sent again
+with a new request id (at most ATTEMPTS times); its record keeps the last attempt. Over MQTT a
+request waits until its device's retained status says online (lab.drive_mqtt). With greedy
+sampling and references (the target's own outputs, lab.oracle) each record says whether it was
+lossless (None for an answer cut short that was right as far as it went; `complete` and `error`
+say what happened) and how many tokens were lost, duplicated or differing.
 """
 from __future__ import annotations
 
@@ -26,8 +29,9 @@ from lab.oracle import compare, decode_text, target_tokenizer
 
 ATTEMPTS = 3                  # sends of one request at most
 RETRY_PAUSE_S = 1.0           # before sending a failed request again
-REQUEST_TIMEOUT_S = 300.0     # one attempt, from sent to its last chunk
-RETRYABLE = {"unavailable", "broker"}   # failure kinds worth a second send
+FIRST_CHUNK_TIMEOUT_S = 60.0  # from sent to the first chunk: longer, the request was lost
+STALL_TIMEOUT_S = 60.0        # between two chunks: longer, the rest of the answer was lost
+RETRYABLE = {"unavailable", "broker", "timeout"}   # failure kinds worth a second send
 
 
 @dataclass
@@ -50,9 +54,11 @@ class RequestRecord:
     missing_chunks: list[int] = field(default_factory=list)
     error: str | None = None
     attempts: int = 0
-    lossless: bool | None = None      # None: not greedy, or no reference to check against
-    lost_tokens: int = 0
-    duplicated_tokens: int = 0
+    complete: bool = False            # the answer ended with a finish reason
+    lossless: bool | None = None      # None: not greedy, no reference, or cut short but right so far
+    lost_tokens: int = 0              # reference tokens missing from what came
+    duplicated_tokens: int = 0        # tokens that came the reference does not have
+    differing_tokens: int = 0         # tokens that came in place of other reference tokens
 
 
 @dataclass
@@ -67,6 +73,7 @@ class Attempt:
     missing_chunks: list[int] = field(default_factory=list)
     error: str | None = None
     kind: str | None = None           # the failure's kind ("unavailable", "broker", ...)
+    complete: bool = False            # the last chunk (with a finish reason) came, none missing
 
 
 @dataclass
@@ -81,10 +88,6 @@ class Phase:
     system: str
     fleet_size: int
     records: list[RequestRecord] = field(default_factory=list)
-
-    @property
-    def greedy(self) -> bool:
-        return float(self.scenario.sampling.temperature) == 0.0
 
 
 async def drive(fleet, scenario, devices, prompts: list[str], references: list[list[int]] | None,
@@ -104,8 +107,20 @@ async def drive(fleet, scenario, devices, prompts: list[str], references: list[l
     async with make_sender(via, fleet, scenario, references, clock, tokenizer) as sender:
         phase = Phase(scenario, list(prompts), references, sender, clock, progress, system,
                       len(devices))
-        await asyncio.gather(*(device_loop(phase, handle, i) for i, handle in enumerate(devices)))
+        await all_or_none(*(device_loop(phase, handle, i) for i, handle in enumerate(devices)))
     return phase.records
+
+
+async def all_or_none(*coroutines) -> list:
+    """Run side by side; the first failure cancels the others and is raised (a TaskGroup's
+    behaviour, on Python 3.10 too)."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def make_sender(via: str, fleet, scenario, references, clock, tokenizer):
@@ -113,11 +128,12 @@ def make_sender(via: str, fleet, scenario, references, clock, tokenizer):
     from lab.drive_mqtt import MqttSender
 
     if via == "mqtt":
-        return MqttSender(fleet.broker, topic_prefix(fleet), clock, sampling_fields(scenario))
+        return MqttSender(fleet.broker, topic_prefix(fleet), clock, sampling_fields(scenario),
+                          first_chunk_s=FIRST_CHUNK_TIMEOUT_S, stall_s=STALL_TIMEOUT_S)
     if via == "openai":
         if tokenizer is None:              # the API sends text: ids come from the target's tokenizer
             tokenizer = target_tokenizer(scenario.target)
-        return OpenAISender(clock, sampling_fields(scenario), tokenizer)
+        return OpenAISender(clock, sampling_fields(scenario), tokenizer, timeout_s=STALL_TIMEOUT_S)
     raise ValueError(f"via must be mqtt or openai, got {via!r}")
 
 
@@ -161,13 +177,19 @@ async def poisson_loop(phase: Phase, handle, position: int, rate_per_s: float) -
     gaps = random.Random(f"{seed}:{handle.slot.id}")
     running: list[asyncio.Task] = []
     sent = 0
-    while True:
-        await asyncio.sleep(gaps.expovariate(rate_per_s))
-        if not more(phase, sent):
-            break
-        running.append(asyncio.create_task(request(phase, handle, prompt_index(phase, position, sent))))
-        sent += 1
-    await asyncio.gather(*running)
+    try:
+        while True:
+            await asyncio.sleep(gaps.expovariate(rate_per_s))
+            if not more(phase, sent):
+                break
+            running.append(asyncio.create_task(request(phase, handle, prompt_index(phase, position, sent))))
+            sent += 1
+    except BaseException:            # this loop failed or was cancelled: its requests go too
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        raise
+    await all_or_none(*running)
 
 
 def prompt_index(phase: Phase, position: int, sent: int) -> int:
@@ -188,7 +210,7 @@ async def request(phase: Phase, handle, index: int) -> RequestRecord:
             break
         await asyncio.sleep(RETRY_PAUSE_S)
     take_attempt(record, attempt)
-    judge(record, reference, phase.greedy)
+    judge(record, reference, phase.scenario.sampling.greedy)
     phase.records.append(record)
     phase.progress(record)
     return record
@@ -196,16 +218,25 @@ async def request(phase: Phase, handle, index: int) -> RequestRecord:
 
 def take_attempt(record: RequestRecord, attempt: Attempt) -> None:
     for name in ("first_token_at", "done_at", "token_ids", "text", "chunks", "duplicated_chunks",
-                 "missing_chunks", "error"):
+                 "missing_chunks", "error", "complete"):
         setattr(record, name, getattr(attempt, name))
 
 
 def judge(record: RequestRecord, reference: list[int] | None, greedy: bool) -> None:
-    """Lossless and the lost/duplicated counts against the target's greedy output."""
+    """Lossless and the lost/duplicated/differing counts against the target's greedy output. A
+    complete answer must equal the reference; one cut short (an error, a timeout) is judged only
+    on what came: not a prefix of the reference is a violation, a prefix is not judged (None)."""
     if reference is None or not greedy:
         return
-    record.lost_tokens, record.duplicated_tokens = compare(reference, record.token_ids)
-    record.lossless = record.error is None and record.token_ids == list(reference)
+    received, wanted = list(record.token_ids), list(reference)
+    difference = compare(wanted, received, complete=record.complete)
+    record.lost_tokens = difference.lost
+    record.duplicated_tokens = difference.duplicated
+    record.differing_tokens = difference.differing
+    if record.complete:
+        record.lossless = received == wanted
+    else:
+        record.lossless = None if received == wanted[:len(received)] else False
 
 
 def new_request_id(device_id: str) -> str:

@@ -3,19 +3,21 @@
 The API streams text, not token ids: an output whose text equals the reference's decoded text is
 recorded with the reference's ids (they decode to it, so the count of tokens is right); any other
 output is recorded as its text encoded again by the target's tokenizer (an estimate of its ids,
-so lost/duplicated counts stay in tokens).
+so lost/duplicated counts stay in tokens). An answer is complete when its stream says why it
+finished; the client's read timeout (STALL_TIMEOUT_S: to the first piece, then between pieces)
+ends an attempt that stopped moving, as a retryable "timeout".
 """
 from __future__ import annotations
 
 import openai
 
-from lab.drive import REQUEST_TIMEOUT_S, Attempt, reference_text
+from lab.drive import STALL_TIMEOUT_S, Attempt, reference_text
 
 UNAVAILABLE_STATUS = {502, 503, 504}     # the device has no server now: worth sending again
 
 
 class OpenAISender:
-    def __init__(self, clock, fields: dict, tokenizer=None, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+    def __init__(self, clock, fields: dict, tokenizer=None, timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.clock, self.fields, self.tokenizer, self.timeout_s = clock, fields, tokenizer, timeout_s
         self.clients: dict[str, openai.AsyncOpenAI] = {}
         self.models: dict[str, str] = {}
@@ -49,7 +51,9 @@ class OpenAISender:
         except openai.APIStatusError as error:
             attempt.kind = "unavailable" if error.status_code in UNAVAILABLE_STATUS else "api"
             attempt.error = f"{error.status_code}: {error.message}"
-        except (openai.APIConnectionError, openai.APITimeoutError, OSError) as error:
+        except openai.APITimeoutError:
+            attempt.kind, attempt.error = "timeout", f"the device's API: nothing new within {self.timeout_s:g} s"
+        except (openai.APIConnectionError, OSError) as error:
             attempt.kind, attempt.error = "unavailable", f"the device's API: {error or type(error).__name__}"
         except openai.APIError as error:      # an error event in the middle of the stream
             attempt.kind, attempt.error = "api", f"the device's API: {error}"
@@ -71,6 +75,8 @@ class OpenAISender:
             if piece:
                 attempt.text += piece
                 attempt.chunks += 1
+            if chunk.choices and chunk.choices[0].finish_reason:
+                attempt.complete = True
 
     def _ids(self, text: str, reference: list[int] | None) -> list[int]:
         if self.tokenizer is None:

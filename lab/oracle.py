@@ -1,31 +1,62 @@
 """The target's own greedy outputs, the yardstick of losslessness, and how far a received output
 is from one.
 
-    references = greedy_references("gemma3-270m", ["def add(a, b):"], max_tokens=32)
-    lost, duplicated = compare(references[0], received_ids)
+    references = greedy_references("gemma3-270m", ["def add(a, b):"], max_tokens=32,
+                                   server_args=["--dtype", "bfloat16"])
+    difference = compare(references[0], received_ids)     # .lost, .duplicated, .differing
 
-The target is loaded the way `sled serve --model TARGET` loads it (sled_cli.serve.load_target:
-the same alias resolution, SATs and tokenizer), a prompt is encoded the way a device encodes a
-text prompt (the tokenizer's default encoding, BOS included), and generation stops where a
-device's output stops: at max_tokens or at the first EOS id, which is kept in the output.
+The target is loaded the way `sled serve --model TARGET ARGS` loads it: its settings come from
+the same flags, --config file and SLED_SERVE_* variables (served_settings), and
+sled_cli.serve.load_target loads it (the same alias resolution, SATs, tokenizer, dtype and torch
+device), capped at the same context length. A prompt is encoded the way a device encodes a text
+prompt (the tokenizer's default encoding, BOS included), and generation stops where a device's
+output stops: at max_tokens or at the first EOS id, which is kept in the output.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import difflib
+import io
+from dataclasses import dataclass
 
 
-def load_target(target: str, dtype: str = "float32"):
-    """The verify server's Target for a `sled serve --model` value."""
+def served_settings(target: str, server_args: list[str] | None = None):
+    """The ServerSettings `sled serve --model TARGET SERVER_ARGS` runs with: the flags read by
+    sled serve's own parser, then its loader (--config file, SLED_SERVE_* variables, flags).
+    ValueError (one line) for flags sled serve would refuse."""
+    from sled_cli.serve import add_arguments
+    from verify_server.settings import ServerSettings, load_settings
+
+    parser = argparse.ArgumentParser(prog="sled serve", add_help=False)
+    add_arguments(parser)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as said:
+            args = parser.parse_args(["--model", target, *(server_args or [])])
+    except SystemExit:
+        raise ValueError(f"server.args: {said.getvalue().strip().splitlines()[-1]}") from None
+    flags = {name: getattr(args, name) for name in ServerSettings.model_fields if hasattr(args, name)}
+    return load_settings(args.config, flags)
+
+
+def load_target(target: str, dtype: str = "float32", settings=None):
+    """The verify server's Target for a `sled serve --model` value (SETTINGS: the server's own,
+    from served_settings; else the defaults with DTYPE)."""
     from sled_cli.serve import load_target as load_served
     from verify_server.settings import ServerSettings
 
-    return load_served(ServerSettings(model=target, dtype=dtype))
+    settings = settings if settings is not None else ServerSettings(model=target, dtype=dtype)
+    served = load_served(settings)
+    served.cap_context(settings.context_length)
+    return served
 
 
 def greedy_references(target: str, prompts: list[str], max_tokens: int,
-                      dtype: str = "float32") -> list[list[int]]:
-    """generate(do_sample=False) of the served target for every prompt (index = prompt index)."""
-    served = load_target(target, dtype)
+                      server_args: list[str] | None = None) -> list[list[int]]:
+    """generate(do_sample=False) of the target as the server with SERVER_ARGS computes it (same
+    dtype, torch device and context length) for every prompt (index = prompt index)."""
+    settings = served_settings(target, server_args)
+    served = load_target(target, settings=settings)
     return [greedy_ids(served, served.tokenizer(prompt).input_ids, max_tokens) for prompt in prompts]
 
 
@@ -35,25 +66,14 @@ def greedy_ids(served, prompt_ids: list[int], max_tokens: int) -> list[int]:
 
     inputs = torch.tensor([prompt_ids], device=served.model.device)
     eos = list(served.eos_ids) or None
+    room = max(0, served.context_length - len(prompt_ids))    # the served context ends a session
     with torch.no_grad():
         out = served.model.generate(inputs, attention_mask=torch.ones_like(inputs),
-                                    max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
+                                    max_new_tokens=min(max_tokens, room), do_sample=False, eos_token_id=eos,
                                     pad_token_id=eos[0] if eos else 0)
     generated = out[0, len(prompt_ids):].tolist()
     ends = [i for i, token in enumerate(generated) if eos and token in eos]
     return generated[:ends[0] + 1] if ends else generated
-
-
-def served_dtype(server_args: list[str] | None) -> str:
-    """The --dtype a scenario's extra `sled serve` flags choose (float32 without one), so the
-    references come from the weights the server computes with."""
-    args = list(server_args or [])
-    for i, arg in enumerate(args):
-        if arg == "--dtype" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--dtype="):
-            return arg.split("=", 1)[1]
-    return "float32"
 
 
 def decode_text(tokenizer, ids: list[int]) -> str:
@@ -73,14 +93,29 @@ def target_tokenizer(target: str):
     return AutoTokenizer.from_pretrained(resolve_model(target))
 
 
-def compare(reference: list[int], received: list[int]) -> tuple[int, int]:
-    """(lost, duplicated): reference tokens missing from what was received, and received tokens
-    the reference does not have, from difflib's edit opcodes ("replace" counts both sides)."""
-    lost = duplicated = 0
+@dataclass(frozen=True)
+class Difference:
+    """How a received output differs from the reference, in tokens."""
+    lost: int = 0            # reference tokens that did not come
+    duplicated: int = 0      # tokens that came that the reference does not have (extra)
+    differing: int = 0       # tokens that came in place of a different reference token
+
+
+def compare(reference: list[int], received: list[int], complete: bool = True) -> Difference:
+    """Lost, duplicated and differing tokens from difflib's edit opcodes: "delete" is lost,
+    "insert" duplicated, "replace" differing (its unequal lengths' surplus lost or duplicated).
+    Not COMPLETE (cut short): the reference's tail past the last token that came is not lost."""
+    lost = duplicated = differing = 0
     matcher = difflib.SequenceMatcher(a=reference, b=received, autojunk=False)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+    opcodes = matcher.get_opcodes()
+    if not complete and opcodes and opcodes[-1][0] in ("delete", "replace"):
+        tag, i1, i2, j1, j2 = opcodes[-1]          # the reference's tail past what came: not lost
+        opcodes[-1] = (tag, i1, min(i2, i1 + (j2 - j1)), j1, j2)
+    for tag, i1, i2, j1, j2 in opcodes:
+        same = min(i2 - i1, j2 - j1) if tag == "replace" else 0
+        differing += same
         if tag in ("delete", "replace"):
-            lost += i2 - i1
+            lost += i2 - i1 - same
         if tag in ("insert", "replace"):
-            duplicated += j2 - j1
-    return lost, duplicated
+            duplicated += j2 - j1 - same
+    return Difference(lost, duplicated, differing)

@@ -164,11 +164,13 @@ async def greedy_references(scenario: Scenario, prompts: list[str]) -> list[list
     """The target's own greedy outputs (None when the scenario samples)."""
     if not scenario.sampling.greedy:
         return None
-    from lab.oracle import greedy_references as references, served_dtype
+    from lab.oracle import greedy_references as references, served_settings
 
-    dtype = served_dtype(scenario.server.args)       # the weights the server verifies with
-    phase_line(f"greedy references: {len(prompts)} prompts on {scenario.target} ({dtype})")
-    return await asyncio.to_thread(references, scenario.target, prompts, scenario.max_tokens, dtype)
+    served = served_settings(scenario.target, scenario.server.args)   # what the server verifies with
+    phase_line(f"greedy references: {len(prompts)} prompts on {scenario.target} "
+               f"({served.dtype}, {served.device})")
+    return await asyncio.to_thread(references, scenario.target, prompts, scenario.max_tokens,
+                                   scenario.server.args)
 
 
 async def run_phases(fleet: Fleet, scenario: Scenario, prompts, references, results: Results) -> None:

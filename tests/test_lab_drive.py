@@ -15,8 +15,9 @@ from edge_client.daemon import Device
 from edge_client.mqtt import DeviceMqtt
 from edge_client.openai_api import start_api
 from edge_client.settings import DeviceSettings
-from lab.drive import Attempt, RequestRecord, drive
-from lab.oracle import compare, greedy_references, load_target, served_dtype
+from lab.drive import Attempt, RequestRecord, drive, judge
+from lab.drive_mqtt import MqttSender
+from lab.oracle import Difference, compare, greedy_references, load_target, served_settings
 from sled.mqtt import Backoff, decode, encode
 from tests.conftest import PROMPT_TEXTS
 from tests.mqtt_broker import eventually, mosquitto  # noqa: F401
@@ -46,27 +47,75 @@ def scenario(target: str, via: str = "mqtt", requests: int | None = 2, mode: str
     return SimpleNamespace(
         target=target, via=via, requests=requests, duration_s=duration_s, max_tokens=MAX_TOKENS,
         arrivals=SimpleNamespace(mode=mode, rate_per_s=rate),
-        sampling=SimpleNamespace(temperature=temperature, top_p=1.0, top_k=0, seed=7))
+        sampling=SimpleNamespace(temperature=temperature, top_p=1.0, top_k=0, seed=7,
+                                 greedy=temperature == 0.0))
 
 
-# -- compare --------------------------------------------------------------------------------
+# -- compare and judge ----------------------------------------------------------------------
 @pytest.mark.parametrize("received, want", [
-    ([1, 2, 3, 4], (0, 0)),
-    ([1, 2, 4], (1, 0)),                 # a token lost
-    ([1, 2, 2, 3, 4], (0, 1)),           # a token twice
-    ([1, 2, 3, 4, 3, 4], (0, 2)),        # a chunk sent again
-    ([1, 9, 3, 4], (1, 1)),              # replaced: lost and extra
-    ([], (4, 0)),
+    ([1, 2, 3, 4], (0, 0, 0)),
+    ([1, 2, 4], (1, 0, 0)),              # a token lost
+    ([1, 2, 2, 3, 4], (0, 1, 0)),        # a token twice
+    ([1, 2, 3, 4, 3, 4], (0, 2, 0)),     # a chunk sent again
+    ([1, 9, 3, 4], (0, 0, 1)),           # a wrong token: differing, neither lost nor extra
+    ([1, 9, 8, 3, 4], (0, 1, 1)),        # two in place of one: one differs, one is extra
+    ([], (4, 0, 0)),
 ])
-def test_compare_counts_lost_and_duplicated_tokens(received, want):
-    assert compare([1, 2, 3, 4], received) == want
+def test_compare_counts_lost_duplicated_and_differing_tokens(received, want):
+    assert compare([1, 2, 3, 4], received) == Difference(*want)
 
 
-@pytest.mark.parametrize("args, want", [
-    (None, "float32"), ([], "float32"), (["--dtype", "bfloat16"], "bfloat16"),
-    (["--max-sessions", "4", "--dtype=float16"], "float16")])
-def test_the_references_use_the_dtype_the_server_is_given(args, want):
-    assert served_dtype(args) == want
+def test_an_answer_cut_short_does_not_count_its_missing_tail_as_lost():
+    assert compare([1, 2, 3, 4], [1, 2], complete=False) == Difference(0, 0, 0)
+    assert compare([1, 2, 3, 4], [1, 2], complete=True) == Difference(2, 0, 0)
+    assert compare([1, 2, 3, 4], [1, 2, 2], complete=False) == Difference(0, 0, 1)
+    assert compare([1, 2, 3, 4], [1, 3], complete=False) == Difference(1, 0, 0)
+
+
+def record_of(token_ids, complete: bool, error: str | None = None) -> RequestRecord:
+    return RequestRecord("dev-00", "pi5", "wifi", "ngram", "sled", 1, 0, 0.0, token_ids=token_ids,
+                         complete=complete, error=error)
+
+
+@pytest.mark.parametrize("token_ids, complete, error, lossless", [
+    ([1, 2, 3], True, None, True),
+    ([1, 2, 4], True, None, False),          # complete and different: a violation
+    ([1, 2], True, None, False),             # finished early: a violation
+    ([1, 2], False, "timeout", None),        # cut short, right so far: not judged
+    ([], False, "no verify server", None),
+    ([1, 3], False, "timeout", False),       # cut short and already different: a violation
+])
+def test_only_tokens_that_differ_from_the_reference_are_a_violation(token_ids, complete, error, lossless):
+    record = record_of(token_ids, complete, error)
+    judge(record, [1, 2, 3], greedy=True)
+    assert record.lossless is lossless and record.error == error
+
+
+def test_sampled_records_are_not_judged():
+    record = record_of([7], True)
+    judge(record, [1, 2, 3], greedy=False)
+    assert record.lossless is None and (record.lost_tokens, record.differing_tokens) == (0, 0)
+
+
+@pytest.mark.parametrize("args, dtype, context", [
+    (None, "float32", None), ([], "float32", None), (["--dtype", "bfloat16"], "bfloat16", None),
+    (["--max-sessions", "4", "--dtype=float16", "--context-length", "64"], "float16", 64)])
+def test_the_references_use_the_settings_the_server_is_given(args, dtype, context):
+    settings = served_settings("tiny", args)
+    assert (settings.model, settings.dtype, settings.context_length) == ("tiny", dtype, context)
+
+
+def test_the_servers_settings_come_from_its_config_file_and_environment(tmp_path, monkeypatch):
+    config = tmp_path / "serve.toml"
+    config.write_text('dtype = "float16"\ncontext_length = 128\n')
+    monkeypatch.setenv("SLED_SERVE_DEVICE", "meta")
+    settings = served_settings("tiny", ["--config", str(config), "--context-length", "96"])
+    assert (settings.dtype, settings.device, settings.context_length) == ("float16", "meta", 96)
+
+
+def test_server_flags_sled_serve_refuses_are_one_line():
+    with pytest.raises(ValueError, match="server.args: .*--no-such-flag"):
+        served_settings("tiny", ["--no-such-flag"])
 
 
 # -- the real thing ---------------------------------------------------------------------------
@@ -110,7 +159,8 @@ async def test_greedy_requests_come_back_as_the_targets_own_output(device_stack,
     for record in records:
         assert record.error is None and record.attempts == 1, record
         assert record.token_ids == references[record.prompt_index] and record.lossless is True
-        assert (record.lost_tokens, record.duplicated_tokens) == (0, 0)
+        assert record.complete is True
+        assert (record.lost_tokens, record.duplicated_tokens, record.differing_tokens) == (0, 0, 0)
         assert record.sent_at <= record.first_token_at <= record.done_at
         assert record.text and record.device == "dev-00" and record.fleet_size == 1
     if via == "mqtt":
@@ -138,29 +188,37 @@ async def test_sampled_requests_are_answered_and_not_judged(device_stack, refere
 
 
 # -- a device that fails first: a stand-in answering on a real broker ----------------------------
+async def say_online(client, device_id: str) -> None:
+    """The retained status a device publishes once it has subscribed to its requests."""
+    await client.publish(f"sled/devices/{device_id}/status", encode({"id": device_id, "online": True}),
+                         qos=1, retain=True)
+
+
 @contextlib.asynccontextmanager
-async def flaky_device(broker, device_id: str, answer: list[int], failures: int):
+async def flaky_device(broker, device_id: str, answer: list[int], failures: int, skip: int | None = None):
     """Answers its first FAILURES requests "unavailable", then streams ANSWER in chunks of two,
-    the first chunk twice (as a QoS 1 redelivery would)."""
+    the first chunk twice (as a QoS 1 redelivery would); SKIP: a chunk index it leaves out of its
+    first answer."""
     asked: list[dict] = []
 
     async def serve() -> None:
         async with broker.client(f"flaky-{device_id}") as client:
             await client.subscribe(f"sled/devices/{device_id}/requests", qos=1)
+            await say_online(client, device_id)
             ready.set()
             async for message in client.messages:
                 request = decode(message.payload)
                 asked.append(request)
-                await respond(client, request, len(asked) <= failures)
+                await respond(client, request, len(asked) <= failures, skip if len(asked) == 1 else None)
 
-    async def respond(client, request: dict, fail: bool) -> None:
+    async def respond(client, request: dict, fail: bool, skip: int | None) -> None:
         topic = f"sled/devices/{device_id}/responses/{request['request_id']}"
         if fail:
             await client.publish(topic, encode({"request_id": request["request_id"], "kind": "unavailable",
                                                 "error": "no verify server"}), qos=1)
             return
         pieces = [answer[i:i + 2] for i in range(0, len(answer), 2)]
-        for index in [0, *range(len(pieces))]:
+        for index in [0, *(i for i in range(len(pieces)) if i != skip)]:
             message = {"request_id": request["request_id"], "index": index, "token_ids": pieces[index],
                        "text": json.dumps(pieces[index])}
             if index == len(pieces) - 1:
@@ -197,8 +255,61 @@ async def test_a_request_failing_every_time_gives_up_after_three_sends(mosquitto
         (record,) = await drive(fleet, scenario("unused", requests=1), [handle("dev-08")], ["x"],
                                 [[1]], lambda record: None)
     assert len(asked) == 3 and record.attempts == 3
-    assert "no verify server" in record.error and record.lossless is False
-    assert (record.lost_tokens, record.duplicated_tokens) == (1, 0)
+    assert "no verify server" in record.error and record.complete is False
+    assert record.lossless is None            # a failure, not a wrong output: reported as an error
+    assert (record.lost_tokens, record.duplicated_tokens, record.differing_tokens) == (0, 0, 0)
+
+
+async def test_an_answer_missing_a_chunk_times_out_and_is_sent_again(mosquitto, monkeypatch):  # noqa: F811
+    import lab.drive as drive_module
+
+    monkeypatch.setattr(drive_module, "STALL_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(drive_module, "RETRY_PAUSE_S", 0.1)
+    answer = [5, 6, 7, 8, 9]
+    fleet = SimpleNamespace(broker=mosquitto.broker())
+    async with flaky_device(fleet.broker, "dev-06", answer, failures=0, skip=1) as asked:
+        (record,) = await drive(fleet, scenario("unused", requests=1), [handle("dev-06")], ["x"],
+                                [answer], lambda record: None)
+    assert len(asked) == 2 and asked[0]["request_id"] != asked[1]["request_id"]
+    assert record.attempts == 2 and record.error is None and record.complete is True
+    assert record.token_ids == answer and record.lossless is True and record.missing_chunks == []
+
+
+async def test_a_missing_chunk_is_named_when_every_answer_lacks_it(mosquitto):  # noqa: F811
+    from lab.drive_mqtt import Pending
+
+    pending = Pending(lambda: 0.0)
+    for index, tokens in ((0, [1]), (2, [3])):
+        pending.take({"request_id": "r", "index": index, "token_ids": tokens, "finish_reason": "length"}
+                     if index == 2 else {"request_id": "r", "index": index, "token_ids": tokens})
+    assert not pending.done.done()
+    pending.fail("timeout", "no next chunk")
+    attempt = pending.done.result()
+    assert attempt.missing_chunks == [1] and attempt.complete is False and attempt.kind == "timeout"
+    assert attempt.token_ids == [1, 3]
+
+
+async def test_a_request_waits_until_its_device_is_online(mosquitto):  # noqa: F811
+    broker = mosquitto.broker()
+    async with MqttSender(broker, "sled", lambda: 0.0, {}, online_s=0.5) as sender:
+        attempt = await sender.send(handle("dev-nobody"), "x")
+    assert attempt.kind == "offline" and "dev-nobody" in attempt.error and not attempt.complete
+
+
+async def test_a_malformed_message_is_dropped_and_the_listener_keeps_going(mosquitto):  # noqa: F811
+    broker = mosquitto.broker()
+    answer = [4, 5]
+    from lab.drive_mqtt import Pending
+
+    async with flaky_device(broker, "dev-05", answer, failures=0):
+        async with MqttSender(broker, "sled", lambda: 0.0, {"max_tokens": 2}) as sender:
+            sender.pending["x"] = Pending(lambda: 0.0)       # a chunk for it has a bad index
+            async with broker.client("noise") as noise:
+                for payload in (b"not json", b"[1]", encode({"request_id": "x", "index": "one"})):
+                    await noise.publish("sled/devices/dev-05/responses/x", payload, qos=1)
+            attempt = await asyncio.wait_for(sender.send(handle("dev-05"), "x"), 30)
+            assert sender._task is not None and not sender._task.done()
+    assert attempt.error is None and attempt.token_ids == answer and attempt.complete
 
 
 # -- the loops without devices -----------------------------------------------------------------
@@ -230,6 +341,35 @@ async def test_devices_start_at_different_prompts_and_sampling_is_not_judged(mon
     firsts = {device: prompt for device, prompt in reversed(sender.sent)}
     assert firsts == {"dev-00": "a", "dev-01": "b"}
     assert len(records) == 4 and all(r.lossless is None for r in records)
+
+
+async def test_a_failing_device_loop_cancels_the_others(monkeypatch):
+    import lab.drive as drive_module
+
+    cancelled = asyncio.Event()
+
+    class Sender:
+        async def send(self, handle, prompt, reference):
+            if handle.slot.id == "dev-01":
+                raise RuntimeError("the sender broke")
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+    @contextlib.asynccontextmanager
+    async def fake_sender(*args):
+        yield Sender()
+
+    monkeypatch.setattr(drive_module, "make_sender", fake_sender)
+    for mode in ("closed", "poisson"):
+        cancelled.clear()
+        with pytest.raises(RuntimeError, match="the sender broke"):
+            await asyncio.wait_for(drive(None, scenario("unused", requests=2, mode=mode, rate=50.0),
+                                         [handle("dev-00"), handle("dev-01", index=1)], ["a"],
+                                         [[1]], lambda record: None), 10)
+        assert cancelled.is_set(), mode
 
 
 @pytest.mark.slow
@@ -266,11 +406,14 @@ async def test_a_request_cut_by_a_broker_restart_is_sent_again(mosquitto, tmp_pa
     answer, asked, half_sent = [3, 4, 5, 6], [], asyncio.Event()
     broker = mosquitto.broker()
 
-    async def answer_requests() -> None:          # a device that reconnects, as the daemon does
+    async def answer_requests() -> None:
+        """A device that reconnects later than the lab does (the daemon's backoff), subscribes
+        with a clean session, then says it is online, as the daemon does."""
         while True:
             with contextlib.suppress(aiomqtt.MqttError):
                 async with broker.client("restart-device") as client:
                     await client.subscribe("sled/devices/dev-09/requests", qos=1)
+                    await say_online(client, "dev-09")
                     async for message in client.messages:
                         request = decode(message.payload)
                         asked.append(request)
@@ -283,7 +426,7 @@ async def test_a_request_cut_by_a_broker_restart_is_sent_again(mosquitto, tmp_pa
                                 message["finish_reason"] = "length"
                             await client.publish(topic, encode(message), qos=1)
                         half_sent.set()
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(2.5 if half_sent.is_set() else 0.2)    # well after the lab's resend
 
     async def restart_broker():
         await half_sent.wait()
