@@ -8,8 +8,10 @@
     phase["server"], phase["devices"] = sampler.server(), sampler.devices()
 
 Counters are summed from one poll to the next, so a server restarted in a fault step (its
-counters back at zero) adds what it counted before and after; a poll that fails (the server is
-down) is skipped.
+counters back at zero) adds what it counted before and after. A restart is told by the
+counter's `_created` sample (when the process made it) changing, not only by a value going
+down. A poll that fails (the component is down) is skipped and counted; a component no poll
+reached reports None for its numbers (unknown, not zero) and is named in one warning.
 """
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ Snapshot = dict[str, list[tuple[dict[str, str], float]]]
 # Counters the sampler sums over a phase: the server's, then each device's.
 SERVER_COUNTERS = ("sled_forward_passes_total", "sled_forward_seconds_sum")
 DEVICE_COUNTERS = ("sled_device_draft_tokens_total", "sled_device_accepted_tokens_total")
+# When the process made its counters: a new value means a restarted process.
+SERVER_CREATED = "sled_forward_passes_created"
+DEVICE_CREATED = "sled_device_draft_tokens_created"
 POSITION_DRAFTED = "sled_device_position_drafted_total"
 POSITION_ACCEPTED = "sled_device_position_accepted_total"
 
@@ -94,21 +99,33 @@ def _bound(le: str) -> str:
 
 
 class Totals:
-    """Counters summed across polls; a value lower than the last one is a restart from zero. The
-    first poll is the baseline; a labelled counter that appears later started at zero."""
+    """Counters summed across polls. A restart (a new creation time, or a value lower than the
+    last one) starts from zero: all it counted is added. The first poll is the baseline; a
+    labelled counter that appears later started at zero."""
 
     def __init__(self) -> None:
         self.last: dict[str, float] | None = None
+        self.created: float | None = None
         self.total: dict[str, float] = defaultdict(float)
 
-    def add(self, counters: dict[str, float]) -> None:
+    def add(self, counters: dict[str, float], created: float | None = None) -> None:
+        restarted = None not in (created, self.created) and created != self.created
+        self.created = created if created is not None else self.created
         if self.last is None:
             self.last = dict(counters)
             return
+        if restarted:
+            self.last = {}
         for key, now in counters.items():
             before = self.last.get(key, 0.0)
             self.total[key] += now - before if now >= before else now
             self.last[key] = now
+
+
+def created_at(snapshot: Snapshot, name: str) -> float | None:
+    """A counter's creation time (Unix seconds) when the page has it."""
+    found = snapshot.get(name)
+    return found[0][1] if found else None
 
 
 def server_counters(snapshot: Snapshot) -> dict[str, float]:
@@ -136,6 +153,8 @@ class Sampler:
         self.sessions: list[list[float]] = []
         self.kv_total = 0
         self.started = 0.0
+        self.polls = {name: {"ok": 0, "failed": 0}               # by component: server, device ids
+                      for name in ["server", *self.device_totals]}
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> "Sampler":
@@ -156,6 +175,10 @@ class Sampler:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         await self.poll()                        # what the last second counted
+        never = [name for name, count in self.polls.items() if not count["ok"]]
+        if never:
+            log.warning("no metrics could be read from %s during the phase (%d polls each): "
+                        "their numbers are unknown", ", ".join(never), self.polls[never[0]]["failed"])
 
     async def _run(self) -> None:
         while True:
@@ -167,14 +190,22 @@ class Sampler:
         pages = await asyncio.gather(_fetch(self.server_url),
                                      *(_fetch(h.metrics_url) for h in self.handles))
         at = round(time.monotonic() - self.started, 3)
+        self._count("server", pages[0])
         if pages[0] is not None:
             self._take_server(at, pages[0])
         for handle, page in zip(self.handles, pages[1:]):
+            self._count(handle.slot.id, page)
             if page is not None:
-                self.device_totals[handle.slot.id].add(device_counters(page))
+                self.device_totals[handle.slot.id].add(device_counters(page), created_at(page, DEVICE_CREATED))
+
+    def _count(self, name: str, page: Snapshot | None) -> None:
+        self.polls[name]["ok" if page is not None else "failed"] += 1
+
+    def reached(self, name: str) -> bool:
+        return self.polls[name]["ok"] > 0
 
     def _take_server(self, at: float, snapshot: Snapshot) -> None:
-        self.server_totals.add(server_counters(snapshot))
+        self.server_totals.add(server_counters(snapshot), created_at(snapshot, SERVER_CREATED))
         used, total = kv_blocks(snapshot)
         self.kv_used.append([at, int(used)])
         self.sessions.append([at, int(active_sessions(snapshot))])
@@ -183,21 +214,25 @@ class Sampler:
     def server(self) -> dict:
         totals = self.server_totals.total
         batches = {key.split(":", 1)[1]: v for key, v in totals.items() if key.startswith("batch:")}
-        return {"forward_passes": int(round(totals.get("sled_forward_passes_total", 0.0))),
-                "forward_seconds": totals.get("sled_forward_seconds_sum", 0.0),
+        known = self.reached("server")              # else every number is unknown (None)
+        return {"forward_passes": int(round(totals.get("sled_forward_passes_total", 0.0))) if known else None,
+                "forward_seconds": totals.get("sled_forward_seconds_sum", 0.0) if known else None,
                 "batch_sizes": per_bucket(batches), "kv_blocks_used": self.kv_used,
-                "kv_blocks_total": self.kv_total, "active_sessions": self.sessions}
+                "kv_blocks_total": self.kv_total if known else None, "active_sessions": self.sessions,
+                "polls": dict(self.polls["server"])}
 
     def devices(self) -> dict:
         return {handle.slot.id: self._device(handle) for handle in self.handles}
 
     def _device(self, handle) -> dict:
         totals = self.device_totals[handle.slot.id].total
+        known = self.reached(handle.slot.id)        # else drafted/accepted are unknown (None)
         return {"profile": handle.slot.device, "link": handle.slot.link, "drafter": handle.slot.drafter,
                 "position_drafted": _by_position(totals, POSITION_DRAFTED),
                 "position_accepted": _by_position(totals, POSITION_ACCEPTED),
-                "drafted": int(round(totals.get("sled_device_draft_tokens_total", 0.0))),
-                "accepted": int(round(totals.get("sled_device_accepted_tokens_total", 0.0)))}
+                "drafted": int(round(totals.get("sled_device_draft_tokens_total", 0.0))) if known else None,
+                "accepted": int(round(totals.get("sled_device_accepted_tokens_total", 0.0))) if known else None,
+                "polls": dict(self.polls[handle.slot.id])}
 
 
 def _by_position(totals: dict[str, float], name: str) -> list[int]:

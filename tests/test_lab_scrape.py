@@ -54,6 +54,23 @@ def test_totals_survive_a_restart_and_count_counters_that_appear_later():
     assert totals.total == {"passes": 5 + 4 + 2, "position:1": 5}
 
 
+def test_a_restart_is_told_by_the_counters_creation_time_even_when_values_go_up():
+    totals = Totals()
+    totals.add({"passes": 10}, created=100.0)     # the baseline
+    totals.add({"passes": 15}, created=100.0)
+    totals.add({"passes": 20}, created=200.0)     # restarted and already past the old value
+    totals.add({"passes": 21}, created=200.0)
+    assert totals.total == {"passes": 5 + 20 + 1}
+
+
+def test_the_creation_time_is_read_from_the_page():
+    from lab.scrape import SERVER_CREATED, created_at
+
+    page = parse_metrics(PAGE.replace("sled_forward_passes_total 7.0",
+                                      "sled_forward_passes_total 7.0\nsled_forward_passes_created 1.7e9"))
+    assert created_at(page, SERVER_CREATED) == 1.7e9 and created_at(parse_metrics(PAGE), SERVER_CREATED) is None
+
+
 @pytest.fixture
 async def served(pair):
     """A tiny target served in-process with its /metrics on HTTP, and a device with its API."""
@@ -83,7 +100,7 @@ async def test_a_real_servers_page_has_the_kv_and_batch_numbers(served):
     assert batch_buckets(snapshot)["+Inf"] == forward_passes(snapshot)
 
 
-async def test_the_sampler_counts_the_passes_and_drafts_of_its_phase(served):
+async def test_the_sampler_counts_the_passes_and_drafts_of_its_phase(served, caplog):
     device = served.device
     await device.complete(Request(device.tokenizer(PROMPT_TEXTS[1]).input_ids, max_tokens=4))   # before
     metrics = served.server.metrics
@@ -102,4 +119,16 @@ async def test_the_sampler_counts_the_passes_and_drafts_of_its_phase(served):
     assert server["forward_seconds"] > 0 and server["kv_blocks_total"] > 0
     assert server["kv_blocks_used"] and server["active_sessions"]
     assert devices["dev-00"]["drafted"] == device.metrics.draft_tokens._value.get() - drafted_before > 0
-    assert devices["dev-00"]["profile"] == "pi5" and devices["dev-gone"]["drafted"] == 0
+    assert devices["dev-00"]["profile"] == "pi5" and devices["dev-00"]["polls"]["ok"] >= 2
+    assert devices["dev-gone"]["drafted"] is None and devices["dev-gone"]["accepted"] is None  # unknown
+    assert devices["dev-gone"]["polls"]["ok"] == 0 and devices["dev-gone"]["polls"]["failed"] >= 2
+    assert "dev-gone" in caplog.text and "dev-00" not in caplog.text
+
+
+async def test_a_server_never_reached_reports_unknown_numbers():
+    sampler = Sampler(f"http://127.0.0.1:{free_port()}/metrics", [], interval_s=0.1)
+    async with sampler:
+        await asyncio.sleep(0.3)
+    server = sampler.server()
+    assert server["forward_passes"] is None and server["forward_seconds"] is None
+    assert server["polls"]["ok"] == 0 and server["polls"]["failed"] >= 2
