@@ -448,3 +448,56 @@ async def test_a_request_cut_by_a_broker_restart_is_sent_again(mosquitto, tmp_pa
         (await restarted).stop()
     assert len(asked) == 2 and record.attempts == 2
     assert record.error is None and record.token_ids == answer and record.lossless is True
+
+
+# -- the OpenAI route without a device: a stand-in API that is unavailable first ------------------
+class CharTokenizer:
+    """Token ids are character codes."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return SimpleNamespace(input_ids=[ord(c) for c in text])
+
+    def decode(self, ids, **options):
+        return "".join(chr(i) for i in ids)
+
+
+async def test_an_unavailable_api_is_asked_again_and_its_finish_makes_the_answer_complete():
+    from aiohttp import web
+
+    calls: list[dict] = []
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [
+            {"id": "m", "object": "model", "created": 0, "owned_by": "lab"}]})
+
+    async def completions(request):
+        calls.append(await request.json())
+        if len(calls) == 1:
+            return web.json_response({"error": {"message": "no verify server"}}, status=503)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for text, finish in (("ab", None), ("c", "length")):
+            chunk = {"id": "c", "object": "text_completion", "created": 0, "model": "m",
+                     "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        (record,) = await drive(None, scenario("unused", "openai", requests=1),
+                                [handle("dev-00", f"http://127.0.0.1:{port}")], ["x"],
+                                [[ord("a"), ord("b"), ord("c")]], lambda record: None,
+                                tokenizer=CharTokenizer())
+    finally:
+        await runner.cleanup()
+    assert len(calls) == 2 and calls[1]["max_tokens"] == MAX_TOKENS
+    assert record.attempts == 2 and record.error is None and record.complete is True
+    assert record.text == "abc" and record.lossless is True and record.chunks == 2
