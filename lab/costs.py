@@ -1,9 +1,13 @@
 """Power and price assumptions for the lab's cost figures: what a device draws idle and while
 drafting, what the server draws and costs per hour, what a kWh costs.
 
-Every number below is an assumption taken from public figures (named beside it), not a
-measurement in this lab; only the server's draw is measured, read from the GPU with nvidia-smi
-when there is one. A scenario overrides any of them with its `costs:` mapping:
+Every number below is an assumption (the kind of public figure it rests on is named beside
+it), not a measurement in this lab; only the server's draw is measured, read with nvidia-smi
+from the one GPU the server uses (index 0 unless told) when it runs on a GPU.
+
+Cost rule (lab/report/energy.py): cost = server price per hour x hours; a rented server's
+hourly price already includes its power, so no electricity is added for it. Electricity is
+charged only for the owned device boards' drafting energy. A scenario overrides any of them with its `costs:` mapping:
 
     costs:
       electricity_per_kwh: 0.30
@@ -34,18 +38,23 @@ class DevicePower:
 
 def _devices() -> Mapping[str, DevicePower]:
     return MappingProxyType({
-        # Raspberry Pi 4 B (4 GB): about 2.7 W idle and 6.4 W with all cores loaded, as public
-        # wall-power reviews of the board report; list price 55 USD. Assumptions.
+        # Raspberry Pi 4 B (4 GB): about 2.7 W idle and 6.4 W with all cores loaded, as reviews
+        # measuring the board's draw at the wall socket under a CPU stress test report; list
+        # price 55 USD. Assumptions.
         "pi4": DevicePower(2.7, 6.4, 55.0 / LIFETIME_HOURS,
-                           "public wall-power reviews of the Pi 4 B; 55 USD list price"),
-        # Raspberry Pi 5 (8 GB): about 2.7 W idle and 8.8 W with all cores loaded (public
-        # wall-power reviews); list price 80 USD. Assumptions.
+                           "assumption: wall-socket draw idle / all-core stress test in Pi 4 B reviews; "
+                           "55 USD list price"),
+        # Raspberry Pi 5 (8 GB): about 2.7 W idle and 8.8 W with all cores loaded (wall-socket
+        # draw under a CPU stress test, as board reviews report); list price 80 USD. Assumptions.
         "pi5": DevicePower(2.7, 8.8, 80.0 / LIFETIME_HOURS,
-                           "public wall-power reviews of the Pi 5; 80 USD list price"),
-        # Jetson Orin Nano 8 GB developer kit: NVIDIA's 15 W power mode as the busy figure,
-        # about 5 W idle; list price 249 USD. Assumptions.
+                           "assumption: wall-socket draw idle / all-core stress test in Pi 5 reviews; "
+                           "80 USD list price"),
+        # Jetson Orin Nano 8 GB: the 15 W power mode's budget (a configured cap, not a
+        # measurement) as the busy figure, about 5 W idle; 249 USD is the list price of the
+        # "Super" developer kit. Assumptions.
         "orin-nano": DevicePower(5.0, 15.0, 249.0 / LIFETIME_HOURS,
-                                 "NVIDIA's 15 W power mode for the Orin Nano; 249 USD list price"),
+                                 "assumption: the 15 W power-mode cap of the Orin Nano; 249 USD list price "
+                                 "of the Orin Nano Super developer kit"),
         # no board (drafting on the host): nothing drawn beyond the server's own figure
         "instant": DevicePower(0.0, 0.0, 0.0, "no board: drafting on the host"),
     })
@@ -54,7 +63,8 @@ def _devices() -> Mapping[str, DevicePower]:
 @dataclass(frozen=True)
 class CostAssumptions:
     devices: Mapping[str, DevicePower] = field(default_factory=_devices)
-    # NVIDIA's datasheet: an H100 SXM has a 700 W maximum thermal design power
+    # assumption: an H100 SXM's 700 W maximum thermal design power from the datasheet (a ceiling,
+    # not a measured draw)
     gpu_server_watts: float = 700.0
     # assumption: a small CPU-only server under load (no GPU)
     cpu_server_watts: float = 200.0
@@ -62,7 +72,7 @@ class CostAssumptions:
     gpu_server_price_per_hour: float = 3.00
     # assumption: a small CPU cloud instance's on-demand list price per hour
     cpu_server_price_per_hour: float = 0.20
-    # assumption: about the average commercial electricity price in the US, USD per kWh
+    # assumption: a typical retail electricity price, USD per kWh (near a US residential average)
     electricity_per_kwh: float = 0.15
 
     def device(self, spec: str) -> DevicePower:
@@ -83,15 +93,18 @@ class CostAssumptions:
         """Every assumption as rows {"name", "value", "unit", "source"} for the report."""
         rows = [
             {"name": "gpu_server_watts", "value": self.gpu_server_watts, "unit": "W",
-             "source": "NVIDIA H100 SXM datasheet: 700 W TDP"},
+             "source": "assumption: H100 SXM datasheet maximum TDP (700 W), a ceiling not a measurement"},
             {"name": "cpu_server_watts", "value": self.cpu_server_watts, "unit": "W",
              "source": "assumption: a small CPU server under load"},
             {"name": "gpu_server_price_per_hour", "value": self.gpu_server_price_per_hour,
-             "unit": "USD/h", "source": "assumption: public on-demand list prices for one H100 GPU hour"},
+             "unit": "USD/h", "source": "assumption: order of on-demand list prices for one rented H100 GPU "
+             "hour (includes its power)"},
             {"name": "cpu_server_price_per_hour", "value": self.cpu_server_price_per_hour,
-             "unit": "USD/h", "source": "assumption: a small CPU cloud instance's list price"},
+             "unit": "USD/h", "source": "assumption: a small CPU cloud instance's on-demand list price "
+             "(includes its power)"},
             {"name": "electricity_per_kwh", "value": self.electricity_per_kwh, "unit": "USD/kWh",
-             "source": "assumption: about the US average commercial electricity price"}]
+             "source": "assumption: typical retail electricity price (near a US residential average); "
+             "charged for device drafting energy only"}]
         for name, power in self.devices.items():
             for key, unit in (("idle_watts", "W"), ("busy_watts", "W"), ("price_per_hour", "USD/h")):
                 rows.append({"name": f"{name}.{key}", "value": round(getattr(power, key), 6),
@@ -131,24 +144,27 @@ def _device_overrides(devices: Mapping[str, DevicePower], overrides: Mapping[str
     return MappingProxyType(table)
 
 
-def server_power(overrides: Mapping[str, Any] | None = None, timeout_s: float = 5.0) -> dict:
-    """The server's draw: the GPU's power.draw from nvidia-smi when it reads one, else the
-    assumption (the GPU figure when nvidia-smi exists, the CPU figure when it does not)."""
+def server_power(overrides: Mapping[str, Any] | None = None, timeout_s: float = 5.0,
+                 gpu_index: int = 0) -> dict:
+    """The server's draw: power.draw of the GPU the server uses (gpu_index) from nvidia-smi when
+    it reads one, else the assumption (the GPU figure when nvidia-smi exists, the CPU figure when
+    it does not). Call it during phases and keep the readings as "samples" for a mean."""
     costs = assumptions(overrides)
     if not shutil.which("nvidia-smi"):
         return {"source": "assumed", "watts": costs.cpu_server_watts}
-    watts = _nvidia_smi_watts(timeout_s)
+    watts = _nvidia_smi_watts(timeout_s, gpu_index)
     if watts is None:
         return {"source": "assumed", "watts": costs.gpu_server_watts}
     return {"source": "nvidia-smi", "watts": watts}
 
 
-def _nvidia_smi_watts(timeout_s: float) -> float | None:
-    """The summed power.draw of the GPUs nvidia-smi lists, or None when it cannot say."""
+def _nvidia_smi_watts(timeout_s: float, gpu_index: int = 0) -> float | None:
+    """The power.draw of one GPU (by index), or None when nvidia-smi cannot say."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=power.draw", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", f"--id={gpu_index}", "--query-gpu=power.draw",
+                              "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=timeout_s).stdout
         values = [float(line) for line in out.split() if line.strip()]
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
-    return round(sum(values), 1) if values else None
+    return round(values[0], 1) if values else None

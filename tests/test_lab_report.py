@@ -225,3 +225,98 @@ def test_absent_data_skips_its_plot_and_says_so(tmp_path):
 def test_importing_the_report_needs_no_plotting_library():
     code = "import sys, lab.report; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_errored_requests_are_not_mismatches_and_are_listed_apart(tmp_path):
+    doc = document()
+    requests = doc["phases"][0]["requests"]
+    # new-style record: failed after a prefix of the reference, not judged
+    requests[0].update(error="stream lost", complete=False, lossless=None, differing_tokens=0)
+    # old-style record: errored and marked False, but nothing differed
+    requests[1].update(error="timed out", lossless=False, differing_tokens=0)
+    build_report(doc, tmp_path)
+    report = json.loads((tmp_path / "report.json").read_text())
+    detail = report["lossless_detail"]
+    assert report["lossless"] is True and detail["mismatched"] == 0 and detail["errored"] == 2
+    assert report["errors"]["count"] == 2 and report["errors"]["first"] == ["stream lost", "timed out"]
+    html = (tmp_path / "report.html").read_text()
+    assert "Errored or incomplete requests (not judged): 2" in html and "stream lost" in html
+    assert "token ids compared" in html and "2 errored or incomplete, 0 sampled" in html
+    doc["phases"][1]["requests"][0]["lossless"] = False     # a token really differed
+    assert summarise(doc)["lossless"] is False
+
+
+def test_lossless_line_names_decoded_text_for_openai_and_null_when_nothing_checked(tmp_path):
+    doc = document()
+    doc["scenario"]["via"] = "openai"
+    build_report(doc, tmp_path)
+    assert "decoded text compared" in (tmp_path / "report.html").read_text()
+    doc["scenario"]["sampling"] = {"temperature": 0.7}
+    for p in doc["phases"]:
+        for r in p["requests"]:
+            r["lossless"] = None
+    report = summarise(doc)
+    assert report["lossless"] is None and report["lossless_detail"]["sampled"] == 11
+
+
+def test_capacity_needs_no_errors_and_every_smaller_size_meeting_the_slo():
+    rows = summarise(document())["headline"]
+    ok = {"device_tokens_per_s": {"p5": 9.0}, "ttft_s": {"p95": 0.1}, "errors": 0}
+    fake = [{"system": "sled", "fleet_size": n, **ok} for n in (1, 2, 3)]
+    fake[1] = {**fake[1], "errors": 1}
+    from lab.report import summary
+    assert summary.capacity(fake, SLO)["sled"]["fleet_size"] == 1
+    assert rows  # the real rows still compute
+
+
+def test_server_is_gpu_only_by_its_device_flag_and_power_prefers_samples():
+    from lab.report.energy import costs
+    doc = document()
+    doc["machine"]["gpu"] = "NVIDIA H100"
+    doc["server_power"] = {"source": "nvidia-smi", "watts": 900.0, "samples": [100.0, 300.0]}
+    server = costs(doc)["server"]
+    assert server["gpu"] is False and server["watts"] == 200.0      # CPU server: GPU draw irrelevant
+    doc["scenario"]["server"] = {"args": ["--device", "cuda:0"]}
+    server = costs(doc)["server"]
+    assert server["gpu"] is True and server["watts"] == 200.0 and server["price_per_hour"] == 3.0
+    del doc["server_power"]["samples"]
+    assert costs(doc)["server"]["watts"] == 900.0
+    doc["server_device"] = "cpu"
+    assert costs(doc)["server"]["gpu"] is False
+
+
+def test_rented_server_cost_adds_no_electricity():
+    from lab.report.energy import costs
+    doc = document()
+    doc["phases"] = [p for p in doc["phases"] if p["system"] == "centralized"]
+    cell = costs(doc)["per_profile"]["pi5"]["centralized"]
+    # 0.20 USD/h x 10 s / 63 tokens, nothing for the server's power
+    assert cell["usd_per_million_tokens"] == pytest.approx(0.20 * 10 / 3600 / 63 * 1e6, rel=1e-4)
+
+
+def test_nvidia_smi_reads_only_the_servers_gpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(lab_costs.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+
+    def run(args, **k):
+        calls.append(args)
+        return subprocess.CompletedProcess(args, 0, stdout="100.0\n", stderr="")
+    monkeypatch.setattr(lab_costs.subprocess, "run", run)
+    assert lab_costs.server_power()["watts"] == 100.0 and "--id=0" in calls[0]
+
+
+def test_a_failing_plot_and_dollar_labels_do_not_stop_the_report(tmp_path, monkeypatch):
+    from lab.report import plots
+    doc = document()
+    doc["phases"][0]["system"] = "sled $x^{$"          # mathtext would choke on this label
+    doc["phases"].append({"system": "sled", "fleet_size": 5, "wall_s": 0.0, "requests": [], "server": {},
+                          "devices": {}})
+    broken = ("broken.png", "a broken plot", lambda plt, report, results: 1 / 0)
+    monkeypatch.setattr(plots, "PLOTS", plots.PLOTS + (broken,))
+    build_report(doc, tmp_path)
+    report = json.loads((tmp_path / "report.json").read_text())
+    skipped = {p["file"]: p["reason"] for p in report["skipped_plots"]}
+    assert "division by zero" in skipped["broken.png"] and "throughput.png" not in skipped
+    assert "device_tokens_per_s.png" not in skipped and "latency.png" not in skipped
+    assert b"matplotlib.org" not in (tmp_path / "throughput.png").read_bytes()
+    assert "a broken plot" in (tmp_path / "report.html").read_text()

@@ -23,7 +23,8 @@ def summarise(results: dict) -> dict:
             "link_emulation": {"kinds": sorted(set(emulation.values())), "per_device": emulation},
             "slo": slo, "headline": rows, "capacity": summary.capacity(rows, slo),
             "acceptance": summary.acceptance(results), "server": summary.server(results),
-            "costs": costs(results), "faults": summary.faults(results), "lossless_detail": detail}
+            "costs": costs(results), "faults": summary.faults(results), "lossless_detail": detail,
+            "errors": {"count": detail["errored"], "first": [e["error"] for e in detail["errors"][:5]]}}
 
 
 def build_report(results: dict, out_dir: Path) -> Path:
@@ -33,6 +34,9 @@ def build_report(results: dict, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = summarise(results)
+    report["plots"], report["skipped_plots"] = [], []
+    # report.json first: a failing plot must not cost the numbers
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     report["plots"], report["skipped_plots"] = plots.render(report, results, out_dir)
     (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     page = out_dir / "report.html"

@@ -27,19 +27,31 @@ def _e(value) -> str:
 
 
 def lossless_line(report: dict) -> str:
-    """The losslessness verdict in words."""
+    """The losslessness verdict in words: what was compared, and what was not checked and why."""
     d = report["lossless_detail"]
+    what = escape(d.get("compared", "token ids"))
+    skipped = (f" Not checked: {d.get('errored', 0)} errored or incomplete, {d.get('sampled', 0)} sampled "
+               "(no single reference).")
     if report["lossless"] is None:
-        return ('<p class="l">Lossless: not checked (no request was greedy; sampled outputs have no '
-                "single reference).</p>")
+        return f'<p class="l">Lossless: not checked (no completed greedy output).{skipped}</p>'
     if report["lossless"]:
         return (f'<p class="ok"><b>Lossless: every one of {d["checked"]} greedy outputs matched the '
-                "target's own greedy output.</b></p>")
+                f"target's own greedy output ({what} compared).</b>{skipped}</p>")
     items = "".join(f"<li>{_e(m['system'])} x{_e(m['fleet_size'])}, device {_e(m['device'])}, "
                     f"prompt {_e(m['prompt_index'])}: {_e(m['lost_tokens'])} lost, "
                     f"{_e(m['duplicated_tokens'])} duplicated tokens{_error(m)}</li>" for m in d["mismatches"])
     return (f'<p class="bad"><b>Not lossless: {d["mismatched"]} of {d["checked"]} greedy outputs '
-            f"differed from the target's own greedy output.</b></p><ul>{items}</ul>")
+            f"differed from the target's own greedy output ({what} compared).</b>{skipped}</p><ul>{items}</ul>")
+
+
+def errors_line(report: dict) -> str:
+    """Errored or incomplete requests: not judged for losslessness, listed on their own."""
+    d = report["lossless_detail"]
+    if not d.get("errored"):
+        return "<p>Errored or incomplete requests: 0.</p>"
+    items = "".join(f"<li>{_e(m['system'])} x{_e(m['fleet_size'])}, device {_e(m['device'])}, "
+                    f"prompt {_e(m['prompt_index'])}: {_e(m['error'] or 'incomplete')}</li>" for m in d["errors"])
+    return f'<p class="bad">Errored or incomplete requests (not judged): {d["errored"]}.</p><ul>{items}</ul>'
 
 
 def _error(m: dict) -> str:
@@ -117,7 +129,7 @@ def page(report: dict, out_dir: Path) -> str:
         f"<p>Mode {_e(report['mode'])}, started {_e(report.get('started_at'))}; machine: "
         f"{_e(machine.get('cpus'))} CPUs, {_e(machine.get('memory_gb'))} GB, "
         f"{_e(machine.get('platform'))}, GPU {_e(machine.get('gpu'))}.</p>",
-        lossless_line(report), "<h2>Headline</h2>", headline_table(report), DEFINITIONS, capacity_line(report),
+        lossless_line(report), errors_line(report), "<h2>Headline</h2>", headline_table(report), DEFINITIONS, capacity_line(report),
         "<h2>Plots</h2>", figures(report, out_dir), "<h2>Fault steps</h2>", faults_table(report), "<h2>Cost and energy</h2>", cost_tables(report),
         "<h2>Link emulation</h2>", links_table(report)]
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'

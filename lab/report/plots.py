@@ -206,17 +206,32 @@ PLOTS = (
 
 
 def render(report: dict, results: dict, out_dir: Path) -> tuple[list[dict], list[dict]]:
-    """Every plot as a PNG in out_dir: ([{"file", "caption"}], [{"file", "caption", "reason"}])."""
+    """Every plot as a PNG in out_dir: ([{"file", "caption"}], [{"file", "caption", "reason"}]).
+    A plot that fails is skipped with its reason; the others still render."""
     plt = _pyplot()
     made, skipped = [], []
     for name, caption, draw in PLOTS:
         try:
-            fig = draw(plt, report, results)
+            _draw_one(plt, draw, report, results, out_dir / name)
         except Skip as why:
             skipped.append({"file": name, "caption": caption, "reason": str(why)})
             continue
-        fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=100)
-        plt.close(fig)
+        except Exception as exc:  # one broken plot must not cost the report
+            skipped.append({"file": name, "caption": caption, "reason": f"plot failed: {exc}"})
+            continue
         made.append({"file": name, "caption": caption})
     return made, skipped
+
+
+def _draw_one(plt, draw, report: dict, results: dict, path: Path) -> None:
+    """Draw and save one plot; labels from data are literal text (no mathtext); no URL metadata."""
+    fig = None
+    try:
+        with plt.rc_context({"text.parse_math": False}):
+            fig = draw(plt, report, results)
+            fig.tight_layout()
+            fig.savefig(path, dpi=100, metadata={"Software": None})
+    finally:
+        if fig is not None:
+            plt.close(fig)
+        plt.close("all")

@@ -56,7 +56,7 @@ def headline_row(phase: dict) -> dict:
             "device_tokens_per_s": _pcts(list(device_rates(phase).values()), (5, 50, 95)),
             "ttft_s": _pcts(ttfts(phase)), "tpot_s": _pcts(tpots(phase)),
             "forward_passes_per_token": round(passes / tokens, 6) if passes is not None and tokens else None,
-            "errors": sum(1 for r in phase["requests"] if r.get("error"))}
+            "errors": sum(1 for r in phase["requests"] if _errored(r))}
 
 
 def headline(results: dict) -> list[dict]:
@@ -64,19 +64,23 @@ def headline(results: dict) -> list[dict]:
 
 
 def capacity(rows: list[dict], slo: dict) -> dict:
-    """Per system: the largest fleet size whose p5 per-device tokens/s and TTFT p95 meet the SLO."""
+    """Per system: the largest n such that every measured fleet size <= n meets the SLO (p5
+    per-device tokens/s, TTFT p95) with no errored request."""
     out = {}
     for system in sorted({row["system"] for row in rows}):
-        meeting = [row["fleet_size"] for row in rows if row["system"] == system and _meets(row, slo)]
-        out[system] = {"fleet_size": max(meeting) if meeting else None,
-                       "tokens_per_s": slo.get("tokens_per_s"), "ttft_s": slo.get("ttft_s")}
+        best = None
+        for row in sorted((r for r in rows if r["system"] == system), key=lambda r: r["fleet_size"]):
+            if not _meets(row, slo):
+                break
+            best = row["fleet_size"]
+        out[system] = {"fleet_size": best, "tokens_per_s": slo.get("tokens_per_s"), "ttft_s": slo.get("ttft_s")}
     return out
 
 
 def _meets(row: dict, slo: dict) -> bool:
     p5, ttft = row["device_tokens_per_s"]["p5"], row["ttft_s"]["p95"]
-    return (p5 is not None and ttft is not None and p5 >= slo.get("tokens_per_s", 0.0)
-            and ttft <= slo.get("ttft_s", float("inf")))
+    return (not row.get("errors") and p5 is not None and ttft is not None
+            and p5 >= slo.get("tokens_per_s", 0.0) and ttft <= slo.get("ttft_s", float("inf")))
 
 
 def acceptance(results: dict) -> dict:
@@ -128,26 +132,54 @@ def _bucket_mean(buckets: dict[str, int]) -> float | None:
     return round(sum(size[b] * n for b, n in buckets.items()) / total, 6)
 
 
-def lossless_detail(results: dict) -> dict:
-    """Greedy requests checked against the target's own greedy output, and what differed."""
+def _greedy(results: dict) -> bool:
+    sampling = (results.get("scenario") or {}).get("sampling") or {}
+    return float(sampling.get("temperature", 0.0) or 0.0) == 0.0
+
+
+def _errored(record: dict) -> bool:
+    """Failed or ended without a finish reason (old records have no "complete": an error says it)."""
+    return bool(record.get("error")) or record.get("complete", True) is False
+
+
+def _mismatched(record: dict) -> bool:
+    """A received token differs from the target's (an errored prefix is not judged)."""
+    if record.get("lossless") is not False:
+        return False
+    return not (_errored(record) and record.get("differing_tokens", 1) == 0)
+
+
+def _entry(phase: dict, record: dict) -> dict:
+    return {"system": phase["system"], "fleet_size": phase["fleet_size"], "device": record.get("device"),
+            "prompt_index": record.get("prompt_index"), "lost_tokens": record.get("lost_tokens") or 0,
+            "duplicated_tokens": record.get("duplicated_tokens") or 0,
+            "differing_tokens": record.get("differing_tokens"), "error": record.get("error")}
+
+
+def lossless_detail(results: dict, listed: int = 20) -> dict:
+    """Greedy requests checked against the target's own greedy output: matched, mismatched (a
+    token differs), errored (failed or incomplete: not judged, listed with their errors)."""
     records = [(p, r) for p in results["phases"] for r in p["requests"]]
-    checked = [(p, r) for p, r in records if r.get("lossless") is not None]
-    failed = [{"system": p["system"], "fleet_size": p["fleet_size"], "device": r.get("device"),
-               "prompt_index": r.get("prompt_index"), "lost_tokens": r.get("lost_tokens") or 0,
-               "duplicated_tokens": r.get("duplicated_tokens") or 0, "error": r.get("error")}
-              for p, r in checked if r["lossless"] is False]
-    return {"checked": len(checked), "matched": len(checked) - len(failed), "mismatched": len(failed),
-            "not_checked": len(records) - len(checked),
+    mismatched = [(p, r) for p, r in records if _mismatched(r)]
+    errored = [(p, r) for p, r in records if not _mismatched(r) and _errored(r)]
+    matched = [r for _, r in records if r.get("lossless") is True and not _errored(r)]
+    sampled = 0 if _greedy(results) else len(records) - len(mismatched) - len(errored)
+    via = (results.get("scenario") or {}).get("via") or "mqtt"
+    return {"checked": len(matched) + len(mismatched), "matched": len(matched), "mismatched": len(mismatched),
+            "errored": len(errored), "sampled": sampled,
+            "not_checked": len(records) - len(matched) - len(mismatched),
+            "compared": "decoded text" if via == "openai" else "token ids",
             "lost_tokens": sum(r.get("lost_tokens") or 0 for _, r in records),
             "duplicated_tokens": sum(r.get("duplicated_tokens") or 0 for _, r in records),
-            "mismatches": failed}
+            "mismatches": [_entry(p, r) for p, r in mismatched],
+            "errors": [_entry(p, r) for p, r in errored[:listed]]}
 
 
 def lossless(detail: dict) -> bool | None:
-    """True: every greedy request matched; False: one did not; None: none was checked."""
-    if not detail["checked"]:
-        return None
-    return detail["mismatched"] == 0
+    """False: a greedy output differed; True: at least one checked, none differed; None: none checked."""
+    if detail["mismatched"]:
+        return False
+    return True if detail["checked"] else None
 
 
 def faults(results: dict) -> list[dict]:
