@@ -150,9 +150,8 @@ def netem_args(link_spec: str, interface: str) -> list[str]:
             "delay", f"{p.rtt_ms:g}ms"]
     if p.jitter_ms:
         argv.append(f"{p.jitter_ms:g}ms")
-    loss = getattr(p, "loss_pct", 0.0)
-    if loss:
-        argv += ["loss", f"{loss:g}%"]
+    if p.loss_pct:
+        argv += ["loss", f"{p.loss_pct:g}%"]
     if p.bandwidth_mbps:
         argv += ["rate", f"{p.bandwidth_mbps:g}mbit"]
     return argv

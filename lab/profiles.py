@@ -43,10 +43,18 @@ class LinkProfile:
     rtt_ms: float          # the floor of a round trip; each direction takes half
     jitter_ms: float       # scale of the extra queueing delay added to each message (>= 0)
     bandwidth_mbps: float  # each direction; 0 = unlimited
+    loss_pct: float = 0.0  # packets lost, percent (netem drops them; Link retransmits late)
 
     def __post_init__(self) -> None:
         if self.rtt_ms < 0 or self.jitter_ms < 0 or self.bandwidth_mbps < 0:
             raise ValueError(f"link profile {self.name!r}: rtt, jitter and bandwidth must be >= 0")
+        if not 0.0 <= self.loss_pct <= 100.0:
+            raise ValueError(f"link profile {self.name!r}: loss_pct must be within 0..100")
+
+    def retransmit_s(self) -> float:
+        """What a lost packet costs over TCP: one retransmission timeout, max(200 ms, 2 x rtt)
+        (200 ms is Linux's minimum RTO)."""
+        return max(0.2, 2 * self.rtt_ms / 1e3)
 
 
 # Where the numbers come from:
@@ -73,11 +81,13 @@ DEVICES = {p.name: p for p in (
 )}
 
 # Typical access links to a server on the same site (ethernet, wifi) or in a nearby cloud (lte).
+# loss_pct: assumptions, not measurements: a wired LAN loses next to nothing (0); a busy Wi-Fi
+# cell ~0.5 % of packets after its own link-layer retries; LTE ~1 % at the cell edge.
 LINKS = {p.name: p for p in (
     LinkProfile("loopback", rtt_ms=0.0, jitter_ms=0.0, bandwidth_mbps=0.0),
-    LinkProfile("ethernet", rtt_ms=0.5, jitter_ms=0.1, bandwidth_mbps=1000.0),
-    LinkProfile("wifi", rtt_ms=6.0, jitter_ms=2.0, bandwidth_mbps=100.0),
-    LinkProfile("lte", rtt_ms=45.0, jitter_ms=10.0, bandwidth_mbps=20.0),
+    LinkProfile("ethernet", rtt_ms=0.5, jitter_ms=0.1, bandwidth_mbps=1000.0, loss_pct=0.0),
+    LinkProfile("wifi", rtt_ms=6.0, jitter_ms=2.0, bandwidth_mbps=100.0, loss_pct=0.5),
+    LinkProfile("lte", rtt_ms=45.0, jitter_ms=10.0, bandwidth_mbps=20.0, loss_pct=1.0),
 )}
 
 
@@ -116,12 +126,15 @@ class Link:
     Jitter is half-normal with scale jitter_ms (seeded), so a message never arrives sooner than
     rtt/2 after it was sent and a round trip never takes less than rtt. Each direction is FIFO,
     like the TCP stream under gRPC: a message never overtakes the one before it, and a stream of
-    messages arrives at the link's rate, not one latency apart.
+    messages arrives at the link's rate, not one latency apart. A lost packet (probability
+    loss_pct/100 per message, from its own seeded stream) is not dropped, as TCP does not drop
+    it: the message arrives one retransmission timeout later (LinkProfile.retransmit_s).
     """
 
     def __init__(self, profile: LinkProfile, seed: int = 0) -> None:
         self.profile = profile
         self.random = random.Random(seed)
+        self.loss_random = random.Random(f"loss-{seed}")   # the jitter draws stay as they were
         self._last_arrival = {"up": 0.0, "down": 0.0}   # perf_counter seconds
 
     def arrival(self, direction: str, sent_at: float, nbytes: int) -> float:
@@ -129,7 +142,10 @@ class Link:
         p = self.profile
         jitter = abs(self.random.gauss(0.0, p.jitter_ms)) if p.jitter_ms else 0.0
         wire = nbytes * 8 / (p.bandwidth_mbps * 1e6) if p.bandwidth_mbps else 0.0
-        at = max(sent_at + (p.rtt_ms / 2 + jitter) / 1e3 + wire, self._last_arrival[direction] + wire)
+        lost = p.loss_pct and self.loss_random.random() * 100 < p.loss_pct
+        resend = p.retransmit_s() if lost else 0.0
+        at = max(sent_at + (p.rtt_ms / 2 + jitter) / 1e3 + wire + resend,
+                 self._last_arrival[direction] + wire)
         self._last_arrival[direction] = at
         return at
 
