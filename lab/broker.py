@@ -74,6 +74,10 @@ class BrokerFiles:
     def password(self, user: str) -> str:
         return self.credentials[user]
 
+    def forget_passwords(self) -> None:
+        """Remove credentials.json once the fleet is down: a run's folder keeps no password."""
+        (self.folder / "credentials.json").unlink(missing_ok=True)
+
     @classmethod
     def write(cls, folder: Path, slots: list[DeviceSlot], prefix: str = "sled", *,
               root: str | None = None, port: int = 1883, bind: str | None = None,

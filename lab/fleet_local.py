@@ -91,6 +91,7 @@ class LocalFleet:
         self._broker: Child | None = None
         self._server: Child | None = None
         self._devices: list[Child] = []
+        self._stopped = False
 
     # -- the whole fleet -------------------------------------------------------------------
 
@@ -104,7 +105,8 @@ class LocalFleet:
                              password=self.files.password(LAB_USER), keepalive_s=5)
         self._broker = Child("mosquitto", [mosquitto_binary(), "-c", str(self.files.conf)],
                              self.folder / "logs" / "mosquitto.out")
-        self._server = Child("sled serve", self._server_args(), self.folder / "logs" / "server.log")
+        self._server = Child("sled serve", self._server_args(), self.folder / "logs" / "server.log",
+                             {**os.environ, "SLED_MQTT_PASSWORD": self.files.password(SERVER_USER)})
         await self.start_broker()
         await self.start_server()
         for slot in slots:
@@ -120,6 +122,13 @@ class LocalFleet:
         for child in (self._server, self._broker):
             if child is not None:
                 await child.kill(signal.SIGTERM)
+        self._stopped = True
+        if self.files is not None:
+            self.files.forget_passwords()     # the run's folder keeps no broker password
+
+    def _refuse_after_stop(self) -> None:
+        if self._stopped:
+            raise FleetStartError("the fleet was stopped; nothing starts again after stop()")
 
     def link_emulation(self) -> dict[str, str]:
         return {handle.id: "user-space" for handle in self.devices}
@@ -131,7 +140,7 @@ class LocalFleet:
                 "--host", HOST, "--port", str(self.server_port),
                 "--metrics-port", str(self.metrics_port),
                 "--mqtt-host", HOST, "--mqtt-port", str(self.broker_port),
-                "--mqtt-username", SERVER_USER, f"--mqtt-password={self.files.password(SERVER_USER)}",
+                "--mqtt-username", SERVER_USER,     # the password travels in SLED_MQTT_PASSWORD
                 "--mqtt-topic-prefix", self.prefix, "--server-id", self.files.server_id,
                 "--announce-endpoint", f"{HOST}:{self.server_port}", *self.server_args]
 
@@ -139,6 +148,7 @@ class LocalFleet:
         await self._server.kill(signal.SIGKILL)
 
     async def start_server(self) -> None:
+        self._refuse_after_stop()
         self._server.start()
         address = f"{HOST}:{self.server_port}"
         async with grpc.aio.insecure_channel(address) as channel:
@@ -162,6 +172,7 @@ class LocalFleet:
         await self._broker.kill(signal.SIGTERM)
 
     async def start_broker(self) -> None:
+        self._refuse_after_stop()
         self._broker.start()
         give_up = time.monotonic() + 15
         while time.monotonic() < give_up:

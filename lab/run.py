@@ -144,15 +144,22 @@ async def run_scenario(scenario: Scenario, prompts: list[str], folder: Path, kin
         references = await greedy_references(scenario, prompts)
     except (ValueError, OSError) as exc:      # a target that cannot be loaded
         return _fail(f"the target's greedy references: {exc}", 2)
-    fleet = make_fleet(kind, scenario, folder)
+    try:
+        fleet = make_fleet(kind, scenario, folder)
+    except (OSError, ValueError) as exc:
+        hint = (" (--fleet compose runs inside the lab container that `sled lab compose` starts)"
+                if kind == "compose" else "")
+        return _fail(f"cannot set up the fleet: {exc}{hint}", 2)
     results = Results(folder.name, fleet.mode, scenario)
     try:
         phase_line(f"starting the fleet: {len(scenario.slots())} devices, target {scenario.target}")
         await fleet.start(scenario.slots())
         results.link_emulation = fleet.link_emulation()
         await run_phases(fleet, scenario, prompts, references, results)
-    except (FleetStartError, TimeoutError, aiomqtt.MqttError) as exc:
+    except (FleetStartError, TimeoutError, asyncio.TimeoutError, aiomqtt.MqttError) as exc:
         return _fail(f"{exc} (logs in {folder / 'logs'})", 3)
+    except Exception as exc:      # anything else a component did: one line, not a traceback
+        return _fail(f"the run failed: {type(exc).__name__}: {exc} (logs in {folder / 'logs'})", 3)
     finally:
         await fleet.stop()
     results.server_power = server_power(scenario)
@@ -195,10 +202,14 @@ async def run_phase(fleet: Fleet, scenario: Scenario, system: str, n: int, promp
     started = time.monotonic()
     async with sampler, progress.live():
         fault_task = asyncio.create_task(run_faults(fleet, faults, started, PREFIX))
-        records = await drive.drive(fleet, scenario, devices, prompts, references, progress,
-                                    system=system)
-        fault_records = await fault_task
-    wall_s = time.monotonic() - started
+        try:
+            records = await drive.drive(fleet, scenario, devices, prompts, references, progress,
+                                        system=system)
+            wall_s = time.monotonic() - started          # the traffic's time, not the faults' tail
+            fault_records = await fault_task
+        finally:     # a failed or cancelled phase must not leave a fault step to restart a process
+            fault_task.cancel()
+            await asyncio.gather(fault_task, return_exceptions=True)
     results.faults += fault_records
     phase = results.add_phase(system, n, wall_s, records, sampler.server(), sampler.devices())
     phase_line(_summary(phase))
@@ -231,7 +242,8 @@ def server_power(scenario: Scenario) -> dict:
 
 
 def finish(results: Results, folder: Path) -> int:
-    """Write the report; 1 when any greedy output differed from the target's."""
+    """Write the report; 1 when any greedy output differed from the target's, 3 when a fault
+    step or a request failed."""
     from lab.report import build_report
 
     document = results.document()
@@ -241,6 +253,13 @@ def finish(results: Results, folder: Path) -> int:
     phase_line(f"report: {report}")
     for fault in failed:
         phase_line(f"fault step {fault['kind']} at {fault['at_s']} s did not complete: {fault['note']}")
+    errored = [r for phase in document["phases"] for r in phase["requests"]
+               if r.get("error") or r.get("complete") is False]
     if mismatches:
         return _fail(f"{mismatches} greedy outputs differed from the target's (see {report})", 1)
+    if failed:
+        return _fail(f"{len(failed)} fault steps did not complete (see {report})", 3)
+    if errored:
+        return _fail(f"{len(errored)} requests failed or ended early, the first: "
+                     f"{errored[0].get('error') or 'no finish reason'} (see {report})", 3)
     return 0

@@ -148,3 +148,32 @@ def test_a_lost_connection_is_not_taken_for_refused_credentials():
     assert not refused_credentials(aiomqtt.MqttCodeError(4, "The client is not currently connected."))
     assert refused_credentials(MqttConnectError(4))
     assert refused_credentials(MqttConnectError(5))
+
+
+def _finished_run(tmp_path, record: dict, faults: list[dict] | None = None) -> int:
+    """lab.run.finish on a one-request run: the exit status the run ends with."""
+    from lab.results import Results
+    from lab.run import finish
+    from lab.scenario import load_scenario
+
+    results = Results("exit-status", "local", load_scenario("smoke"))
+    base = {"device": "dev-00", "profile": "pi5", "link": "wifi", "drafter": "ngram",
+            "system": "sled", "fleet_size": 1, "prompt_index": 0, "sent_at": 0.0,
+            "first_token_at": 0.5, "done_at": 1.0, "token_ids": [5, 6], "text": "ab", "chunks": 1,
+            "duplicated_chunks": [], "missing_chunks": [], "error": None, "attempts": 1,
+            "lossless": True, "complete": True, "lost_tokens": 0, "duplicated_tokens": 0,
+            "differing_tokens": 0}
+    results.phases.append({"system": "sled", "fleet_size": 1, "wall_s": 1.0,
+                           "requests": [{**base, **record}], "server": {}, "devices": {}})
+    results.faults += faults or []
+    return finish(results, tmp_path)
+
+
+def test_the_exit_status_tells_a_mismatch_from_a_failure(tmp_path):
+    assert _finished_run(tmp_path, {}) == 0
+    assert _finished_run(tmp_path, {"lossless": False, "differing_tokens": 1}) == 1
+    # an error whose tokens are a prefix of the reference is a failure, not a losslessness verdict
+    assert _finished_run(tmp_path, {"lossless": None, "complete": False, "error": "timeout"}) == 3
+    failed = {"kind": "server_kill", "at_s": 1.0, "device": None, "down_s": 1.0,
+              "done_at_s": None, "ok": False, "note": "did not come back"}
+    assert _finished_run(tmp_path, {}, [failed]) == 3
