@@ -81,6 +81,9 @@ DEVICES = {p.name: p for p in (
 )}
 
 # Typical access links to a server on the same site (ethernet, wifi) or in a nearby cloud (lte).
+# rtt_ms, jitter_ms, bandwidth_mbps: assumptions, typical figures rather than measurements: a
+# switched gigabit LAN (sub-millisecond RTT), a Wi-Fi 5/6 cell shared by a few clients (a few ms
+# RTT, ~100 Mbit/s usable), an LTE uplink to a regional cloud (tens of ms RTT, ~20 Mbit/s).
 # loss_pct: assumptions, not measurements: a wired LAN loses next to nothing (0); a busy Wi-Fi
 # cell ~0.5 % of packets after its own link-layer retries; LTE ~1 % at the cell edge.
 LINKS = {p.name: p for p in (

@@ -110,10 +110,22 @@ async def test_a_cut_link_mid_request_loses_and_repeats_no_token(device, models,
 @pytest.mark.parametrize("mode", ["draft", "server"])
 async def test_a_request_sent_while_the_link_is_down_waits_for_it(device, models, prompts, mode):
     dev = await device(mode=mode, emulation={"link": "wifi", "link_down": True}, reconnect_s=20.0)
-    asyncio.get_running_loop().call_later(
-        0.3, lambda: asyncio.ensure_future(dev.apply({"emulation": {"link_down": False}})))
-    tokens, _, _ = await dev.complete(Request(prompts[3], max_tokens=10, ignore_eos=True))
+    loop = asyncio.get_running_loop()
+    restored_at = []        # when the link came back
+
+    def restore() -> None:
+        restored_at.append(loop.time())
+        asyncio.ensure_future(dev.apply({"emulation": {"link_down": False}}))
+    loop.call_later(0.3, restore)
+    tokens, first_chunk_at = [], None
+    async for chunk in dev.stream(Request(prompts[3], max_tokens=10, ignore_eos=True)):
+        if first_chunk_at is None and chunk.token_ids:
+            first_chunk_at = loop.time()
+        tokens.extend(chunk.token_ids)
     assert tokens == greedy_reference(models["llama"], prompts[3], 10)
+    # ordering, not speed: no token came while the link was down
+    assert restored_at, "the request finished before the link came back"
+    assert first_chunk_at is not None and first_chunk_at >= restored_at[0]
     assert dev.status()["emulation"] == {"device": "", "link": "wifi", "link_down": False,
                                          "kind": "user-space"}
 
@@ -195,6 +207,26 @@ async def test_health_and_metrics_over_http_show_the_lab_fields(device, prompts)
     assert health["mode"] == "draft"
     assert health["emulation"] == {"device": "orin-nano", "link": "ethernet", "link_down": False,
                                    "kind": "user-space"}
-    assert 'sled_device_position_drafted_total{position="1"}' in metrics
-    assert 'sled_device_position_accepted_total{position="' in metrics or \
-        dev.metrics.value("sled_device_accepted_tokens_total") == 0
+    # /metrics shows the per-position counts of the rounds run, position by position
+    stats = [stat for _, stat in dev.window.rounds]
+    assert stats
+    served = position_counts(metrics)
+    for kind, field in (("drafted", "verified"), ("accepted", "accepted")):
+        want = {position: sum(getattr(stat, field) >= position for stat in stats)
+                for position in range(1, 3)}
+        assert served[kind] == {p: n for p, n in want.items() if n}, kind
+    assert sum(served["accepted"].values()) == dev.metrics.value("sled_device_accepted_tokens_total")
+    assert served["drafted"][1] == len(stats)
+
+
+def position_counts(metrics: str) -> dict[str, dict[int, float]]:
+    """{"drafted": {position: count}, "accepted": {...}} from Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = {"drafted": {}, "accepted": {}}
+    for family in text_string_to_metric_families(metrics):
+        for kind in counts:
+            if family.name == f"sled_device_position_{kind}":
+                counts[kind] = {int(sample.labels["position"]): sample.value
+                                for sample in family.samples if sample.name.endswith("_total")}
+    return counts
