@@ -33,6 +33,7 @@ from pathlib import Path
 from lab.broker import _write_secret
 from lab.device_entry import PASSWORD_FILE, wait_slot_files
 from lab.images import DOCKER, ROOT, TORCH, BuildError, run_step
+from lab.workload import is_prompt_file
 
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 GPU_FILE = ROOT / "docker-compose.gpu.yml"
@@ -277,7 +278,6 @@ def write_run_folder(lab: ComposeLab) -> None:
     (run_dir / OVERRIDE).write_text(override_text(lab))
 
 
-BUILTIN_WORKLOADS = ("humaneval", "chat")
 
 
 def write_scenario(lab: ComposeLab, run_dir: Path) -> None:
@@ -288,7 +288,7 @@ def write_scenario(lab: ComposeLab, run_dir: Path) -> None:
     data = yaml.safe_load(lab.scenario_file.read_text())
     (run_dir / "workload").mkdir()
     source = lab.scenario.workload.source
-    if source not in BUILTIN_WORKLOADS:
+    if is_prompt_file(source):
         prompts = Path(source).expanduser()
         if not prompts.is_absolute():       # relative to the scenario file's folder
             prompts = lab.scenario_file.resolve().parent / prompts

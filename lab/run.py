@@ -27,18 +27,6 @@ from lab.scenario import Scenario, ScenarioError, load_scenario
 
 PREFIX = "sled"
 # "chat": short questions a phone or a kiosk would ask (the workload's built-in chat set).
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Give me three tips for sleeping better.",
-    "Explain what a prime number is to a ten-year-old.",
-    "Write a haiku about the sea.",
-    "How do I boil an egg?",
-    "What does a router do in a home network?",
-    "Summarise the plot of Romeo and Juliet in two sentences.",
-    "Why is the sky blue?",
-]
-
-
 class PhaseProgress:
     """The live line of a phase: requests done, tokens, errors, elapsed. drive() reports each
     finished request with `progress(record)` (or request_done) and streamed tokens with tokens(n)."""
@@ -124,7 +112,7 @@ def scenario_prompts(scenario: Scenario) -> list[str]:
     from lab.workload import load_workload
 
     source, limit = scenario.workload.source, scenario.workload.limit
-    prompts = CHAT_PROMPTS if source == "chat" else load_workload(source)
+    prompts = load_workload(source)
     return list(prompts[:limit] if limit else prompts)
 
 

@@ -116,6 +116,14 @@ class Scenario(_Strict):
     costs: dict[str, Any] = {}
     server: ServerSection = ServerSection()
 
+    @field_validator("costs")
+    @classmethod
+    def _known_costs(cls, value: dict) -> dict:
+        from lab.costs import assumptions
+
+        assumptions(value)          # an unknown key or a bad value stops here, not after the run
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> "Scenario":
         if (self.requests is None) == (self.duration_s is None):
@@ -169,7 +177,19 @@ def load_scenario(spec: str | Path) -> Scenario:
         raise ScenarioError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ScenarioError(f"{path}: a scenario is a mapping of keys (name, target, fleet, ...)")
-    return parse_scenario(data, path)
+    scenario = parse_scenario(data, path)
+    scenario.workload.source = _beside(scenario.workload.source, path)
+    return scenario
+
+
+def _beside(source: str, scenario_file: Path) -> str:
+    """A relative prompt file is read from the scenario file's folder."""
+    from lab.workload import is_prompt_file
+
+    prompts = Path(source).expanduser()
+    if not is_prompt_file(source) or prompts.is_absolute():
+        return source
+    return str(scenario_file.resolve().parent / prompts)
 
 
 def parse_scenario(data: dict, path: Path | str = "<scenario>") -> Scenario:

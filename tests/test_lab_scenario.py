@@ -100,3 +100,27 @@ def test_fleet16_is_the_mixed_fleet():
     assert {s.link for s in slots} == {"wifi", "lte", "ethernet"}
     assert {s.drafter.split(":")[0] for s in slots} == {"gguf", "onnx", "ngram"}
     assert "broker_restart" in {f.kind for f in load_scenario("faults").faults}
+
+
+def test_a_bad_costs_key_stops_the_scenario_before_the_run(tmp_path):
+    assert "costs: unknown costs key 'watts'" in error_of(tmp_path, changed(costs={"watts": 1}))
+
+
+def test_a_prompt_file_is_read_beside_the_scenario(tmp_path, monkeypatch):
+    from lab.run import scenario_prompts
+
+    (tmp_path / "prompts.txt").write_text("first prompt\n\nsecond prompt\n")
+    path = write(tmp_path, changed(workload={"source": "prompts.txt"}))
+    monkeypatch.chdir("/")       # not the scenario's folder
+    scenario = load_scenario(path)
+    assert scenario.workload.source == str(tmp_path / "prompts.txt")
+    assert scenario_prompts(scenario) == ["first prompt", "second prompt"]
+
+
+def test_chat_is_a_built_in_workload(tmp_path):
+    from lab.run import scenario_prompts
+    from lab.workload import CHAT_PROMPTS
+
+    scenario = load_scenario(write(tmp_path, changed(workload={"source": "chat", "limit": 2})))
+    assert scenario.workload.source == "chat"
+    assert scenario_prompts(scenario) == CHAT_PROMPTS[:2]
