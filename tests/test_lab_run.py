@@ -7,6 +7,7 @@ import asyncio
 import getpass
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -103,8 +104,22 @@ async def test_a_wrong_password_is_refused(lab_broker):
 
 
 def sled(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sled_cli.main", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=timeout)
+    """Run the CLI in its own process group: on a timeout the run, its server, broker and
+    devices all go (Ctrl-C first, so the run takes its fleet down itself)."""
+    command = [sys.executable, "-m", "sled_cli.main", *args]
+    proc = subprocess.Popen(command, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def test_a_bad_scenario_is_one_line_and_exit_2(tmp_path):
@@ -133,6 +148,16 @@ def test_smoke_runs_end_to_end_with_its_fault_steps(tmp_path):
     assert sum(r["lost_tokens"] + r["duplicated_tokens"] for r in requests) == 0
     assert sorted(f["kind"] for f in results["faults"]) == ["link_cut", "server_kill"]
     assert all(f["ok"] for f in results["faults"]), results["faults"]
+    # the faults hit live traffic: a request of the cut device was open across its cut, and
+    # requests were still open when the killed server came back
+    sled_phase = results["phases"][0]["requests"]
+    for fault in results["faults"]:
+        end = fault["at_s"] + fault["down_s"]
+        hit = [r for r in sled_phase if r["sent_at"] < end and r["done_at"] > fault["at_s"]
+               and fault["device"] in (None, r["device"])]
+        assert hit, f"no request was open during {fault}"
+    kill = next(f for f in results["faults"] if f["kind"] == "server_kill")
+    assert max(r["done_at"] for r in sled_phase) > kill["at_s"] + kill["down_s"]
     assert set(results["link_emulation"].values()) == {"user-space"}
     assert results["phases"][0]["server"]["forward_passes"] > 0
 
