@@ -3,6 +3,7 @@ far below any argmax gap), an in-process server, and the greedy oracle."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -13,6 +14,11 @@ from lab.tiny import make_model, make_tokenizer, perturbed, save_pair
 from verify_server.settings import ServerSettings
 from verify_server.server import start_server
 from verify_server.target import Target
+
+# A suite started in the background by a shell without job control inherits SIGINT ignored, and
+# so would every command it starts: the Ctrl-C tests need the interrupt to reach those commands.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
