@@ -26,8 +26,10 @@ from pathlib import Path
 
 import grpc
 
+from edge_client.security import ChannelSecurity, speaks_tls
 from edge_client.tokenizer import DeviceTokenizer
 from edge_client.tokenizer_chunks import TokenizerChunks, TokenizerRefused
+from edge_client.transport import connect_error
 from sled.cache import (MAX_FINGERPRINT_CHARS, CacheError, manifest_fingerprint, partial_dir,
                         publish, read_manifest, record_fingerprint, tokenizer_dir, verify_folder,
                         write_manifest)
@@ -35,20 +37,23 @@ from sled.fingerprint import fingerprint_tokenizer, short
 from sled.memory import release_freed_heap
 from sled.printable import printable
 from sled.v1 import verifier_pb2 as pb
-from sled.v1 import verifier_pb2_grpc as pb_grpc
 
 log = logging.getLogger("sled.device")
 
-CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 30_000)]
 BUSY_RETRIES = 5        # GetTokenizer asked again this many times while the server is busy
 BUSY_PAUSE_S = 0.5      # the first pause; it doubles (0.5 + 1 + 2 + 4 + 8 s in all)
 
 
 class Connection:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: ChannelSecurity | None = None,
+                 tls_name: str = "") -> None:
+        """A channel to ADDRESS: plaintext, or as `security` says (TLS, the device's token on
+        every call; the server's certificate checked for tls_name, default the host)."""
+        security = security or ChannelSecurity()
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.stub = pb_grpc.VerifierStub(self.channel)
+        self.security = security
+        self.channel = security.channel(address, tls_name)
+        self.stub = security.stub(self.channel)
         self._info: pb.ModelInfo | None = None
 
     async def model_info(self, timeout: float = 30.0, wait_for_ready: bool = True,
@@ -100,6 +105,14 @@ class Connection:
             call.cancel()
             raise
         return chunks.files()
+
+    async def explain(self, error: Exception) -> str:
+        """Why a call failed, as one line (transport.connect_error); a plaintext call the server
+        hung up on is checked for a server that speaks TLS."""
+        plaintext_hangup = (not self.security.tls and isinstance(error, grpc.aio.AioRpcError)
+                            and "Socket closed" in (error.details() or ""))
+        tls = plaintext_hangup and await speaks_tls(self.address)
+        return connect_error(self.address, error, tls=self.security.tls, speaks_tls=tls)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -33,12 +33,13 @@ from edge_client.emulation import LinkEmulation, PacedDrafter
 from edge_client.proposer import Proposer
 from edge_client.result import LOST, RoundStat, ServerEvent
 from edge_client.salt import device_salt
+from edge_client.security import ChannelSecurity
 from edge_client.servers import NoServer, Server, ServerDirectory
 from edge_client.server_side import generate_server_side
 from edge_client.session import RoundSettings, generate
 from edge_client.settings import DeviceSettings, SettingsError
 from edge_client.tokenizer import tokenizer_fingerprint
-from edge_client.transport import ServerLost, VerifyError, connect_error
+from edge_client.transport import ServerLost, VerifyError
 from lab.profiles import device_profile
 from sled.cache import CacheError
 from sled.fingerprint import short
@@ -161,7 +162,9 @@ class Device:
         self._load_drafter = load_drafter or default_loader
         self.tokenizer = tokenizer
         self.drafter: SharedDrafter | None = None
-        self.directory = ServerDirectory(settings.servers)
+        # TLS files that cannot be read stop here (ValueError: one line)
+        self.directory = ServerDirectory(settings.servers,
+                                         security=ChannelSecurity.from_settings(settings))
         self.metrics = DeviceMetrics()
         self.window = Window()
         self.started = time.monotonic()
@@ -228,7 +231,7 @@ class Device:
                 self.tokenizer = await server.connect().tokenizer()
                 self._set_fingerprint()
         except grpc.aio.AioRpcError as exc:
-            self._set_state("waiting", connect_error(server.endpoint, exc))
+            self._set_state("waiting", await server.connect().explain(exc))
             return
         except CacheError as exc:  # its tokenizer was refused: one line, the device keeps waiting
             self._set_state("waiting", str(exc))

@@ -64,6 +64,14 @@ def broker_of(device: Device) -> Broker:
                   keepalive_s=mqtt.keepalive_s)
 
 
+def _tls_name(value) -> str:
+    """The certificate name an announcement claims: one printable DNS-like word, else none."""
+    name = value if isinstance(value, str) else ""
+    if len(name) > 253 or not all(c.isalnum() or c in ".-_*" for c in name):
+        raise ValueError(f"tls_name {printable(name, 60)!r} is not a host name")
+    return name
+
+
 class DeviceMqtt:
     def __init__(self, device: Device, backoff: Backoff | None = None) -> None:
         self.device = device
@@ -158,7 +166,8 @@ class DeviceMqtt:
                     directory.announce(server_id, str(parse_endpoint(announcement.get("endpoint"))),
                                        model=str(announcement.get("model") or ""),
                                        fingerprint=str(announcement.get("fingerprint") or ""),
-                                       load=float(announcement.get("load") or 0.0))
+                                       load=float(announcement.get("load") or 0.0),
+                                       tls_name=_tls_name(announcement.get("tls_name")))
             except (ValueError, TypeError) as error:
                 log.warning("MQTT: ignoring the announcement of server %s: %s", server_id, error)
                 return

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from edge_client.connection import Connection
-from edge_client.transport import connect_error
+from edge_client.security import ChannelSecurity
 from sled.fingerprint import short
 from sled.printable import printable
 
@@ -44,12 +44,16 @@ class Server:
     unreachable: str = ""               # why the last probe failed ("" when it answered)
     mismatch: str = ""                  # how its tokenizer differs from the device's ("" if not)
     failed_at: float = 0.0              # monotonic time of the last lost session
+    tls_name: str = ""                  # the certificate name it announced ("" = its host)
+    untrusted: str = ""                 # why this device will not dial it ("" if it may)
     connection: Connection | None = field(default=None, repr=False)
+    security: ChannelSecurity = field(default_factory=ChannelSecurity, repr=False)
 
     def connect(self) -> Connection:
         """The connection to this server, made on first use (announced servers start without)."""
         if self.connection is None:
-            self.connection = Connection(self.endpoint)
+            name = self.security.tls_name(self.endpoint, self.tls_name) or ""
+            self.connection = Connection(self.endpoint, self.security, name)
         return self.connection
 
     @property
@@ -59,7 +63,7 @@ class Server:
     @property
     def problem(self) -> str:
         """Why it cannot be used ("" when it can, as far as is known)."""
-        return self.mismatch or self.unreachable
+        return self.untrusted or self.mismatch or self.unreachable
 
     def summary(self) -> dict:
         return {"id": self.id or self.endpoint, "endpoint": self.endpoint, "source": self.source,
@@ -70,8 +74,10 @@ class Server:
 
 
 class ServerDirectory:
-    def __init__(self, endpoints: list[str] = (), fingerprint: str = "") -> None:
+    def __init__(self, endpoints: list[str] = (), fingerprint: str = "",
+                 security: ChannelSecurity | None = None) -> None:
         self.fingerprint = fingerprint          # the device's tokenizer; "" = accept any
+        self.security = security or ChannelSecurity()   # TLS, token: how every server is dialed
         self.servers: dict[str, Server] = {}    # by endpoint
         self.changed = asyncio.Event()          # set whenever a server comes, goes or changes
         self.configure(endpoints)
@@ -88,17 +94,19 @@ class ServerDirectory:
         """Set the configured servers (live config): new ones are added, dropped ones removed
         unless MQTT announced them too."""
         for endpoint in endpoints:
-            self.servers.setdefault(endpoint, Server(endpoint))
+            if endpoint not in self.servers:
+                self.servers[endpoint] = self._new(endpoint, "config")
         for endpoint, server in list(self.servers.items()):
             if server.source == "config" and endpoint not in endpoints:
                 self._drop(endpoint)
         self._notify()
 
     def announce(self, server_id: str, endpoint: str, model: str = "", fingerprint: str = "",
-                 load: float = 0.0, online: bool = True) -> None:
-        """A server's announcement (MQTT, retained): add it or update its state."""
+                 load: float = 0.0, online: bool = True, tls_name: str = "") -> None:
+        """A server's announcement (MQTT, retained): add it or update its state. An announced
+        server this device cannot authenticate is listed with why, and never dialed."""
         server = self.servers.get(endpoint) or self.servers.setdefault(
-            endpoint, Server(endpoint, source="mqtt"))
+            endpoint, self._new(endpoint, "mqtt", tls_name))
         server.id, server.online, server.load = server_id, online, max(0.0, float(load))
         if model:
             server.model = model
@@ -122,10 +130,12 @@ class ServerDirectory:
     # -- probing -------------------------------------------------------------------------
     async def probe(self, server: Server, timeout: float = 5.0) -> None:
         """Ask the server for its model info: reachable, model and tokenizer fingerprint."""
+        if server.untrusted:
+            return
         try:
             info = await server.connect().model_info(timeout=timeout, wait_for_ready=False, refresh=True)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
-            server.reachable, server.unreachable = False, connect_error(server.endpoint, exc)
+            server.reachable, server.unreachable = False, await server.connect().explain(exc)
             self._notify()
             return
         if server.unreachable:
@@ -143,7 +153,7 @@ class ServerDirectory:
         """Usable servers, best first: not recently failed, then least loaded."""
         now = time.monotonic()
         usable = [s for s in self.servers.values()
-                  if s.online and s.reachable is not False and not s.mismatch]
+                  if s.online and s.reachable is not False and not s.mismatch and not s.untrusted]
         return sorted(usable, key=lambda s: (now - s.failed_at < AVOID_S, s.load, s.endpoint))
 
     def pick(self) -> Server:
@@ -176,6 +186,14 @@ class ServerDirectory:
                 await server.connection.close()
 
     # -- internals -----------------------------------------------------------------------
+    def _new(self, endpoint: str, source: str, tls_name: str = "") -> Server:
+        """A server entry; one this device will not dial says why (security.refusal)."""
+        untrusted = self.security.refusal(endpoint, tls_name, announced=source == "mqtt")
+        if untrusted:
+            log.warning("server %s: not used: %s", printable(endpoint, 200), untrusted)
+        return Server(endpoint, source=source, tls_name=tls_name, untrusted=untrusted,
+                      security=self.security)
+
     def _check(self, server: Server) -> None:
         """A server whose tokenizer differs from the device's can never verify its drafts."""
         mismatch = ""

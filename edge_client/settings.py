@@ -139,6 +139,23 @@ class DeviceSettings(BaseSettings):
     # "draft": this device drafts and the server verifies; "server": the server generates every
     # token (centralized serving, the lab's baseline)
     mode: Literal["draft", "server"] = "draft"
+    # --- the verify servers' transport and this device's identity ---
+    # CA bundle that signs the servers' certificates: set, every server is dialed with TLS and
+    # must prove it holds a certificate this CA signed ("" = plaintext gRPC)
+    server_ca: Path | None = None
+    # this device's certificate and key, for servers that ask for one (mutual TLS)
+    client_cert: Path | None = None
+    client_key: Path | None = None
+    # names a server's certificate may carry (an announced server naming another is never
+    # used); empty: the name dialed (the endpoint's host)
+    server_names: list[str] = Field(default_factory=list)
+    # the bearer token this device sends on every call (sled serve --auth-tokens)
+    token: SecretStr = SecretStr("")
+    # --- the local API's access ---
+    # clients of the local API must send `Authorization: Bearer API_KEY` ("" = no key)
+    api_key: SecretStr = SecretStr("")
+    # serve a non-loopback host without an api_key (refused otherwise)
+    api_open: bool = False
     policy: PolicySettings = PolicySettings()
     mqtt: MqttSettings = MqttSettings()
     emulation: EmulationSettings = EmulationSettings()
@@ -148,6 +165,11 @@ class DeviceSettings(BaseSettings):
     def _topic_level(cls, value: str) -> str:
         return check_topic_level(value, "the device id")
 
+    @field_validator("server_ca", "client_cert", "client_key", mode="before")
+    @classmethod
+    def _no_file(cls, value):
+        return None if value == "" else value
+
     @field_validator("servers")
     @classmethod
     def _endpoints(cls, value: list[str]) -> list[str]:
@@ -156,8 +178,10 @@ class DeviceSettings(BaseSettings):
     def public(self) -> dict[str, Any]:
         """The settings as plain data with secrets masked (status, the MQTT echo)."""
         data = self.model_dump(mode="json")
-        if data["mqtt"]["password"]:
-            data["mqtt"]["password"] = "**********"
+        for section, key in (("mqtt", "password"), (None, "token"), (None, "api_key")):
+            values = data[section] if section else data
+            if values[key]:
+                values[key] = "**********"
         return data
 
     def updated(self, changes: dict[str, Any]) -> "DeviceSettings":

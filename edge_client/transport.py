@@ -105,17 +105,54 @@ def not_a_grpc_server(error: Exception) -> bool:
     return any(mark in (details or "") for mark in NOT_GRPC_MARKS)
 
 
-def connect_error(address: str, error: Exception) -> str:
+# What grpc core says when TLS itself failed, and what to do about it.
+TLS_FAILURES = {
+    "WRONG_VERSION_NUMBER": "does not speak TLS: dial it without a server CA (server_ca, "
+                            "--server-ca), or start it with --tls-cert and --tls-key",
+    "CERTIFICATE_VERIFY_FAILED": "presented a certificate the server CA (server_ca, --server-ca) "
+                                 "did not sign: it is not the server it claims to be, or the CA "
+                                 "is the wrong one",
+    "Hostname Verification Check failed": "presented a certificate that is not for the name "
+                                          "dialed: dial a name it carries, or name it in "
+                                          "server_names (--server-name)",
+}
+REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def connect_error(address: str, error: Exception, tls: bool = False,
+                  speaks_tls: bool = False) -> str:
     """Why a call to the server at ADDRESS failed, as one line a person can act on: the one home
-    of this wording (sled generate, the daemon's probes)."""
+    of this wording (sled generate, the daemon's probes). tls: the call was made over TLS;
+    speaks_tls: a plaintext call failed and the address answers a TLS handshake."""
     address = printable(address, 200)
     if not_a_grpc_server(error):
         return (f"{address} answers, but it is not a sled gRPC server (an HTTP/1 service, e.g. the "
                 "metrics port? the gRPC port is the one `sled serve` prints)")
+    transport = _transport_failure(error, tls, speaks_tls)
+    if transport:
+        return f"the server at {address} {transport}"
     if isinstance(error, grpc.aio.AioRpcError):
         detail = f"{error.code().name}: {printable(error.details() or '', 200)}"
         if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:   # up, but at a limit (its load)
             return f"the server at {address} is busy ({detail}); try again"
+        if error.code() in REFUSED:
+            return f"the server at {address} refused this device ({detail})"
     else:
         detail = "timed out" if isinstance(error, asyncio.TimeoutError) else printable(str(error), 200)
     return f"cannot reach a sled server at {address}: {detail}"
+
+
+def _transport_failure(error: Exception, tls: bool, speaks_tls: bool) -> str:
+    """What went wrong below gRPC, when TLS did ("" otherwise)."""
+    details = error.details() if isinstance(error, grpc.aio.AioRpcError) else ""
+    for mark, why in TLS_FAILURES.items():
+        if mark in (details or ""):
+            return why
+    if "Socket closed" not in (details or ""):
+        return ""
+    if tls:
+        return ("closed the TLS connection in the handshake: it asks for a client certificate "
+                "its CA signed (client_cert and client_key, --client-cert and --client-key)")
+    if speaks_tls:
+        return "speaks TLS: give the CA that signed its certificate (server_ca, --server-ca)"
+    return ""

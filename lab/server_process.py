@@ -22,7 +22,11 @@ def free_port() -> int:
 class ServerProcess:
     """`async with ServerProcess(model) as server:` a ready server at server.address."""
 
-    def __init__(self, model: str, *extra: str, startup_timeout: float = 300.0) -> None:
+    def __init__(self, model: str, *extra: str, startup_timeout: float = 300.0,
+                 security=None) -> None:
+        """extra: more `sled serve` flags; security (edge_client.security.ChannelSecurity): how
+        to reach a server started with TLS or device tokens."""
+        self.security = security
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "sled_cli.main", "serve", "--model", model,
@@ -32,8 +36,8 @@ class ServerProcess:
 
     async def __aenter__(self) -> "ServerProcess":
         self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        async with grpc.aio.insecure_channel(self.address) as channel:
-            stub = pb_grpc.VerifierStub(channel)
+        async with self._channel() as channel:
+            stub = self.security.stub(channel) if self.security else pb_grpc.VerifierStub(channel)
             try:
                 await stub.GetModelInfo(pb.GetModelInfoRequest(), wait_for_ready=True,
                                         timeout=self.startup_timeout)
@@ -42,6 +46,11 @@ class ServerProcess:
                 err = self.proc.stderr.read().decode(errors="replace")[-2000:]
                 raise RuntimeError(f"sled serve did not start: {err}") from None
         return self
+
+    def _channel(self) -> grpc.aio.Channel:
+        if self.security is None:
+            return grpc.aio.insecure_channel(self.address)
+        return self.security.channel(self.address)
 
     async def __aexit__(self, *exc) -> None:
         if self.proc is not None:

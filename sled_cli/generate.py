@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 
 import grpc
@@ -44,6 +45,19 @@ def add_arguments(parser) -> None:
                              "session before giving up with the partial output (0: at once)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object instead of text")
+    access = parser.add_argument_group("access", "a server started with --tls-cert, "
+                                       "--tls-client-ca or --auth-tokens (see sled certs)")
+    access.add_argument("--server-ca", metavar="FILE",
+                        help="TLS: the CA that signed the server's certificate")
+    access.add_argument("--client-cert", metavar="FILE",
+                        help="mutual TLS: this device's certificate (with --client-key)")
+    access.add_argument("--client-key", metavar="FILE", help="the client certificate's key")
+    access.add_argument("--server-name", metavar="NAME", default="",
+                        help="the name the server's certificate carries, when not the host "
+                             "dialed")
+    access.add_argument("--token", metavar="TEXT", default=os.environ.get("SLED_DEVICE_TOKEN", ""),
+                        help="this device's token (default: $SLED_DEVICE_TOKEN, which keeps "
+                             "it out of the process list)")
 
 
 async def run(args) -> int:
@@ -61,23 +75,23 @@ async def run(args) -> int:
 
 async def _generate(args, shown: "Shown") -> int:
     from edge_client.connection import Connection
-    from edge_client.transport import connect_error
     from sled.cache import CacheError
     from sled.v1 import verifier_pb2 as pb
 
     server_modes = {"server": pb.GENERATION_MODE_SERVER, "sat": pb.GENERATION_MODE_SERVER_SAT}
     try:
+        security = _security(args)
         sampling, settings, drafter = await asyncio.to_thread(_round_inputs, args, server_modes)
     except (ValueError, OSError) as exc:
         return shown.fail(str(exc), 2)
     # the drafter loads before the target's tokenizer, not beside it: both may import
     # transformers, whose lazy imports are not safe from two threads at once
-    async with Connection(args.server) as conn:
+    async with Connection(args.server, security, args.server_name) as conn:
         try:
             info = await conn.model_info(timeout=15, wait_for_ready=False)
             shown.tokenizer = await conn.tokenizer()
         except grpc.aio.AioRpcError as exc:
-            return shown.fail(connect_error(args.server, exc), 3)
+            return shown.fail(await conn.explain(exc), 3)
         except CacheError as exc:  # the server's tokenizer was refused (or cannot be kept)
             return shown.fail(str(exc), 3)
         prompt_ids = shown.tokenizer(args.prompt).input_ids
@@ -116,6 +130,14 @@ async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, sh
         detail = str(exc) if isinstance(exc, VerifyError) else f"{exc.code().name}: {exc.details()}"
         return shown.fail(f"server refused: {printable(detail, 200)}", 4)
     return shown.finish(result)
+
+
+def _security(args):
+    """TLS and the token, as the access flags ask (ValueError names a file that cannot be read)."""
+    from edge_client.security import ChannelSecurity
+
+    return ChannelSecurity.from_files(args.server_ca, args.client_cert, args.client_key,
+                                      args.token, [args.server_name] if args.server_name else [])
 
 
 def _round_inputs(args, server_modes):

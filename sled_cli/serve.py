@@ -12,7 +12,7 @@ import sys
 import typing
 
 from sled_cli.flags import builtin_aliases, one_line
-from verify_server.settings import (ANNOUNCE, ENV_PREFIX, ServerSettings, SettingsError,
+from verify_server.settings import (ACCESS, ANNOUNCE, ENV_PREFIX, ServerSettings, SettingsError,
                                     flag_spellings, load_settings)
 
 EPILOG = f"""\
@@ -25,7 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.add_argument("--config", metavar="FILE",
                         help="settings file (.toml, .yaml or .yml) (default: none)")
-    groups = {ANNOUNCE: parser.add_argument_group(
+    groups = {ACCESS: parser.add_argument_group(
+        ACCESS, "who may use this server: TLS (mutual with --tls-client-ca), device tokens,\n"
+        "per-device quotas (RESOURCE_EXHAUSTED past them)"),
+        ANNOUNCE: parser.add_argument_group(
         ANNOUNCE, "announce this server to devices over MQTT (retained on PREFIX/servers/SERVER_ID;\n"
         "off without --mqtt-host)")}
     for name, field in ServerSettings.model_fields.items():
@@ -76,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
             raise SettingsError("model: required: give --model, SLED_SERVE_MODEL or model = ... "
                                 "in --config FILE")
         announce = announce_config(settings)
+        from verify_server.auth import access_of
+
+        access_of(settings)     # TLS and token files: one line now, not after the target loads
     except ValueError as exc:
         print(f"sled serve: {one_line(exc)}", file=sys.stderr)
         return 2
@@ -126,4 +132,5 @@ def announce_config(settings: ServerSettings):
     dialed = socket.gethostname() if s.host in ("", "0.0.0.0", "::", "[::]") else s.host
     endpoint = s.announce_endpoint or f"{dialed}:{s.port}"
     return AnnounceConfig(broker, s.server_id or f"{socket.gethostname()}-{s.port}", endpoint,
-                          topic_prefix=s.mqtt_topic_prefix, interval_s=s.announce_interval)
+                          topic_prefix=s.mqtt_topic_prefix, interval_s=s.announce_interval,
+                          tls_name=s.announce_tls_name)

@@ -35,6 +35,7 @@ class AnnounceConfig:
     topic_prefix: str = DEFAULT_PREFIX
     interval_s: float = 5.0
     backoff: Backoff = field(default_factory=Backoff)
+    tls_name: str = ""               # the name on the server's certificate, when not its host
 
     def __post_init__(self) -> None:
         check_topic_level(self.server_id, f"server id {self.server_id!r}")
@@ -64,7 +65,8 @@ class Announcer:
         target = self.service.target
         return {"id": self.config.server_id, "endpoint": self.config.endpoint,
                 "model": target.model_id, "fingerprint": target.fingerprint, "load": self.load(),
-                "sessions": len(self.service.sessions), "online": self.service.accepting}
+                "sessions": len(self.service.sessions), "online": self.service.accepting,
+                **({"tls_name": self.config.tls_name} if self.config.tls_name else {})}
 
     def farewell(self) -> dict:
         return {"id": self.config.server_id, "online": False}

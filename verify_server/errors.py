@@ -56,3 +56,11 @@ def aborted(reason: int, message: str) -> SessionError:
 
 def deadline(reason: int, message: str, round: int = 0) -> SessionError:
     return SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, reason, message, round)
+
+
+def unauthenticated(message: str) -> SessionError:
+    return SessionError(grpc.StatusCode.UNAUTHENTICATED, Reason.REASON_UNAUTHENTICATED, message)
+
+
+def denied(message: str) -> SessionError:
+    return SessionError(grpc.StatusCode.PERMISSION_DENIED, Reason.REASON_PERMISSION_DENIED, message)

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from verify_server.blocks import BlockPool
 
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+MAX_DEVICE_LABELS = 1024    # distinct device labels; later devices are counted as "other"
 
 
 class Metrics:
@@ -37,6 +38,25 @@ class Metrics:
                                     buckets=BATCH_BUCKETS, registry=r)
         self.forward_seconds = Histogram("sled_forward_seconds", "Forward pass + acceptance time",
                                          registry=r)
+        # per device (its token's or certificate's name; "anonymous" without either)
+        self.device_sessions = Counter("sled_device_sessions", "Sessions opened per device",
+                                       ["device"], registry=r)
+        self.device_tokens = Counter("sled_device_tokens", "Tokens through the target per "
+                                     "device (prompt + draft + 1), what its quota counts",
+                                     ["device"], registry=r)
+        self.auth_refusals = Counter("sled_auth_refusals", "Calls refused for their identity",
+                                     ["reason"], registry=r)
+        self._device_labels: set[str] = set()
+
+    def device_label(self, device: str) -> str:
+        """The device's label: its own name for the first MAX_DEVICE_LABELS devices, so the
+        label set stays bounded whatever names certificates carry."""
+        if device in self._device_labels:
+            return device
+        if len(self._device_labels) >= MAX_DEVICE_LABELS:
+            return "other"
+        self._device_labels.add(device)
+        return device
 
     def count_round(self, verified: int, accepted: int, emitted: int) -> None:
         self.rounds.inc()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import signal
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -13,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sled.v1 import verifier_pb2 as pb
+from verify_server.auth import access_of
 from verify_server.engine import make_engine
 from verify_server.metrics import Metrics
 from verify_server.scheduler import Scheduler
@@ -59,6 +61,7 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     metrics = metrics or Metrics()
     if port and _in_use(host, port):   # before the KV pool is taken
         raise OSError(f"port {host}:{port} is in use")
+    gate, credentials = access_of(settings)   # a bad file stops start-up before the KV pool
     target.cap_context(settings.context_length)
     if target.sat is not None:
         target.sat.check(target.model)
@@ -70,7 +73,7 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
              engine.pool.nbytes / (1 << 20))
     scheduler = Scheduler(engine, metrics, settings.max_batch_sessions, settings.max_step_tokens)
     scheduler.start()
-    service = VerifierService(target, scheduler, settings, metrics)
+    service = VerifierService(target, scheduler, settings, metrics, gate)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", settings.receive_limit(target.context_length)),
         ("grpc.so_reuseport", 0),      # a second server on a used port fails, never shares it
@@ -80,18 +83,29 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+    if settings.reflection:
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
     try:
-        bound = _bind(server, host, port)
+        bound = _bind(server, host, port, credentials)
     except OSError:
         await scheduler.stop()
         raise
     await server.start()
-    log.info("serving %s on %s:%d", target.model_id, host, bound)
+    log.info("serving %s on %s:%d (%s)", target.model_id, host, bound, describe_access(settings))
     evictions = asyncio.get_running_loop().create_task(service.run_evictions(), name="sled-evictions")
     return RunningServer(server, bound, service, scheduler, metrics, health_servicer, evictions)
+
+
+def describe_access(settings: ServerSettings) -> str:
+    """One phrase for the start-up line: what a client must bring."""
+    transport = ("mutual TLS" if settings.tls_client_ca else "TLS") if settings.tls_cert \
+        else "plaintext"
+    who = "device tokens" if settings.auth_tokens else "no device tokens"
+    if settings.auth_tokens and not settings.tls_cert:
+        log.warning("device tokens travel in clear without TLS: give --tls-cert and --tls-key")
+    return f"{transport}, {who}"
 
 
 def add_verifier(service: VerifierService, server: grpc.aio.Server) -> None:
@@ -130,10 +144,18 @@ def _encoded(reply) -> bytes:
     return reply if isinstance(reply, bytes) else reply.SerializeToString()
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Listen on host:port; OSError with one line if that cannot be done (e.g. a used port)."""
+def _bind(server: grpc.aio.Server, host: str, port: int,
+          credentials: grpc.ServerCredentials | None = None) -> int:
+    """Listen on host:port (with TLS given credentials); OSError with one line if that cannot
+    be done (e.g. a used port)."""
+    address = f"{host}:{port}"
     try:   # the probe first spares the log grpc writes when its own bind fails
-        bound = 0 if port and _in_use(host, port) else server.add_insecure_port(f"{host}:{port}")
+        if port and _in_use(host, port):
+            bound = 0
+        elif credentials is not None:
+            bound = server.add_secure_port(address, credentials)
+        else:
+            bound = server.add_insecure_port(address)
     except RuntimeError:
         bound = 0
     if bound == 0:
@@ -159,6 +181,8 @@ async def serve_forever(target: Target, settings: ServerSettings,
     with `announce`, also announce the server over MQTT."""
     host = settings.host
     running = await start_server(target, settings, host, settings.port)
+    if settings.auth_tokens:   # revoke or add devices without a restart
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, running.service.gate.reload)
     if settings.metrics_port is not None:
         try:
             http, _ = running.metrics.serve_http(settings.metrics_port, addr=host)

@@ -17,11 +17,13 @@ import grpc
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from verify_server import errors, validation
+from verify_server.auth import Gate, Identity
 from verify_server.blocks import PoolExhausted
 from verify_server.draft_advice import suggest_draft_len
 from verify_server.dropped_replies import quiet_dropped_replies, tokenizer_stream_ended
 from verify_server.errors import Reason, SessionError
 from verify_server.metrics import Metrics
+from verify_server.quotas import Quotas
 from verify_server.rounds import finish_round, timings
 from verify_server.scheduler import Scheduler
 from verify_server.session import Session
@@ -84,7 +86,7 @@ def end_call(context, error: SessionError, reply=None):
 
 class VerifierService(pb_grpc.VerifierServicer):
     def __init__(self, target: Target, scheduler: Scheduler, settings: ServerSettings,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, gate: Gate | None = None) -> None:
         self.target = target
         self.scheduler = scheduler
         self.settings = settings
@@ -93,14 +95,30 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.accepting = True
         self.pool = scheduler.engine.pool
         self.tokenizer_calls = 0          # GetTokenizer calls not done yet
+        self.gate = gate or Gate()        # who may call (auth): every Verifier call passes it
+        self.quotas = Quotas(settings.quota_sessions, settings.quota_tokens_per_s,
+                             settings.quota_burst_s, settings.quota_wait_s)
         quiet_dropped_replies()
         metrics.active_sessions.set_function(lambda: len(self.sessions))
 
     # --- unary calls -------------------------------------------------------------------------
 
+    def identify(self, context) -> Identity:
+        """The caller (auth.Gate); a refusal is counted and logged by reason."""
+        try:
+            return self.gate.identify(context.invocation_metadata(), context.auth_context(),
+                                      context.peer())
+        except SessionError as error:
+            self.metrics.auth_refusals.labels(error.reason_name).inc()
+            raise detached(error) from None
+
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         if isinstance(request, Undecodable):
             return end_call(context, request.refusal(), pb.ModelInfo())
+        try:
+            self.identify(context)
+        except SessionError as error:
+            return end_call(context, error, pb.ModelInfo())
         return pb.ModelInfo(
             model_id=self.target.model_id,
             vocab_size=self.target.vocab_size,
@@ -130,6 +148,11 @@ class VerifierService(pb_grpc.VerifierServicer):
         the client drops is one log line (verify_server.dropped_replies)."""
         if isinstance(request, Undecodable):
             end_call(context, request.refusal())
+            return
+        try:
+            self.identify(context)
+        except SessionError as error:
+            end_call(context, error)
             return
         limit = self.settings.max_tokenizer_calls
         if self.tokenizer_calls >= limit:
@@ -161,11 +184,14 @@ class VerifierService(pb_grpc.VerifierServicer):
         after the except block, not by an abort, whose kept exception would pin the frames."""
         session: Session | None = None
         refusal: SessionError | None = None
+        device = "-"
         try:
+            identity = self.identify(context)
+            device = identity.device
             while (message := await self._next(session, context)) is not grpc.aio.EOF:
                 kind = kind_of(message)
                 if kind == "open":
-                    session = self._open(session, message.open, context.peer())
+                    session = self._open(session, message.open, identity, context.peer())
                     yield await self._prefill(session, context)
                     if session.mode != pb.GENERATION_MODE_DEVICE_DRAFTS:
                         async for reply in self._decode(session, context):
@@ -182,7 +208,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             self._close(session)
         message = None          # the last request goes before a refusal is sent
         if refusal is not None:
-            yield self._refuse(session, refusal)
+            yield self._refuse(session, device, refusal)
             end_call(context, refusal)
 
     async def _next(self, session: Session | None, context):
@@ -215,18 +241,38 @@ class VerifierService(pb_grpc.VerifierServicer):
         if not read.done() and not session.finished:
             await asyncio.wait((read,), timeout=EVICTED_GRACE * self.settings.idle_timeout)
 
-    def _open(self, session: Session | None, request: pb.Open, peer: str) -> Session:
+    def _open(self, session: Session | None, request: pb.Open, identity: Identity,
+              peer: str) -> Session:
         validation.check_no_session(session)
         sampling = validation.check_open(request, self.target, self.settings, len(self.sessions),
                                          self.accepting)
-        session = Session.from_open(request, sampling, self.target.eos_ids,
-                                    self.scheduler.engine.new_kv())
-        self._admit(session, tenant_key(peer, request.cache_salt))
+        self.quotas.open(identity)
+        try:
+            session = Session.from_open(request, sampling, self.target.eos_ids,
+                                        self.scheduler.engine.new_kv())
+            session.device = identity
+            proven = identity.key if identity.authenticated else None
+            self._admit(session, tenant_key(peer, request.cache_salt, proven))
+        except BaseException:
+            self.quotas.close(identity)
+            raise
         self.sessions[session.id] = session
         self.metrics.sessions.inc()
+        self.metrics.device_sessions.labels(self.metrics.device_label(identity.device)).inc()
+        log.debug("session %s opened by %s", session.id, identity.device)
         return session
 
+    async def _pace(self, session: Session, tokens: int) -> None:
+        """Hold (or refuse) the session's next work to keep its device within its tokens/s
+        quota, and count the tokens against the device."""
+        if session.device is None:
+            return
+        await self.quotas.pace(session.device, tokens)
+        self.metrics.device_tokens.labels(self.metrics.device_label(session.device.device)).inc(
+            tokens)
+
     async def _prefill(self, session: Session, context) -> pb.ServerMessage:
+        await self._pace(session, len(session.prompt_ids) - session.cached_prompt_tokens)
         info = await self.scheduler.prefill(session, deadline_of(context))
         return pb.ServerMessage(opened=pb.Opened(
             session_id=session.id, prompt_tokens=len(session.prompt_ids),
@@ -240,6 +286,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         q = validation.draft_q(draft, tokens, session.sampling, self.target.vocab_size,
                                self.settings.max_q_support)
         draft_len = session.verifiable(len(tokens))
+        await self._pace(session, draft_len + 1 + draft.lookahead)
         outcome, info = await self.scheduler.verify(
             session, tokens[:draft_len], q[:draft_len] if q is not None else None,
             deadline_of(context, draft.deadline_ms), draft.lookahead)
@@ -270,11 +317,13 @@ class VerifierService(pb_grpc.VerifierServicer):
             work = Verify(session, None, deadline_of(context), draft=draft, lookahead=lookahead)
             return self.scheduler.enqueue(work), len(draft)
 
+        await self._pace(session, 1 + lookahead)
         step, draft_len = next_pass([])
         while True:
             outcome, info = await step
             verdict = finish_round(session, outcome, draft_len, info, self.metrics)
             if not session.finished:
+                await self._pace(session, len(outcome.hints) + 1 + lookahead)
                 step, draft_len = next_pass(outcome.hints)
             session.wait_for_device()       # a device that stops reading idles out too
             yield pb.ServerMessage(verdict=verdict)
@@ -289,9 +338,10 @@ class VerifierService(pb_grpc.VerifierServicer):
         return suggest_draft_len(session.acceptance, len(self.sessions),
                                  self.scheduler.max_step_tokens, self.settings.max_draft_len)
 
-    def _refuse(self, session: Session | None, error: SessionError) -> pb.ServerMessage:
+    def _refuse(self, session: Session | None, device: str, error: SessionError) -> pb.ServerMessage:
         self.metrics.errors.labels(error.reason_name).inc()
-        log.info("session %s refused: %s", session.id if session else "-", error.message)
+        log.info("session %s of %s refused: %s", session.id if session else "-", device,
+                 error.message)
         return pb.ServerMessage(error=error.detail())
 
     # --- KV and session lifetimes -------------------------------------------------------------
@@ -322,7 +372,12 @@ class VerifierService(pb_grpc.VerifierServicer):
         """The stream is over: the session goes, whatever ended it."""
         if session is not None:
             self._end(session)
-            self.sessions.pop(session.id, None)
+            self._forget(session)
+
+    def _forget(self, session: Session) -> None:
+        """The session leaves the table, and its device's session quota, once."""
+        if self.sessions.pop(session.id, None) is not None and session.device is not None:
+            self.quotas.close(session.device)
 
     def evict_idle(self, now: float | None = None) -> list[Session]:
         """Free the slot and KV of every session that has waited on its device longer than the
@@ -335,7 +390,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         for session in idle:
             session.evicted_after = session.idle_for(now)
             self.scheduler.release(session)
-            self.sessions.pop(session.id, None)
+            self._forget(session)
             self.metrics.evicted.inc()
             session.evicted.set()             # its handler ends the stream
             log.info("session %s evicted after %.1f s idle", session.id, session.evicted_after)

@@ -14,6 +14,7 @@ import torch
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from verify_server.acceptance import Outcome
+from verify_server.auth import Identity
 from verify_server.kv import SessionKV
 from verify_server.warp import new_generator
 
@@ -38,6 +39,7 @@ class Session:
     waiting_since: float | None = None      # waiting for the device's next message since then
     evicted_after: float | None = None      # idle seconds after which the KV was freed
     evicted: asyncio.Event = field(default_factory=asyncio.Event)   # set once evicted: the stream ends
+    device: Identity | None = None          # who opened it (auth.Identity): quotas, logs, metrics
 
     @classmethod
     def from_open(cls, request: pb.Open, sampling: Sampling, eos_ids: tuple[int, ...],

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pydantic_settings
-from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic import (Field, SecretStr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from sled.endpoint import parse_endpoint
@@ -30,6 +31,7 @@ VARINT_BYTES, FLOAT_BYTES = 5, 4     # the most a uint32 id takes on the wire; a
 FIELD_OVERHEAD = 16                  # tags and lengths of one q position
 MESSAGE_MARGIN = 64 << 10            # stop ids (validation.MAX_STOP_IDS), strings, sampling, framing
 ANNOUNCE = "MQTT announcements"   # the flag group of the announcement keys
+ACCESS = "access"                  # the flag group of TLS, device tokens and quotas
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
               "mib": 1 << 20, "gib": 1 << 30}
 
@@ -44,6 +46,10 @@ def parse_size(text: str) -> int:
 
 def _announce(default: Any = None, description: str = "", **kwargs: Any) -> Any:
     return Field(default, description=description, json_schema_extra={"group": ANNOUNCE}, **kwargs)
+
+
+def _access(default: Any = None, description: str = "", **kwargs: Any) -> Any:
+    return Field(default, description=description, json_schema_extra={"group": ACCESS}, **kwargs)
 
 
 class ServerSettings(BaseSettings):
@@ -68,6 +74,23 @@ class ServerSettings(BaseSettings):
     port: int = Field(50051, ge=0, le=65535, description="gRPC port")
     metrics_port: int | None = Field(None, ge=0, le=65535,
                                      description="serve Prometheus /metrics here")
+    # --- access: TLS, device tokens, quotas ---
+    tls_cert: str | None = _access(None, "serve TLS with this certificate (PEM; with --tls-key)")
+    tls_key: str | None = _access(None, "the certificate's private key (PEM)")
+    tls_client_ca: str | None = _access(
+        None, "mutual TLS: refuse, at the handshake, clients without a certificate this CA signed")
+    auth_tokens: str | None = _access(
+        None, "device tokens, one 'DEVICE_ID TOKEN [cert=NAME] [sessions=N] [tokens_per_s=R]' "
+              "a line (sled certs writes one); every call must carry one; re-read on SIGHUP")
+    reflection: bool = _access(True, "serve gRPC reflection (the service's schema)")
+    quota_sessions: int = _access(0, "open sessions per device before RESOURCE_EXHAUSTED "
+                                     "(0 = only max_sessions)", ge=0)
+    quota_tokens_per_s: float = _access(0.0, "tokens per second through the target per device: "
+                                             "prompt + draft tokens (0 = no quota)", ge=0)
+    quota_burst_s: float = _access(2.0, "seconds of quota_tokens_per_s a device may spend at "
+                                        "once", gt=0)
+    quota_wait_s: float = _access(2.0, "longest a device's work is held to keep it within its "
+                                       "rate; past that it is refused", ge=0)
     # --- limits ---
     max_sessions: int = Field(256, ge=1, description="open sessions before RESOURCE_EXHAUSTED")
     max_draft_len: int = Field(32, ge=1, description="longest draft verified in one round",
@@ -114,6 +137,8 @@ class ServerSettings(BaseSettings):
     announce_endpoint: str | None = _announce(
         None, "HOST:PORT devices should dial (default: host:port, this machine's name for 0.0.0.0)")
     announce_interval: float = _announce(5.0, "seconds between announcements", gt=0)
+    announce_tls_name: str = _announce("", "the name on --tls-cert devices should check, when "
+                                           "it is not the announced endpoint's host")
 
     @field_validator("kv_budget", "max_message_bytes", mode="before")
     @classmethod
@@ -147,7 +172,17 @@ class ServerSettings(BaseSettings):
             parse_endpoint(value, "announce endpoint")
         return value
 
-    @field_validator("mqtt_ca_file", "mqtt_cert_file", "mqtt_key_file", "sat_adapter",
+    @model_validator(mode="after")
+    def _tls_pairs(self) -> "ServerSettings":
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together: give both (--tls-cert FILE "
+                             "--tls-key FILE) or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs TLS: give --tls-cert and --tls-key")
+        return self
+
+    @field_validator("tls_cert", "tls_key", "tls_client_ca", "auth_tokens",
+                     "mqtt_ca_file", "mqtt_cert_file", "mqtt_key_file", "sat_adapter",
                      "server_id", "announce_endpoint", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:

@@ -1,11 +1,12 @@
 """Who shares cached prompt blocks with whom: a session's tenant.
 
 A prefix cache hit tells the asker that someone sent the same prompt (Opened.cached_prompt_tokens,
-and a shorter prefill), so a session finds only the blocks its own tenant published. Until calls
-carry an authenticated identity, the tenant is the peer's host together with the salt the client
+and a shorter prefill), so a session finds only the blocks its own tenant published. When a call
+lacks an authenticated identity, the tenant is the peer's host together with the salt the client
 chose (Open.cache_salt): a client cannot reach another host's blocks by guessing its salt. The
 port is left out, since every stream comes from a new one. An authenticated identity (a device's
-token) takes the host's place in `tenant_key`, and nowhere else.
+token or client certificate, verify_server.auth) takes the host's place in `tenant_key`: two
+devices behind one NAT never share, one device's sessions do from any address.
 
     tenant_key("ipv4:10.0.0.7:51234", "cam-3") == tenant_key("ipv4:10.0.0.7:40001", "cam-3")
     tenant_key("ipv4:10.0.0.7:51234", "cam-3") != tenant_key("ipv4:10.0.0.8:51234", "cam-3")
@@ -37,10 +38,11 @@ def peer_host(peer: str | None) -> str:
     return str(mapped or ip)
 
 
-def tenant_key(peer: str | None, cache_salt: str) -> bytes:
+def tenant_key(peer: str | None, cache_salt: str, identity: str | None = None) -> bytes:
     """The key a session's prefix hashes start from (see blocks.prefix_hashes): equal for two
-    sessions exactly when they may share cached prompt blocks."""
-    identity = peer_host(peer)           # the place an authenticated identity will plug in
+    sessions exactly when they may share cached prompt blocks. `identity`, a device proven by
+    its token or certificate (auth.Identity.key), takes the host's place."""
+    identity = identity or "host:" + peer_host(peer)
     digest = hashlib.blake2b(digest_size=16, person=b"sled-tenant")
     for part in (identity, cache_salt):
         raw = part.encode("utf-8", "surrogatepass")

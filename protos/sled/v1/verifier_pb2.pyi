@@ -229,6 +229,9 @@ class ErrorDetail(_message.Message):
         REASON_EVICTED: _ClassVar[ErrorDetail.Reason]
         REASON_DEADLINE_EXCEEDED: _ClassVar[ErrorDetail.Reason]
         REASON_NO_SAT: _ClassVar[ErrorDetail.Reason]
+        REASON_UNAUTHENTICATED: _ClassVar[ErrorDetail.Reason]
+        REASON_PERMISSION_DENIED: _ClassVar[ErrorDetail.Reason]
+        REASON_QUOTA: _ClassVar[ErrorDetail.Reason]
     REASON_UNSPECIFIED: ErrorDetail.Reason
     REASON_TOKEN_OUT_OF_RANGE: ErrorDetail.Reason
     REASON_EMPTY_DRAFT: ErrorDetail.Reason
@@ -247,6 +250,9 @@ class ErrorDetail(_message.Message):
     REASON_EVICTED: ErrorDetail.Reason
     REASON_DEADLINE_EXCEEDED: ErrorDetail.Reason
     REASON_NO_SAT: ErrorDetail.Reason
+    REASON_UNAUTHENTICATED: ErrorDetail.Reason
+    REASON_PERMISSION_DENIED: ErrorDetail.Reason
+    REASON_QUOTA: ErrorDetail.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]

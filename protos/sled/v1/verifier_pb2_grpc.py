@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class VerifierStub:
-    """Missing associated documentation comment in .proto file."""
+    """Access: a server started with --auth-tokens wants every Verifier call to carry the metadata
+    `authorization: Bearer TOKEN` (one token per device); without it a call ends UNAUTHENTICATED.
+    The standard gRPC health service (grpc.health.v1) never asks for one.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,7 +55,10 @@ class VerifierStub:
 
 
 class VerifierServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Access: a server started with --auth-tokens wants every Verifier call to carry the metadata
+    `authorization: Bearer TOKEN` (one token per device); without it a call ends UNAUTHENTICATED.
+    The standard gRPC health service (grpc.health.v1) never asks for one.
+    """
 
     def GetModelInfo(self, request, context):
         """What the server verifies with, and the limits it enforces.
@@ -105,7 +111,10 @@ def add_VerifierServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Verifier:
-    """Missing associated documentation comment in .proto file."""
+    """Access: a server started with --auth-tokens wants every Verifier call to carry the metadata
+    `authorization: Bearer TOKEN` (one token per device); without it a call ends UNAUTHENTICATED.
+    The standard gRPC health service (grpc.health.v1) never asks for one.
+    """
 
     @staticmethod
     def GetModelInfo(request,

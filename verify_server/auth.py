@@ -1,0 +1,206 @@
+"""Who is calling: a device's identity from its bearer token and, under mutual TLS, its
+certificate. Every Verifier call passes the gate first; the health service never does.
+
+The token file (`sled serve --auth-tokens FILE`), one device a line, re-read on SIGHUP:
+
+    # DEVICE_ID TOKEN [cert=NAME] [sessions=N] [tokens_per_s=R]
+    cam-3   q2VhZ...                                   a token alone
+    dev-1   Xk2pL...   cert=dev-1  sessions=4          pinned to dev-1's client certificate,
+                                                       at most 4 open sessions
+
+    gate = Gate(Path("tokens"), client_certs=True)
+    identity = gate.identify(context.invocation_metadata(), context.auth_context(), context.peer())
+    identity.device, identity.quota                    # "dev-1", Quota(sessions=4, ...)
+    gate.reload()                                      # SIGHUP: revoke or add devices
+
+Tokens are compared as SHA-256 digests with hmac.compare_digest against every line, so the time
+a check takes says nothing about which token came close. A file that does not read on reload
+leaves the previous table in force (one log line says why).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from sled.auth import bearer_token
+from sled.mqtt import check_topic_level
+from sled.printable import printable
+from verify_server import errors
+from verify_server.tenant import peer_host
+
+log = logging.getLogger("sled.server.auth")
+
+ANONYMOUS = "anonymous"        # the device name of a call when the server asks for no identity
+OPTIONS = ("cert", "sessions", "tokens_per_s")
+
+
+def access_of(settings) -> tuple["Gate", object]:
+    """The gate every Verifier call passes and the TLS credentials (None: plaintext) that the
+    server settings ask for; a file that cannot be used raises ValueError (TokenFileError,
+    TlsFileError) with one line. sled serve calls it before the target loads."""
+    from verify_server.tls import server_credentials
+
+    credentials = server_credentials(settings)
+    tokens = Path(settings.auth_tokens) if settings.auth_tokens else None
+    return Gate(tokens, client_certs=bool(settings.tls_client_ca)), credentials
+
+
+class TokenFileError(ValueError):
+    """The token file cannot be used; the message names the file and line (never the token)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """A device's own limits from its token line (None: the server's defaults)."""
+    sessions: int | None = None
+    tokens_per_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What one token line grants."""
+    device: str
+    digest: bytes                   # SHA-256 of the token
+    cert: str | None = None         # the client certificate name the token is pinned to
+    quota: Quota = Quota()
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who a call comes from. `key` tells devices apart for quotas and the prefix cache: the
+    device id when it was proven, else the peer's host."""
+    device: str
+    authenticated: bool
+    key: str
+    quota: Quota = Quota()
+
+
+def digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+def read_token_file(path: Path) -> list[Grant]:
+    """The grants of a token file; TokenFileError for a line that does not read."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenFileError(f"cannot read the token file {path}: "
+                             f"{getattr(exc, 'strerror', None) or exc}") from None
+    grants, seen = [], set()
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        grant = _grant(words, f"{path}:{number}")
+        if grant.device in seen or any(g.digest == grant.digest for g in grants):
+            raise TokenFileError(f"{path}:{number}: device {grant.device} or its token is "
+                                 "listed twice")
+        seen.add(grant.device)
+        grants.append(grant)
+    return grants
+
+
+def _grant(words: list[str], where: str) -> Grant:
+    """One line's words: DEVICE_ID TOKEN [key=value ...]."""
+    if len(words) < 2:
+        raise TokenFileError(f"{where}: expected DEVICE_ID TOKEN [cert=NAME] [sessions=N] "
+                             "[tokens_per_s=R]")
+    device, token, options = words[0], words[1], {}
+    try:
+        check_topic_level(device, "the device id")
+    except ValueError as exc:
+        raise TokenFileError(f"{where}: {exc}") from None
+    if len(token) < 16:
+        raise TokenFileError(f"{where}: the token of {device} is shorter than 16 characters "
+                             "(sled certs makes 43)")
+    for word in words[2:]:
+        key, _, value = word.partition("=")
+        if key not in OPTIONS or not value:
+            raise TokenFileError(f"{where}: unknown option {printable(word, 60)!r} (use "
+                                 + ", ".join(f"{o}=..." for o in OPTIONS) + ")")
+        options[key] = value
+    return Grant(device, digest(token), options.get("cert"), _quota(options, where))
+
+
+def _quota(options: dict[str, str], where: str) -> Quota:
+    try:
+        sessions = int(options["sessions"]) if "sessions" in options else None
+        rate = float(options["tokens_per_s"]) if "tokens_per_s" in options else None
+    except ValueError as exc:
+        raise TokenFileError(f"{where}: {exc}") from None
+    if (sessions is not None and sessions < 1) or (rate is not None and not rate > 0):
+        raise TokenFileError(f"{where}: sessions must be >= 1 and tokens_per_s > 0")
+    return Quota(sessions, rate)
+
+
+def certificate_names(auth_context: dict) -> list[str]:
+    """The names a verified client certificate carries (common name, then DNS names)."""
+    names = []
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        for value in auth_context.get(key, ()):
+            name = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+            if name not in names:
+                names.append(name)
+    return names
+
+
+class Gate:
+    """Checks each call's identity: a known token when there is a token file, a client
+    certificate the CA signed under mutual TLS (checked by the TLS handshake itself)."""
+
+    def __init__(self, tokens: Path | None = None, client_certs: bool = False) -> None:
+        self.path = tokens
+        self.client_certs = client_certs
+        self.grants = read_token_file(tokens) if tokens is not None else []
+
+    @property
+    def required(self) -> bool:
+        return self.path is not None
+
+    def reload(self) -> bool:
+        """Read the token file again (SIGHUP); on failure keep the table in force."""
+        if self.path is None:
+            return False
+        try:
+            grants = read_token_file(self.path)
+        except TokenFileError as exc:
+            log.error("%s; the %d tokens read before stay in force", exc, len(self.grants))
+            return False
+        gone = {g.device for g in self.grants} - {g.device for g in grants}
+        self.grants = grants
+        log.info("token file %s re-read: %d devices%s", self.path, len(grants),
+                 f", revoked: {', '.join(sorted(gone))}" if gone else "")
+        return True
+
+    def identify(self, metadata, auth_context: dict, peer: str) -> Identity:
+        """The caller's identity, or a SessionError (UNAUTHENTICATED, PERMISSION_DENIED)."""
+        names = certificate_names(auth_context) if self.client_certs else []
+        if not self.required:
+            if names:
+                return Identity(names[0], True, "cert:" + names[0])
+            return Identity(ANONYMOUS, False, "host:" + peer_host(peer))
+        grant = self._grant_of(bearer_token(metadata), peer)
+        if grant.cert is not None and grant.cert not in names:
+            carried = f"carries {printable(', '.join(names), 200)}" if names else "carries none"
+            raise errors.denied(f"device {grant.device}'s token is pinned to the client "
+                                f"certificate {grant.cert!r}; this connection {carried}")
+        return Identity(grant.device, True, "device:" + grant.device, grant.quota)
+
+    def _grant_of(self, token: str | None, peer: str) -> Grant:
+        if token is None:
+            raise errors.unauthenticated("this server wants a device token: send the metadata "
+                                  "'authorization: Bearer TOKEN' (sled device --token, "
+                                  "sled generate --token)")
+        presented, found = digest(token), None
+        for grant in self.grants:       # every line compared: no early exit
+            if hmac.compare_digest(presented, grant.digest):
+                found = grant
+        if found is None:
+            log.warning("unknown or revoked token from %s", printable(peer_host(peer), 100))
+            raise errors.unauthenticated("the device token is not known to this server (revoked or "
+                                  "mistyped): ask its operator for a valid one")
+        return found
+
