@@ -1,14 +1,19 @@
-"""The lab broker's files: mosquitto.conf, a password file and an ACL that confines each device.
+"""Mosquitto's files for a sled fleet: mosquitto.conf, a password file and an ACL that confines
+each device to its own topics. `sled broker-config` writes them for a deployment and the lab for
+each of its fleets, so both run with the same ACL.
 
-    files = BrokerFiles.write(folder, slots, prefix="sled", root=None, port=1883)
-    files.conf, files.credentials["dev-00"], files.password("lab")
+    fleet = Fleet(devices=("dev-1", "dev-2"), servers={"gpu-1": "gpu-1"})
+    files = BrokerFiles.write_fleet(folder, fleet, "sled", Listener(port=8883, tls=tls))
+    files = BrokerFiles.write(folder, slots, prefix="sled", root=None, port=1883)   # the lab
+    files.conf, files.credentials["dev-1"], files.password("gpu-1")
 
-Users: every device id, "server" and "lab", each with a random password kept in
-folder/credentials.json (mode 0600). The ACL (mosquitto.conf(5), "user" blocks):
+Every user has a random password kept in folder/credentials.json (mode 0600). The ACL
+(mosquitto.conf(5), "user" blocks):
   - a device reads and writes only `<prefix>/devices/<its id>/...` (writes status, telemetry,
     config/applied, responses/#; reads config and requests) and reads `<prefix>/servers/#`;
-  - "server" writes only its announcement `<prefix>/servers/<server id>`;
-  - "lab" reads everything under the prefix and writes every device's config and requests.
+  - a server's user writes only its announcement `<prefix>/servers/<its server id>`;
+  - an operator reads everything under the prefix and writes every device's config and requests.
+The lab's users are each slot's device, "server" (announcing "lab-server") and the operator "lab".
 The conf names its files under `root`: the folder itself locally, or where a container mounts
 it (/mosquitto/config), so compose uses the same files.
 """
@@ -19,14 +24,20 @@ import os
 import secrets
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from lab.scenario import DeviceSlot
+from sled.mqtt import check_topic_level, check_topic_prefix, device_topic, server_topic
+from sled.printable import printable
+
+if TYPE_CHECKING:
+    from lab.scenario import DeviceSlot
 
 SERVER_USER, LAB_USER, SERVER_ID = "server", "lab", "lab-server"
 DEVICE_WRITES = ("status", "telemetry", "config/applied", "responses/#")
 DEVICE_READS = ("config", "requests")
+OPERATOR_WRITES = ("config", "requests")
 
 
 def passwd_binary() -> str:
@@ -36,27 +47,91 @@ def passwd_binary() -> str:
     return found
 
 
-def acl_lines(device_ids: list[str], prefix: str, server_id: str = SERVER_ID) -> list[str]:
-    """The ACL: one user block per device, then the server's and the lab's."""
-    lines = ["# sled lab: each device only its own topics; the server only its announcement"]
-    for device_id in device_ids:
-        own = f"{prefix}/devices/{device_id}"
+def check_user(name: object) -> str:
+    """`name` when it can be a broker user: one topic level (it names the user's topics), no ':'
+    (the password file's separator) and no leading '-' (mosquitto_passwd would read a flag)."""
+    shown = printable(str(name))
+    check_topic_level(name, f"the id {shown!r}")
+    if ":" in name or name.startswith("-"):
+        raise ValueError(f"the id {shown!r} cannot be a broker user: it holds ':' or starts "
+                         f"with '-'")
+    return name
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """Who logs in to the broker, each under a user name of its own."""
+    devices: tuple[str, ...]
+    servers: dict[str, str] = field(default_factory=dict)   # user -> the server id it announces
+    operators: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for user in self.users:
+            check_user(user)
+        for server_id in self.servers.values():
+            check_topic_level(server_id, f"the server id {printable(server_id)!r}")
+        twice = [user for n, user in enumerate(self.users) if user in self.users[:n]]
+        if twice:
+            raise ValueError(f"{printable(twice[0])!r} is named twice: every device, server and "
+                             f"operator needs a user name of its own")
+
+    @classmethod
+    def lab(cls, slots: list[DeviceSlot], server_id: str = SERVER_ID) -> "Fleet":
+        """The lab's fleet: a device per slot, "server" announcing `server_id`, operator "lab"."""
+        return cls(tuple(slot.id for slot in slots), {SERVER_USER: server_id}, (LAB_USER,))
+
+    @property
+    def users(self) -> list[str]:
+        return [*self.devices, *self.servers, *self.operators]
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerTls:
+    """The listener's TLS files (mosquitto.conf(5): cafile, certfile, keyfile)."""
+    ca: Path
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True, slots=True)
+class Listener:
+    """Where Mosquitto listens and how; `root` is the broker files' folder as Mosquitto sees it
+    (None: the folder itself)."""
+    port: int = 1883
+    bind: str | None = None
+    root: str | None = None
+    run_as: str | None = None
+    log: str | None = None
+    tls: BrokerTls | None = None
+
+
+def acl_lines(fleet: Fleet, prefix: str) -> list[str]:
+    """The ACL: one user block per device, then each server's and each operator's."""
+    lines = ["# sled: each device only its own topics; each server only its announcement"]
+    for device_id in fleet.devices:
         lines += ["", f"user {device_id}"]
-        lines += [f"topic write {own}/{leaf}" for leaf in DEVICE_WRITES]
-        lines += [f"topic read {own}/{leaf}" for leaf in DEVICE_READS]
-        lines.append(f"topic read {prefix}/servers/#")
-    lines += ["", f"user {SERVER_USER}", f"topic write {prefix}/servers/{server_id}"]
-    lines += ["", f"user {LAB_USER}", f"topic read {prefix}/#",
-              f"topic write {prefix}/devices/+/config", f"topic write {prefix}/devices/+/requests"]
+        lines += [f"topic write {device_topic(prefix, device_id, leaf)}" for leaf in DEVICE_WRITES]
+        lines += [f"topic read {device_topic(prefix, device_id, leaf)}" for leaf in DEVICE_READS]
+        lines.append(f"topic read {server_topic(prefix, '#')}")
+    for user, server_id in fleet.servers.items():
+        lines += ["", f"user {user}", f"topic write {server_topic(prefix, server_id)}"]
+    for user in fleet.operators:
+        lines += ["", f"user {user}", f"topic read {prefix}/#"]
+        lines += [f"topic write {device_topic(prefix, '+', leaf)}" for leaf in OPERATOR_WRITES]
     return lines
 
 
-def conf_lines(root: str, port: int, bind: str | None, run_as: str | None, log: str | None) -> list[str]:
-    lines = [f"listener {port}" + (f" {bind}" if bind else ""), "persistence false",
-             "allow_anonymous false", f"password_file {root}/passwords", f"acl_file {root}/acl"]
-    lines.append(f"log_dest file {log}" if log else "log_dest stdout")
-    if run_as:
-        lines.append(f"user {run_as}")
+def conf_lines(root: str, listener: Listener) -> list[str]:
+    """mosquitto.conf: one listener, passwords and the ACL required, TLS when it has files."""
+    lines = [f"listener {listener.port}" + (f" {listener.bind}" if listener.bind else ""),
+             "persistence false", "allow_anonymous false", f"password_file {root}/passwords",
+             f"acl_file {root}/acl"]
+    if listener.tls:       # clients prove who they are with passwords, not certificates
+        lines += [f"cafile {listener.tls.ca}", f"certfile {listener.tls.cert}",
+                  f"keyfile {listener.tls.key}", "require_certificate false"]
+    lines.append(f"log_dest file {listener.log}" if listener.log else "log_dest stdout")
+    if listener.run_as:
+        lines.append(f"user {listener.run_as}")
     return lines
 
 
@@ -65,7 +140,7 @@ class BrokerFiles:
     folder: Path
     credentials: dict[str, str]     # user -> password
     prefix: str
-    server_id: str = SERVER_ID
+    server_id: str = SERVER_ID      # what the lab's "server" user announces
 
     @property
     def conf(self) -> Path:
@@ -83,17 +158,25 @@ class BrokerFiles:
               root: str | None = None, port: int = 1883, bind: str | None = None,
               run_as: str | None = None, log: str | None = None,
               server_id: str = SERVER_ID) -> "BrokerFiles":
-        """Write conf, passwords, acl and credentials.json into `folder`."""
+        """The lab's files (Fleet.lab) into `folder`."""
+        files = cls.write_fleet(folder, Fleet.lab(slots, server_id), prefix,
+                                Listener(port, bind, root, run_as, log))
+        return replace(files, server_id=server_id)
+
+    @classmethod
+    def write_fleet(cls, folder: Path, fleet: Fleet, prefix: str = "sled",
+                    listener: Listener = Listener()) -> "BrokerFiles":
+        """Write conf, passwords, acl and credentials.json for `fleet` into `folder`."""
+        check_topic_prefix(prefix)
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        users = [slot.id for slot in slots] + [SERVER_USER, LAB_USER]
-        credentials = {user: secrets.token_hex(16) for user in users}   # never a leading "-"
+        credentials = {user: secrets.token_hex(16) for user in fleet.users}   # never a leading "-"
         _write_passwords(folder / "passwords", credentials)
-        (folder / "acl").write_text("\n".join(acl_lines([s.id for s in slots], prefix, server_id)) + "\n")
-        root = root or str(folder.resolve())
-        (folder / "mosquitto.conf").write_text("\n".join(conf_lines(root, port, bind, run_as, log)) + "\n")
-        _write_secret(folder / "credentials.json", json.dumps(credentials, indent=2) + "\n")
-        return cls(folder, credentials, prefix, server_id)
+        (folder / "acl").write_text("\n".join(acl_lines(fleet, prefix)) + "\n")
+        root = listener.root or str(folder.resolve())
+        (folder / "mosquitto.conf").write_text("\n".join(conf_lines(root, listener)) + "\n")
+        write_secret(folder / "credentials.json", json.dumps(credentials, indent=2) + "\n")
+        return cls(folder, credentials, prefix)
 
     @classmethod
     def read(cls, folder: Path, prefix: str = "sled", server_id: str = SERVER_ID) -> "BrokerFiles":
@@ -106,13 +189,16 @@ def _write_passwords(path: Path, credentials: dict[str, str]) -> None:
     path.unlink(missing_ok=True)
     for i, (user, password) in enumerate(credentials.items()):
         flags = ["-b", "-c"] if i == 0 else ["-b"]
-        subprocess.run([passwd_binary(), *flags, str(path), user, password], check=True,
-                       capture_output=True)
+        done = subprocess.run([passwd_binary(), *flags, str(path), user, password],
+                              capture_output=True)
+        if done.returncode != 0:     # its message, never the command line: that has the password
+            raise ValueError(f"mosquitto_passwd refused the user {printable(user)!r}: "
+                             f"{printable(done.stderr.strip() or done.stdout.strip())}")
     path.chmod(0o644)   # hashes only; a broker running as its own user must read them
 
 
-def _write_secret(path: Path, text: str) -> None:
-    """Created 0600 from the start, so the passwords are never readable by others."""
+def write_secret(path: Path, text: str) -> None:
+    """Created 0600 from the start, so a secret is never readable by others."""
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from lab.broker import _write_secret
+from lab.broker import write_secret
 from lab.device_entry import PASSWORD_FILE, wait_slot_files
 from lab.images import DOCKER, ROOT, TORCH, BuildError, run_step
 from lab.workload import is_prompt_file
@@ -274,7 +274,7 @@ def write_run_folder(lab: ComposeLab) -> None:
     files = BrokerFiles.write(run_dir / "broker", slots, root="/mosquitto/config", port=1883)
     write_scenario(lab, run_dir)
     env = compose_env(lab, files.password("server"))
-    _write_secret(run_dir / ".env", "".join(f"{k}={v}\n" for k, v in env.items()))
+    write_secret(run_dir / ".env", "".join(f"{k}={v}\n" for k, v in env.items()))
     (run_dir / OVERRIDE).write_text(override_text(lab))
 
 

