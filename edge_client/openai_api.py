@@ -13,11 +13,19 @@ streaming), GET /health (the device's status; 503 unless ready), GET /metrics (P
 Extensions beyond OpenAI's fields: top_k, ignore_eos, stop_token_ids; an answer drafted alone
 (the opt-in fallback, the one lossy mode) carries `"sled": {"lossless": false}` (and, when not
 streamed, `X-Sled-Lossless: false`).
+
+Access: with the device's api_key set, every route but /health asks for
+`Authorization: Bearer API_KEY` (what the openai client sends from its api_key) and answers 401
+without it; a host other than loopback is served only with an api_key, or with api_open.
 """
 from __future__ import annotations
 
+import asyncio
+import hmac
+import ipaddress
 import json
 import logging
+import socket
 import time
 import uuid
 import weakref
@@ -31,10 +39,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from edge_client.daemon import Device, DeviceError, Request
+from edge_client.settings import DeviceSettings
 from edge_client.text import OutputText
 from sled.chat_templates import builtin_chat_template, turn_end_ids
 from sled.printable import printable
 from sled.sampling import Sampling
+from sled.settings_files import SettingsError
 
 log = logging.getLogger("sled.api")
 
@@ -52,16 +62,18 @@ class ApiError(Exception):
     """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
 
     @classmethod
     def from_device(cls, error: DeviceError) -> "ApiError":
@@ -558,8 +570,7 @@ def counting(http: HttpMetrics):
     @web.middleware
     async def count(request: web.Request, handler) -> web.StreamResponse:
         started = time.perf_counter()
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else "other"
+        route = _route(request)
         status = 500
         try:
             response = await handler(request)
@@ -571,10 +582,88 @@ def counting(http: HttpMetrics):
     return count
 
 
+def _route(request: web.Request) -> str:
+    """The route's pattern ("/v1/models/{model}"), or "other" for a path no route has."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "other"
+
+
+# -- access -----------------------------------------------------------------------------------
+# Routes anyone may call with a key set: load balancers and the lab's runner read /health.
+OPEN_ROUTES = {"/health"}
+AUTH_HEADERS = {"WWW-Authenticate": "Bearer"}
+
+
+def requiring_key(api_key: str):
+    """Every route but OPEN_ROUTES answers 401 unless the request carries
+    `Authorization: Bearer API_KEY` (the key is fixed when the app is made)."""
+    expected = api_key.encode("utf-8")
+
+    @web.middleware
+    async def check_key(request: web.Request, handler) -> web.StreamResponse:
+        if _route(request) not in OPEN_ROUTES:
+            check_bearer(request.headers.get("Authorization", ""), expected)
+        return await handler(request)
+    return check_key
+
+
+def check_bearer(authorization: str, expected: bytes) -> None:
+    """Raise a 401 unless AUTHORIZATION is `Bearer <EXPECTED>`, compared in constant time."""
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise _unauthorized("this device's API needs a key: send the header `Authorization: Bearer KEY` "
+                            "(the openai client's api_key) with the key set as the device's api_key")
+    if not hmac.compare_digest(token.encode("utf-8", "surrogatepass"), expected):
+        raise _unauthorized("the API key is not this device's: send the key set as the device's "
+                            "api_key (`Authorization: Bearer KEY`)")
+
+
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(401, message, code="invalid_api_key", headers=AUTH_HEADERS)
+
+
+def check_exposure(host: str, settings: DeviceSettings) -> bool:
+    """Refuse (SettingsError) to serve HOST beyond this machine without an api_key, unless
+    settings.api_open says to. True when the API will be open to the network with no key."""
+    if settings.api_key.get_secret_value() or is_loopback(host):
+        return False
+    if not settings.api_open:
+        raise SettingsError(f"the local API would listen on {printable(host)!r}, which is not a "
+                            f"loopback address, with no api_key: set api_key (clients then send "
+                            f"`Authorization: Bearer KEY`), or api_open = true to serve it "
+                            f"unauthenticated")
+    return True
+
+
+def is_loopback(host: str) -> bool:
+    """Whether HOST keeps the API on this machine: "localhost", 127.0.0.0/8, ::1, or a name
+    that resolves to those alone. "", "0.0.0.0" and "::" (every interface) are not."""
+    if host == "localhost":
+        return True
+    if not host:
+        return False
+    try:
+        found = socket.getaddrinfo(host.removeprefix("[").removesuffix("]"), None)
+    except (OSError, UnicodeError):     # a name that does not resolve cannot be vouched for
+        return False
+    return all(_loopback_address(info[4][0]) for info in found)
+
+
+def _loopback_address(address: str) -> bool:
+    ip = ipaddress.ip_address(address.partition("%")[0])
+    mapped = getattr(ip, "ipv4_mapped", None)     # ::ffff:127.0.0.1
+    return (mapped or ip).is_loopback
+
+
 # -- the app ----------------------------------------------------------------------------------
 def make_app(device: Device) -> web.Application:
+    """The routes, with the device's api_key (when set) required on all but /health."""
     http = HttpMetrics.of(device.metrics.registry)
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[counting(http), openai_errors])
+    middlewares = [counting(http), openai_errors]
+    if api_key := device.settings.api_key.get_secret_value():
+        middlewares.append(requiring_key(api_key))
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[DEVICE_KEY] = device
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
@@ -588,7 +677,11 @@ def make_app(device: Device) -> web.Application:
 async def start_api(device: Device, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Serve the API on host:port (0: any free port); returns the runner (stop it with
     `await runner.cleanup()`) and the port it listens on. A client that disconnects cancels
-    its handler, and with it the generation."""
+    its handler, and with it the generation. A host beyond loopback needs the device's api_key or
+    api_open (SettingsError otherwise; with api_open and no key, one WARNING line)."""
+    if await asyncio.to_thread(check_exposure, host, device.settings):
+        log.warning("the local API on %s is open to the network with no api_key (api_open = true): "
+                    "anyone who can reach it can generate", printable(host))
     runner = web.AppRunner(make_app(device), handler_cancellation=True, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

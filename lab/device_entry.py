@@ -181,7 +181,11 @@ def daemon_env(slot, emulation: str, password: str) -> dict[str, str]:
         "SLED_DEVICE_ID": slot.id,
         "SLED_DEVICE_DRAFTER": drafter_spec(slot.drafter, cache_dir()),
         "SLED_DEVICE_SERVERS": json.dumps([SERVER]),
+        # The runner reaches each device's API over the compose network, so it listens beyond
+        # loopback; the lab is a testbed on a private network with no published device ports,
+        # so it serves the API with no key (sled device refuses that unless api_open is set).
         "SLED_DEVICE_HOST": "0.0.0.0",
+        "SLED_DEVICE_API_OPEN": "true",
         "SLED_DEVICE_PORT": str(API_PORT),
         "SLED_DEVICE_EMULATION__DEVICE": slot.device,
         "SLED_DEVICE_MQTT__HOST": BROKER_HOST,

@@ -60,12 +60,14 @@ def _config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
 
 async def serve_device(settings, ready: asyncio.Event | None = None) -> int:
     """Run until SIGINT/SIGTERM: the device, its local API and (optionally) MQTT. Exit status 0
-    after SIGTERM, 130 after Ctrl-C (SIGINT), with one line."""
+    after SIGTERM, 130 after Ctrl-C (SIGINT), with one line. An API open to the network with
+    no api_key (and no api_open) is refused before the drafter loads (SettingsError)."""
     from edge_client.daemon import Device
-    from edge_client.openai_api import start_api
+    from edge_client.openai_api import check_exposure, start_api
 
-    device = Device(settings)
+    await asyncio.to_thread(check_exposure, settings.host, settings)
     try:
+        device = Device(settings)
         await device.start()
     except (ValueError, OSError) as exc:
         print(f"sled device: cannot start: {exc}", file=sys.stderr)
