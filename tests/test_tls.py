@@ -129,6 +129,30 @@ async def test_a_pinned_token_needs_its_own_certificate(serve, models, pki):
     assert server.metrics.value("sled_device_sessions_total", {"device": "dev-1"}) == 1
 
 
+async def test_a_secured_device_daemon_generates_losslessly_under_concurrency(
+        serve, models, drafter_models, tokenizer, prompts, pki):
+    """The daemon's own settings (server_ca, client_cert, client_key, token) against mutual TLS
+    with pinned tokens: concurrent requests, every output the target's own."""
+    from edge_client.daemon import Request
+    from test_device import make_device
+
+    server = await serve(models["llama"], **tls_settings(pki, mutual=True, tokens=True))
+    files = pki.device_files("dev-1")
+    daemon = make_device([server.address], drafter_models["llama"], tokenizer,
+                         server_ca=pki.ca, client_cert=files.cert, client_key=files.key,
+                         token=files.token.read_text().strip())
+    await daemon.start()
+    try:
+        assert daemon.state == "ready", daemon.reason
+        outputs = await asyncio.gather(*(daemon.complete(Request(p, max_tokens=12, ignore_eos=True))
+                                         for p in prompts[:4]))
+    finally:
+        await daemon.close()
+    for prompt, (tokens, _, lossless) in zip(prompts, outputs):
+        assert tokens == greedy_reference(models["llama"], prompt, 12) and lossless
+    assert server.metrics.value("sled_device_sessions_total", {"device": "dev-1"}) == 4
+
+
 # --- announced servers ----------------------------------------------------------------------------
 
 async def test_a_fake_announcement_does_not_redirect_a_tls_device(serve, models, pki, impostor):

@@ -393,7 +393,8 @@ class VerifierService(pb_grpc.VerifierServicer):
             self._forget(session)
             self.metrics.evicted.inc()
             session.evicted.set()             # its handler ends the stream
-            log.info("session %s evicted after %.1f s idle", session.id, session.evicted_after)
+            log.info("session %s of %s evicted after %.1f s idle", session.id,
+                     session.device.device if session.device else "-", session.evicted_after)
         return idle
 
     async def run_evictions(self) -> None:
