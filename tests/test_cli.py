@@ -94,6 +94,21 @@ def test_bench_overhead_reports_percentiles(pair, tmp_path):
     assert "overhead / round" in done.stdout
 
 
+def test_bench_overhead_sets_secured_access_beside_plain(pair, tmp_path):
+    """--access plain,mtls: the same rounds against a plaintext server and a mutual-TLS one with
+    a pinned device token, and each overhead set beside plain's."""
+    out = tmp_path / "overhead.json"
+    done = sled("bench", "overhead", "--model", str(pair[0]), "--rounds", "20", "--access",
+                "plain,mtls", "--out", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert list(result["access"]) == ["plain", "mtls"]
+    assert result["access"]["mtls"]["rounds"] >= 20
+    assert result["access"]["plain"]["overhead_p50_ratio"] == 1.0
+    assert result["access"]["mtls"]["overhead_p50_ratio"] > 0
+    assert "each against plain" in done.stdout
+
+
 @pytest.mark.parametrize("flags, phrase", [
     (["--kv-budget", "12 parsecs"], "cannot read size '12 parsecs'"),
     (["--kv-budget", "1KiB"], "holds less than one block"),

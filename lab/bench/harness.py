@@ -213,13 +213,14 @@ class Served:
 
 @asynccontextmanager
 async def serving(model: str, server_args: list[str] = (), console=None,
-                  status: str = "starting the verify server"):
-    """`sled serve --model MODEL SERVER_ARGS` on a free loopback port, connected, as Served.
-    A server that does not start stops the benchmark (exit 3) with its own message."""
+                  status: str = "starting the verify server", security=None):
+    """`sled serve --model MODEL SERVER_ARGS` on a free loopback port, connected (through
+    `security`, an edge_client.security.ChannelSecurity, for a server with TLS or tokens), as
+    Served. A server that does not start stops the benchmark (exit 3) with its own message."""
     from edge_client.connection import Connection
     from lab.server_process import ServerProcess
 
-    server = ServerProcess(model, *server_args)
+    server = ServerProcess(model, *server_args, security=security)
     try:
         with console.status(status) if console is not None else _quiet():
             await server.__aenter__()
@@ -229,7 +230,7 @@ async def serving(model: str, server_args: list[str] = (), console=None,
         await _stop(server)
         raise
     try:
-        async with Connection(server.address) as conn:
+        async with Connection(server.address, security) as conn:
             yield Served(server, conn, await conn.model_info())
     finally:
         await _stop(server)

@@ -3,6 +3,12 @@
 A server process and device sessions on loopback; each round the device times drafting and the
 round trip, the server reports its forward time. Overhead = round trip - server forward: gRPC,
 serialisation, the event loops and the scheduler's queueing.
+
+--access runs the same rounds once per way of reaching the server, each against a server of its
+own, one after the other in one run: plain (plaintext, anyone), tls (the server's certificate),
+mtls (mutual TLS and a device token pinned to the device's certificate, what a secured fleet
+runs; certificates from sled certs in a temporary folder). The table then sets each overhead
+beside plain's.
 """
 from __future__ import annotations
 
@@ -21,6 +27,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sessions", type=positive_int, default=1, help="concurrent device sessions")
     parser.add_argument("--rounds", type=positive_int, default=300, help="rounds per session (at least)")
     parser.add_argument("--draft-len", type=positive_int, default=4, help="tokens drafted per round")
+    parser.add_argument("--access", type=access_modes, default=["plain"], metavar="MODES",
+                        help="comma-separated, each run side by side: plain, tls, mtls (mutual "
+                             "TLS + a pinned device token) (default: plain)")
     harness.add_out_flag(parser, "overhead")
 
 
@@ -28,23 +37,80 @@ def run(args) -> int:
     return harness.run_bench("overhead", bench, args)
 
 
+ACCESS_MODES = ("plain", "tls", "mtls")
+
+
+def access_modes(text: str) -> list[str]:
+    modes = [mode.strip() for mode in text.split(",") if mode.strip()]
+    unknown = [mode for mode in modes if mode not in ACCESS_MODES]
+    if not modes or unknown or len(set(modes)) != len(modes):
+        raise ValueError(f"--access takes distinct names from {', '.join(ACCESS_MODES)}, "
+                         f"comma-separated; got {text!r}")
+    return modes
+
+
 async def bench(args) -> int:
+    import tempfile
+    from pathlib import Path
+
     from lab.tiny import cached_pair
 
     console = harness.bench_console()
     model = args.model or cached_pair()[0]
-    async with harness.serving(model) as served:
-        stats = await _rounds(served, args, console)
-        forward_passes = served.forward_passes()
-        rounds_total = served.server.metric("sled_rounds_total")
-    summary = _summary(stats, args, console)
-    console.print(f"forward passes {forward_passes:.0f} for {rounds_total:.0f} rounds "
-                  f"({forward_passes / rounds_total:.2f} passes per round)")
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="sled-overhead-") as folder:
+        for mode in args.access:
+            flags, security = _access(mode, Path(folder))
+            async with harness.serving(model, flags, security=security) as served:
+                stats = await _rounds(served, args, console)
+                passes, rounds = served.forward_passes(), served.server.metric("sled_rounds_total")
+            console.print(f"[bold]{mode}[/bold]: forward passes {passes:.0f} for {rounds:.0f} "
+                          f"rounds ({passes / rounds:.2f} passes per round)")
+            runs[mode] = {"rounds": len(stats), "forward_passes": passes,
+                          "summary": _summary(stats, args, console, mode)}
+    if len(runs) > 1:
+        _compare(console, runs)
+    first = runs[args.access[0]]
     harness.write_results(console, args.out, {
         "model": model, "drafter": args.drafter, "sessions": args.sessions,
-        "draft_len": args.draft_len, "rounds": len(stats), "forward_passes": forward_passes,
-        "summary": summary})
+        "draft_len": args.draft_len, **first, "access": runs})
     return harness.DONE
+
+
+def _access(mode: str, folder) -> tuple[list[str], object]:
+    """The server flags and the device's ChannelSecurity of one access mode."""
+    from edge_client.security import ChannelSecurity
+
+    if mode == "plain":
+        return [], None
+    from sled_cli.certs import make_certs
+
+    pki = make_certs(folder, ["bench-device"])
+    flags = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)]
+    if mode == "tls":
+        return flags, ChannelSecurity.from_files(pki.ca)
+    device = pki.device_files("bench-device")
+    flags += ["--tls-client-ca", str(pki.ca), "--auth-tokens", str(pki.tokens)]
+    return flags, ChannelSecurity.from_files(pki.ca, device.cert, device.key,
+                                             device.token.read_text().strip())
+
+
+def _compare(console, runs: dict) -> None:
+    """Each mode's round trip and overhead beside the first mode's (p50 and mean)."""
+    from rich.table import Table
+
+    base_name, base = next(iter(runs.items()))
+    table = Table(title=f"access: each against {base_name} (same rounds, one run)")
+    for column in ("access", "round trip p50 (ms)", "overhead p50 (ms)", "overhead mean (ms)",
+                   f"overhead p50 / {base_name}"):
+        table.add_column(column, justify="right" if column != "access" else "left")
+    for name, run in runs.items():
+        overhead, trip = run["summary"]["overhead (ms)"], run["summary"]["round trip (ms)"]
+        ratio = overhead["p50"] / base["summary"]["overhead (ms)"]["p50"]
+        run["overhead_p50_ratio"] = ratio
+        table.add_row(name, f"{trip['p50']:.2f}", f"{overhead['p50']:.2f}",
+                      f"{overhead['mean']:.2f}", f"x{ratio:.2f}")
+    console.print(table)
 
 
 async def _rounds(served, args, console) -> list:
@@ -77,7 +143,7 @@ async def _rounds(served, args, console) -> list:
     return stats
 
 
-def _summary(stats: list, args, console) -> dict:
+def _summary(stats: list, args, console, mode: str = "plain") -> dict:
     """p50, p95 and mean of each per-round time, printed as a table."""
     from rich.table import Table
 
@@ -91,8 +157,8 @@ def _summary(stats: list, args, console) -> dict:
         "overhead (ms)": overhead,
         "overhead / round": fraction,
     }
-    table = Table(title=f"per-round overhead: {len(stats)} rounds, {args.sessions} session(s), "
-                        f"drafter {args.drafter}, k={args.draft_len}")
+    table = Table(title=f"per-round overhead ({mode}): {len(stats)} rounds, {args.sessions} "
+                        f"session(s), drafter {args.drafter}, k={args.draft_len}")
     for column in ("", "p50", "p95", "mean"):
         table.add_column(column, justify="right" if column else "left")
     summary = {}
