@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from edge_client.daemon import Device, DeviceError, Request
 from edge_client.settings import DeviceSettings
 from edge_client.text import OutputText
+from sled.auth import HEADER, bearer_token
 from sled.chat_templates import builtin_chat_template, turn_end_ids
 from sled.printable import printable
 from sled.sampling import Sampling
@@ -609,9 +610,8 @@ def requiring_key(api_key: str):
 
 def check_bearer(authorization: str, expected: bytes) -> None:
     """Raise a 401 unless AUTHORIZATION is `Bearer <EXPECTED>`, compared in constant time."""
-    scheme, _, token = authorization.strip().partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
+    token = bearer_token([(HEADER, authorization)])
+    if token is None:
         raise _unauthorized("this device's API needs a key: send the header `Authorization: Bearer KEY` "
                             "(the openai client's api_key) with the key set as the device's api_key")
     if not hmac.compare_digest(token.encode("utf-8", "surrogatepass"), expected):

@@ -9,15 +9,17 @@ the bearer token every call carries, and which servers it will not dial at all.
 
 With TLS the server must prove, in the handshake, that it holds a certificate the device's CA
 signed for the name dialed: the endpoint's host, or with `server_names` set the one of them the
-server announced (or its host, when listed). A fake announcement on the broker therefore leads
-nowhere: its server cannot complete the handshake. Without TLS a device sends its token only to
-the servers it is configured with, never to announced ones.
+server announced (or its host, when listed). An announced server must also be one of the
+fleet's: its name in `server_names`, or (without them) the host of a configured server, since
+a CA that signs for other names too (a public one) would let anyone announce a server of their
+own. A fake announcement on the broker therefore leads nowhere. Without TLS a device sends its
+token only to the servers it is configured with, never to announced ones.
 """
 from __future__ import annotations
 
 import asyncio
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -38,8 +40,8 @@ class SecurityFileError(ValueError):
 class ChannelSecurity:
     server_ca: bytes | None = None       # PEM: TLS on when set
     client_cert: bytes | None = None     # PEM: mutual TLS
-    client_key: bytes | None = None
-    token: str = ""
+    client_key: bytes | None = field(default=None, repr=False)
+    token: str = field(default="", repr=False)
     server_names: tuple[str, ...] = ()
 
     @classmethod
@@ -89,15 +91,22 @@ class ChannelSecurity:
                 return name
         return None
 
-    def refusal(self, endpoint: str, announced_name: str = "", announced: bool = False) -> str:
-        """Why this device will not dial the server at all ("" when it may)."""
+    def refusal(self, endpoint: str, announced_name: str = "", announced: bool = False,
+                configured: tuple[str, ...] = ()) -> str:
+        """Why this device will not dial the server at all ("" when it may); `configured`: the
+        endpoints this device is configured with."""
         if announced and self.token and not self.tls:
             return ("announced over MQTT, but this device sends its token only over TLS (set "
                     "server_ca) or to the servers it is configured with")
-        if self.tls and self.tls_name(endpoint, announced_name) is None:
+        if not self.tls:
+            return ""
+        if self.tls_name(endpoint, announced_name) is None:
             shown = printable(announced_name or _host(endpoint), 100)
             return (f"its name {shown!r} is not one of this device's server_names "
                     f"({', '.join(self.server_names)})")
+        if announced and not self.server_names and _host(endpoint) not in map(_host, configured):
+            return (f"announced over MQTT under {printable(_host(endpoint), 100)!r}, which is no "
+                    "configured server's host: list the fleet's server names in server_names")
         return ""
 
 

@@ -94,8 +94,11 @@ class ServerDirectory:
         """Set the configured servers (live config): new ones are added, dropped ones removed
         unless MQTT announced them too."""
         for endpoint in endpoints:
-            if endpoint not in self.servers:
+            known = self.servers.get(endpoint)
+            if known is None or known.source != "config":   # configured now: trusted as such
                 self.servers[endpoint] = self._new(endpoint, "config")
+                if known is not None:
+                    self.servers[endpoint].id, self.servers[endpoint].load = known.id, known.load
         for endpoint, server in list(self.servers.items()):
             if server.source == "config" and endpoint not in endpoints:
                 self._drop(endpoint)
@@ -188,7 +191,9 @@ class ServerDirectory:
     # -- internals -----------------------------------------------------------------------
     def _new(self, endpoint: str, source: str, tls_name: str = "") -> Server:
         """A server entry; one this device will not dial says why (security.refusal)."""
-        untrusted = self.security.refusal(endpoint, tls_name, announced=source == "mqtt")
+        configured = tuple(e for e, s in self.servers.items() if s.source == "config")
+        untrusted = self.security.refusal(endpoint, tls_name, announced=source == "mqtt",
+                                          configured=configured)
         if untrusted:
             log.warning("server %s: not used: %s", printable(endpoint, 200), untrusted)
         return Server(endpoint, source=source, tls_name=tls_name, untrusted=untrusted,

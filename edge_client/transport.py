@@ -109,6 +109,13 @@ def not_a_grpc_server(error: Exception) -> bool:
 TLS_FAILURES = {
     "WRONG_VERSION_NUMBER": "does not speak TLS: dial it without a server CA (server_ca, "
                             "--server-ca), or start it with --tls-cert and --tls-key",
+    "certificate has expired": "presented a certificate that has expired: renew it (sled certs "
+                               "DIR --force)",
+    "certificate is not yet valid": "presented a certificate that is not yet valid: check this "
+                                    "device's clock (a board without a real-time clock starts "
+                                    "in the past until network time is set)",
+    "unsupported certificate purpose": "presented a certificate that is not for a server (its "
+                                       "extended key usage): give it its server certificate",
     "CERTIFICATE_VERIFY_FAILED": "presented a certificate the server CA (server_ca, --server-ca) "
                                  "did not sign: it is not the server it claims to be, or the CA "
                                  "is the wrong one",
@@ -152,7 +159,8 @@ def _transport_failure(error: Exception, tls: bool, speaks_tls: bool) -> str:
         return ""
     if tls:
         return ("closed the TLS connection in the handshake: it asks for a client certificate "
-                "its CA signed (client_cert and client_key, --client-cert and --client-key)")
+                "its CA signed and valid now (client_cert and client_key, --client-cert and "
+                "--client-key)")
     if speaks_tls:
         return "speaks TLS: give the CA that signed its certificate (server_ca, --server-ca)"
     return ""

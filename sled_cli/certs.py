@@ -130,7 +130,7 @@ class Authority:
 def make_certs(folder: Path, devices: list[str], server_names: list[str] = (),
                days: int = LEAF_DAYS, force: bool = False) -> Pki:
     """Make what `folder` lacks (with force: the server's and these devices' files anew), then
-    rewrite the token file. ValueError for a bad device id or server name, or a CA that cannot
+    bring the token file up to date (_write_token_file). ValueError for a bad device id or server name, or a CA that cannot
     sign."""
     wanted = [check_cert_id(device_id) for device_id in dict.fromkeys(devices)]
     requested = [general_name(name) for name in server_names]
@@ -143,12 +143,14 @@ def make_certs(folder: Path, devices: list[str], server_names: list[str] = (),
     if force or new_ca or not _server_covers(pki, requested):
         _issue_server(authority, pki, server_names, days)
         made.append("server certificate")
+    issued = []
     for device_id in wanted:
         if force or new_ca or not pki.device_files(device_id).exist():
             _issue_device(authority, device_id, pki.device_files(device_id), days)
-            made.append(f"device {device_id}")
+            issued.append(device_id)
+    made += [f"device {device_id}" for device_id in issued]
     pki = Pki.at(pki.folder, tuple(made))
-    _write_token_file(pki)
+    _write_token_file(pki, issued)
     return pki
 
 
@@ -320,11 +322,18 @@ def _save(key: EllipticCurvePrivateKey, key_path: Path, cert: x509.Certificate,
     cert_path.chmod(0o644)
 
 
-def _write_token_file(pki: Pki) -> None:
-    """The server's token file: every device in the folder, its token pinned to its certificate."""
-    lines = [TOKEN_FILE_HEADER]
-    lines += [f"{device_id} {files.token.read_text().strip()} cert={device_id}"
-              for device_id, files in pki.devices.items()]
+def _write_token_file(pki: Pki, issued: list[str]) -> None:
+    """The server's token file as its operator left it (a device removed from it stays removed,
+    a line's quotas stay), with the new token of each device issued now: its line updated, or
+    added pinned to its certificate."""
+    lines = pki.tokens.read_text().splitlines() if pki.tokens.exists() else [TOKEN_FILE_HEADER]
+    token = {device_id: pki.device_files(device_id).token.read_text().strip()
+             for device_id in issued}
+    for i, line in enumerate(lines):
+        words = line.split("#", 1)[0].split()
+        if words and words[0] in token:
+            lines[i] = " ".join([words[0], token.pop(words[0]), *words[2:]])
+    lines += [f"{device_id} {value} cert={device_id}" for device_id, value in token.items()]
     write_secret(pki.tokens, "\n".join(lines) + "\n")
 
 
@@ -343,9 +352,10 @@ def usage(pki: Pki) -> list[str]:
     if pki.devices:
         lines += ["", "Each device:"]
     for device_id, files in pki.devices.items():
-        lines.append(f"  sled device --id {q(device_id)} --server-ca {q(pki.ca)} "
-                     f"--client-cert {q(files.cert)} --client-key {q(files.key)} "
-                     f"--token=\"$(cat {q(files.token)})\"")   # '=': a token may start with '-'
+        # the token goes in the environment: a command line is visible to every local user
+        lines.append(f"  SLED_DEVICE_TOKEN=\"$(cat {q(files.token)})\" sled device "
+                     f"--id {q(device_id)} --server-ca {q(pki.ca)} "
+                     f"--client-cert {q(files.cert)} --client-key {q(files.key)}")
     return lines
 
 

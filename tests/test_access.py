@@ -20,7 +20,8 @@ from sled.auth import bearer_metadata, bearer_token
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from verify_server.auth import Gate, TokenFileError, read_token_file
-from verify_server.quotas import TokenBucket
+from verify_server.auth import Identity
+from verify_server.quotas import Quotas, TokenBucket
 
 TOKENS = {"dev-1": "tok-dev-1-aaaaaaaaaaaaaaaa", "dev-2": "tok-dev-2-bbbbbbbbbbbbbbbb",
           "cam-3": "tok-cam-3-cccccccccccccccc"}
@@ -151,15 +152,14 @@ async def test_health_needs_no_token_and_reflection_can_be_off(guarded):
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-async def test_a_pinned_token_over_a_connection_without_its_certificate_is_denied(
-        serve, models, tmp_path):
+async def test_pinned_tokens_without_mutual_tls_stop_start_up(serve, models, tmp_path):
+    """Only mutual TLS proves a certificate name: a server that could never honour a pin says
+    so when it starts, instead of denying every call of that device (tests/test_tls.py holds a
+    pinned token over the wrong certificate: PERMISSION_DENIED)."""
     path = token_file(tmp_path / "tokens", extra={"dev-1": "cert=dev-1"})
-    server = await serve(models["llama"], auth_tokens=str(path))
-    channel, stub = stub_of(server, TOKENS["dev-1"])
-    async with channel:
-        error = await refused(stub.GetModelInfo(pb.GetModelInfoRequest()))
-    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "pinned to the client certificate 'dev-1'" in error.details()
+    with pytest.raises(TokenFileError, match="pins 1 tokens to client certificates .* "
+                                             "add --tls-client-ca"):
+        await serve(models["llama"], auth_tokens=str(path))
 
 
 async def test_the_prefix_cache_is_shared_within_a_device_never_across(guarded):
@@ -196,13 +196,31 @@ def test_the_stub_adds_the_token_to_calls_that_bring_their_own_metadata():
 
 # --- quotas ----------------------------------------------------------------------------------------
 
-def test_the_token_bucket_holds_work_until_its_debt_is_repaid():
+def test_the_token_bucket_holds_work_until_it_can_pay():
     bucket = TokenBucket(rate=100.0, capacity=200.0, stamp=0.0)
-    assert bucket.wait_s(0.0) == 0.0
-    bucket.charge(500, 0.0)                 # one long prompt goes through...
-    assert bucket.wait_s(0.0) == pytest.approx(3.0)   # ...and the next work waits 300/100 s
-    assert bucket.wait_s(2.0) == pytest.approx(1.0)
-    assert bucket.wait_s(10.0) == 0.0 and bucket.full
+    assert bucket.wait_s(150, 0.0) == 0.0
+    bucket.charge(150, 0.0)
+    assert bucket.wait_s(150, 0.0) == pytest.approx(1.0)      # 50 held, 100 more to come
+    assert bucket.wait_s(500, 0.0) == pytest.approx(1.5)      # more than it holds: a full one
+    bucket.charge(500, 2.0)                                    # paid ahead: 300 in debt at most
+    assert bucket.wait_s(1, 2.0) == pytest.approx(3.01)
+    assert bucket.full(10.0)
+    bucket.retune(10.0, 20.0, 10.0)                            # SIGHUP: a lower rate
+    assert bucket.level == 20.0 and bucket.wait_s(20, 10.0) == 0.0
+
+
+async def test_idle_devices_are_swept_from_the_quota_table():
+    quotas = Quotas(tokens_per_s=1e6)
+    for host in range(50):
+        identity = Identity("anonymous", False, f"host:10.0.0.{host}")
+        quotas.open(identity)
+        await quotas.pace(identity, 10)
+        quotas.close(identity)
+    busy = Identity("dev-1", True, "device:dev-1")
+    quotas.open(busy)
+    await asyncio.sleep(0.01)           # the buckets refill (1e6 tokens/s)
+    quotas.sweep()
+    assert list(quotas.usage) == ["device:dev-1"]
 
 
 async def open_session(stub, fingerprint: str, prompt=PROMPT, max_new_tokens: int = 64):
@@ -287,21 +305,34 @@ async def test_a_greedy_device_is_held_to_its_rate_while_two_others_stay_lossles
 
 
 async def test_work_far_over_the_rate_is_refused_naming_the_quota(serve, models, tmp_path):
-    """A prompt that leaves the bucket in debt goes through; the next one, which would wait
-    longer than quota_wait_s, is refused at once with RESOURCE_EXHAUSTED."""
+    """10 tokens/s, 1 s of burst, 0.5 s of wait (15 tokens at once): a 40-token prompt can never be paid and is
+    refused as its session opens, holding no KV; a 10-token one empties the bucket and the
+    next session's prefill, which would wait 1 s, is refused at once; a session that opened
+    still finishes, its rounds paced."""
     path = token_file(tmp_path / "tokens", extra={"dev-1": "tokens_per_s=10"})
     server = await serve(models["llama"], auth_tokens=str(path), quota_burst_s=1.0,
                          quota_wait_s=0.5)
     fingerprint = server.service.target.fingerprint
     channel, stub = stub_of(server, TOKENS["dev-1"])
     async with channel:
-        first, reply = await open_session(stub, fingerprint, prompt=list(range(5, 45)))
+        huge, reply = await open_session(stub, fingerprint, prompt=list(range(5, 45)))
+        assert reply.error.reason == pb.ErrorDetail.REASON_QUOTA
+        assert "takes at most 15 tokens at once and this prompt has 40" in await huge.details()
+        assert server.service.pool.committed_blocks == 0 and not server.service.sessions
+        first, reply = await open_session(stub, fingerprint, prompt=list(range(5, 15)),
+                                          max_new_tokens=3)
         assert reply.WhichOneof("kind") == "opened"
-        second, reply = await open_session(stub, fingerprint)
+        second, reply = await open_session(stub, fingerprint, prompt=list(range(5, 20)))
         assert reply.error.reason == pb.ErrorDetail.REASON_QUOTA
         assert await second.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "device dev-1 is over its quota of 10 tokens/s" in await second.details()
-        first.cancel()
+        for round in range(3):     # 2 tokens a round at 10/s: paced, never refused
+            await first.write(pb.DeviceMessage(draft=pb.Draft(round=round, token_ids=[7])))
+            reply = await first.read()
+            assert reply.WhichOneof("kind") == "verdict", reply
+            if reply.verdict.finish_reason:
+                break
+        assert reply.verdict.finish_reason == pb.FINISH_REASON_LENGTH
     other_channel, other = stub_of(server, TOKENS["dev-2"])
     async with other_channel:
         result = await generate(other, NgramDrafter(), PROMPT, max_new_tokens=4)

@@ -160,3 +160,21 @@ def test_a_tls_handshake_accepts_this_cas_device_and_refuses_another_cas(pki):
     seen, read = handshake(pki, stranger.devices["dev-1"])
     assert isinstance(seen, ssl.SSLError) and "certificate verify failed" in str(seen), seen
     assert read != b"ok"
+
+
+def test_adding_a_device_keeps_the_token_file_as_its_operator_left_it(tmp_path):
+    """A device revoked by hand stays revoked and a line's quota stays when devices are added;
+    --force gives a device a new token on its own line."""
+    pki = make_certs(tmp_path / "certs", ["dev-1", "dev-2"])
+    old_token = pki.device_files("dev-1").token.read_text().strip()
+    edited = [line.replace(f"cert=dev-1", "cert=dev-1 sessions=2")
+              for line in pki.tokens.read_text().splitlines() if not line.startswith("dev-2 ")]
+    pki.tokens.write_text("\n".join(edited) + "\n")
+    pki = make_certs(tmp_path / "certs", ["dev-3"])
+    grants = {grant.device: grant for grant in read_token_file(pki.tokens)}
+    assert set(grants) == {"dev-1", "dev-3"}                  # dev-2 stays revoked
+    assert grants["dev-1"].quota.sessions == 2
+    pki = make_certs(tmp_path / "certs", ["dev-1"], force=True)
+    new_token = pki.device_files("dev-1").token.read_text().strip()
+    line = [l for l in pki.tokens.read_text().splitlines() if l.startswith("dev-1 ")]
+    assert new_token != old_token and line == [f"dev-1 {new_token} cert=dev-1 sessions=2"]

@@ -184,6 +184,39 @@ async def test_an_announced_name_outside_server_names_is_never_dialed(pki):
     assert not listed.servers["10.9.9.9:50051"].untrusted
 
 
+def test_an_announced_host_that_no_configured_server_has_is_never_dialed(pki):
+    """With a CA that signs for other names too (a public one), a certificate valid for the
+    announced host proves nothing: without server_names, an announced server must be on a
+    configured server's host."""
+    directory = ServerDirectory(["gpu-1.lan:50051"], security=device(pki))
+    directory.announce("evil", "evil.example:50051")
+    directory.announce("gpu-1b", "gpu-1.lan:50052")
+    assert "no configured server's host" in directory.servers["evil.example:50051"].problem
+    assert not directory.servers["gpu-1.lan:50052"].untrusted
+    directory.configure(["gpu-1.lan:50051", "evil.example:50051"])   # configured: trusted now
+    assert not directory.servers["evil.example:50051"].untrusted
+
+
+async def test_an_expired_or_not_yet_valid_server_certificate_is_named_as_such(
+        serve, models, pki, tmp_path, monkeypatch):
+    """Not the impostor wording: a board without a clock sees 'not yet valid' until NTP."""
+    import datetime
+
+    import sled_cli.certs as certs
+
+    now = certs._now()
+    for shift, says in ((-30, "has expired"), (30, "not yet valid: check this device's clock")):
+        folder = tmp_path / f"shift{shift}"
+        folder.mkdir()
+        monkeypatch.setattr(certs, "_now", lambda: now + datetime.timedelta(days=shift))
+        made = certs.Pki(folder, {})
+        certs._issue_server(certs._load_authority(pki), made, [], 1)
+        server = await serve(models["llama"], tls_cert=str(made.server_cert),
+                             tls_key=str(made.server_key))
+        why = await why_refused(server.address, device(pki))
+        assert says in why, why
+
+
 def test_a_device_with_a_token_and_no_tls_uses_no_announced_server():
     directory = ServerDirectory(["10.0.0.2:50051"], security=ChannelSecurity(token="t" * 20))
     directory.announce("gpu-x", "10.9.9.9:50051")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,8 @@ log = logging.getLogger("sled.server.auth")
 
 ANONYMOUS = "anonymous"        # the device name of a call when the server asks for no identity
 OPTIONS = ("cert", "sessions", "tokens_per_s")
+NAME_CHARS = 128               # a certificate name as a device name: printable, this long at most
+WARN_EVERY_S = 10.0            # unknown tokens are logged at most this often (anyone can send one)
 
 
 def access_of(settings) -> tuple["Gate", object]:
@@ -45,7 +48,13 @@ def access_of(settings) -> tuple["Gate", object]:
 
     credentials = server_credentials(settings)
     tokens = Path(settings.auth_tokens) if settings.auth_tokens else None
-    return Gate(tokens, client_certs=bool(settings.tls_client_ca)), credentials
+    gate = Gate(tokens, client_certs=bool(settings.tls_client_ca))
+    pinned = [grant.device for grant in gate.grants if grant.cert is not None]
+    if pinned and not settings.tls_client_ca:
+        raise TokenFileError(f"the token file {tokens} pins {len(pinned)} tokens to client "
+                             f"certificates (cert=..., e.g. {pinned[0]}), which only mutual TLS "
+                             "proves: add --tls-client-ca, or drop the cert= options")
+    return gate, credentials
 
 
 class TokenFileError(ValueError):
@@ -142,6 +151,7 @@ def certificate_names(auth_context: dict) -> list[str]:
     for key in ("x509_common_name", "x509_subject_alternative_name"):
         for value in auth_context.get(key, ()):
             name = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+            name = printable(name, NAME_CHARS)     # it names the device in logs and metrics
             if name not in names:
                 names.append(name)
     return names
@@ -155,6 +165,7 @@ class Gate:
         self.path = tokens
         self.client_certs = client_certs
         self.grants = read_token_file(tokens) if tokens is not None else []
+        self.unknown_tokens, self.warned_at = 0, float("-inf")   # since the last warning
 
     @property
     def required(self) -> bool:
@@ -199,8 +210,17 @@ class Gate:
             if hmac.compare_digest(presented, grant.digest):
                 found = grant
         if found is None:
-            log.warning("unknown or revoked token from %s", printable(peer_host(peer), 100))
+            self._warn_unknown(peer)
             raise errors.unauthenticated("the device token is not known to this server (revoked or "
                                   "mistyped): ask its operator for a valid one")
         return found
+
+    def _warn_unknown(self, peer: str) -> None:
+        """One warning line per WARN_EVERY_S at most, with how many came since the last."""
+        self.unknown_tokens += 1
+        now = time.monotonic()
+        if now - self.warned_at >= WARN_EVERY_S:
+            log.warning("unknown or revoked token from %s (%d such calls since the last "
+                        "warning)", printable(peer_host(peer), 100), self.unknown_tokens)
+            self.unknown_tokens, self.warned_at = 0, now
 

@@ -246,7 +246,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         validation.check_no_session(session)
         sampling = validation.check_open(request, self.target, self.settings, len(self.sessions),
                                          self.accepting)
-        self.quotas.open(identity)
+        self.quotas.open(identity, len(request.prompt_ids))
         try:
             session = Session.from_open(request, sampling, self.target.eos_ids,
                                         self.scheduler.engine.new_kv())
@@ -323,7 +323,11 @@ class VerifierService(pb_grpc.VerifierServicer):
             outcome, info = await step
             verdict = finish_round(session, outcome, draft_len, info, self.metrics)
             if not session.finished:
-                await self._pace(session, len(outcome.hints) + 1 + lookahead)
+                try:
+                    await self._pace(session, len(outcome.hints) + 1 + lookahead)
+                except SessionError:
+                    yield pb.ServerMessage(verdict=verdict)   # committed: it goes out first
+                    raise
                 step, draft_len = next_pass(outcome.hints)
             session.wait_for_device()       # a device that stops reading idles out too
             yield pb.ServerMessage(verdict=verdict)
@@ -404,3 +408,4 @@ class VerifierService(pb_grpc.VerifierServicer):
         while True:
             await asyncio.sleep(max(self.settings.idle_timeout / 4, 0.05))
             self.evict_idle()
+            self.quotas.sweep()
