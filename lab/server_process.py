@@ -5,7 +5,9 @@ import asyncio
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
+from collections import deque
 
 import grpc
 
@@ -17,6 +19,24 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class ServerLog:
+    """The server child's stderr, read as it comes: its log lines would otherwise fill the pipe
+    and block the server on its next one. The last lines are kept for a crash report."""
+
+    def __init__(self, stream, keep: int = 12) -> None:
+        self.lines: deque[str] = deque(maxlen=keep)
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in iter(stream.readline, b""):
+            self.lines.append(line.decode(errors="replace").rstrip())
+
+    def tail(self) -> str:
+        from sled.printable import printable
+
+        return printable(" | ".join(self.lines), 2000)
 
 
 class ServerProcess:
@@ -33,9 +53,11 @@ class ServerProcess:
                      "--port", str(self.port), "--metrics-port", str(self.metrics_port), *extra]
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
+        self.log: ServerLog | None = None     # its stderr, read as it comes
 
     async def __aenter__(self) -> "ServerProcess":
         self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.log = ServerLog(self.proc.stderr)
         async with self._channel() as channel:
             stub = self.security.stub(channel) if self.security else pb_grpc.VerifierStub(channel)
             try:
@@ -43,8 +65,9 @@ class ServerProcess:
                                         timeout=self.startup_timeout)
             except grpc.aio.AioRpcError:
                 self.proc.kill()
-                err = self.proc.stderr.read().decode(errors="replace")[-2000:]
-                raise RuntimeError(f"sled serve did not start: {err}") from None
+                await asyncio.to_thread(self.proc.wait)
+                await asyncio.sleep(0.1)          # the reader takes the last lines
+                raise RuntimeError(f"sled serve did not start: {self.log.tail()}") from None
         return self
 
     def _channel(self) -> grpc.aio.Channel:

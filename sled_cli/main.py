@@ -75,6 +75,12 @@ COMMANDS = {
         "footprint": Command("lab.bench.footprint", "the device daemon's memory, start-up and "
                              "installed size per drafter, in slim venvs and a full one",
                              needs=SERVER_LAB),
+        "fuzz": Command("lab.bench.fuzz", "generated hostile DeviceMessage streams against a "
+                        "server beside a normal session: crashes, leaks, lossless output",
+                        needs=SERVER_LAB),
+        "soak": Command("lab.bench.soak", "a fleet of emulated devices for minutes with fault "
+                        "steps: memory over time, errors, round latency, tokens lost",
+                        needs=SERVER_LAB),
         "reliability": Command("lab.bench.reliability", "memory kept per refused prompt, round "
                                "time under a GetTokenizer flood, slots freed from idle sessions",
                                needs=SERVER_LAB),
@@ -89,6 +95,10 @@ COMMANDS = {
     }),
     "demo": Command("sled_cli.demo", "loopback demo: a server and three devices on this machine",
                     needs=SERVER),
+    "certs": Command("sled_cli.certs", "make a development CA, a server certificate, and "
+                     "per-device client certificates and tokens into a folder"),
+    "broker-config": Command("sled_cli.broker_config", "write a Mosquitto password file and ACL "
+                             "that confine each device to its own topics"),
     "export-onnx": Command("sled_cli.export_onnx",
                            "export an HF checkpoint or built-in model to ONNX (drafter)",
                            needs=("export",)),

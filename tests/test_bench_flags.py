@@ -15,6 +15,7 @@ BENCHES = COMMANDS["bench"].commands
 # (bench, flag, a value out of its range)
 BAD_VALUES = [
     ("overhead", "--sessions", "0"), ("overhead", "--rounds", "0"), ("overhead", "--draft-len", "0"),
+    ("overhead", "--access", "plain,ssh"), ("overhead", "--access", "tls,tls"),
     ("acceptance", "--devices", "0"), ("acceptance", "--k", "2,0"),
     ("acceptance", "--max-new-tokens", "0"),
     ("serve", "--devices", "1,-4"), ("serve", "--draft-len", "0"), ("serve", "--draft-len", "x"),
@@ -31,6 +32,9 @@ BAD_VALUES = [
     ("reliability", "--rounds", "0"), ("reliability", "--burst", "0"),
     ("reliability", "--slots", "0"), ("reliability", "--idle-timeout", "0"),
     ("startup", "--reps", "0"),
+    ("fuzz", "--messages", "0"), ("fuzz", "--seed", "-1"),
+    ("soak", "--devices", "0"), ("soak", "--minutes", "0"), ("soak", "--rate", "-1"),
+    ("soak", "--max-tokens", "0"),
     ("footprint", "--requests", "0"), ("footprint", "--max-tokens", "0"),
     ("footprint", "--reps", "0"), ("footprint", "--slim", "gguf,server"),
 ]
