@@ -299,6 +299,12 @@ class HeldCall:
     def peer(self) -> str:
         return "ipv4:127.0.0.1:1"
 
+    def invocation_metadata(self):
+        return ()          # no token: the servers here ask for none
+
+    def auth_context(self) -> dict:
+        return {}          # plaintext
+
     def add_done_callback(self, callback) -> None:
         self.callbacks.append(callback)
 

@@ -5,6 +5,11 @@ block table); token t of the session sits in slot `table[t // block_tokens] * bl
 t % block_tokens`. Nothing is allocated or copied per step: a forward writes the new tokens'
 keys/values into their slots and attention reads the session's slots.
 
+Freed blocks are reused hot first: the last freed block that holds no published prefix goes
+next, so a CPU pool's pages (allocated untouched, faulted in on first write) stay as few as the
+peak of blocks in use plus the published ones. A published block is reused only when no other
+free block is left, least recently freed first; before that, a later prompt can still find it.
+
 Admission works on reservations: a session reserves the blocks its longest possible context needs
 when it opens, so a running session never finds the pool full. Full prompt blocks are published
 under a hash of the whole prefix they end, keyed by the session's tenant (verify_server.tenant),
@@ -78,7 +83,10 @@ class BlockPool:
         for tensor in (*self.keys, *self.values):
             tensor[:block_tokens].zero_()
         self.refs = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        # Free blocks without a published prefix, popped from the end: the last freed first
+        # (its pages are resident), never used ones (untouched pages) only after them.
+        self._spare: list[int] = list(range(num_blocks - 1, 0, -1))
+        self._free: OrderedDict[int, None] = OrderedDict()   # free published blocks, oldest first
         self._cached: dict[bytes, int] = {}       # prefix digest -> block
         self._digest: dict[int, bytes] = {}       # block -> its prefix digest
         self.outstanding = 0                      # reserved blocks not allocated yet
@@ -99,7 +107,7 @@ class BlockPool:
 
     @property
     def used_blocks(self) -> int:
-        return self.usable_blocks - len(self._free)
+        return self.usable_blocks - len(self._free) - len(self._spare)
 
     @property
     def committed_blocks(self) -> int:
@@ -122,8 +130,9 @@ class BlockPool:
     # --- blocks ----------------------------------------------------------------------------------
 
     def allocate(self) -> int:
-        """A fresh block against an existing reservation (the least recently freed one)."""
-        block, _ = self._free.popitem(last=False)
+        """A fresh block against an existing reservation: the last freed unpublished one, else
+        the least recently freed published one (its prefix is then no longer found)."""
+        block = self._spare.pop() if self._spare else self._free.popitem(last=False)[0]
         digest = self._digest.pop(block, None)
         if digest is not None:
             del self._cached[digest]
@@ -135,7 +144,14 @@ class BlockPool:
         for block in blocks:
             self.refs[block] -= 1
             if self.refs[block] == 0:
-                self._free[block] = None  # a published block stays findable until reused
+                self._park(block)
+
+    def _park(self, block: int) -> None:
+        """A block nobody holds: published, it stays findable until reused; else it goes next."""
+        if block in self._digest:
+            self._free[block] = None
+        else:
+            self._spare.append(block)
 
     def lookup(self, digests: Sequence[bytes]) -> list[int]:
         """The longest run of published blocks matching `digests`; each gains a reference."""
