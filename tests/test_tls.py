@@ -224,6 +224,21 @@ def test_a_device_with_a_token_and_no_tls_uses_no_announced_server():
     assert not directory.servers["10.0.0.2:50051"].untrusted     # configured: trusted
 
 
+@pytest.mark.parametrize("name", ["gpu-1.lan", "", "*.fleet.lan"])
+def test_an_announced_certificate_name_is_taken_when_it_is_a_host_name(name):
+    from edge_client.mqtt import _tls_name
+
+    assert _tls_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["evil lan", "a/b", "x\nforged", "n" * 254])
+def test_an_announced_certificate_name_that_is_no_host_name_is_refused(name):
+    from edge_client.mqtt import _tls_name
+
+    with pytest.raises(ValueError, match="is not a host name"):
+        _tls_name(name)
+
+
 def test_device_tls_files_are_checked_at_start(tmp_path):
     with pytest.raises(ValueError, match="cannot read server_ca"):
         ChannelSecurity.from_files(tmp_path / "missing.pem")
@@ -242,6 +257,7 @@ def test_sled_serve_refuses_unusable_tls_files_with_one_line(tmp_path, pki, impo
         (["--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(pki.server_key)],
          "cannot read --tls-cert"),
         (["--auth-tokens", str(tmp_path / "none")], "cannot read the token file"),
+        (["--tls-client-ca", str(pki.ca)], "tls_client_ca (mutual TLS) needs TLS"),
     ]
     for flags, says in cases:
         done = run_sled("serve", "--model", model, "--port", "0", *flags, timeout=120)
