@@ -20,6 +20,7 @@ Two engines share the pool:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,15 @@ class Engine:
         self.sat = sat          # the target's semantic adaptive tokens, if it has them
         self.device = next(model.parameters()).device
         self.bytes_copied = 0   # KV bytes written or copied outside attention, ever
+        if sat is not None and sat.lora is not None:
+            sat.lora.attach(model)   # its deltas act only inside `_sat_deltas`
+
+    def _sat_deltas(self, flat_positions: list[int]):
+        """The pass inside applies the SAT LoRA deltas at these positions of the flattened input
+        (a no-op context when the target's SATs have no deltas)."""
+        if self.sat is None or self.sat.lora is None:
+            return nullcontext()
+        return self.sat.lora.at(torch.tensor(flat_positions, dtype=torch.long, device=self.device))
 
     def _inputs(self, input_ids: torch.Tensor, sat_at: list[tuple[tuple[int, ...], int]]) -> dict:
         """Model inputs: plain ids, or embeddings with SAT slots written in at `sat_at`
@@ -189,10 +199,11 @@ class PagedEngine(Engine):
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor | None]:
         step, input_ids, position_ids, sat_at = self._plan(rows)
         index, spans = self._logit_index(rows)
-        out = self.model(**self._inputs(input_ids[None], [((0, i), slot) for i, slot in sat_at]),
-                         position_ids=position_ids[None].to(self.device),
-                         attention_mask=_NO_MASK.to(self.device),
-                         use_cache=False, logits_to_keep=index.to(self.device), sled_step=step)
+        with self._sat_deltas([i for i, _ in sat_at]):
+            out = self.model(**self._inputs(input_ids[None], [((0, i), slot) for i, slot in sat_at]),
+                             position_ids=position_ids[None].to(self.device),
+                             attention_mask=_NO_MASK.to(self.device),
+                             use_cache=False, logits_to_keep=index.to(self.device), sled_step=step)
         logits = out.logits[0]
         self.bytes_copied += step.tokens * self.pool.shape.bytes_per_token
         return [None if span is None else logits[span].float() for span in spans]
@@ -261,14 +272,15 @@ class PaddedEngine(Engine):
             attention_mask[b, max_past - length:max_past + width] = 1
 
         want = any(row.want_logits for row in rows)
-        out = self.model(
-            **self._inputs(input_ids, sat_at),
-            position_ids=position_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            past_key_values=self._padded_cache(rows, max_past),
-            use_cache=True,
-            logits_to_keep=0 if want else 1,
-        )
+        with self._sat_deltas([b * max_new + i for (b, i), _ in sat_at]):
+            out = self.model(
+                **self._inputs(input_ids, sat_at),
+                position_ids=position_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                past_key_values=self._padded_cache(rows, max_past),
+                use_cache=True,
+                logits_to_keep=0 if want else 1,
+            )
         cache = out.past_key_values
         logits: list[torch.Tensor | None] = []
         for b, (row, width) in enumerate(zip(rows, widths)):

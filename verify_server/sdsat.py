@@ -14,8 +14,11 @@ A target carries SATs in one of two ways:
 - **an adapter** (`sat_adapter.safetensors` beside the model, or a path given to the server):
   one trained input embedding per slot, already in the model's embedding space (after any
   embedding scale). The model's own weights are untouched, so every standard-token output stays
-  bit-identical: training in `embeddings` mode produces exactly this. `full` mode also tunes the
-  weights and saves them with the adapter beside them (config: `{"slots": m, "adapter": FILE}`).
+  bit-identical: training in `embeddings` mode produces exactly this. In `lora` mode the adapter
+  also carries low-rank deltas of the attention and MLP projections that act only at SAT slots
+  (`sat_lora.py`), so standard-token outputs stay bit-identical there too. `full` mode tunes the
+  weights themselves and saves them with the adapter beside them (config: `{"slots": m,
+  "adapter": FILE}`).
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from verify_server.sat_lora import SatLora
 
 ADAPTER_FILE = "sat_adapter.safetensors"
 CONFIG_KEY = "sled_sat"
@@ -35,6 +40,7 @@ class SatSpec:
     token_ids: list[int] | None = None        # [m] SAT id per slot (None: adapter embeddings)
     embeddings: torch.Tensor | None = None    # [m, hidden] input embeddings per slot
     source: str = ""
+    lora: SatLora | None = None               # deltas acting only at SAT slots (adapter only)
 
     def __post_init__(self) -> None:
         if self.slots < 1:
@@ -56,6 +62,15 @@ class SatSpec:
         if self.token_ids is not None and max(self.token_ids) >= weight.shape[0]:
             raise ValueError(f"SAT token id {max(self.token_ids)} is outside the model's "
                              f"{weight.shape[0]} embeddings")
+        if self.lora is not None:
+            self.lora.check(model)
+
+    @property
+    def kind(self) -> str:
+        """What carries the SATs: "lora" (embeddings + SAT-only deltas), "embeddings" or "token ids"."""
+        if self.lora is not None:
+            return "lora"
+        return "embeddings" if self.embeddings is not None else "token ids"
 
     def slot_embeddings(self, model: torch.nn.Module, count: int) -> torch.Tensor:
         """Input embeddings of the first `count` slots: [count, hidden], model dtype/device."""
@@ -68,16 +83,22 @@ class SatSpec:
         return model.get_input_embeddings()(ids[None])[0]
 
 
-def save_adapter(path: str | Path, embeddings: torch.Tensor, metadata: dict[str, str | int]) -> Path:
-    """Write a SAT adapter: the [m, hidden] slot embeddings and what they were trained on."""
+def save_adapter(path: str | Path, embeddings: torch.Tensor, metadata: dict[str, str | int],
+                 lora: SatLora | None = None) -> Path:
+    """Write a SAT adapter: the [m, hidden] slot embeddings (float32), any SAT-only LoRA deltas
+    (float16: they are small corrections) and what they were trained on."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {key: str(value) for key, value in metadata.items()}
     meta["slots"] = str(embeddings.shape[0])
-    save_file({"embeddings": embeddings.detach().to(torch.float32).contiguous().cpu()}, str(path),
-              metadata=meta)
+    tensors = {"embeddings": embeddings.detach().to(torch.float32).contiguous().cpu()}
+    if lora is not None:
+        meta.update(lora_rank=str(lora.rank), lora_alpha=str(lora.alpha))
+        tensors.update({name: t.detach().to(torch.float16).contiguous().cpu()
+                        for name, t in lora.tensors().items()})
+    save_file(tensors, str(path), metadata=meta)
     return path
 
 
@@ -85,10 +106,15 @@ def load_adapter(path: str | Path) -> SatSpec:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:
-        embeddings = handle.get_tensor("embeddings")
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
         meta = handle.metadata() or {}
+    embeddings = tensors.pop("embeddings")
+    lora = None
+    if "lora_rank" in meta:
+        lora = SatLora.from_tensors({k: t.float() for k, t in tensors.items()},
+                                    int(meta["lora_rank"]), float(meta["lora_alpha"]))
     return SatSpec(slots=int(meta.get("slots", embeddings.shape[0])), embeddings=embeddings,
-                   source=str(path))
+                   source=str(path), lora=lora)
 
 
 def adapter_metadata(path: str | Path) -> dict[str, str]:
