@@ -20,8 +20,9 @@ def add_arguments(parser) -> None:
                         help="folder for the adapter, log, plot (full: model)")
     parser.add_argument("--mode", default="embeddings", choices=["embeddings", "full", "lora"],
                         help="embeddings: model frozen, only the SAT embeddings train (standard "
-                             "tokens bit-identical); full: all weights + a KL term on standard "
-                             "tokens")
+                             "tokens bit-identical); lora: SAT embeddings + LoRA deltas acting "
+                             "only at SAT slots, by self-distillation (standard tokens "
+                             "bit-identical); full: all weights + a KL term on standard tokens")
     parser.add_argument("--slots", type=positive_int, default=4,
                         help="SAT slots m (tokens drafted per pass)")
     parser.add_argument("--steps", type=positive_int, default=300, help="optimizer steps")
@@ -45,6 +46,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--keep-checkpoint", action="store_true",
                         help="keep the checkpoint after a finished run (default: removed)")
     parser.add_argument("--dtype", default="float32", help="float32, float64, bfloat16, float16")
+    lora = parser.add_argument_group("--mode lora (self-distillation)")
+    lora.add_argument("--prompts", type=positive_int, default=256,
+                      help="corpus prompts the target continues greedily (the training set)")
+    lora.add_argument("--prompt-len", type=positive_int, default=96, help="tokens per prompt")
+    lora.add_argument("--new-tokens", type=positive_int, default=96,
+                      help="greedy tokens generated per prompt (the cuts lie in them)")
+    lora.add_argument("--rank", type=positive_int, default=8, help="LoRA rank r")
+    lora.add_argument("--alpha", type=positive_float, default=16.0, help="LoRA alpha")
+    lora.add_argument("--cuts", type=positive_int, default=24,
+                      help="cuts per sequence per step (they share one prefix pass)")
+    lora.add_argument("--embedding-lr", type=positive_float, default=1e-2,
+                      help="Adam lr of the slot embeddings (--lr is the deltas', default 2e-3)")
 
 
 def run(args) -> int:
@@ -60,13 +73,17 @@ def run(args) -> int:
 
 def _train(args, console) -> int:
     """Load, tokenize, train, then write the run's folder and plot."""
+    if args.mode == "lora":
+        from sled_cli.sdsat_lora import train_lora
+
+        return train_lora(args, console)
     from sled.fingerprint import fingerprint_tokenizer
     from verify_server.sdsat_corpus import load_documents, split_heldout, tokenize_documents
     from verify_server.sdsat_train import LOG_FILE, PLOT_FILE, TrainingFolder, train_sat
 
     config = _config(args)
     documents = load_documents(args.corpus)
-    model, tokenizer = _load(args.model, args.dtype)
+    model, tokenizer = load(args.model, args.dtype)
     sequences = tokenize_documents(tokenizer, documents, args.seq_len, min_len=config.slots + 2)
     train, heldout = split_heldout(sequences, args.heldout)
     console.print(f"{args.model}: {len(documents)} documents -> {len(train)} training and "
@@ -77,21 +94,26 @@ def _train(args, console) -> int:
         "seed": config.seed, "seq_len": args.seq_len, "batch": config.batch, "lr": config.lr,
         "tokenizer": fingerprint_tokenizer(tokenizer)})
     checkpoint_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else folder.out / "checkpoint"
-    with _progress() as progress:
+    with progress_bar("SAT training") as progress:
         spec, log = train_sat(model, train, config, heldout, checkpoint_dir=checkpoint_dir,
-                              resume=args.resume, on_step=_on_step(progress, config.steps),
+                              resume=args.resume, on_step=on_step(progress, config.steps),
                               on_checkpoint=folder.on_checkpoint)
     adapter = folder.save(spec, log, config, {"train": len(train), "heldout": len(heldout)},
                           model, tokenizer)
     plot = plot_log(folder.out / PLOT_FILE, log, f"SAT training: {args.model}, {config.mode}, "
                     f"{config.slots} slots, {args.corpus}")
+    return finish(args, console, checkpoint_dir, log, config.slots, [adapter, folder.out / LOG_FILE, plot])
+
+
+def finish(args, console, checkpoint_dir: Path, log: list[dict], slots: int, written: list) -> int:
+    """Remove the checkpoint (unless kept), say what the run reached and wrote."""
     if not args.keep_checkpoint and checkpoint_dir.exists():
         shutil.rmtree(checkpoint_dir)
     first, last = log[0]["heldout"], log[-1]["heldout"]
     console.print(f"held-out greedy SAT acceptance {first['slot_accuracy']:.3f} -> "
                   f"{last['slot_accuracy']:.3f}, accepted run {first['accepted_run']:.2f} -> "
-                  f"{last['accepted_run']:.2f} of {config.slots}")
-    console.print(f"wrote {adapter}, {folder.out / LOG_FILE}, {plot}")
+                  f"{last['accepted_run']:.2f} of {slots}")
+    console.print(f"wrote {', '.join(str(w) for w in written)}")
     return 0 if math.isfinite(log[-1].get("loss", 0.0)) else 1
 
 
@@ -109,7 +131,7 @@ def _config(args):
     return config
 
 
-def _load(model: str, dtype: str):
+def load(model: str, dtype: str):
     """(model in eval mode, tokenizer) from a built-in alias or a checkpoint path."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -121,7 +143,7 @@ def _load(model: str, dtype: str):
             AutoTokenizer.from_pretrained(path))
 
 
-def _on_step(progress, steps: int):
+def on_step(progress, steps: int):
     """train_sat's on_step: the bar's position, the last loss and held-out acceptance."""
     task = progress.add_task("train", total=steps, status="")
     status = {"acc": float("nan"), "run": float("nan")}
@@ -160,9 +182,9 @@ def plot_log(path: Path, log: list[dict], title: str) -> Path:
     return save_figure(fig, axes, path, title)
 
 
-def _progress():
+def progress_bar(label: str):
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
-    return Progress(TextColumn("[bold]SAT training"), BarColumn(), MofNCompleteColumn(),
+    return Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"))

