@@ -393,7 +393,7 @@ class Device:
             settings=RoundSettings(
                 draft_len=policy.draft_len, max_draft_len=policy.max_draft_len,
                 min_confidence=policy.min_confidence, pipeline=policy.pipeline,
-                lookahead=policy.lookahead, reconnect_s=settings.reconnect_s),
+                lookahead=policy.lookahead, hints=policy.hints, reconnect_s=settings.reconnect_s),
             transport=self.link.transport(), reopen_on=reopen, on_tokens=generation.on_tokens,
             on_round=self._count_round, on_server=generation.on_server, target_model=server.model,
             cache_salt=self.cache_salt)   # this device's sessions share a system prompt's blocks

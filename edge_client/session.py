@@ -20,6 +20,7 @@ import grpc
 
 from drafters.base import Drafter, Proposal
 from edge_client.draft_policy import DraftPolicy
+from edge_client.hint_policy import HINT_USES, HintPolicy
 from edge_client.proposer import Draft, Head, Proposer
 from edge_client.result import LOST, RESUMED, GenerationResult, RoundStat, ServerEvent
 from edge_client.speculation import Speculation
@@ -53,7 +54,9 @@ class RoundSettings:
     accepted and the bonus is the drafter's own next token (edge_client/speculation.py), in the
     rounds where the session's own estimates say it pays (DraftPolicy.pipelining_pays).
     lookahead=m asks a SAT-tuned target for m hint tokens per verdict: when the last draft was
-    accepted whole, the next draft starts with the hints and the drafter continues after them.
+    accepted whole, the next draft may start with the hints, the drafter continuing after them,
+    but only while the session's own rounds show the hints beating its drafter (HintPolicy);
+    hints="always" uses every hint, unmeasured.
     A seeded sampling session drafts AUTO_FIRST_DRAFT_LEN under "auto" and "adaptive" and never
     pipelines, so that it repeats (both would make the round split depend on timing).
     reconnect_s: how long a lost server is retried, with backoff, before the session fails
@@ -64,6 +67,7 @@ class RoundSettings:
     min_confidence: float = 0.0
     pipeline: bool = False
     lookahead: int = 0
+    hints: str = "measured"
     reconnect_s: float = 30.0
     timeout: float | None = None
 
@@ -77,6 +81,8 @@ class RoundSettings:
             raise ValueError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
         if self.lookahead < 0 or self.reconnect_s < 0:
             raise ValueError("lookahead and reconnect_s must be >= 0")
+        if self.hints not in HINT_USES:
+            raise ValueError(f"hints must be {' or '.join(HINT_USES)}, got {self.hints!r}")
 
 
 class DeviceSession:
@@ -118,6 +124,7 @@ class DeviceSession:
         if policy is None and (adaptive or self.pipelining):
             policy = DraftPolicy(max_draft_len=settings.max_draft_len)
         self.policy = policy
+        self.hints = HintPolicy(settings.lookahead, always=settings.hints == "always")
         self.draft_len = policy.choose() if adaptive else \
             AUTO_FIRST_DRAFT_LEN if self.draft_mode == "auto" else self.draft_mode
         self.result = GenerationResult()
@@ -223,7 +230,7 @@ class DeviceSession:
         self.speculation = self.speculate(draft.proposal)
         self.sent_at = time.perf_counter()
         try:
-            await self.stream.send(draft_message(self.round, draft.proposal, self.settings.lookahead))
+            await self.stream.send(draft_message(self.round, draft.proposal, self.hints.ask()))
             verdict = (await self.stream.receive()).verdict
         except (VerifyError, grpc.aio.AioRpcError) as error:
             await self.resume(error)
@@ -235,6 +242,7 @@ class DeviceSession:
         """Take round r's verdict: what starts the next draft, the round's stats and the next
         draft length, the drafter rolled back past the rejected tokens, the emitted tokens
         committed. True when the verdict ends the session."""
+        self.hints.observe(draft.hinted, verdict.accepted, verdict.emitted_ids)
         drafted_on = await self.settle(verdict)
         self.round += 1
         self.record(draft, verdict)
@@ -269,7 +277,7 @@ class DeviceSession:
         speculation = await self.stop_speculating()
         kept = speculation.kept(verdict.accepted, verdict.emitted_ids) if speculation is not None else None
         self.head = Head(kept, ends=speculation.ended) if kept is not None else None
-        if verdict.hint_ids:
+        if verdict.hint_ids and self.hints.take(verdict.hint_ids, self.draft_len):
             self.head = Head(Proposal(list(verdict.hint_ids)), hinted=True)
         return self.head is not None and not self.head.hinted
 

@@ -47,6 +47,8 @@ class PolicySettings(Section):
     pipeline: bool = True
     # SAT hints asked per verdict (a SAT-tuned target)
     lookahead: int = Field(0, ge=0, le=16)
+    # "measured": a draft starts with the hints only while they beat the drafter; "always"
+    hints: Literal["measured", "always"] = "measured"
 
     @field_validator("draft_len")
     @classmethod

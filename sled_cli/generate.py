@@ -21,6 +21,9 @@ def add_arguments(parser) -> None:
                              "drafts with its semantic adaptive tokens)")
     parser.add_argument("--lookahead", type=non_negative_int, default=0,
                         help="ask for this many SAT hints per verdict to start the next draft with")
+    parser.add_argument("--hints", choices=["measured", "always"], default="measured",
+                        help="measured: start a draft with the hints only while they beat the "
+                             "drafter (this session's rounds); always: whenever they come")
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64,
                         help="stop after this many new tokens")
@@ -149,7 +152,7 @@ def _round_inputs(args, server_modes):
 
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed)
-    settings = RoundSettings(draft_len=args.draft_len, lookahead=args.lookahead,
+    settings = RoundSettings(draft_len=args.draft_len, lookahead=args.lookahead, hints=args.hints,
                              reconnect_s=args.reconnect_s)
     drafter = None if args.drafter in server_modes else load_drafter(args.drafter)
     return sampling, settings, drafter

@@ -132,10 +132,24 @@ async def test_lookahead_devices_stay_lossless(serve, models, drafter_models, to
         stub = VerifierStub(channel)
         results = await asyncio.gather(*(
             generate(stub, HFDrafter(drafter_models["llama"]), p, max_new_tokens=20, ignore_eos=True,
-                     settings=RoundSettings(draft_len=4, lookahead=SLOTS)) for p in prompts[:4]))
+                     settings=RoundSettings(draft_len=4, lookahead=SLOTS, hints="always"))
+            for p in prompts[:4]))
     for prompt, result in zip(prompts, results):
         assert result.token_ids == greedy_reference(model, prompt, 20)
     assert sum(r.hint_tokens for r in results) > 0
+
+
+async def test_measured_hints_worse_than_the_drafter_are_not_used(serve, models, prompts, tokenizer):
+    """The drafter is the target itself (every draft accepted whole, so hints come every asked
+    round) and the SATs are untrained: the hints lose every scoring and never start a draft,
+    and the session asks for them only on probing rounds."""
+    model = models["llama"]
+    server = await serve_sat(serve, model, tokenizer, SatSpec(slots=SLOTS, token_ids=[7] * SLOTS))
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        result = await generate(VerifierStub(channel), HFDrafter(model), prompts[0], max_new_tokens=40,
+                                ignore_eos=True, settings=RoundSettings(draft_len=2, lookahead=SLOTS))
+    assert result.token_ids == greedy_reference(model, prompts[0], 40)
+    assert result.hint_tokens == 0 and result.rounds >= 13
 
 
 async def test_sat_modes_refused_without_sats(serve, models, prompts):
@@ -273,7 +287,8 @@ async def test_lookahead_hints_start_drafts_and_stay_lossless(serve, tokenizer, 
         stub = VerifierStub(channel)
         results = await asyncio.gather(*(generate(stub, HFDrafter(drafter_model), p, max_new_tokens=24,
                                                   ignore_eos=True,
-                                                  settings=RoundSettings(draft_len=4, lookahead=3, pipeline=pipeline))
+                                                  settings=RoundSettings(draft_len=4, lookahead=3, pipeline=pipeline,
+                                                                         hints="always"))
                                          for p in prompts))
     for prompt, result in zip(prompts, results):
         assert result.token_ids == greedy_reference(model, prompt, 24)
