@@ -52,6 +52,8 @@ class GenerationResult:
     pipelined_tokens: int = 0      # draft tokens drafted ahead while a verdict was in flight
     text: str = ""
     round_stats: list[RoundStat] = field(default_factory=list)
+    # (verified, accepted) of every verdict, device drafts or the server's SAT guesses alike
+    judged: list[tuple[int, int]] = field(default_factory=list)
     # perf_counter seconds since the session started at which each token arrived (one stamp per
     # token; the tokens of one verdict share it)
     token_times: list[float] = field(default_factory=list)
@@ -63,6 +65,7 @@ class GenerationResult:
         self.server_forward_ms += verdict.timings.forward_ms
         self.draft_tokens += verdict.verified        # device drafts, or the server's SAT guesses
         self.accepted_tokens += verdict.accepted
+        self.judged.append((verdict.verified, verdict.accepted))
         self.token_ids.extend(verdict.emitted_ids)
         self.token_times.extend([time.perf_counter() - started] * len(verdict.emitted_ids))
         if verdict.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
@@ -82,6 +85,7 @@ class GenerationResult:
         out = asdict(self)
         out.pop("round_stats")
         out.pop("token_times")
+        out.pop("judged")
         out.update(acceptance_rate=round(self.acceptance_rate, 4),
                    tokens_per_round=round(self.tokens_per_round, 4),
                    tokens_per_s=round(len(self.token_ids) / self.elapsed_s, 2) if self.elapsed_s else 0.0)

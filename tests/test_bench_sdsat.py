@@ -23,31 +23,51 @@ def adapter(pair, tmp_path_factory):
                         {"base_model": str(pair[0])})
 
 
+@pytest.fixture(scope="module")
+def lora_adapter(pair, tmp_path_factory):
+    """The same slots with random SAT-only LoRA deltas: a second adapter to compare."""
+    from transformers import AutoModelForCausalLM
+
+    from test_sat_lora import random_lora
+
+    target = AutoModelForCausalLM.from_pretrained(pair[0])
+    rows = target.get_input_embeddings().weight[[5, 17, 42]].detach()
+    return save_adapter(tmp_path_factory.mktemp("sat") / "sat_adapter.safetensors", rows,
+                        {"base_model": str(pair[0])}, random_lora(target, scale=0.05))
+
+
 def sled(*args: str, timeout: float = 300):
     return run_sled(*args, timeout=timeout)
 
 
-def test_bench_sdsat_compares_self_drafting_and_lookahead_losslessly(pair, adapter, tmp_path):
+def test_bench_sdsat_compares_self_drafting_and_lookahead_losslessly(pair, adapter, lora_adapter,
+                                                                     tmp_path):
     target, drafter = map(str, pair)
     out = tmp_path / "sdsat.json"
-    done = sled("bench", "sdsat", "--model", target, "--sat-adapter", str(adapter), "--workload",
-                "tiny", "--drafters", f"ngram,hf:{drafter}", "--max-new-tokens", "12",
-                "--out", str(out))
+    done = sled("bench", "sdsat", "--model", target, "--sat-adapter", str(lora_adapter),
+                "--compare-adapter", str(adapter), "--workload", "tiny", "--drafters",
+                f"ngram,hf:{drafter}", "--max-new-tokens", "12", "--out", str(out))
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
-    assert result["lossless"] and result["sat_slots"] == 3 and result["sat_adapter"] == str(adapter)
-    plain, sat = result["self_drafting"]["rows"]
-    assert (plain["mode"], sat["mode"]) == ("plain", "sat")
-    assert plain["tokens"] == sat["tokens"] > 0 and plain["lossless"] and sat["lossless"]
+    assert result["lossless"] and result["sat_slots"] == 3
+    assert (result["sat_adapter"], result["compare_adapter"]) == (str(lora_adapter), str(adapter))
+    plain, sat, sampled, compared = result["self_drafting"]["rows"]
+    assert [r["mode"] for r in (plain, sat, sampled, compared)] == \
+        ["plain", "sat", "sat sampled", "sat (compared adapter)"]
+    assert plain["tokens"] == sat["tokens"] == compared["tokens"] > 0
+    assert plain["lossless"] and sat["lossless"] and compared["lossless"]
+    assert not sampled["compared"] and sampled["tokens"] > 0   # sampled: not compared
     assert plain["draft_tokens"] == 0 and sat["draft_tokens"] > 0   # SAT guesses were verified
+    assert plain["per_slot_acceptance"] is None and len(sat["per_slot_acceptance"]) == 3
     assert plain["passes_per_token"] >= 1.0 and sat["passes_per_token"] > 0
     assert sat["passes_per_token_vs_plain"] == pytest.approx(sat["passes_per_token"]
                                                              / plain["passes_per_token"])
     part = result["lookahead"]
     assert (part["k"], part["lookahead"]) == (4, 3)
     rows = part["rows"]
-    assert [(r["drafter"], r["lookahead"]) for r in rows] == \
-        [("ngram", 0), ("ngram", 3), (f"hf:{drafter}", 0), (f"hf:{drafter}", 3)]
+    assert [(r["drafter"], r["lookahead"], r["hints"]) for r in rows] == [
+        ("ngram", 0, "none"), ("ngram", 3, "measured"), ("ngram", 3, "always"),
+        (f"hf:{drafter}", 0, "none"), (f"hf:{drafter}", 3, "measured"), (f"hf:{drafter}", 3, "always")]
     assert all(r["lossless"] and r["tokens"] == plain["tokens"] for r in rows)
     assert all(r["same_as_no_lookahead"] and r["tokens_per_round_vs_none"] > 0
                for r in rows if r["lookahead"])
@@ -90,6 +110,13 @@ def test_summary_counts_steps_passes_and_mismatches():
     assert row["mismatched_prompts"] == [1] and not row["lossless"]
     plain = summarize(Run({0: result([1, 2, 3, 4], rounds=4)}, passes=5, seconds=1.0), reference)
     assert plain["acceptance_rate"] is None and plain["lossless"]
+
+
+def test_per_slot_acceptance_is_conditional_on_the_slots_before():
+    from lab.bench.sdsat import per_slot
+
+    assert per_slot([(3, 1), (3, 3)], 3) == [1.0, 0.5, 1.0]
+    assert per_slot([(2, 0), (0, 0)], 3) == [0.0, None, None]
 
 
 def test_chunks_and_ratio():

@@ -1,16 +1,21 @@
 """`sled bench sdsat`: what semantic adaptive tokens (SATs) buy on a SAT-tuned target.
 
-One server process, one workload, greedy, two parts:
+One server process, one workload, two parts:
 
-1. **Self-drafting.** Every prompt through the server twice: plain autoregressive decoding
-   (GENERATION_MODE_SERVER, one token per pass) and SAT self-drafting (GENERATION_MODE_SERVER_SAT,
-   each pass verifies the previous SAT guesses and guesses the next m). Per mode: target forward
-   passes per token (the server's sled_forward_passes_total; a prompt's prefill is a pass too),
-   accepted SAT tokens and emitted tokens per step, SAT acceptance, wall-clock tokens/s.
-2. **Lookahead.** Every drafter drafts k tokens per round against the same server with no
-   lookahead and with lookahead m (the verdict carries m SAT hints; a draft after a fully accepted
-   one starts with them). Per (drafter, lookahead): tokens per round, acceptance, hint tokens
-   sent, passes per token, tokens/s.
+1. **Self-drafting.** Every prompt through the server: plain autoregressive decoding
+   (GENERATION_MODE_SERVER, one token per pass), SAT self-drafting greedy
+   (GENERATION_MODE_SERVER_SAT, each pass verifies the previous SAT guesses and guesses the next
+   m) and SAT self-drafting sampled at --temperature (seeded per prompt). Per mode: target
+   forward passes per token (the server's sled_forward_passes_total; a prompt's prefill is a pass
+   too), accepted SAT tokens and emitted tokens per step, SAT acceptance overall and per slot
+   (slot j accepted when slots 1..j-1 were), wall-clock tokens/s. Then a second server with
+   --compare-adapter (for a built-in target: its embeddings-only adapter) runs greedy SAT
+   self-drafting on the same prompts, so two adapters are compared in one run.
+2. **Lookahead.** Every drafter drafts k tokens per round against the same server three ways:
+   no lookahead; lookahead m with hints "measured" (the verdict carries m SAT hints and the
+   device's HintPolicy starts a draft with them only while they beat its drafter, the default);
+   and lookahead m with hints "always" (every hint used: what the hints are worth raw). Per
+   (drafter, setting): tokens per round, acceptance, hint tokens used, passes per token, tokens/s.
 
 The modes run prompt by prompt, alternating which goes first, and one at a time, so the pass
 counter's delta belongs to one mode. Every output must equal the plain mode's output for the same
@@ -26,16 +31,23 @@ from pathlib import Path
 from lab.bench import harness
 from lab.bench.report import save_figure, short_name, subplots
 
-PLAIN, SAT = "plain", "sat"
+PLAIN, SAT, SAMPLED, COMPARED = "plain", "sat", "sat sampled", "sat (compared adapter)"
+# the lookahead part's settings: name -> RoundSettings.hints (None: no lookahead)
+LOOKAHEAD_SETTINGS = {"none": None, "measured": "measured", "always": "always"}
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import non_negative_int, positive_int
+    from sled_cli.flags import non_negative_float, non_negative_int, positive_int
 
     harness.add_server_flags(parser, model_default="gemma3-270m",
                              model_help="target alias or checkpoint path")
     parser.add_argument("--sat-adapter", default=None, help="SAT adapter for the server (default: "
                         "the one shipped for a built-in target, or one beside the model)")
+    parser.add_argument("--compare-adapter", default=None,
+                        help="a second SAT adapter whose greedy self-drafting runs beside (default: "
+                             "the embeddings-only adapter shipped for a built-in target; none: skip)")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.8,
+                        help="SAT self-drafting also sampled at this temperature (0: skip)")
     harness.add_workload_flags(parser, default="humaneval:10", max_new_tokens=64)
     parser.add_argument("--drafters", default="gguf:gemma3-270m,onnx:gemma3-270m,ngram",
                         help="comma-separated drafter specs for the lookahead part")
@@ -64,14 +76,27 @@ def chunks(count: int, size: int) -> list[list[int]]:
     return [list(range(start, min(start + size, count))) for start in range(0, count, size)]
 
 
-def summarize(run: Run, reference: dict[int, list[int]]) -> dict:
-    """Totals and rates of one run; mismatches counts prompts whose output differs from reference."""
+def per_slot(judged: list[tuple[int, int]], slots: int) -> list[float | None]:
+    """Acceptance of slot j = 1..slots given slots 1..j-1 were accepted, over (verified,
+    accepted) verdicts: [(3, 1), (3, 3)] -> [1.0, 0.5, 1.0]."""
+    rates = []
+    for j in range(1, slots + 1):
+        tried = sum(1 for verified, accepted in judged if verified >= j and accepted >= j - 1)
+        kept = sum(1 for verified, accepted in judged if verified >= j and accepted >= j)
+        rates.append(kept / tried if tried else None)
+    return rates
+
+
+def summarize(run: Run, reference: dict[int, list[int]] | None) -> dict:
+    """Totals and rates of one run; mismatches counts prompts whose output differs from reference
+    (None: a sampled run, not compared)."""
     results = [run.results[i] for i in sorted(run.results)]
     tokens = sum(len(r.token_ids) for r in results)
     rounds = sum(r.rounds for r in results)
     drafted = sum(r.draft_tokens for r in results)
     accepted = sum(r.accepted_tokens for r in results)
-    mismatched = [i for i in sorted(run.results) if run.results[i].token_ids != reference[i]]
+    mismatched = [] if reference is None else \
+        [i for i in sorted(run.results) if run.results[i].token_ids != reference[i]]
     return {
         "prompts": len(results), "tokens": tokens, "rounds": rounds, "draft_tokens": drafted,
         "accepted_tokens": accepted, "hint_tokens": sum(r.hint_tokens for r in results),
@@ -82,6 +107,7 @@ def summarize(run: Run, reference: dict[int, list[int]]) -> dict:
         "acceptance_rate": accepted / drafted if drafted else None,
         "tokens_per_s": tokens / run.seconds if run.seconds else None,
         "mismatched_prompts": mismatched, "lossless": not mismatched,
+        "compared": reference is not None,
     }
 
 
@@ -98,22 +124,37 @@ async def _timed_group(served, coros) -> tuple[list, float, float]:
     return list(results), served.forward_passes() - before, seconds
 
 
-async def self_drafting(served, prompts: list[list[int]], args, progress, task) -> dict[str, Run]:
-    """Plain and SAT server-side decoding of every prompt, alternating per group."""
-    from edge_client.server_side import generate_server_side
+def server_modes(names: list[str], temperature: float) -> dict[str, tuple[int, object]]:
+    """name -> (generation mode, sampling for prompt i) of the server-side modes named."""
+    from sled.sampling import Sampling
     from sled.v1 import verifier_pb2 as pb
 
+    greedy = lambda i: Sampling()   # noqa: E731
+    table = {PLAIN: (pb.GENERATION_MODE_SERVER, greedy),
+             SAT: (pb.GENERATION_MODE_SERVER_SAT, greedy),
+             COMPARED: (pb.GENERATION_MODE_SERVER_SAT, greedy),
+             SAMPLED: (pb.GENERATION_MODE_SERVER_SAT,
+                       lambda i: Sampling(temperature=temperature, seed=i))}
+    return {name: table[name] for name in names}
+
+
+async def self_drafting(served, prompts: list[list[int]], args, progress, task,
+                        names: list[str]) -> dict[str, Run]:
+    """Server-side decoding of every prompt in each named mode, rotating the order per group."""
+    from edge_client.server_side import generate_server_side
+
     stub = served.stub
-    modes = {PLAIN: pb.GENERATION_MODE_SERVER, SAT: pb.GENERATION_MODE_SERVER_SAT}
-    for mode in modes.values():   # warm-up, unmeasured
-        await generate_server_side(stub, prompts[0], max_new_tokens=4, mode=mode)
+    modes = server_modes(names, args.temperature)
+    for mode, sampling in modes.values():   # warm-up, unmeasured
+        await generate_server_side(stub, prompts[0], max_new_tokens=4, mode=mode, sampling=sampling(0))
     runs = {name: Run() for name in modes}
     for index, group in enumerate(chunks(len(prompts), args.devices)):
-        for name in (PLAIN, SAT) if index % 2 == 0 else (SAT, PLAIN):
+        for name in names[index % len(names):] + names[:index % len(names)]:
             progress.update(task, description=f"self-drafting: {name}")
+            mode, sampling = modes[name]
             results, passes, seconds = await _timed_group(served, (
                 generate_server_side(stub, prompts[i], max_new_tokens=args.max_new_tokens,
-                                     mode=modes[name]) for i in group))
+                                     mode=mode, sampling=sampling(i)) for i in group))
             runs[name].results.update(zip(group, results))
             runs[name].passes += passes
             runs[name].seconds += seconds
@@ -123,31 +164,35 @@ async def self_drafting(served, prompts: list[list[int]], args, progress, task) 
 
 async def lookahead_runs(served, spec: str, prompts: list[list[int]], lookahead: int, args,
                          progress, task) -> dict[int, Run]:
-    """One drafter with lookahead 0 and `lookahead`, alternating per group."""
+    """One drafter with no lookahead, measured hints and every hint (LOOKAHEAD_SETTINGS),
+    rotating the order per group; runs keyed by setting name."""
     from drafters import load_drafter, resolve_spec
     from edge_client.session import RoundSettings, generate
 
     stub, fingerprint = served.stub, served.fingerprint
     resolved = resolve_spec(spec)   # once: an ONNX alias may export on first use
     drafters = [load_drafter(resolved) for _ in range(args.devices)]
-    settings = (0, lookahead)
+    settings = list(LOOKAHEAD_SETTINGS)
 
-    def one(slot: int, prompt: list[int], ahead: int, max_new: int):
+    def one(slot: int, prompt: list[int], name: str, max_new: int):
+        hints = LOOKAHEAD_SETTINGS[name]
         return generate(stub, drafters[slot], prompt, max_new_tokens=max_new,
-                        settings=RoundSettings(draft_len=args.draft_len, lookahead=ahead),
+                        settings=RoundSettings(draft_len=args.draft_len,
+                                               lookahead=lookahead if hints else 0,
+                                               hints=hints or "measured"),
                         target_fingerprint=fingerprint)
 
-    for ahead in settings:        # warm-up, unmeasured (loads the drafter's runtime too)
-        await one(0, prompts[0], ahead, 4)
-    runs = {ahead: Run() for ahead in settings}
+    for name in settings:         # warm-up, unmeasured (loads the drafter's runtime too)
+        await one(0, prompts[0], name, 4)
+    runs = {name: Run() for name in settings}
     for index, group in enumerate(chunks(len(prompts), args.devices)):
-        for ahead in settings if index % 2 == 0 else settings[::-1]:
-            progress.update(task, description=f"{short_name(spec)}, lookahead {ahead}")
+        for name in settings[index % 3:] + settings[:index % 3]:
+            progress.update(task, description=f"{short_name(spec)}, lookahead {name}")
             results, passes, seconds = await _timed_group(served, (
-                one(slot, prompts[i], ahead, args.max_new_tokens) for slot, i in enumerate(group)))
-            runs[ahead].results.update(zip(group, results))
-            runs[ahead].passes += passes
-            runs[ahead].seconds += seconds
+                one(slot, prompts[i], name, args.max_new_tokens) for slot, i in enumerate(group)))
+            runs[name].results.update(zip(group, results))
+            runs[name].passes += passes
+            runs[name].seconds += seconds
             progress.advance(task, len(group))
     return runs
 
@@ -162,16 +207,23 @@ def _validate(args) -> list[str]:
         raise ValueError(f"--max-new-tokens must be >= 1, not {args.max_new_tokens}")
     if args.lookahead is not None and args.lookahead < 1:
         raise ValueError(f"--lookahead must be >= 1, not {args.lookahead}")
-    if args.sat_adapter and not Path(args.sat_adapter).is_file():
-        raise ValueError(f"--sat-adapter {args.sat_adapter}: no such file")
+    for flag, path in (("--sat-adapter", args.sat_adapter), ("--compare-adapter", args.compare_adapter)):
+        if path and path != "none" and not Path(path).is_file():
+            raise ValueError(f"{flag} {path}: no such file")
     return specs
 
 
-def _server_args(args) -> list[str]:
-    """`sled serve` flags: dtype, the SAT adapter (explicit, else the alias's shipped one), extras."""
+def _server_args(args, compared: bool = False) -> list[str] | None:
+    """`sled serve` flags: dtype, the SAT adapter (explicit, else the alias's shipped one), extras.
+    compared: the second server's, with --compare-adapter (None when there is none)."""
     from sled.models import builtin_sat_adapter
 
-    adapter = args.sat_adapter or builtin_sat_adapter(args.model)
+    if compared:
+        adapter = args.compare_adapter or builtin_sat_adapter(args.model, "embeddings")
+        if adapter is None or adapter == "none":
+            return None
+    else:
+        adapter = args.sat_adapter or builtin_sat_adapter(args.model)
     return harness.server_flags(args) + (["--sat-adapter", str(adapter)] if adapter else [])
 
 
@@ -182,7 +234,7 @@ async def bench(args) -> int:
     console = harness.bench_console(width=160)
     with harness.flag_errors():
         specs = _validate(args)
-        server_args = _server_args(args)
+        server_args, compare_args = _server_args(args), _server_args(args, compared=True)
         model_path = resolve_model(args.model)
     async with harness.serving(model_path, server_args, console,
                                status=f"starting the verify server ({args.model})") as served:
@@ -192,14 +244,18 @@ async def bench(args) -> int:
         with harness.server_errors():
             modes, by_drafter = await _measure(served, specs, prompts, lookahead, args, console)
     info = served.info
-    sat_rows, drafter_rows = _rows(modes, by_drafter, lookahead, len(prompts))
+    if compare_args is not None:
+        modes.update(await _compared(model_path, compare_args, prompts, args, console))
+    sat_rows, drafter_rows = _rows(modes, by_drafter, lookahead, len(prompts), info.sat_slots)
     setup = (f"{short_name(args.model)} on {info.device} ({info.dtype}), {info.sat_slots} SAT "
              f"slots, {args.workload}, {args.max_new_tokens} new tokens, {args.devices} session(s) "
              "at once")
     console.print(_self_drafting_table(sat_rows, setup))
     console.print(_lookahead_table(drafter_rows, args.draft_len, lookahead))
     harness.write_results(console, args.out, {
-        "model": args.model, "sat_adapter": _adapter_of(server_args), "server_device": info.device,
+        "model": args.model, "sat_adapter": _adapter_of(server_args),
+        "compare_adapter": _adapter_of(compare_args or []), "temperature": args.temperature,
+        "server_device": info.device,
         "dtype": info.dtype, "sat_slots": info.sat_slots, "workload": args.workload,
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "devices": args.devices,
         "lossless": all(r["lossless"] for r in sat_rows + drafter_rows),
@@ -215,7 +271,7 @@ async def bench(args) -> int:
 
 def _label(row: dict) -> str:
     """A row's name: its mode, or its drafter and lookahead."""
-    return row.get("mode") or f"{row['drafter']} lookahead {row['lookahead']}"
+    return row.get("mode") or f"{row['drafter']} lookahead {row['lookahead']} ({row['hints']})"
 
 
 def _lookahead(info, args) -> int:
@@ -235,9 +291,11 @@ async def _measure(served, specs: list[str], prompts: list[list[int]], lookahead
     """Both parts: self-drafting, then each drafter with and without lookahead."""
     from rich.progress import Progress
 
+    names = [PLAIN, SAT] + ([SAMPLED] if args.temperature > 0 else [])
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("generations", total=len(prompts) * 2 * (1 + len(specs)))
-        modes = await self_drafting(served, prompts, args, progress, task)
+        task = progress.add_task("generations", total=len(prompts) * (
+            len(names) + len(LOOKAHEAD_SETTINGS) * len(specs)))
+        modes = await self_drafting(served, prompts, args, progress, task, names)
         by_drafter = {}
         for spec in specs:
             by_drafter[spec] = await lookahead_runs(served, spec, prompts, lookahead, args,
@@ -245,25 +303,46 @@ async def _measure(served, specs: list[str], prompts: list[list[int]], lookahead
     return modes, by_drafter
 
 
+async def _compared(model_path: str, server_args: list[str], prompts: list[list[int]], args,
+                    console) -> dict[str, Run]:
+    """Greedy SAT self-drafting on a second server that carries the compared adapter."""
+    from rich.progress import Progress
+
+    async with harness.serving(model_path, server_args, console,
+                               status="starting the verify server with the compared adapter") as served:
+        with harness.server_errors(), Progress(console=console, transient=True) as progress:
+            task = progress.add_task("generations", total=len(prompts))
+            return await self_drafting(served, prompts, args, progress, task, [COMPARED])
+
+
 def _rows(modes: dict[str, Run], by_drafter: dict[str, dict[int, Run]], lookahead: int,
-          n: int) -> tuple[list[dict], list[dict]]:
-    """The self-drafting rows (plain, sat) and two rows per drafter (no lookahead, lookahead),
-    every output checked against the plain mode's (the target's greedy output)."""
+          n: int, slots: int) -> tuple[list[dict], list[dict]]:
+    """The self-drafting rows (plain, sat, sampled, compared adapter) and two rows per drafter
+    (no lookahead, lookahead), every greedy output checked against the plain mode's (the target's
+    greedy output)."""
     reference = {i: r.token_ids for i, r in modes[PLAIN].results.items()}
-    sat_rows = [{"mode": name, **summarize(run, reference)} for name, run in modes.items()]
-    plain_row, sat_row = sat_rows
-    sat_row["passes_per_token_vs_plain"] = ratio(sat_row["passes_per_token"], plain_row["passes_per_token"])
-    sat_row["tokens_per_s_vs_plain"] = ratio(sat_row["tokens_per_s"], plain_row["tokens_per_s"])
+    sat_rows = []
+    for name, run in modes.items():
+        row = {"mode": name, **summarize(run, None if name == SAMPLED else reference)}
+        judged = [pair for result in run.results.values() for pair in result.judged]
+        row["per_slot_acceptance"] = per_slot(judged, slots) if name != PLAIN else None
+        sat_rows.append(row)
+    plain_row = sat_rows[0]
+    for sat_row in sat_rows[1:]:
+        sat_row["passes_per_token_vs_plain"] = ratio(sat_row["passes_per_token"], plain_row["passes_per_token"])
+        sat_row["tokens_per_s_vs_plain"] = ratio(sat_row["tokens_per_s"], plain_row["tokens_per_s"])
     drafter_rows = []
     for spec, runs in by_drafter.items():
-        none_row = {"drafter": spec, "lookahead": 0, **summarize(runs[0], reference)}
-        ahead_row = {"drafter": spec, "lookahead": lookahead, **summarize(runs[lookahead], reference)}
-        ahead_row["same_as_no_lookahead"] = all(runs[lookahead].results[i].token_ids ==
-                                                runs[0].results[i].token_ids for i in range(n))
-        ahead_row["tokens_per_round_vs_none"] = ratio(ahead_row["tokens_per_round"],
-                                                      none_row["tokens_per_round"])
-        ahead_row["tokens_per_s_vs_none"] = ratio(ahead_row["tokens_per_s"], none_row["tokens_per_s"])
-        drafter_rows += [none_row, ahead_row]
+        none_row = {"drafter": spec, "lookahead": 0, "hints": "none", **summarize(runs["none"], reference)}
+        drafter_rows.append(none_row)
+        for name in ("measured", "always"):
+            row = {"drafter": spec, "lookahead": lookahead, "hints": name,
+                   **summarize(runs[name], reference)}
+            row["same_as_no_lookahead"] = all(runs[name].results[i].token_ids ==
+                                              runs["none"].results[i].token_ids for i in range(n))
+            row["tokens_per_round_vs_none"] = ratio(row["tokens_per_round"], none_row["tokens_per_round"])
+            row["tokens_per_s_vs_none"] = ratio(row["tokens_per_s"], none_row["tokens_per_s"])
+            drafter_rows.append(row)
     return sat_rows, drafter_rows
 
 
@@ -276,7 +355,13 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def _lossless(row: dict) -> str:
+    if not row.get("compared", True):
+        return "sampled"
     return "yes" if row["lossless"] else f"[red]{len(row['mismatched_prompts'])} differ[/]"
+
+
+def _slots(rates: list[float | None] | None) -> str:
+    return "-" if not rates else " ".join(_fmt(r, ".0%") for r in rates)
 
 
 def _self_drafting_table(rows: list[dict], setup: str):
@@ -284,16 +369,18 @@ def _self_drafting_table(rows: list[dict], setup: str):
 
     table = Table(title=f"SAT self-drafting vs plain decoding: {setup}", caption=(
         "passes: target forward passes per output token (prefills included); step: one server "
-        "pass of a session; vs plain: SAT / plain"))
+        "pass of a session; per slot: slot j accepted when slots before it were; vs plain: "
+        "SAT / plain"))
     columns = ("mode", "tokens", "steps", "passes/tok", "passes vs plain", "tok/step",
-               "accepted/step", "SAT accept", "tok/s", "tok/s vs plain", "lossless")
+               "accepted/step", "SAT accept", "per slot", "tok/s", "tok/s vs plain", "lossless")
     for column in columns:
         table.add_column(column, justify="left" if column == "mode" else "right")
     for r in rows:
         table.add_row(r["mode"], str(r["tokens"]), str(r["rounds"]), _fmt(r["passes_per_token"], ".3f"),
                       _fmt(r.get("passes_per_token_vs_plain"), ".2f", "x"),
                       _fmt(r["tokens_per_round"], ".2f"), _fmt(r["accepted_per_round"], ".2f"),
-                      _fmt(r["acceptance_rate"], ".0%"), _fmt(r["tokens_per_s"], ".1f"),
+                      _fmt(r["acceptance_rate"], ".0%"), _slots(r.get("per_slot_acceptance")),
+                      _fmt(r["tokens_per_s"], ".1f"),
                       _fmt(r.get("tokens_per_s_vs_plain"), ".2f", "x"), _lossless(r))
     return table
 
@@ -302,15 +389,16 @@ def _lookahead_table(rows: list[dict], draft_len: int, lookahead: int):
     from rich.table import Table
 
     table = Table(title=f"SAT lookahead for drafting devices: k={draft_len}, lookahead 0 vs "
-                        f"{lookahead}",
+                        f"{lookahead} (hints measured: used while they beat the drafter; always)",
                   caption="hints: SAT hint tokens sent as the start of a draft; vs none: "
                           "lookahead / no lookahead")
-    columns = ("drafter", "lookahead", "tokens", "rounds", "tok/round", "tok/round vs none",
+    columns = ("drafter", "lookahead", "use", "tokens", "rounds", "tok/round", "tok/round vs none",
                "accept", "hints", "passes/tok", "tok/s", "tok/s vs none", "lossless")
     for column in columns:
         table.add_column(column, justify="left" if column == "drafter" else "right")
     for r in rows:
-        table.add_row(short_name(r["drafter"]), str(r["lookahead"]), str(r["tokens"]), str(r["rounds"]),
+        table.add_row(short_name(r["drafter"]), str(r["lookahead"]), r["hints"], str(r["tokens"]),
+                      str(r["rounds"]),
                       _fmt(r["tokens_per_round"], ".2f"), _fmt(r.get("tokens_per_round_vs_none"), ".2f", "x"),
                       _fmt(r["acceptance_rate"], ".0%"), str(r["hint_tokens"]),
                       _fmt(r["passes_per_token"], ".3f"), _fmt(r["tokens_per_s"], ".1f"),
@@ -321,19 +409,22 @@ def _lookahead_table(rows: list[dict], draft_len: int, lookahead: int):
 def _plot(sat_rows: list[dict], drafter_rows: list[dict], lookahead: int, path: Path, title: str) -> None:
     fig, (left, right) = subplots(2, figsize=(12, 4.5))
     metrics = ("passes_per_token", "tokens_per_round")
-    width = 0.38
-    for offset, row in zip((-width / 2, width / 2), sat_rows):
+    step = 0.8 / len(sat_rows)
+    for n, row in enumerate(sat_rows):
         values = [row[m] or 0.0 for m in metrics]
-        bars = left.bar([i + offset for i in range(len(metrics))], values, width, label=row["mode"])
-        left.bar_label(bars, fmt="%.2f", fontsize=8)
+        offset = (n - (len(sat_rows) - 1) / 2) * step
+        bars = left.bar([i + offset for i in range(len(metrics))], values, step, label=row["mode"])
+        left.bar_label(bars, fmt="%.2f", fontsize=7)
     left.set_xticks(range(len(metrics)), ["passes / token", "tokens / step"])
     left.set(title="self-drafting vs plain (server side)")
     specs = list(dict.fromkeys(r["drafter"] for r in drafter_rows))
-    for offset, ahead in zip((-width / 2, width / 2), (0, lookahead)):
+    width = 0.8 / len(LOOKAHEAD_SETTINGS)
+    for n, name in enumerate(LOOKAHEAD_SETTINGS):
         values = [next(r["tokens_per_round"] or 0.0 for r in drafter_rows
-                       if r["drafter"] == s and r["lookahead"] == ahead) for s in specs]
+                       if r["drafter"] == s and r["hints"] == name) for s in specs]
+        offset = (n - 1) * width
         bars = right.bar([i + offset for i in range(len(specs))], values, width,
-                         label=f"lookahead {ahead}" if ahead else "no lookahead")
+                         label=f"lookahead {lookahead}, hints {name}" if name != "none" else "no lookahead")
         right.bar_label(bars, fmt="%.2f", fontsize=8)
     right.set_xticks(range(len(specs)), [short_name(s) for s in specs])
     right.set(ylabel="tokens per round", title="drafting devices with SAT hints")
