@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from verify_server.sat_lora import SatLora, from_peft, peft_config
 from verify_server.sdsat import SatSpec
 from verify_server.sdsat_distill import DistillSet
-from verify_server.sdsat_train import initial_adapter, load_checkpoint, save_checkpoint
+from verify_server.sdsat_train import (check_checkpoint, initial_adapter, load_checkpoint,
+                                      restore_progress, save_checkpoint)
 
 
 @dataclass(slots=True)
@@ -189,20 +190,13 @@ class LoraRun:
                 "data": self.fingerprint}
 
     def restore(self, state: dict) -> None:
-        if state["config"] != self.config.identity():
-            raise ValueError(f"the checkpoint was trained with {state['config']}, this run asks for "
-                             f"{self.config.identity()}; resume with the same settings")
-        if state["data"] != self.fingerprint:
-            raise ValueError("the checkpoint was trained on other generated sequences; resume with "
-                             "the same corpus, counts and seed")
+        check_checkpoint(state, self.config.identity(), self.fingerprint, "generated sequences; "
+                         "resume with the same corpus, counts and seed")
         with torch.no_grad():
             self.embeddings.copy_(state["adapter"])
             for param, saved in zip(self.deltas, state["deltas"]):
                 param.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.generator.set_state(state["generator"])
-        self.step, self.log, self.pending = state["step"], list(state["log"]), list(state["pending"])
-        self.elapsed = state["elapsed_s"]
+        restore_progress(self, state)
 
     def unload(self) -> None:
         """Give the target back without the peft layers."""

@@ -237,20 +237,31 @@ class _Run:
         return state
 
     def restore(self, state: dict) -> None:
-        if state["config"] != self.config.identity():
-            raise ValueError(f"the checkpoint was trained with {state['config']}, this run asks for "
-                             f"{self.config.identity()}; resume with the same settings")
-        if state["data"] != self.data:
-            raise ValueError("the checkpoint was trained on other token sequences; resume with the "
-                             "same corpus, --seq-len, --heldout and tokenizer")
+        check_checkpoint(state, self.config.identity(), self.data, "token sequences; resume with "
+                         "the same corpus, --seq-len, --heldout and tokenizer")
         with torch.no_grad():
             self.adapter.copy_(state["adapter"])
             if "model" in state:
                 self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.generator.set_state(state["generator"])
-        self.step, self.log, self.pending = state["step"], list(state["log"]), list(state["pending"])
-        self.elapsed = state["elapsed_s"]
+        restore_progress(self, state)
+
+
+def check_checkpoint(state: dict, identity: dict, data: str, other_data: str) -> None:
+    """Refuse a checkpoint of another run: other settings, or other data (`other_data` says
+    which and what to resume with)."""
+    if state["config"] != identity:
+        raise ValueError(f"the checkpoint was trained with {state['config']}, this run asks for "
+                         f"{identity}; resume with the same settings")
+    if state["data"] != data:
+        raise ValueError(f"the checkpoint was trained on other {other_data}")
+
+
+def restore_progress(run, state: dict) -> None:
+    """A run's optimizer, batch RNG, step, log and time so far, from its checkpoint."""
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.generator.set_state(state["generator"])
+    run.step, run.log, run.pending = state["step"], list(state["log"]), list(state["pending"])
+    run.elapsed = state["elapsed_s"]
 
 
 def save_checkpoint(folder: Path, state: dict) -> Path:
