@@ -7,6 +7,7 @@ import logging
 import signal
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -93,7 +94,8 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
         await scheduler.stop()
         raise
     await server.start()
-    log.info("serving %s on %s:%d (%s)", target.model_id, host, bound, describe_access(settings))
+    log.info("serving %s on %s:%d (%s; %s)", target.model_id, host, bound, describe_access(settings),
+             describe_sat(target.sat))
     evictions = asyncio.get_running_loop().create_task(service.run_evictions(), name="sled-evictions")
     return RunningServer(server, bound, service, scheduler, metrics, health_servicer, evictions)
 
@@ -206,3 +208,11 @@ async def serve_forever(target: Target, settings: ServerSettings,
             announcing.cancel()
             await asyncio.gather(announcing, return_exceptions=True)
         await running.stop()
+
+
+def describe_sat(sat) -> str:
+    """The target's SATs in a log line: "no SATs", or slots, kind and source."""
+    if sat is None:
+        return "no SATs"
+    source = f" from {Path(sat.source).name}" if sat.source else ""
+    return f"{sat.slots} SAT slots, {sat.kind}{source}"
