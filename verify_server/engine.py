@@ -38,20 +38,62 @@ SHORT_ROW = 64   # rows up to this many new tokens share one padded attention ca
 
 @dataclass(slots=True)
 class Row:
+    """One session's new tokens in a step, and the SAT slots after them.
+
+    SAT slots come in blocks of `sat_slots`. A block follows the first `a` of the row's tokens
+    (its anchor): its slots sit at the positions after token a - 1 and see the context, those a
+    tokens and their own block's earlier slots, nothing else. The default is one block after
+    all the tokens. Several anchors give the SAT guesses for every place a draft may be cut:
+
+        tokens  t g1 g2          anchors (1, 2, 3), m = 2
+        block 1 sees t           -> guesses if no draft token is accepted
+        block 2 sees t g1        -> ... if g1 is
+        block 3 sees t g1 g2     -> ... if both are
+    """
     kv: SessionKV
     tokens: Sequence[int]     # new tokens, written after kv.length
     want_logits: bool         # False for prefill: only the KV is needed
-    sat_slots: int = 0        # SAT slots appended after the tokens (their KV is dropped later)
+    sat_slots: int = 0        # SAT slots per block (their KV is dropped later)
+    sat_anchors: tuple[int, ...] = ()   # tokens each block follows; () = one block after all
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        if not self.sat_slots:
+            return ()
+        return self.sat_anchors or (len(self.tokens),)
 
     @property
     def width(self) -> int:
-        return len(self.tokens) + self.sat_slots
+        return len(self.tokens) + len(self.blocks) * self.sat_slots
+
+    @property
+    def branched(self) -> bool:
+        """Whether some SAT slot does not simply follow everything before it (a tree, not a chain)."""
+        return self.blocks not in ((), (len(self.tokens),))
+
+    def positions(self, start: int) -> torch.Tensor:
+        """[width] position ids of the tokens, then of each block's slots."""
+        n, m = len(self.tokens), self.sat_slots
+        return torch.cat([torch.arange(start, start + n),
+                          *(torch.arange(start + a, start + a + m) for a in self.blocks)])
+
+    def visible(self) -> torch.Tensor:
+        """[width, width] bool: which of the row's new entries each one attends to."""
+        n, m = len(self.tokens), self.sat_slots
+        seen = torch.zeros(self.width, self.width, dtype=torch.bool)
+        seen[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        for b, anchor in enumerate(self.blocks):
+            first = n + b * m
+            seen[first:first + m, :anchor] = True
+            seen[first:first + m, first:first + m] = torch.ones(m, m, dtype=torch.bool).tril()
+        return seen
 
 
 class Engine:
     """Owns the block pool and runs one forward per scheduler step."""
 
     kind = "base"
+    branches = False     # whether rows may carry branched SAT blocks (Row.sat_anchors)
 
     def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None) -> None:
         self.model = model
@@ -116,9 +158,12 @@ class _Group:
     read_slots: torch.Tensor  # [B, L] pool slots of each row's context (padding -> the zero slot)
     query_pos: torch.Tensor   # [B, W] absolute position of each query
     key_len: torch.Tensor     # [B] context length after this step
+    tree: tuple | None = None   # branched rows: (starts [B], key_pos [B, L], seen [B, W, W])
     masks: dict = field(default_factory=dict)   # sliding window (or None) -> [B, 1, W, L]
 
     def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks and self.tree is not None:
+            self.masks[window] = self._tree_mask(window)
         if window not in self.masks:
             keys = torch.arange(self.read_slots.shape[1], device=self.read_slots.device)
             q = self.query_pos[:, :, None]
@@ -129,6 +174,22 @@ class _Group:
             allowed[..., 0] |= ~self.q_valid  # padding queries look at the zero slot: no NaN
             self.masks[window] = allowed[:, None]
         return self.masks[window]
+
+    def _tree_mask(self, window: int | None) -> torch.Tensor:
+        """The mask when some row is branched: the context before a row's new entries is
+        visible to all of them; among the new entries, what `seen` allows; the window by
+        position (a SAT slot's position is not its place in the pool)."""
+        starts, key_pos, seen = self.tree
+        keys = torch.arange(self.read_slots.shape[1], device=self.read_slots.device)[None, :]
+        new = (keys - starts[:, None]).clamp(0, seen.shape[2] - 1)          # [B, L]
+        among_new = torch.gather(seen, 2, new[:, None, :].expand(-1, seen.shape[1], -1))
+        allowed = torch.where((keys < starts[:, None])[:, None, :], True, among_new)
+        allowed &= (keys < self.key_len[:, None])[:, None, :]
+        if window is not None:
+            allowed &= key_pos[:, None, :] > self.query_pos[:, :, None] - window
+        allowed &= self.q_valid[:, :, None]
+        allowed[..., 0] |= ~self.q_valid
+        return allowed[:, None]
 
 
 @dataclass(slots=True)
@@ -186,6 +247,7 @@ _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 class PagedEngine(Engine):
     kind = "paged"
+    branches = True
 
     def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None) -> None:
         super().__init__(model, pool, sat)
@@ -214,9 +276,10 @@ class PagedEngine(Engine):
         for row in rows:
             start, n = row.kv.length, row.width
             ids.extend(row.tokens)
-            ids.extend([0] * row.sat_slots)          # placeholders: their embeddings are the SATs'
-            sat_at.extend((offset + len(row.tokens) + j, j) for j in range(row.sat_slots))
-            positions.append(torch.arange(start, start + n))
+            ids.extend([0] * (n - len(row.tokens)))  # placeholders: their embeddings are the SATs'
+            sat_at.extend((offset + i, (i - len(row.tokens)) % row.sat_slots)
+                          for i in range(len(row.tokens), n))
+            positions.append(row.positions(start))
             writes.append(row.kv.slots(start, start + n))
             offsets.append(offset)
             offset += n
@@ -240,12 +303,25 @@ class PagedEngine(Engine):
             start, n = row.kv.length, row.width
             q_index[b, :n] = torch.arange(offset, offset + n)
             q_valid[b, :n] = True
-            query_pos[b, :n] = torch.arange(start, start + n)
+            query_pos[b, :n] = row.positions(start)
             read_slots[b, :start + n] = row.kv.slots(0, start + n)
             key_len[b] = start + n
         dev = self.device
+        tree = self._tree(rows, query_pos, length, width) if any(r.branched for r in rows) else None
         return _Group(q_index.to(dev), q_valid.to(dev), read_slots.to(dev), query_pos.to(dev),
-                      key_len.to(dev))
+                      key_len.to(dev), tree=tree and tuple(t.to(dev) for t in tree))
+
+    @staticmethod
+    def _tree(rows: Sequence[Row], query_pos: torch.Tensor, length: int, width: int):
+        """(starts, key_pos, seen) of a group with branched rows (see _Group._tree_mask)."""
+        starts = torch.tensor([row.kv.length for row in rows], dtype=torch.long)
+        key_pos = torch.arange(length).repeat(len(rows), 1)
+        seen = torch.zeros(len(rows), width, width, dtype=torch.bool)
+        for b, row in enumerate(rows):
+            start, n = row.kv.length, row.width
+            key_pos[b, start:start + n] = query_pos[b, :n]
+            seen[b, :n, :n] = row.visible()
+        return starts, key_pos, seen
 
 
 # --- the generic fallback -------------------------------------------------------------------------
@@ -255,6 +331,8 @@ class PaddedEngine(Engine):
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor | None]:
+        if any(row.branched for row in rows):
+            raise ValueError("the padded engine cannot verify branched SAT blocks; use the paged engine")
         batch = len(rows)
         past = [row.kv.length for row in rows]
         widths = [row.width for row in rows]

@@ -30,7 +30,7 @@ from verify_server.session import Session
 from verify_server.settings import ServerSettings
 from verify_server.target import Target
 from verify_server.tenant import tenant_key
-from verify_server.work import Verify
+from verify_server.work import Verify, sat_step_tokens
 
 log = logging.getLogger("sled.server")
 EVICTED_GRACE = 4     # idle timeouts an evicted live session's stream waits for its device
@@ -300,31 +300,39 @@ class VerifierService(pb_grpc.VerifierServicer):
         """Server modes: the server produces the tokens, batched with every other session's work.
 
         GENERATION_MODE_SERVER decodes one token per pass. GENERATION_MODE_SERVER_SAT drafts with
-        SATs: each pass verifies the previous SAT guesses and appends m fresh SAT slots after
-        them, whose outputs are the next draft if the whole draft is accepted (otherwise the next
-        pass starts with an empty draft, which still yields one token and new guesses).
+        SATs: each pass verifies the previous SAT guesses and appends a block of m fresh SAT
+        slots after every place the draft may be cut (engine.Row: anchors), so whatever is
+        accepted, the block that follows exactly the accepted tokens is the next draft:
 
-            pass 1: [x, S S S]        -> emits t1,          guesses g1 g2 g3
-            pass 2: [t1, g1 g2 g3, S S S] -> accepts g1 g2, emits g1 g2 c   (c corrects g3)
-            pass 3: [c, S S S]        -> emits t, guesses ...
+            pass 1: [x, S S S]                    -> emits t1, guesses g1 g2 g3
+            pass 2: [t1, g1 g2 g3, S S S (after t1) | S S S (after g1) | S S S (after g2) |
+                     S S S (after g3)]            -> accepts g1 g2, emits g1 g2 c (c corrects g3),
+                                                     guesses: the block after g2
+            pass 3: [c, h1 h2 h3, ...]
+
+        An engine that cannot attend such blocks (the padded one) appends one block after the
+        whole draft; then a cut draft leaves the next pass with an empty draft (one token).
 
         The next pass is queued before this one's verdict goes out, so a slow reader never makes
         its session miss a batch."""
         lookahead = self.target.sat_slots if session.mode == pb.GENERATION_MODE_SERVER_SAT else 0
+        every_cut = bool(lookahead) and self.scheduler.engine.branches
 
         def next_pass(guesses: list[int]) -> tuple[asyncio.Future, int]:
             draft = guesses[:session.verifiable(len(guesses))]
-            work = Verify(session, None, deadline_of(context), draft=draft, lookahead=lookahead)
+            work = Verify(session, None, deadline_of(context), draft=draft, lookahead=lookahead,
+                          every_cut=every_cut)
             return self.scheduler.enqueue(work), len(draft)
 
-        await self._pace(session, 1 + lookahead)
+        await self._pace(session, sat_step_tokens(0, lookahead, every_cut))
         step, draft_len = next_pass([])
         while True:
             outcome, info = await step
             verdict = finish_round(session, outcome, draft_len, info, self.metrics)
             if not session.finished:
                 try:
-                    await self._pace(session, len(outcome.hints) + 1 + lookahead)
+                    await self._pace(session, sat_step_tokens(len(outcome.hints), lookahead,
+                                                              every_cut))
                 except SessionError:
                     yield pb.ServerMessage(verdict=verdict)   # committed: it goes out first
                     raise
@@ -353,7 +361,10 @@ class VerifierService(pb_grpc.VerifierServicer):
     def _admit(self, session: Session, tenant: bytes) -> None:
         """Reserve the session's KV (prompt + max_new_tokens), sharing the cached prefix blocks
         of its tenant (verify_server.tenant) only."""
-        needed = len(session.prompt_ids) + session.max_new_tokens + self.target.sat_slots
+        slots = self.target.sat_slots
+        # room for the SAT slots of a pass: one block, or one after every cut of a SAT draft
+        needed = len(session.prompt_ids) + session.max_new_tokens + \
+            (slots * (slots + 1) if session.mode == pb.GENERATION_MODE_SERVER_SAT else slots)
         try:
             session.cached_prompt_tokens = session.kv.admit(session.prefill_tokens(), needed, tenant)
         except PoolExhausted:

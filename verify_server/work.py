@@ -70,26 +70,39 @@ class Verify(Work):
     draft: list[int] = field(default_factory=list)       # [draft_len], already cut to what fits
     q: list[DraftQ] | None = None                        # [draft_len], None: deterministic drafter
     lookahead: int = 0                                   # m SAT slots after the draft
+    every_cut: bool = False    # SAT slots after every place the draft may be cut, not only its end
 
     @property
     def tokens_wanted(self) -> int:
-        return len(self.draft) + 1 + self.lookahead
+        return sat_step_tokens(len(self.draft), self.lookahead, self.every_cut)
 
     def row(self, budget: int) -> Row:
+        anchors = tuple(range(1, len(self.draft) + 2)) if self.every_cut and self.lookahead else ()
         return Row(self.session.kv, [self.session.last_token, *self.draft], want_logits=True,
-                   sat_slots=self.lookahead)
+                   sat_slots=self.lookahead, sat_anchors=anchors)
 
     def complete(self, row: Row, logits: torch.Tensor | None) -> Outcome:
-        """logits: [draft_len + 1 + m, vocab]. Decide acceptance on the first draft_len + 1; read
-        SAT hints from the last m when the whole draft survived."""
+        """logits: [draft_len + 1 + blocks * m, vocab]. Decide acceptance on the first
+        draft_len + 1; read SAT hints from the block that follows the accepted tokens (with
+        every_cut), else from the one block when the whole draft survived."""
         session, draft_len = self.session, len(self.draft)
         if session.sampling.greedy:
             outcome = verify_greedy(logits[:draft_len + 1], self.draft)
         else:
             p = warp(logits[:draft_len + 1], session.sampling)  # [draft_len + 1, vocab]
             outcome = verify_sampling(p, self.draft, self.q, session.generator)
-        if self.lookahead and outcome.accepted == draft_len:
-            # SAT slot 1 stands for the bonus token; each slot guesses the token after its own.
-            hints = logits[draft_len + 1:].argmax(-1).tolist()
+        block = outcome.accepted if self.every_cut else 0
+        if self.lookahead and (self.every_cut or outcome.accepted == draft_len):
+            # SAT slot 1 stands for the correction or bonus token; each slot guesses the token
+            # after its own.
+            first = draft_len + 1 + block * self.lookahead
+            hints = logits[first:first + self.lookahead].argmax(-1).tolist()
             outcome = Outcome(outcome.accepted, outcome.emitted, hints)
         return outcome
+
+
+def sat_step_tokens(draft_len: int, lookahead: int, every_cut: bool = False) -> int:
+    """Positions a verify puts into a pass: the last token, the draft and its SAT slots (one
+    block, or one after every place the draft may be cut)."""
+    blocks = draft_len + 1 if every_cut else 1
+    return draft_len + 1 + (lookahead * blocks if lookahead else 0)
