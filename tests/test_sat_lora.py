@@ -138,6 +138,16 @@ async def test_lora_self_drafting_matches_generate_under_concurrency_and_stop_id
     assert server.metrics.value("sled_draft_tokens_total") > 0
 
 
+async def test_the_server_says_what_carries_its_sats(serve, models, caplog):
+    import logging
+
+    model = copy.deepcopy(models["llama"])
+    with caplog.at_level(logging.INFO, logger="sled.server"):
+        await serve(model, sat=lora_spec(model))
+        await serve(model)
+    assert "3 SAT slots, lora)" in caplog.text and "; no SATs)" in caplog.text
+
+
 async def test_lora_self_drafting_samples_the_target_distribution(serve, models, tokenizer, prompts):
     """Three tokens per request: the second is a verified SAT guess (or its residual resample).
     The slot's embedding is the target's likeliest first token's and the deltas are small, so
@@ -162,3 +172,100 @@ async def test_lora_self_drafting_samples_the_target_distribution(serve, models,
     for position, p in ((0, p1), (1, p2)):
         support = int((p > 1e-4).sum())
         assert total_variation([s[position] for s in samples], p) < 0.8 * math.sqrt(support / n)
+
+
+# --- the adapter shipped for the built-in gemma3-270m target -----------------------------------
+
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    """(float32 model, its shipped SAT LoRA spec, two code prompts in its tokens)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sled.models import builtin_sat_adapter, hf_checkpoint
+
+    path = hf_checkpoint("gemma3-270m")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    texts = ["def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n",
+             "import os\n\nfor name in sorted(os.listdir('.')):\n"]
+    return model, load_adapter(builtin_sat_adapter("gemma3-270m")), [tokenizer(t).input_ids for t in texts]
+
+
+def test_the_shipped_adapter_is_sat_only_lora_and_matches_peft_on_gemma3_270m(gemma3_270m):
+    """A real float32 forward of the built-in target: real-token logits equal bit for bit with and
+    without the shipped deltas; the SAT slots' equal peft's reference forward."""
+    model, spec, prompts = gemma3_270m
+    assert spec.kind == "lora" and spec.slots == 4
+    plain = SatSpec(slots=spec.slots, embeddings=spec.embeddings)
+    with_deltas = engine_logits(copy.deepcopy(model), spec, prompts, "paged", spec.slots)
+    without = engine_logits(copy.deepcopy(model), plain, prompts, "paged", spec.slots)
+    reference = to_peft(copy.deepcopy(model), spec.lora).eval()
+    for prompt, got, want in zip(prompts, with_deltas, without):
+        real = len(prompt)
+        assert torch.equal(got[:real], want[:real])
+        with torch.no_grad():
+            with reference.disable_adapter():
+                cache = reference(input_ids=torch.tensor([prompt]), use_cache=True).past_key_values
+            slots = reference(inputs_embeds=spec.embeddings[None], past_key_values=cache, use_cache=True,
+                              position_ids=torch.arange(real, real + spec.slots)[None]).logits[0]
+        torch.testing.assert_close(got[real:], slots, rtol=1e-3, atol=1e-3)
+        assert not torch.allclose(got[real:], want[real:], atol=1e-2)   # the deltas act there
+
+
+# --- SAT blocks after every cut of a draft (self-drafting's tree) ------------------------------
+
+def prefilled(engine, context: list[int]):
+    kv = engine.new_kv()
+    kv.admit(context, len(context) + 64, b"")
+    engine.forward([Row(kv, context, False)])
+    kv.commit(len(context))
+    return kv
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_block_after_each_cut_equals_a_chain_cut_there(models, prompts, arch):
+    """A row [t g1 g2 g3] with a SAT block after each of its four prefixes gives, per block,
+    the SAT outputs of a plain row cut at that prefix; the real tokens' outputs are the chain's.
+    A plain session in the same pass is unaffected. The context (30 tokens) passes the tiny
+    Gemma's 16-token sliding window, so the window is applied by position."""
+    model = copy.deepcopy(models[arch])
+    spec = lora_spec(model, seed=7)
+    context, draft = (prompts[0] * 4)[:30], [11, 12, 13, 14]
+    engine = make_engine(model, kv_budget_bytes=8 << 20, kind="paged", sat=spec)
+    tree_kv, other_kv = prefilled(engine, context), prefilled(engine, prompts[1])
+    tree, other = engine.forward([Row(tree_kv, draft, True, SLOTS, (1, 2, 3, 4)),
+                                  Row(other_kv, [9], True)])
+    for anchor in (1, 2, 3, 4):
+        chain = make_engine(model, kv_budget_bytes=8 << 20, kind="paged", sat=spec)
+        (alone,) = chain.forward([Row(prefilled(chain, context), draft[:anchor], True, SLOTS)])
+        block = tree[4 + (anchor - 1) * SLOTS:4 + anchor * SLOTS]
+        torch.testing.assert_close(block, alone[anchor:], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(tree[:anchor], alone[:anchor], rtol=1e-6, atol=1e-6)
+    single = make_engine(model, kv_budget_bytes=8 << 20, kind="paged", sat=spec)
+    (want,) = single.forward([Row(prefilled(single, prompts[1]), [9], True)])
+    torch.testing.assert_close(other, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_padded_engine_refuses_branched_blocks(models, prompts):
+    model = copy.deepcopy(models["llama"])
+    engine = make_engine(model, kv_budget_bytes=8 << 20, kind="padded", sat=lora_spec(model))
+    assert not engine.branches and make_engine(model, kv_budget_bytes=1 << 20, kind="paged").branches
+    kv = engine.new_kv()
+    kv.admit([], 32, b"")
+    with pytest.raises(ValueError, match="branched"):
+        engine.forward([Row(kv, prompts[0][:3], True, SLOTS, (1, 2, 3))])
+
+
+async def test_self_drafting_guesses_after_a_cut_draft_too(serve, models, tokenizer, prompts):
+    """With blocks after every cut, a pass after a partly accepted draft still verifies guesses:
+    no pass but the first has an empty draft (unless the output is about to end)."""
+    model = copy.deepcopy(models["llama"])
+    server = await serve(model, sat=lora_spec(model, seed=8))
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        tokens, verdicts = await server_sat(VerifierStub(channel), prompts[3], 30)
+    assert tokens == greedy_reference(model, prompts[3], 30)
+    assert any(v.accepted < v.verified for v in verdicts)          # some drafts were cut
+    emitted = 0
+    for verdict in verdicts:                                        # and every next pass had guesses
+        assert verdict.verified == (min(SLOTS, 30 - emitted - 1) if emitted else 0)
+        emitted += len(verdict.emitted_ids)

@@ -193,9 +193,17 @@ def safetensors_is_whole(path: Path) -> bool:
 SAT_ADAPTERS = Path(__file__).parent / "data"
 
 
-def builtin_sat_adapter(alias: str) -> Path | None:
-    """The SAT adapter shipped for a built-in target (sled/data/ALIAS-sat/), if any."""
-    path = SAT_ADAPTERS / f"{alias}-sat" / "sat_adapter.safetensors"
+SAT_KINDS = ("lora", "embeddings")   # the default first
+
+
+def builtin_sat_adapter(alias: str, kind: str = "lora") -> Path | None:
+    """The SAT adapter shipped for a built-in target, if any: "lora" (the default: slot
+    embeddings + SAT-only LoRA deltas, sled/data/ALIAS-sat/) or "embeddings" (slot embeddings
+    alone, kept for comparison: sled/data/ALIAS-sat/embeddings/)."""
+    if kind not in SAT_KINDS:
+        raise ValueError(f"unknown SAT adapter kind {kind!r}; choose {' or '.join(SAT_KINDS)}")
+    folder = SAT_ADAPTERS / f"{alias}-sat"
+    path = (folder if kind == "lora" else folder / kind) / "sat_adapter.safetensors"
     return path if alias in BUILTIN and path.is_file() else None
 
 
