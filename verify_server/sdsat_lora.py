@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from verify_server.sat_lora import SatLora, from_peft, peft_config
+from verify_server.sat_lora import from_peft, peft_config
 from verify_server.sdsat import SatSpec
 from verify_server.sdsat_distill import DistillSet
-from verify_server.sdsat_train import (check_checkpoint, initial_adapter, load_checkpoint,
-                                      restore_progress, save_checkpoint)
+from verify_server.sdsat_train import (check_checkpoint, initial_adapter, restore_progress,
+                                      resumed, save_checkpoint)
 
 
 @dataclass(slots=True)
@@ -212,11 +212,7 @@ def train_sat_lora(model, data: DistillSet, heldout: DistillSet, config: LoraTra
     """Train; returns the SAT spec (embeddings + deltas) and the log (train_sat's format). The
     model is handed back with its own weights and no adapter layers."""
     run = LoraRun(model, config, data, embeddings)
-    checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    if resume:
-        if checkpoint_dir is None:
-            raise ValueError("resume needs a checkpoint directory")
-        run.restore(load_checkpoint(checkpoint_dir))
+    checkpoint_dir = resumed(run, checkpoint_dir, resume)
     start = time.perf_counter()
     try:
         if not run.log:

@@ -256,6 +256,16 @@ def check_checkpoint(state: dict, identity: dict, data: str, other_data: str) ->
         raise ValueError(f"the checkpoint was trained on other {other_data}")
 
 
+def resumed(run, checkpoint_dir: str | Path | None, resume: bool) -> Path | None:
+    """The run's checkpoint folder; with `resume`, the run restored from its checkpoint there."""
+    checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if resume:
+        if checkpoint_dir is None:
+            raise ValueError("resume needs a checkpoint directory")
+        run.restore(load_checkpoint(checkpoint_dir))
+    return checkpoint_dir
+
+
 def restore_progress(run, state: dict) -> None:
     """A run's optimizer, batch RNG, step, log and time so far, from its checkpoint."""
     run.optimizer.load_state_dict(state["optimizer"])
@@ -294,11 +304,7 @@ def train_sat(model: torch.nn.Module, sequences: list[list[int]], config: SatTra
     at each checkpoint. In embeddings mode the model's weights are left exactly as they were.
     """
     run = _Run(model, config, adapter, sequences)
-    checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    if resume:
-        if checkpoint_dir is None:
-            raise ValueError("resume needs a checkpoint directory")
-        run.restore(load_checkpoint(checkpoint_dir))
+    checkpoint_dir = resumed(run, checkpoint_dir, resume)
     batches = heldout_batches(heldout or sequences, config.slots, config.eval_samples,
                               config.seed + 1)
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
