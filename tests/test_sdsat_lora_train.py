@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import greedy_reference
-from lab.tiny import make_model, save_pair
+from lab.tiny import save_pair
 from sled_cli.main import main
 from verify_server.sat_lora import peft_config
 from verify_server.sdsat import ADAPTER_FILE, adapter_metadata, load_adapter
