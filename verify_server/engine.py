@@ -285,13 +285,16 @@ class PagedEngine(Engine):
             offset += n
         short = [b for b, row in enumerate(rows) if row.width <= SHORT_ROW]
         long = [[b] for b, row in enumerate(rows) if row.width > SHORT_ROW]
-        groups = [self._group([rows[b] for b in members], [offsets[b] for b in members])
+        groups = [self._group([rows[b] for b in members], [offsets[b] for b in members],
+                              [positions[b] for b in members])
                   for members in ([short] if short else []) + long]
         dev = self.device
         step = _Step(self.pool, torch.cat(writes).to(dev), groups, offset)
         return step, torch.tensor(ids, dtype=torch.long), torch.cat(positions), sat_at
 
-    def _group(self, rows: Sequence[Row], offsets: Sequence[int]) -> _Group:
+    def _group(self, rows: Sequence[Row], offsets: Sequence[int],
+               positions: Sequence[torch.Tensor]) -> _Group:
+        """positions: each row's position ids (Row.positions), as the packed input has them."""
         width = max(row.width for row in rows)
         length = max(row.kv.length + row.width for row in rows)
         q_index = torch.zeros(len(rows), width, dtype=torch.long)
@@ -299,11 +302,11 @@ class PagedEngine(Engine):
         query_pos = torch.zeros(len(rows), width, dtype=torch.long)
         read_slots = torch.zeros(len(rows), length, dtype=torch.long)  # slot 0: the zero block
         key_len = torch.zeros(len(rows), dtype=torch.long)
-        for b, (row, offset) in enumerate(zip(rows, offsets)):
+        for b, (row, offset, position) in enumerate(zip(rows, offsets, positions)):
             start, n = row.kv.length, row.width
             q_index[b, :n] = torch.arange(offset, offset + n)
             q_valid[b, :n] = True
-            query_pos[b, :n] = row.positions(start)
+            query_pos[b, :n] = position
             read_slots[b, :start + n] = row.kv.slots(0, start + n)
             key_len[b] = start + n
         dev = self.device

@@ -105,4 +105,4 @@ def sat_step_tokens(draft_len: int, lookahead: int, every_cut: bool = False) -> 
     """Positions a verify puts into a pass: the last token, the draft and its SAT slots (one
     block, or one after every place the draft may be cut)."""
     blocks = draft_len + 1 if every_cut else 1
-    return draft_len + 1 + (lookahead * blocks if lookahead else 0)
+    return draft_len + 1 + lookahead * blocks
