@@ -119,6 +119,13 @@ def test_per_slot_acceptance_is_conditional_on_the_slots_before():
     assert per_slot([(2, 0), (0, 0)], 3) == [0.0, None, None]
 
 
+def test_groups_rotate_the_order_of_the_modes():
+    from lab.bench.sdsat import rotated
+
+    assert [rotated(["a", "b", "c"], i) for i in range(4)] == \
+        [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
 def test_chunks_and_ratio():
     assert chunks(5, 2) == [[0, 1], [2, 3], [4]]
     assert chunks(3, 8) == [[0, 1, 2]]

@@ -70,6 +70,18 @@ class Run:
     passes: float = 0.0
     seconds: float = 0.0
 
+    def add(self, group: list[int], results: list, passes: float, seconds: float) -> None:
+        """One group's generations (prompt indices `group`), the passes and seconds they cost."""
+        self.results.update(zip(group, results))
+        self.passes += passes
+        self.seconds += seconds
+
+
+def rotated(names: list[str], index: int) -> list[str]:
+    """The order group `index` runs the modes in, so that none always goes first: (abc, 1) -> bca."""
+    turn = index % len(names)
+    return names[turn:] + names[:turn]
+
 
 def chunks(count: int, size: int) -> list[list[int]]:
     """Prompt indices in groups of `size` (the sessions that run at once): (5, 2) -> [[0, 1], [2, 3], [4]]."""
@@ -149,21 +161,18 @@ async def self_drafting(served, prompts: list[list[int]], args, progress, task,
         await generate_server_side(stub, prompts[0], max_new_tokens=4, mode=mode, sampling=sampling(0))
     runs = {name: Run() for name in modes}
     for index, group in enumerate(chunks(len(prompts), args.devices)):
-        for name in names[index % len(names):] + names[:index % len(names)]:
+        for name in rotated(names, index):
             progress.update(task, description=f"self-drafting: {name}")
             mode, sampling = modes[name]
-            results, passes, seconds = await _timed_group(served, (
+            runs[name].add(group, *await _timed_group(served, (
                 generate_server_side(stub, prompts[i], max_new_tokens=args.max_new_tokens,
-                                     mode=mode, sampling=sampling(i)) for i in group))
-            runs[name].results.update(zip(group, results))
-            runs[name].passes += passes
-            runs[name].seconds += seconds
+                                     mode=mode, sampling=sampling(i)) for i in group)))
             progress.advance(task, len(group))
     return runs
 
 
 async def lookahead_runs(served, spec: str, prompts: list[list[int]], lookahead: int, args,
-                         progress, task) -> dict[int, Run]:
+                         progress, task) -> dict[str, Run]:
     """One drafter with no lookahead, measured hints and every hint (LOOKAHEAD_SETTINGS),
     rotating the order per group; runs keyed by setting name."""
     from drafters import load_drafter, resolve_spec
@@ -186,13 +195,10 @@ async def lookahead_runs(served, spec: str, prompts: list[list[int]], lookahead:
         await one(0, prompts[0], name, 4)
     runs = {name: Run() for name in settings}
     for index, group in enumerate(chunks(len(prompts), args.devices)):
-        for name in settings[index % 3:] + settings[:index % 3]:
+        for name in rotated(settings, index):
             progress.update(task, description=f"{short_name(spec)}, lookahead {name}")
-            results, passes, seconds = await _timed_group(served, (
-                one(slot, prompts[i], name, args.max_new_tokens) for slot, i in enumerate(group)))
-            runs[name].results.update(zip(group, results))
-            runs[name].passes += passes
-            runs[name].seconds += seconds
+            runs[name].add(group, *await _timed_group(served, (
+                one(slot, prompts[i], name, args.max_new_tokens) for slot, i in enumerate(group))))
             progress.advance(task, len(group))
     return runs
 
@@ -287,7 +293,7 @@ def _lookahead(info, args) -> int:
 
 
 async def _measure(served, specs: list[str], prompts: list[list[int]], lookahead: int, args,
-                   console) -> tuple[dict[str, Run], dict[str, dict[int, Run]]]:
+                   console) -> tuple[dict[str, Run], dict[str, dict[str, Run]]]:
     """Both parts: self-drafting, then each drafter with and without lookahead."""
     from rich.progress import Progress
 
@@ -315,7 +321,7 @@ async def _compared(model_path: str, server_args: list[str], prompts: list[list[
             return await self_drafting(served, prompts, args, progress, task, [COMPARED])
 
 
-def _rows(modes: dict[str, Run], by_drafter: dict[str, dict[int, Run]], lookahead: int,
+def _rows(modes: dict[str, Run], by_drafter: dict[str, dict[str, Run]], lookahead: int,
           n: int, slots: int) -> tuple[list[dict], list[dict]]:
     """The self-drafting rows (plain, sat, sampled, compared adapter) and two rows per drafter
     (no lookahead, lookahead), every greedy output checked against the plain mode's (the target's
