@@ -38,6 +38,15 @@ PROMPT_TEXTS = [
 SLED = [sys.executable, "-m", "sled_cli.main"]
 
 
+def rss_mib() -> float:
+    """This process's resident memory now, MiB (/proc/self/status VmRSS)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
 def run_sled(*args: str, timeout: float) -> subprocess.CompletedProcess:
     """The `sled` command as a person runs it, in a child process."""
     return subprocess.run([*SLED, *args], capture_output=True, text=True, timeout=timeout)

@@ -6,16 +6,9 @@ import sys
 
 import pytest
 
+from conftest import rss_mib
 from sled import memory
 from sled.memory import release_freed_heap
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def _has_malloc_trim() -> bool:
@@ -32,9 +25,9 @@ def test_freed_heap_held_by_glibc_is_given_back():
     blocks = [bytes(2048) for _ in range(100_000)]
     kept = blocks[::64]
     del blocks
-    before = _rss_mb()
+    before = rss_mib()
     assert release_freed_heap() is True
-    assert before - _rss_mb() > 100, (before, _rss_mb())
+    assert before - rss_mib() > 100, (before, rss_mib())
     assert len(kept) == 1563
 
 

@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 
+from conftest import rss_mib
 from drafters.ngram import NgramDrafter
 from edge_client.session import RoundSettings, generate
 from sled.v1 import verifier_pb2_grpc as pb_grpc
@@ -18,14 +19,6 @@ from verify_server.blocks import BlockPool, KVShape
 from verify_server.kv import SessionKV
 
 MIB = 1 << 20
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def _session(pool: BlockPool, prompt: list[int], new_tokens: int, publish: bool) -> SessionKV:
@@ -77,10 +70,10 @@ async def test_server_rss_does_not_grow_with_sessions(serve, models, prompts):
 
     await sessions(48)                       # warm-up: code paths, caches, grpc buffers
     gc.collect()
-    before = _rss_mib()
+    before = rss_mib()
     await sessions(320)
     gc.collect()
-    growth = _rss_mib() - before
+    growth = rss_mib() - before
     # Each of these sessions writes 3 blocks (48 KiB of float64 KV): touching fresh blocks
     # would add about 15 MiB here; reusing written ones adds well under a MiB.
     assert growth < 5, f"RSS grew {growth:.1f} MiB over 320 sessions"
