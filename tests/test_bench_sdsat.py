@@ -89,6 +89,8 @@ def test_bench_sdsat_refuses_bad_arguments(tmp_path):
     assert done.returncode == 2 and "--k" in done.stderr
     done = sled("bench", "sdsat", "--sat-adapter", str(tmp_path / "none.safetensors"))
     assert done.returncode == 2 and "--sat-adapter" in done.stderr
+    done = sled("bench", "sdsat", "--compare-adapter", str(tmp_path / "none.safetensors"))
+    assert done.returncode == 2 and "--compare-adapter" in done.stderr and "no such file" in done.stderr
 
 
 def result(tokens: list[int], rounds: int, drafted: int = 0, accepted: int = 0) -> GenerationResult:

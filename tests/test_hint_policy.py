@@ -60,3 +60,13 @@ def test_hints_are_asked_for_every_round_only_while_used():
     policy.using = True
     assert [policy.ask() for _ in range(3)] == [3, 3, 3]
     assert HintPolicy(lookahead=0).ask() == 0
+
+
+def test_round_settings_refuse_an_unknown_hint_use():
+    import pytest
+
+    from edge_client.session import RoundSettings
+
+    assert RoundSettings(lookahead=2, hints="always").hints == "always"
+    with pytest.raises(ValueError, match="hints must be measured or always, got 'sometimes'"):
+        RoundSettings(hints="sometimes")

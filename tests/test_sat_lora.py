@@ -269,3 +269,13 @@ async def test_self_drafting_guesses_after_a_cut_draft_too(serve, models, tokeni
     for verdict in verdicts:                                        # and every next pass had guesses
         assert verdict.verified == (min(SLOTS, 30 - emitted - 1) if emitted else 0)
         emitted += len(verdict.emitted_ids)
+
+
+def test_the_builtin_target_ships_both_adapter_kinds():
+    from sled.models import builtin_sat_adapter
+
+    assert load_adapter(builtin_sat_adapter("gemma3-270m")).kind == "lora"
+    assert load_adapter(builtin_sat_adapter("gemma3-270m", "embeddings")).kind == "embeddings"
+    assert builtin_sat_adapter("smollm2-135m") is None
+    with pytest.raises(ValueError, match="unknown SAT adapter kind 'full'"):
+        builtin_sat_adapter("gemma3-270m", "full")

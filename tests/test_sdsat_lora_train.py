@@ -14,7 +14,7 @@ from sled_cli.main import main
 from verify_server.sat_lora import peft_config
 from verify_server.sdsat import ADAPTER_FILE, adapter_metadata, load_adapter
 from verify_server.sdsat_distill import DistillSet, build_distill_set, draw_prompts
-from verify_server.sdsat_lora import (LoraRun, LoraTrainConfig, cut_labels, cut_mask,
+from verify_server.sdsat_lora import (LoraRun, LoraTrainConfig, cut_labels, cut_mask, draw_cuts,
                                       packed_sat_logits, train_sat_lora)
 
 
@@ -141,3 +141,34 @@ def test_sdsat_train_lora_command_writes_an_adapter_the_server_loads(tmp_path):
     spec.check(AutoModelForCausalLM.from_pretrained(target))
     assert main(["sdsat", "train", "--model", str(target), "--corpus", str(corpus), "--mode", "lora",
                  "--out", str(tmp_path / "bad"), "--prompts", "2", "--heldout", "0.9"]) == 2
+
+
+def test_bad_training_settings_are_refused():
+    with pytest.raises(ValueError, match="rank must be at least 1"):
+        LoraTrainConfig(rank=0)
+    with pytest.raises(ValueError, match="lr, embedding_lr and alpha must be > 0"):
+        LoraTrainConfig(embedding_lr=0.0)
+    with pytest.raises(ValueError, match="leave no cut"):
+        draw_cuts(DistillSet(torch.zeros(2, 10, dtype=torch.long), 7), torch.tensor([0]), 4, 3,
+                  torch.Generator())
+
+
+def test_an_interrupted_generation_continues_from_its_saved_rows(models, tokenizer, tmp_path):
+    model = copy.deepcopy(models["llama"])
+    documents = ["one two three four\nfive six seven eight nine\nten eleven twelve\n" * 4]
+    kwargs = dict(prompt_len=8, new_tokens=4, count=3, seed=3, batch=1, cache=tmp_path / "distill.pt")
+
+    def interrupt_after_two(done: int, total: int) -> None:
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_distill_set(model, tokenizer, documents, on_batch=interrupt_after_two, **kwargs)
+    calls = []
+    generate = model.generate
+    model.generate = lambda *a, **k: calls.append(1) or generate(*a, **k)
+    data = build_distill_set(model, tokenizer, documents, **kwargs)
+    assert len(calls) == 1                                        # only the third prompt
+    model.generate = generate
+    assert torch.equal(data.sequences, build_distill_set(
+        model, tokenizer, documents, **{**kwargs, "cache": None}).sequences)

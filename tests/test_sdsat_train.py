@@ -165,6 +165,19 @@ def test_corpus_specs(tmp_path):
         load_documents(str(tmp_path / "missing"))
 
 
+def test_the_stdlib_corpus_is_the_standard_library_without_its_tests(monkeypatch, tmp_path):
+    import sysconfig
+
+    root = tmp_path / "lib"
+    for path, text in {"json/encoder.py": "x = 1\n", "abc.py": "y = 2\n", "empty.py": "  \n",
+                       "test/test_abc.py": "t = 1\n", "idlelib/run.py": "i = 1\n",
+                       "site-packages/pkg/m.py": "s = 1\n"}.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(root)})
+    assert load_documents("stdlib") == ["y = 2\n", "x = 1\n"]
+
+
 def test_sequences_are_chunked_with_the_bos_again(tokenizer):
     class WithBos:  # the tiny tokenizer adds no BOS; real ones (gemma3) do
         bos_token_id = 1
