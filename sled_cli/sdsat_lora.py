@@ -23,12 +23,14 @@ def train_lora(args, console) -> int:
     if heldout >= args.prompts:
         raise ValueError(f"--prompts {args.prompts} with --heldout {args.heldout} leaves nothing to "
                          "train on")
+    start = _start(args.init_adapter, config)
     documents = load_documents(args.corpus)
     model, tokenizer = load(args.model, args.dtype)
     folder = TrainingFolder(Path(args.out), {
         "base_model": args.model, "mode": "lora", "slots": config.slots, "corpus": args.corpus,
         "labels": "target greedy continuation", "prompts": args.prompts,
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rank": config.rank,
+        "prompt_len": args.prompt_len, "prompts_at": args.prompts_at,
+        "init_adapter": args.init_adapter, "new_tokens": args.new_tokens, "rank": config.rank,
         "alpha": config.alpha, "cuts": config.cuts, "seed": config.seed, "batch": config.batch,
         "lr": config.lr, "embedding_lr": config.embedding_lr,
         "tokenizer": fingerprint_tokenizer(tokenizer)})
@@ -41,7 +43,7 @@ def train_lora(args, console) -> int:
                   f"{config.slots} slots, LoRA r={config.rank}; {seen} training cuts "
                   f"({seen * config.slots} SAT-slot labels)")
     with progress_bar("SAT LoRA training") as progress:
-        spec, log = train_sat_lora(model, train, held, config, checkpoint_dir=checkpoint_dir,
+        spec, log = train_sat_lora(model, train, held, config, start, checkpoint_dir=checkpoint_dir,
                                    resume=args.resume, on_step=on_step(progress, config.steps),
                                    on_checkpoint=folder.on_checkpoint)
     folder.metadata.update(training_cuts=seen, generated_tokens=data.new_tokens * len(data.sequences))
@@ -61,9 +63,23 @@ def _distill(args, console, model, tokenizer, documents, checkpoint_dir: Path):
         task = progress.add_task("distill", total=args.prompts, status="")
         data = build_distill_set(
             model, tokenizer, documents, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-            count=args.prompts, seed=args.seed, cache=checkpoint_dir / "distill.pt",
+            count=args.prompts, seed=args.seed, at=args.prompts_at,
+            cache=checkpoint_dir / "distill.pt",
             on_batch=lambda done, total: progress.update(task, completed=done,
                                                          status=f"{done} of {total} prompts"))
     console.print(f"{len(data.sequences)} prompts continued greedily "
                   f"({len(data.sequences) * data.new_tokens} target tokens)")
     return data
+
+
+def _start(path: str | None, config):
+    """The adapter --init-adapter names, loaded and checked against the run (None without the
+    flag)."""
+    from verify_server.sdsat import load_adapter
+    from verify_server.sdsat_lora import check_start
+
+    if path is None:
+        return None
+    if not Path(path).is_file():
+        raise ValueError(f"--init-adapter {path}: no such file")
+    return check_start(load_adapter(path), config)

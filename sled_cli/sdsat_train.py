@@ -50,6 +50,12 @@ def add_arguments(parser) -> None:
     lora.add_argument("--prompts", type=positive_int, default=256,
                       help="corpus prompts the target continues greedily (the training set)")
     lora.add_argument("--prompt-len", type=positive_int, default=96, help="tokens per prompt")
+    lora.add_argument("--prompts-at", default="lines", choices=["lines", "bodies"],
+                      help="lines: windows starting at a line; bodies: windows ending where a "
+                           "documented function's body begins (the target writes the body)")
+    lora.add_argument("--init-adapter", default=None, metavar="FILE",
+                      help="go on training this LoRA SAT adapter (same slots, rank, alpha) "
+                           "instead of starting from scratch")
     lora.add_argument("--new-tokens", type=positive_int, default=96,
                       help="greedy tokens generated per prompt (the cuts lie in them)")
     lora.add_argument("--rank", type=positive_int, default=8, help="LoRA rank r")

@@ -13,7 +13,8 @@ from lab.tiny import save_pair
 from sled_cli.main import main
 from verify_server.sat_lora import peft_config
 from verify_server.sdsat import ADAPTER_FILE, adapter_metadata, load_adapter
-from verify_server.sdsat_distill import DistillSet, build_distill_set, draw_prompts
+from verify_server.sdsat_distill import (DistillSet, body_offsets, build_distill_set,
+                                         draw_prompts)
 from verify_server.sdsat_lora import (LoraRun, LoraTrainConfig, cut_labels, cut_mask, draw_cuts,
                                       packed_sat_logits, train_sat_lora)
 
@@ -79,6 +80,69 @@ def test_greedy_continuations_are_the_targets_own(models, tokenizer):
     assert torch.equal(prompts, data.sequences[:, :10]) and (prompts[:, 0] == tokenizer.bos_token_id).all()
 
 
+MODULE = '''import os
+
+
+def add(a, b):
+    """Add two numbers.
+
+    >>> add(1, 2)
+    3
+    """
+    total = a + b
+    return total
+
+
+def bare(x):
+    return x
+
+
+def only_doc():
+    """Nothing else."""
+
+
+class Box:
+    def size(self):
+        "The size."
+        return 3
+'''
+
+
+def test_body_prompts_end_where_a_documented_functions_body_begins(tokenizer):
+    """The shape of a completion request: a docstring, then the target writes the body. Functions
+    without a docstring, or with nothing after it, give no prompt."""
+    offsets = body_offsets(MODULE)
+    assert [MODULE[o:].split("\n")[0] for o in offsets] == ["    total = a + b", "        return 3"]
+    assert body_offsets("def broken(:\n") == []
+    prompts = draw_prompts(tokenizer, [MODULE], 8, 6, seed=0, at="bodies")
+    texts = {tokenizer.decode(row[1:]) for row in prompts.tolist()}
+    assert len(texts) == 2
+    assert all(t.rstrip(" ").endswith(('"""\n', 'size."\n')) for t in texts)
+    with pytest.raises(ValueError, match="unknown prompt shape 'middles'"):
+        draw_prompts(tokenizer, [MODULE], 8, 1, seed=0, at="middles")
+    with pytest.raises(ValueError, match="no corpus document has a 8-token prompt of shape 'bodies'"):
+        draw_prompts(tokenizer, ["x = 1\n"], 8, 1, seed=0, at="bodies")
+
+
+def test_training_goes_on_from_a_given_adapter(lora_run):
+    with torch.no_grad():
+        for param in lora_run.deltas:
+            param.add_(torch.randn_like(param) * 0.2)
+    saved = lora_run.spec()
+    model = lora_run.model.get_base_model()
+    lora_run.unload()
+    again = LoraRun(model, lora_run.config, lora_run.data, saved)
+    assert torch.equal(again.embeddings.detach(), saved.embeddings)
+    for path, (a, b) in again.spec().lora.weights.items():
+        assert torch.equal(a, saved.lora.weights[path][0]) and torch.equal(b, saved.lora.weights[path][1])
+    again.unload()
+    with pytest.raises(ValueError, match="has 3 slots, rank 4, alpha 16; this run has 3, 2, 16"):
+        LoraRun(model, _with(lora_run.config, rank=2), lora_run.data, saved)
+    saved.lora = None
+    with pytest.raises(ValueError, match="no LoRA deltas"):
+        LoraRun(model, lora_run.config, lora_run.data, saved)
+
+
 def counting(count: int) -> DistillSet:
     """Sequences that count by 1 or 2: what comes after a cut follows from what came before."""
     generator = torch.Generator().manual_seed(0)
@@ -141,6 +205,11 @@ def test_sdsat_train_lora_command_writes_an_adapter_the_server_loads(tmp_path):
     spec.check(AutoModelForCausalLM.from_pretrained(target))
     assert main(["sdsat", "train", "--model", str(target), "--corpus", str(corpus), "--mode", "lora",
                  "--out", str(tmp_path / "bad"), "--prompts", "2", "--heldout", "0.9"]) == 2
+    assert main(["sdsat", "train", "--model", str(target), "--corpus", str(corpus), "--mode", "lora",
+                 "--out", str(tmp_path / "bad"), "--init-adapter", str(tmp_path / "none")]) == 2
+    assert main(["sdsat", "train", "--model", str(target), "--corpus", str(corpus), "--mode", "lora",
+                 "--out", str(tmp_path / "bad"), "--init-adapter", str(out / ADAPTER_FILE),
+                 "--rank", "3", "--slots", "2"]) == 2
 
 
 def test_bad_training_settings_are_refused():

@@ -138,10 +138,19 @@ def to_peft(model: torch.nn.Module, lora: SatLora):
 
     modules = tuple(sorted({p.rsplit(".", 1)[-1] for p in lora.weights}))
     peft_model = get_peft_model(model, peft_config(lora.rank, lora.alpha, modules))
+    load_deltas(peft_model, lora)
+    return peft_model
+
+
+def load_deltas(peft_model, lora: SatLora) -> None:
+    """Copy `lora`'s deltas into a peft LoRA model's A and B (same rank); a module the model has
+    no LoRA layer for is refused, naming it."""
     params = dict(peft_model.named_parameters())
     with torch.no_grad():
         for path, (a, b) in lora.weights.items():
             for part, value in ((".lora_A.default.weight", a), (".lora_B.default.weight", b)):
-                target = params["base_model.model." + path + part]
+                target = params.get("base_model.model." + path + part)
+                if target is None or target.shape != value.shape:
+                    raise ValueError(f"the adapter's delta on {path} does not fit this LoRA model "
+                                     f"(rank {lora.rank})")
                 target.copy_(value.to(target.dtype))
-    return peft_model

@@ -11,11 +11,18 @@ every cut in it.
     [BOS t1 ... t_{P-1}]     [g_P ... g_{P+G-1}]
                               ^ cuts c in P .. P+G-1-m: slot j's label is x[c + j]
 
+Prompts come in two shapes (`at`):
+- "lines": the window starts at a line of the document;
+- "bodies": the window ends where a function's body begins, right after its docstring, so the
+  target writes the body: the shape of a code-completion request (a signature and a docstring).
+
 Generation is batched (every prompt has the same length: no padding) and saved after each batch,
 so an interrupted run continues where it stopped.
 """
 from __future__ import annotations
 
+import ast
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,28 +53,65 @@ def line_starts(ids: list[int], tokenizer) -> list[int]:
     return [i for i in range(1, len(ids)) if pieces[i - 1].endswith(("\n", "Ċ"))]
 
 
+PROMPT_SHAPES = ("lines", "bodies")
+
+
+def body_offsets(text: str) -> list[int]:
+    """Character offsets where a documented function's body goes on after its docstring (the
+    start of the line after the docstring), for functions with more than the docstring."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    line_offsets = [0]
+    for line in text.splitlines(keepends=True):
+        line_offsets.append(line_offsets[-1] + len(line))
+    offsets = []
+    for node in ast.walk(tree):
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and len(node.body) > 1
+                and ast.get_docstring(node, clean=False) is not None
+                and node.body[0].end_lineno < len(line_offsets) - 1):
+            offsets.append(line_offsets[node.body[0].end_lineno])
+    return sorted(offsets)
+
+
+def prompt_starts(doc: str, tokenizer, width: int, at: str) -> tuple[list[int], list[int]]:
+    """(doc's token ids, the indices where a `width`-token window of it may start for the prompt
+    shape `at`)."""
+    if at not in PROMPT_SHAPES:
+        raise ValueError(f"unknown prompt shape {at!r}; choose one of {', '.join(PROMPT_SHAPES)}")
+    encoded = tokenizer(doc, add_special_tokens=False, return_offsets_mapping=at == "bodies")
+    ids = encoded.input_ids
+    if at == "lines":
+        return ids, [s for s in [0, *line_starts(ids, tokenizer)] if s + width <= len(ids)]
+    # A prompt ends before the first token that starts on the body's line: with tokenizers that
+    # join a newline to the next line's indentation, that indentation ends the prompt.
+    token_starts = [start for start, _ in encoded.offset_mapping]
+    ends = [bisect.bisect_left(token_starts, offset) for offset in body_offsets(doc)]
+    return ids, [end - width for end in ends if width <= end < len(ids)]
+
+
 def draw_prompts(tokenizer, documents: list[str], prompt_len: int, count: int,
-                 seed: int) -> torch.Tensor:
+                 seed: int, at: str = "lines") -> torch.Tensor:
     """[count, prompt_len] prompts: BOS (when the tokenizer adds one) and a window of a document
-    that starts at a line, documents drawn in proportion to their windows."""
+    of the shape `at` (see the module docstring), documents drawn in proportion to their
+    windows."""
     generator = torch.Generator().manual_seed(seed)
+    lead = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    width = prompt_len - len(lead)
     bodies, starts = [], []
     for doc in documents:
-        ids = tokenizer(doc, add_special_tokens=False).input_ids
-        lead = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        width = prompt_len - len(lead)
-        fits = [s for s in [0, *line_starts(ids, tokenizer)] if s + width <= len(ids)]
+        ids, fits = prompt_starts(doc, tokenizer, width, at)
         if fits:
-            bodies.append((lead, ids, width))
+            bodies.append(ids)
             starts.append(fits)
     if not bodies:
-        raise ValueError(f"no corpus document has the {prompt_len} tokens one prompt needs")
+        raise ValueError(f"no corpus document has a {prompt_len}-token prompt of shape {at!r}")
     weights = torch.tensor([len(s) for s in starts], dtype=torch.float64)
     prompts = []
     for doc in torch.multinomial(weights, count, replacement=True, generator=generator).tolist():
-        lead, ids, width = bodies[doc]
         start = starts[doc][int(torch.randint(len(starts[doc]), (1,), generator=generator))]
-        prompts.append(lead + ids[start:start + width])
+        prompts.append(lead + bodies[doc][start:start + width])
     return torch.tensor(prompts, dtype=torch.long)
 
 
@@ -92,12 +136,12 @@ def greedy_continuations(model: torch.nn.Module, prompts: torch.Tensor, new_toke
 
 
 def build_distill_set(model: torch.nn.Module, tokenizer, documents: list[str], *, prompt_len: int,
-                      new_tokens: int, count: int, seed: int, cache: Path | None = None,
-                      batch: int = 16,
+                      new_tokens: int, count: int, seed: int, at: str = "lines",
+                      cache: Path | None = None, batch: int = 16,
                       on_batch: Callable[[int, int], None] | None = None) -> DistillSet:
     """The generated set, continued from `cache` when it holds the same prompts' first rows.
     on_batch(rows done, count) follows progress."""
-    prompts = draw_prompts(tokenizer, documents, prompt_len, count, seed)
+    prompts = draw_prompts(tokenizer, documents, prompt_len, count, seed, at)
     done = None
     if cache is not None and cache.is_file():
         saved = torch.load(cache, weights_only=True)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from verify_server.sat_lora import from_peft, peft_config
+from verify_server.sat_lora import from_peft, load_deltas, peft_config
 from verify_server.sdsat import SatSpec
 from verify_server.sdsat_distill import DistillSet
 from verify_server.sdsat_train import (check_checkpoint, initial_adapter, restore_progress,
@@ -143,18 +143,36 @@ def heldout_metrics(model, embeddings: torch.Tensor, data: DistillSet, batch: in
             "accepted_run": run.mean().item(), "loss": sum(losses) / len(losses)}
 
 
+def check_start(start: SatSpec, config: LoraTrainConfig) -> SatSpec:
+    """The adapter a run goes on from, when it matches the run's slots, rank and alpha."""
+    if start.lora is None:
+        raise ValueError("the starting adapter has no LoRA deltas (an embeddings-only adapter)")
+    found = (start.slots, start.lora.rank, start.lora.alpha)
+    if found != (config.slots, config.rank, config.alpha):
+        raise ValueError(f"the starting adapter has {found[0]} slots, rank {found[1]}, alpha "
+                         f"{found[2]:g}; this run has {config.slots}, {config.rank}, "
+                         f"{config.alpha:g}")
+    return start
+
+
 class LoraRun:
     """One run's state: the peft model, slot embeddings, optimizer, RNG, step and log."""
 
     def __init__(self, model, config: LoraTrainConfig, data: DistillSet,
-                 embeddings: torch.Tensor | None = None):
+                 start: SatSpec | None = None):
+        """start: an adapter to go on training (its slots, rank and alpha must be the config's);
+        None: mean-embedding slots and peft's initial deltas."""
         from peft import get_peft_model
 
         torch.manual_seed(config.seed)                    # peft's lora_A initialisation
         self.config, self.data = config, data
         self.fingerprint = hashlib.sha256(data.sequences.numpy().tobytes()).hexdigest()
-        init = initial_adapter(model, config.slots) if embeddings is None else embeddings.float()
         self.model = get_peft_model(model, peft_config(config.rank, config.alpha)).eval()
+        if start is None:
+            init = initial_adapter(model, config.slots)
+        else:
+            init = check_start(start, config).embeddings.float()
+            load_deltas(self.model, start.lora)
         self.embeddings = torch.nn.Parameter(init.detach().clone())
         self.deltas = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam([{"params": self.deltas, "lr": config.lr},
@@ -204,14 +222,15 @@ class LoraRun:
 
 
 def train_sat_lora(model, data: DistillSet, heldout: DistillSet, config: LoraTrainConfig,
-                   embeddings: torch.Tensor | None = None, checkpoint_dir: str | Path | None = None,
+                   start: SatSpec | None = None, checkpoint_dir: str | Path | None = None,
                    resume: bool = False,
                    on_step: Callable[[int, dict, dict | None], None] | None = None,
                    on_checkpoint: Callable[[int, SatSpec, list[dict]], None] | None = None,
                    ) -> tuple[SatSpec, list[dict]]:
-    """Train; returns the SAT spec (embeddings + deltas) and the log (train_sat's format). The
-    model is handed back with its own weights and no adapter layers."""
-    run = LoraRun(model, config, data, embeddings)
+    """Train (from `start`, an adapter, when given); returns the SAT spec (embeddings + deltas)
+    and the log (train_sat's format). The model is handed back with its own weights and no
+    adapter layers."""
+    run = LoraRun(model, config, data, start)
     checkpoint_dir = resumed(run, checkpoint_dir, resume)
     start = time.perf_counter()
     try:
