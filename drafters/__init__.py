@@ -1,6 +1,8 @@
 """Drafters: one per file behind the small protocol in drafters.base.
 
-Specs: "ngram" or "ngram:N" (prompt lookup, longest n-gram N), "hf:PATH_OR_ID" (transformers),
+Specs: "ngram" or "ngram:N" (prompt lookup, longest n-gram N), "cacheback" or
+"cacheback:NAME=N:..." (an LRU table of what followed what, shared by the device's sessions;
+NAME one of leader, follower, size, width), "hf:PATH_OR_ID" (transformers),
 "onnx:DIR" or "onnx:ALIAS[-PRECISION]" (an onnxruntime-genai export: sled export-onnx),
 "gguf:FILE" or "gguf:ALIAS" (llama.cpp). ALIAS names a built-in model (sled.models).
 load_drafter is the one place a spec becomes a drafter: every caller accepts every spec.
@@ -12,7 +14,7 @@ from pathlib import Path
 from drafters.base import Drafter, Proposal, SparseQ
 from sled.extras import require_extra
 
-SPECS = "ngram, ngram:N, hf:PATH_OR_ID, onnx:ALIAS_OR_DIR or gguf:ALIAS_OR_FILE"
+SPECS = "ngram, ngram:N, cacheback[:NAME=N...], hf:PATH_OR_ID, onnx:ALIAS_OR_DIR or gguf:ALIAS_OR_FILE"
 RUNTIMES = ("hf", "onnx", "gguf")   # the model drafters; each kind is also the extra it needs
 
 
@@ -74,6 +76,12 @@ def _load_resolved(spec: str, resolved: str, q_support: int) -> Drafter:
         except ValueError as exc:  # "ngram:x", "ngram:0": say which spec was wrong
             raise ValueError(f"bad drafter spec {spec!r}: {exc}; "
                              "use ngram or ngram:N with N >= 1") from None
+    if kind == "cacheback":
+        from drafters.cacheback import CachebackDrafter, parse_options
+        try:
+            return CachebackDrafter(**parse_options(arg))
+        except ValueError as exc:
+            raise ValueError(f"bad drafter spec {spec!r}: {exc}") from None
     if kind == "hf" and arg:
         from drafters.hf import HFDrafter
         return HFDrafter.load(arg, q_support=q_support)

@@ -59,6 +59,13 @@ def reports_confidence(drafter) -> bool:
     return bool(getattr(drafter, "reports_confidence", False))
 
 
+# A drafter that learns from committed text (Cacheback) has observe(context): a session shows it
+# its prompt and committed tokens before each draft and its whole output at the end.
+def observes_context(drafter) -> bool:
+    """Whether the drafter has observe(context) (see above)."""
+    return callable(getattr(drafter, "observe", None))
+
+
 def confidence_options(drafter, min_confidence: float) -> dict:
     """The keywords to pass propose() for an early stop at min_confidence: none when it is 0 or
     the drafter has no confidence to stop on (n-gram, a trace recorded without confidences)."""

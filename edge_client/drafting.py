@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from drafters.base import Drafter, Proposal, reports_confidence
+from drafters.base import Drafter, Proposal, observes_context, reports_confidence
 from sled.sampling import Sampling
 
 
@@ -25,6 +25,8 @@ class SharedDrafter:
         self._lock = threading.Lock()
         if hasattr(drafter, "apropose"):      # emulated drafters: stateless, awaited directly
             self.apropose = drafter.apropose
+        if observes_context(drafter):         # it locks its own table
+            self.observe = drafter.observe
 
     @property
     def reports_confidence(self) -> bool:

@@ -7,10 +7,9 @@ drafts the rest, after the head.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from drafters.base import Drafter, Proposal, SparseQ, confidence_options
+from drafters.base import Drafter, Proposal, SparseQ, confidence_options, observes_context
 from edge_client.speculation import Speculation
 from sled.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator
 
@@ -74,6 +73,11 @@ class Proposer:
     def rollback(self, length: int) -> None:
         """Forget the drafter's state past the first length context tokens."""
         self.drafter.rollback(length)
+
+    def observe(self, context: list[int]) -> None:
+        """Show a drafter that learns from committed text (observes_context) this session's."""
+        if observes_context(self.drafter):
+            self.drafter.observe(context)
 
 
 def with_hints(hints: list[int], proposal: Proposal | None) -> Proposal:

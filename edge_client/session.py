@@ -153,6 +153,7 @@ class DeviceSession:
                 if verdict is not None and await self.commit(draft, verdict):
                     break
             await self.stream.done_writing()
+            self.proposer.observe(self.context)       # the whole output, for later sessions
         except BaseException:
             await self.abandon()
             self.result.elapsed_s = time.perf_counter() - self.started
@@ -219,6 +220,7 @@ class DeviceSession:
         ahead), then the drafter's own."""
         self.turn_at = self.verdict_at or time.perf_counter()
         head, self.head = self.head, None
+        self.proposer.observe(self.context)
         draft = await self.proposer.draft(self.context, self.draft_len, head)
         self.result.hint_tokens += draft.hinted
         self.result.pipelined_tokens += draft.pipelined

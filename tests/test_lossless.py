@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from conftest import greedy_reference
+from drafters.cacheback import CachebackDrafter
 from drafters.hf import HFDrafter
 from drafters.ngram import NgramDrafter
 from edge_client.session import RoundSettings, generate
@@ -23,18 +24,22 @@ def references(models, prompts):
 
 
 def make_drafter(kind: str, arch: str, drafter_models, tokenizer):
-    return HFDrafter(drafter_models[arch], tokenizer, name="hf:noisy") if kind == "hf" else NgramDrafter()
+    if kind == "hf":
+        return HFDrafter(drafter_models[arch], tokenizer, name="hf:noisy")
+    return CachebackDrafter() if kind == "cacheback" else NgramDrafter()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("kind", ["hf", "ngram"])
+@pytest.mark.parametrize("kind", ["hf", "ngram", "cacheback"])
 @pytest.mark.parametrize("k", range(1, 9))
 async def test_eight_concurrent_sessions_match_generate(serve, models, drafter_models, tokenizer,
                                                         prompts, references, arch, kind, k):
     server = await serve(models[arch])
+    # Cacheback's one table serves every session, as on a device.
+    shared = make_drafter(kind, arch, drafter_models, tokenizer) if kind == "cacheback" else None
     results = await asyncio.gather(*(
-        generate(server_stub(server), make_drafter(kind, arch, drafter_models, tokenizer), prompt,
-                 max_new_tokens=MAX_NEW, settings=RoundSettings(draft_len=k))
+        generate(server_stub(server), shared or make_drafter(kind, arch, drafter_models, tokenizer),
+                 prompt, max_new_tokens=MAX_NEW, settings=RoundSettings(draft_len=k))
         for prompt in prompts))
     for result, reference in zip(results, references[arch]):
         assert result.token_ids == reference

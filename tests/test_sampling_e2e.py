@@ -9,6 +9,7 @@ import grpc
 import pytest
 import torch
 
+from drafters.cacheback import CachebackDrafter
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
 from sled.sampling import Sampling
@@ -56,7 +57,7 @@ async def sample_pairs(server, drafter_factory, prompt, n: int, concurrency: int
     return await asyncio.gather(*(one(seed) for seed in range(n)))
 
 
-@pytest.mark.parametrize("drafter", ["hf-sparse-q", "greedy-deterministic"])
+@pytest.mark.parametrize("drafter", ["hf-sparse-q", "greedy-deterministic", "cacheback-shared"])
 async def test_emitted_tokens_converge_to_target_distribution(serve, models, drafter_models,
                                                               tokenizer, prompts, drafter):
     model = models["llama"]
@@ -64,6 +65,9 @@ async def test_emitted_tokens_converge_to_target_distribution(serve, models, dra
     p1, p2 = exact_distributions(model, prompt, SAMPLING)
     if drafter == "hf-sparse-q":
         factory = lambda: HFDrafter(drafter_models["llama"], tokenizer, q_support=8)  # noqa: E731
+    elif drafter == "cacheback-shared":   # one table for every session, q one-hot
+        shared = CachebackDrafter(leader=1, follower=2)
+        factory = lambda: shared  # noqa: E731
     else:
         factory = lambda: GreedyDrafter(drafter_models["llama"], tokenizer)  # noqa: E731
     server = await serve(model, max_batch_sessions=64)
