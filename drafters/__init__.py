@@ -2,7 +2,8 @@
 
 Specs: "ngram" or "ngram:N" (prompt lookup, longest n-gram N), "cacheback" or
 "cacheback:NAME=N:..." (an LRU table of what followed what, shared by the device's sessions;
-NAME one of leader, follower, size, width), "hf:PATH_OR_ID" (transformers),
+NAME one of leader, follower, size, width), "hier:CHEAP>MODEL" (CHEAP's guesses checked by the
+model drafter MODEL in one evaluation), "hf:PATH_OR_ID" (transformers),
 "onnx:DIR" or "onnx:ALIAS[-PRECISION]" (an onnxruntime-genai export: sled export-onnx),
 "gguf:FILE" or "gguf:ALIAS" (llama.cpp). ALIAS names a built-in model (sled.models).
 load_drafter is the one place a spec becomes a drafter: every caller accepts every spec.
@@ -14,7 +15,7 @@ from pathlib import Path
 from drafters.base import Drafter, Proposal, SparseQ
 from sled.extras import require_extra
 
-SPECS = "ngram, ngram:N, cacheback[:NAME=N...], hf:PATH_OR_ID, onnx:ALIAS_OR_DIR or gguf:ALIAS_OR_FILE"
+SPECS = "ngram, ngram:N, cacheback[:NAME=N...], hier:CHEAP>MODEL, hf:PATH_OR_ID, onnx:ALIAS_OR_DIR or gguf:ALIAS_OR_FILE"
 RUNTIMES = ("hf", "onnx", "gguf")   # the model drafters; each kind is also the extra it needs
 
 
@@ -50,6 +51,8 @@ def check_alias(kind: str, arg: str) -> None:
 def load_drafter(spec: str, q_support: int = 32) -> Drafter:
     """The drafter SPEC names; one loaded from a built-in alias keeps it as `alias`, the name a
     person gave it (its `name` says which file it is)."""
+    if spec.startswith("hier:"):
+        return _load_hier(spec, q_support)
     require_runtime(spec)   # a missing extra is said before anything resolves or loads
     resolved = resolve_spec(spec)
     check_alias(*resolved.partition(":")[::2])   # a typo is said before anything loads
@@ -58,6 +61,17 @@ def load_drafter(spec: str, q_support: int = 32) -> Drafter:
     if resolved != spec:
         drafter.alias = spec
     return drafter
+
+
+def _load_hier(spec: str, q_support: int) -> Drafter:
+    """hier:CHEAP>MODEL: both loaded as any spec is."""
+    from drafters.hier import HierDrafter
+
+    cheap, sep, model = spec.removeprefix("hier:").partition(">")
+    if not sep or not cheap or not model or cheap.startswith("hier:") or model.startswith("hier:"):
+        raise ValueError(f"bad drafter spec {spec!r}: use hier:CHEAP>MODEL, e.g. "
+                         "hier:cacheback>gguf:gemma3-270m")
+    return HierDrafter(load_drafter(cheap, q_support), load_drafter(model, q_support))
 
 
 def require_runtime(spec: str) -> None:

@@ -146,6 +146,7 @@ class KVDrafter:
     capacity: int | None = None          # most tokens the runtime's cache holds
     capacity_name: str = "context"       # what the runtime calls that limit
     reports_confidence: bool = True      # propose() takes min_confidence / with_confidence
+    checks_guesses: bool = False         # has _run_tail: greedy_after() in one evaluation
 
     def __init__(self) -> None:
         self._seen: list[int] = []       # tokens whose keys/values are cached
@@ -183,6 +184,20 @@ class KVDrafter:
         if length < len(self._seen):
             del self._seen[self._truncate(length):]
 
+    def greedy_after(self, context: Sequence[int], tokens: Sequence[int]) -> list[int]:
+        """The drafter's greedy token after `context` and after each prefix of `tokens`
+        ([len(tokens) + 1]), from one evaluation: how a cheaper drafter's guesses are checked."""
+        if self.capacity is not None and len(context) + len(tokens) > self.capacity:
+            raise ValueError(f"{len(context)} context + {len(tokens)} checked tokens exceed the "
+                             f"drafter's {self.capacity_name} {self.capacity}")
+        keep = min(common_prefix(self._seen, context), len(context) - 1)
+        self.rollback(keep)
+        fed = list(context[keep:]) + list(tokens)
+        logits = self._run_tail(fed, len(tokens) + 1)
+        self._seen.extend(fed)
+        self.evaluated += len(fed)
+        return np.asarray(logits).argmax(axis=-1).tolist()
+
     def _feed(self, tokens: list[int]):
         logits = self._run(tokens)
         self._seen.extend(tokens)
@@ -191,6 +206,10 @@ class KVDrafter:
 
     def _run(self, tokens: list[int]):
         """Evaluate tokens at positions len(self._seen)...; the logits after the last: [vocab]."""
+        raise NotImplementedError
+
+    def _run_tail(self, tokens: list[int], rows: int):
+        """Evaluate tokens like _run; the logits after each of the last `rows`: [rows, vocab]."""
         raise NotImplementedError
 
     def _truncate(self, length: int) -> int:

@@ -38,6 +38,7 @@ N_BATCH = 128
 
 class GGUFDrafter(KVDrafter):
     capacity_name = "n_ctx"
+    checks_guesses = True
 
     def __init__(self, path: str | Path, n_threads: int | None = None, n_ctx: int = 4096,
                  q_support: int = 32) -> None:
@@ -69,6 +70,22 @@ class GGUFDrafter(KVDrafter):
         self.llm.eval(tokens)  # decodes in n_batch chunks from llm.n_tokens, logits for the last
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1),
                                      shape=(self.n_vocab,))
+
+    def _run_tail(self, tokens: list[int], rows: int) -> np.ndarray:  # [rows, vocab]
+        """The head as _run does; the last `rows` tokens in one decode that keeps every row's
+        logits (llama.cpp sizes its output buffer by the rows asked for, not by n_ctx)."""
+        if rows > N_BATCH:
+            raise ValueError(f"cannot check {rows - 1} tokens at once (at most {N_BATCH - 1})")
+        head, tail = tokens[:-rows], tokens[-rows:]
+        if head:
+            self.llm.eval(head)
+        n_past = self._truncate(self.llm.n_tokens)     # nothing stale after the tokens seen
+        self.llm._batch.set_batch(batch=tail, n_past=n_past, logits_all=True)
+        self.llm._ctx.decode(self.llm._batch)
+        self.llm.input_ids[n_past:n_past + rows] = tail
+        self.llm.n_tokens += rows
+        return np.stack([np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, i),
+                                               shape=(self.n_vocab,)) for i in range(rows)])
 
 
 def open_llama(path: Path, n_threads: int | None = None, n_ctx: int = 4096) -> llama_cpp.Llama:

@@ -12,6 +12,8 @@ from sled.fingerprint import fingerprint_tokenizer
 class HFDrafter(KVDrafter):
     """Runs a transformers model; its DynamicCache holds the KV of the tokens seen."""
 
+    checks_guesses = True
+
     def __init__(self, model: torch.nn.Module, tokenizer=None, name: str = "hf",
                  q_support: int = 32) -> None:
         super().__init__()
@@ -35,11 +37,14 @@ class HFDrafter(KVDrafter):
                 layer.values = layer.values[:, :, :length]
         return length
 
-    @torch.inference_mode()
     def _run(self, tokens: list[int]) -> np.ndarray:  # [vocab] float32, for choose_token
+        return self._run_tail(tokens, 1)[-1]
+
+    @torch.inference_mode()
+    def _run_tail(self, tokens: list[int], rows: int) -> np.ndarray:  # [rows, vocab] float32
         start = len(self._seen)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(tokens), device=self.device)[None]
         out = self.model(input_ids=ids, position_ids=positions, past_key_values=self._cache,
-                         use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float().cpu().numpy()
+                         use_cache=True, logits_to_keep=rows)
+        return out.logits[0].float().cpu().numpy()

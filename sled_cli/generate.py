@@ -15,8 +15,8 @@ from sled_cli.flags import (builtin_aliases, non_negative_float, non_negative_in
 def add_arguments(parser) -> None:
     parser.add_argument("--server", required=True, help="HOST:PORT of a sled server")
     parser.add_argument("--drafter", default="ngram",
-                        help="ngram, ngram:N, cacheback[:NAME=N...], hf:PATH_OR_ID, gguf:ALIAS_OR_FILE, "
-                             "onnx:ALIAS_OR_DIR "
+                        help="ngram, ngram:N, cacheback[:NAME=N...], hier:CHEAP>MODEL, hf:PATH_OR_ID, "
+                             "gguf:ALIAS_OR_FILE, onnx:ALIAS_OR_DIR "
                              f"(built-in aliases: {builtin_aliases()}); "
                              "or server (no drafter: the server generates) or sat (the server "
                              "drafts with its semantic adaptive tokens)")

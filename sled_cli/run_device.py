@@ -7,8 +7,8 @@ from sled_cli.flags import builtin_aliases, positive_int
 def add_arguments(parser) -> None:
     parser.add_argument("--server", required=True, help="HOST:PORT of a sled server")
     parser.add_argument("--drafter", default="ngram",
-                        help="ngram, ngram:N, cacheback[:NAME=N...], hf:PATH_OR_ID, gguf:ALIAS_OR_FILE, "
-                             "onnx:ALIAS_OR_DIR "
+                        help="ngram, ngram:N, cacheback[:NAME=N...], hier:CHEAP>MODEL, hf:PATH_OR_ID, "
+                             "gguf:ALIAS_OR_FILE, onnx:ALIAS_OR_DIR "
                              f"(built-in aliases: {builtin_aliases()})")
     parser.add_argument("--workload", default="humaneval:3", help="humaneval[:N] or a prompt file")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64,

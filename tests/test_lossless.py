@@ -10,6 +10,7 @@ import pytest
 from conftest import greedy_reference
 from drafters.cacheback import CachebackDrafter
 from drafters.hf import HFDrafter
+from drafters.hier import HierDrafter
 from drafters.ngram import NgramDrafter
 from edge_client.session import RoundSettings, generate
 from verify_server.server import start_server
@@ -26,11 +27,13 @@ def references(models, prompts):
 def make_drafter(kind: str, arch: str, drafter_models, tokenizer):
     if kind == "hf":
         return HFDrafter(drafter_models[arch], tokenizer, name="hf:noisy")
+    if kind == "hier":   # n-gram guesses checked by the noisy model drafter
+        return HierDrafter(NgramDrafter(), HFDrafter(drafter_models[arch], tokenizer, name="hf:noisy"))
     return CachebackDrafter() if kind == "cacheback" else NgramDrafter()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("kind", ["hf", "ngram", "cacheback"])
+@pytest.mark.parametrize("kind", ["hf", "ngram", "cacheback", "hier"])
 @pytest.mark.parametrize("k", range(1, 9))
 async def test_eight_concurrent_sessions_match_generate(serve, models, drafter_models, tokenizer,
                                                         prompts, references, arch, kind, k):
@@ -45,7 +48,7 @@ async def test_eight_concurrent_sessions_match_generate(serve, models, drafter_m
         assert result.token_ids == reference
         assert result.finish_reason == "length"
     assert sum(r.draft_tokens for r in results) > 0
-    if kind == "hf":  # a good drafter is accepted often, and sometimes rejected
+    if kind in ("hf", "hier"):  # a good drafter is accepted often, and sometimes rejected
         accepted = sum(r.accepted_tokens for r in results) / sum(r.draft_tokens for r in results)
         assert 0.1 < accepted < 1.0
 

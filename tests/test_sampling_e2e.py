@@ -11,6 +11,7 @@ import torch
 
 from drafters.cacheback import CachebackDrafter
 from drafters.hf import HFDrafter
+from drafters.hier import HierDrafter
 from edge_client.session import RoundSettings, generate
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2_grpc as pb_grpc
@@ -57,7 +58,8 @@ async def sample_pairs(server, drafter_factory, prompt, n: int, concurrency: int
     return await asyncio.gather(*(one(seed) for seed in range(n)))
 
 
-@pytest.mark.parametrize("drafter", ["hf-sparse-q", "greedy-deterministic", "cacheback-shared"])
+@pytest.mark.parametrize("drafter", ["hf-sparse-q", "greedy-deterministic", "cacheback-shared",
+                                     "hier"])
 async def test_emitted_tokens_converge_to_target_distribution(serve, models, drafter_models,
                                                               tokenizer, prompts, drafter):
     model = models["llama"]
@@ -65,6 +67,9 @@ async def test_emitted_tokens_converge_to_target_distribution(serve, models, dra
     p1, p2 = exact_distributions(model, prompt, SAMPLING)
     if drafter == "hf-sparse-q":
         factory = lambda: HFDrafter(drafter_models["llama"], tokenizer, q_support=8)  # noqa: E731
+    elif drafter == "hier":   # sampled: the model drafter's own q
+        factory = lambda: HierDrafter(  # noqa: E731
+            CachebackDrafter(), HFDrafter(drafter_models["llama"], tokenizer))
     elif drafter == "cacheback-shared":   # one table for every session, q one-hot
         shared = CachebackDrafter(leader=1, follower=2)
         factory = lambda: shared  # noqa: E731
