@@ -56,17 +56,20 @@ def train_lora(args, console) -> int:
 
 def _distill(args, console, model, tokenizer, documents, checkpoint_dir: Path):
     """The greedy continuations, generated (or continued from the checkpoint folder's copy)."""
-    from sled_cli.sdsat_train import progress_bar
+    from sled_cli.sdsat_train import plain_line, progress_bar
     from verify_server.sdsat_distill import build_distill_set
 
     with progress_bar("greedy continuations") as progress:
         task = progress.add_task("distill", total=args.prompts, status="")
+
+        def on_batch(done: int, total: int) -> None:
+            progress.update(task, completed=done, status=f"{done} of {total} prompts")
+            plain_line(f"greedy continuations: {done} of {total} prompts")
+
         data = build_distill_set(
             model, tokenizer, documents, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
             count=args.prompts, seed=args.seed, at=args.prompts_at,
-            cache=checkpoint_dir / "distill.pt",
-            on_batch=lambda done, total: progress.update(task, completed=done,
-                                                         status=f"{done} of {total} prompts"))
+            cache=checkpoint_dir / "distill.pt", on_batch=on_batch)
     console.print(f"{len(data.sequences)} prompts continued greedily "
                   f"({len(data.sequences) * data.new_tokens} target tokens)")
     return data

@@ -150,17 +150,32 @@ def load(model: str, dtype: str):
 
 
 def on_step(progress, steps: int):
-    """train_sat's on_step: the bar's position, the last loss and held-out acceptance."""
+    """train_sat's on_step: the bar's position, the last loss and held-out acceptance. A resumed
+    run's bar starts at its step; away from a terminal each evaluation is also a plain line."""
     task = progress.add_task("train", total=steps, status="")
-    status = {"acc": float("nan"), "run": float("nan")}
+    status = {"acc": float("nan"), "run": float("nan"), "first": True}
 
     def on_step(step: int, parts: dict, held: dict | None) -> None:
+        if status.pop("first", False):
+            progress.reset(task, completed=step - 1)     # the rate counts this run's steps only
         if held is not None:
             status.update(acc=held["slot_accuracy"], run=held["accepted_run"])
-        progress.update(task, completed=step, status=(
-            f"loss {parts['loss']:.3f}  held-out acc {status['acc']:.3f}  run {status['run']:.2f}"))
+        line = f"loss {parts['loss']:.3f}  held-out acc {status['acc']:.3f}  run {status['run']:.2f}"
+        progress.update(task, completed=step, status=line)
+        if held is not None:
+            plain_line(f"step {step} of {steps}: {line}")
 
     return on_step
+
+
+def plain_line(text: str) -> None:
+    """TEXT on stderr as one line, where no progress bar is drawn (a pipe, a log file)."""
+    import sys
+
+    from sled.progress import on_terminal, prefix
+
+    if not on_terminal():
+        print(f"{prefix()}: {text}", file=sys.stderr, flush=True)
 
 
 def plot_log(path: Path, log: list[dict], title: str) -> Path:

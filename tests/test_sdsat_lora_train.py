@@ -184,7 +184,7 @@ def _with(config: LoraTrainConfig, **changes) -> LoraTrainConfig:
     return LoraTrainConfig(**{**asdict(config), **changes})
 
 
-def test_sdsat_train_lora_command_writes_an_adapter_the_server_loads(tmp_path):
+def test_sdsat_train_lora_command_writes_an_adapter_the_server_loads(tmp_path, capsys):
     target, _ = save_pair(tmp_path / "tiny", "llama")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def add(a, b):\n    return a + b\n\nclass Box:\n    size = 3\n" * 20)
@@ -195,6 +195,8 @@ def test_sdsat_train_lora_command_writes_an_adapter_the_server_loads(tmp_path):
                  "--rank", "2", "--eval-every", "2"]) == 0
     spec = load_adapter(out / ADAPTER_FILE)
     assert spec.kind == "lora" and spec.slots == 2 and spec.lora.rank == 2
+    logged = capsys.readouterr().err          # not a terminal: plain progress lines
+    assert "greedy continuations: 6 of 6 prompts" in logged and "step 4 of 4: loss" in logged
     meta = adapter_metadata(out / ADAPTER_FILE)
     assert meta["mode"] == "lora" and meta["labels"] == "target greedy continuation"
     assert meta["training_cuts"] == str(4 * 2 * 3) and meta["generated_tokens"] == str(6 * 8)
