@@ -14,6 +14,7 @@ import numpy as np
 
 from sled.cache import write_atomically
 from sled.sampling import Sampling, warp
+from sled.tree import chain_parents, is_chain
 
 FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")  # what sled.fingerprint makes
 
@@ -32,6 +33,9 @@ class Proposal:
     # [draft_len]: the drafter's probability of each token it drafted (greedy: its softmax max; sampling:
     # q of the drawn token), or None when it was not asked for or the drafter has none
     confidence: list[float] | None = None
+    # [draft_len]: a tree draft's parent indices (sled.tree: 0 = the context's last token, i =
+    # token_ids[i - 1]); None for a chain. Only greedy proposals branch.
+    parents: list[int] | None = None
 
 
 @runtime_checkable
@@ -64,6 +68,19 @@ def reports_confidence(drafter) -> bool:
 def observes_context(drafter) -> bool:
     """Whether the drafter has observe(context) (see above)."""
     return callable(getattr(drafter, "observe", None))
+
+
+# A drafter whose `drafts_trees` is true also takes tree=N in propose() (greedy only): up to N
+# candidates per draft position, returned as a tree (Proposal.parents), at most N * draft_len
+# tokens and draft_len deep. Others always draft a chain.
+def drafts_trees(drafter) -> bool:
+    """Whether drafter.propose() takes tree=N (see above)."""
+    return bool(getattr(drafter, "drafts_trees", False))
+
+
+def tree_proposal(tokens: list[int], parents: list[int]) -> Proposal:
+    """A proposal of a tree; one that did not branch is sent as the plain chain it is."""
+    return Proposal(tokens, parents=None if is_chain(parents) else parents)
 
 
 def confidence_options(drafter, min_confidence: float) -> dict:
@@ -129,6 +146,22 @@ def token_confidence(logits: np.ndarray, token: int, q: SparseQ | None) -> float
     return 1.0 / float(np.exp(scores - scores.max()).sum())
 
 
+# Below this probability of its top token a model drafter (tree=N) adds its next N - 1 tokens as
+# siblings: above it, the top token is accepted often enough that a sibling rarely pays its slot.
+TREE_CONFIDENCE = 0.5
+
+
+def unsure_alternatives(logits: np.ndarray, n: int) -> list[int]:
+    """The n ids after the top one in logits [vocab], most likely first, when the top id has less
+    than TREE_CONFIDENCE of the softmax; [] when the drafter is sure."""
+    scores = np.asarray(logits, dtype=np.float64)
+    if 1.0 / float(np.exp(scores - scores.max()).sum()) >= TREE_CONFIDENCE:
+        return []
+    top = np.argpartition(scores, scores.shape[-1] - n - 1)[-n - 1:]
+    top = top[np.lexsort((top, -scores[top]))]                  # most likely first
+    return [int(t) for t in top[1:]]
+
+
 def drafter_threads(n_threads: int | None) -> int | None:
     """Threads for a drafter runtime: the argument, else $SLED_DRAFTER_THREADS, else the runtime's."""
     return n_threads or int(os.environ.get("SLED_DRAFTER_THREADS") or 0) or None
@@ -146,6 +179,7 @@ class KVDrafter:
     capacity: int | None = None          # most tokens the runtime's cache holds
     capacity_name: str = "context"       # what the runtime calls that limit
     reports_confidence: bool = True      # propose() takes min_confidence / with_confidence
+    drafts_trees: bool = True            # propose() takes tree=N (siblings where it is unsure)
     checks_guesses: bool = False         # has _run_tail: greedy_after() in one evaluation
 
     def __init__(self) -> None:
@@ -154,21 +188,26 @@ class KVDrafter:
 
     def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
                 generator: np.random.Generator | None = None, *, min_confidence: float = 0.0,
-                with_confidence: bool = False) -> Proposal:
+                with_confidence: bool = False, tree: int = 1) -> Proposal:
         """Draft up to draft_len tokens; with min_confidence > 0 the draft ends after the first token the
-        drafter is less sure of than that (at least one token is always drafted)."""
+        drafter is less sure of than that (at least one token is always drafted). tree=N > 1
+        (greedy): wherever the drafter's top token has less than TREE_CONFIDENCE of its
+        probability, its next N - 1 tokens join the draft as leaves beside it (siblings), so the
+        target may take one of them instead."""
         if self.capacity is not None and len(context) + draft_len - 1 > self.capacity:
             raise ValueError(f"{len(context)} context + {draft_len} draft tokens exceed the drafter's "
                              f"{self.capacity_name} {self.capacity}")
-        keep = min(common_prefix(self._seen, context), len(context) - 1)
-        self.rollback(keep)
-        logits = self._feed(list(context[keep:]))
+        logits = self._feed(self._unseen(context))
         scored = with_confidence or min_confidence > 0
+        branch = tree > 1 and sampling.greedy
         draft: list[int] = []
         qs: list[SparseQ] = []
         confidence: list[float] = []
+        siblings: list[tuple[int, int]] = []     # (token, parent node) of each leaf beside the chain
         for j in range(draft_len):
             token, q = choose_token(logits, sampling, self.q_support, generator)
+            if branch:
+                siblings += [(s, j) for s in unsure_alternatives(logits, tree - 1)]
             draft.append(token)
             if q is not None:
                 qs.append(q)
@@ -178,6 +217,9 @@ class KVDrafter:
                     break          # unsure here: tokens after this one would rarely be accepted
             if j + 1 < draft_len:
                 logits = self._feed([token])
+        if siblings:
+            return Proposal(draft + [s for s, _ in siblings], None, None,
+                            chain_parents(len(draft)) + [parent for _, parent in siblings])
         return Proposal(draft, qs if qs else None, confidence if scored else None)
 
     def rollback(self, length: int) -> None:
@@ -190,13 +232,18 @@ class KVDrafter:
         if self.capacity is not None and len(context) + len(tokens) > self.capacity:
             raise ValueError(f"{len(context)} context + {len(tokens)} checked tokens exceed the "
                              f"drafter's {self.capacity_name} {self.capacity}")
-        keep = min(common_prefix(self._seen, context), len(context) - 1)
-        self.rollback(keep)
-        fed = list(context[keep:]) + list(tokens)
+        fed = self._unseen(context) + list(tokens)
         logits = self._run_tail(fed, len(tokens) + 1)
         self._seen.extend(fed)
         self.evaluated += len(fed)
         return np.asarray(logits).argmax(axis=-1).tolist()
+
+    def _unseen(self, context: Sequence[int]) -> list[int]:
+        """Roll back to the cached prefix of context (keeping at least its last token to feed
+        again, for fresh logits) and return the tokens still to feed."""
+        keep = min(common_prefix(self._seen, context), len(context) - 1)
+        self.rollback(keep)
+        return list(context[keep:])
 
     def _feed(self, tokens: list[int]):
         logits = self._run(tokens)

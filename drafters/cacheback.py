@@ -4,8 +4,9 @@ An LRU table maps a leader n-gram to the follower n-grams seen right after it, m
 Drafting looks up the context's last `leader` tokens, appends the most recent follower, and goes
 on from the draft's own tail until the draft is long enough. Sessions feed the table through
 observe(): their prompt and committed tokens before each draft, their whole output at the end.
-One drafter serves all of a device's sessions, so what one session wrote drafts for the next. It is bounded: at most `size`
-leaders (the least recently used is dropped) with at most `width` followers each.
+One drafter serves all of a device's sessions, so what one session wrote drafts for the next.
+It is bounded: at most `size` leaders (the least recently used is dropped) with at most `width`
+followers each.
 
 Example, leader 2, follower 3: after the context [5, 6, 7, 8, 9, 5, 6] the leader (5, 6) has the
 follower (7, 8, 9), so the draft of 4 is 7, 8, 9, then the follower of (8, 9), ...
@@ -18,8 +19,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from drafters.base import Proposal
+from drafters.base import Proposal, tree_proposal
 from sled.sampling import Sampling
+from sled.tree import Trie
 
 OPTIONS = {"leader": 2, "follower": 4, "size": 65536, "width": 4}
 ANCHOR = 64            # a context is recognised by its first tokens (see CachebackDrafter._feed)
@@ -60,6 +62,7 @@ class FollowerTable:
 
 class CachebackDrafter:
     tokenizer_fingerprint = None  # drafts in the target's own ids
+    drafts_trees = True           # propose() takes tree=N: one branch per recent follower
 
     def __init__(self, leader: int = 2, follower: int = 4, size: int = 65536, width: int = 4) -> None:
         for name, value in (("leader", leader), ("follower", follower), ("size", size), ("width", width)):
@@ -72,17 +75,34 @@ class CachebackDrafter:
         self._lock = threading.Lock()
 
     def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
-                generator: np.random.Generator | None = None) -> Proposal:
+                generator: np.random.Generator | None = None, *, tree: int = 1) -> Proposal:
+        """tree=N > 1 (greedy): up to N of the context's followers each start a branch, every
+        branch continued as a chain is, merged where they share a start (sled.tree.Trie)."""
         tokens = list(context)
         with self._lock:
-            draft: list[int] = []
-            while len(draft) < draft_len:
-                found = self.table.followers(tuple((tokens + draft)[-self.leader:]))
-                if not found:
-                    break
-                draft.extend(found[0])
+            if tree > 1 and sampling.greedy:
+                return self._tree(tokens, draft_len, tree)
+            draft = self._continue(tokens, [], draft_len)
         # Nothing cached: guess the last token repeats (never an empty draft), as prompt lookup does.
         return Proposal((draft or [tokens[-1]] * draft_len)[:draft_len])  # q = one-hot
+
+    def _continue(self, tokens: list[int], draft: list[int], draft_len: int) -> list[int]:
+        """draft, extended by the most recent follower of its own tail until draft_len long (or
+        nothing follows)."""
+        while len(draft) < draft_len:
+            found = self.table.followers(tuple((tokens + draft)[-self.leader:]))
+            if not found:
+                break
+            draft = draft + list(found[0])
+        return draft[:draft_len]
+
+    def _tree(self, tokens: list[int], draft_len: int, width: int) -> Proposal:
+        trie = Trie()
+        for follower in self.table.followers(tuple(tokens[-self.leader:]))[:width]:
+            trie.add(self._continue(tokens, list(follower), draft_len))
+        if not trie:
+            return Proposal([tokens[-1]] * draft_len)
+        return tree_proposal(trie.tokens, trie.parents)
 
     def rollback(self, length: int) -> None:
         """The table holds committed tokens only: nothing to roll back."""

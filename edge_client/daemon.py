@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from drafters import bind_target_tokenizer
 from drafters.base import Drafter
 from edge_client.connection import cached_tokenizer
 from edge_client.drafting import SharedDrafter
@@ -194,6 +195,7 @@ class Device:
             # a target tokenizer fetched from a server earlier
             self.tokenizer = await asyncio.to_thread(cached_tokenizer, self.drafter.tokenizer_fingerprint)
         self._set_fingerprint()
+        self._bind_target_tokenizer(self.drafter)
         await self.directory.probe_all()
         await self._bootstrap()
         self._tasks.append(asyncio.create_task(self._keep_probing()))
@@ -216,7 +218,13 @@ class Device:
         self.directory.set_fingerprint(fingerprint)
         if own and own != fingerprint:
             raise SettingsError(f"tokenizer {self.settings.tokenizer or '(cached)'} does not match the "
-                                f"drafter {self.settings.drafter}: {short(fingerprint)} expected")
+                                f"drafter {self.settings.drafter}: {short(fingerprint)} expected "
+                                f"(xtok:{self.settings.drafter} drafts across tokenizers)")
+
+    def _bind_target_tokenizer(self, drafter: SharedDrafter) -> None:
+        """A drafter that drafts across tokenizers (xtok:) gets the target's, once known."""
+        if self.tokenizer is not None:
+            bind_target_tokenizer(drafter.inner, self.tokenizer)
 
     async def _bootstrap(self) -> None:
         """Take what is still missing (tokenizer, EOS ids, model name) from a compatible server."""
@@ -230,6 +238,7 @@ class Device:
             if self.tokenizer is None:
                 self.tokenizer = await server.connect().tokenizer()
                 self._set_fingerprint()
+                self._bind_target_tokenizer(self.drafter)
         except grpc.aio.AioRpcError as exc:
             self._set_state("waiting", await server.connect().explain(exc))
             return
@@ -393,7 +402,8 @@ class Device:
             settings=RoundSettings(
                 draft_len=policy.draft_len, max_draft_len=policy.max_draft_len,
                 min_confidence=policy.min_confidence, pipeline=policy.pipeline,
-                lookahead=policy.lookahead, hints=policy.hints, reconnect_s=settings.reconnect_s),
+                lookahead=policy.lookahead, hints=policy.hints, tree=policy.tree,
+                reconnect_s=settings.reconnect_s),
             transport=self.link.transport(), reopen_on=reopen, on_tokens=generation.on_tokens,
             on_round=self._count_round, on_server=generation.on_server, target_model=server.model,
             cache_salt=self.cache_salt)   # this device's sessions share a system prompt's blocks
@@ -494,7 +504,9 @@ class Device:
             if drafter.tokenizer_fingerprint and self.tokenizer is not None and \
                     drafter.tokenizer_fingerprint != tokenizer_fingerprint(self.tokenizer):
                 raise SettingsError(f"drafter {updated.drafter!r} has another tokenizer "
-                                    f"({short(drafter.tokenizer_fingerprint)}) than this device's target")
+                                    f"({short(drafter.tokenizer_fingerprint)}) than this device's "
+                                    f"target (xtok:{updated.drafter} drafts across tokenizers)")
+            self._bind_target_tokenizer(drafter)
             self.drafter = drafter
         if updated.servers != self.settings.servers:
             self.directory.configure(updated.servers)

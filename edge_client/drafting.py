@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from drafters.base import Drafter, Proposal, observes_context, reports_confidence
+from drafters.base import Drafter, Proposal, drafts_trees, observes_context, reports_confidence
 from sled.sampling import Sampling
 
 
@@ -32,6 +32,11 @@ class SharedDrafter:
     def reports_confidence(self) -> bool:
         """Whether the shared drafter takes min_confidence (an early stop)."""
         return reports_confidence(self.inner)
+
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether the shared drafter takes tree=N."""
+        return drafts_trees(self.inner)
 
     def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
                 generator: np.random.Generator | None = None, **options) -> Proposal:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from drafters.base import Drafter, Proposal, SparseQ, confidence_options, observes_context
+from drafters.base import (Drafter, Proposal, SparseQ, confidence_options, drafts_trees,
+                           observes_context)
 from edge_client.speculation import Speculation
 from sled.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator
+from sled.tree import chain_parents
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,33 +35,39 @@ class Draft:
 class Proposer:
     """The device's drafter as one session uses it: the session's own random stream (seeded
     from the request's seed, apart from the server's), its early stop, and run in a thread; a
-    drafter with an async apropose() (an emulated device) is awaited directly instead."""
+    drafter with an async apropose() (an emulated device) is awaited directly instead.
+    tree=N > 1: a greedy session's drafts may be trees of up to N candidates per position, from a
+    drafter that drafts trees (drafts_trees)."""
 
-    def __init__(self, drafter: Drafter, sampling: Sampling, min_confidence: float = 0.0) -> None:
+    def __init__(self, drafter: Drafter, sampling: Sampling, min_confidence: float = 0.0,
+                 tree: int = 1) -> None:
         self.drafter = drafter
         self.sampling = sampling
         self.min_confidence = min_confidence
         self.generator = new_generator(sampling, offset=DRAFTER_SEED_OFFSET)
         self.options = confidence_options(drafter, min_confidence)
+        self.tree = {"tree": tree} if tree > 1 and sampling.greedy and drafts_trees(drafter) else {}
         self._apropose = getattr(drafter, "apropose", None)
 
     async def propose(self, context: list[int], draft_len: int,
-                      sampling: Sampling | None = None) -> Proposal:
-        """draft_len tokens (fewer after an early stop) continuing context."""
+                      sampling: Sampling | None = None, branch: bool = False) -> Proposal:
+        """draft_len tokens (fewer after an early stop) continuing context; branch: a tree may
+        come back (Proposal.parents) when the session drafts trees."""
         how = self.sampling if sampling is None else sampling
+        options = {**self.options, **self.tree} if branch else self.options
         if self._apropose is not None:
-            return await self._apropose(context, draft_len, how, self.generator, **self.options)
+            return await self._apropose(context, draft_len, how, self.generator, **options)
         return await asyncio.to_thread(self.drafter.propose, context, draft_len, how, self.generator,
-                                       **self.options)
+                                       **options)
 
     async def draft(self, context: list[int], draft_len: int, head: Head | None) -> Draft:
         """A draft of draft_len tokens: the head's (all of them when it ends early), then the
         drafter's own after it."""
         if head is None:
-            return Draft(await self.propose(context, draft_len))
+            return Draft(await self.propose(context, draft_len, branch=True))
         taken = first(head.proposal, draft_len)
         rest = 0 if head.ends else draft_len - len(taken.token_ids)
-        tail = await self.propose(context + taken.token_ids, rest) if rest else None
+        tail = await self.propose(context + taken.token_ids, rest, branch=True) if rest else None
         if head.hinted:
             return Draft(with_hints(taken.token_ids, tail), hinted=len(taken.token_ids))
         return Draft(joined(taken, tail), pipelined=len(taken.token_ids))
@@ -88,7 +96,8 @@ def with_hints(hints: list[int], proposal: Proposal | None) -> Proposal:
     q = None
     if proposal.q is not None:
         q = [SparseQ([h], [1.0]) for h in hints] + list(proposal.q)
-    return Proposal(list(hints) + list(proposal.token_ids), q)
+    return Proposal(list(hints) + list(proposal.token_ids), q,
+                    parents=below(len(hints), proposal.parents))
 
 
 def joined(head: Proposal, tail: Proposal | None) -> Proposal:
@@ -98,7 +107,16 @@ def joined(head: Proposal, tail: Proposal | None) -> Proposal:
     q = head.q + tail.q if head.q is not None and tail.q is not None else None
     confidence = head.confidence + tail.confidence \
         if head.confidence is not None and tail.confidence is not None else None
-    return Proposal(head.token_ids + tail.token_ids, q, confidence)
+    return Proposal(head.token_ids + tail.token_ids, q, confidence,
+                    below(len(head.token_ids), tail.parents))
+
+
+def below(chain: int, parents: list[int] | None) -> list[int] | None:
+    """The parents of a chain of `chain` tokens followed by a tree (`parents`) that grows from
+    its last token; None when the tree is a chain too. below(2, [0, 0]) == [0, 1, 2, 2]."""
+    if parents is None:
+        return None
+    return chain_parents(chain) + [parent + chain for parent in parents]
 
 
 def first(proposal: Proposal, n: int) -> Proposal:

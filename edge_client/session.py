@@ -59,6 +59,10 @@ class RoundSettings:
     hints="always" uses every hint, unmeasured.
     A seeded sampling session drafts AUTO_FIRST_DRAFT_LEN under "auto" and "adaptive" and never
     pipelines, so that it repeats (both would make the round split depend on timing).
+    tree=N > 1 lets a greedy session's drafter (one that drafts trees: cacheback, the model
+    drafters) send up to N candidates per draft position as one tree; the server accepts the
+    longest path the target agrees with. Rounds that pipeline or start with hints stay chains
+    up to where the drafter's own part begins.
     reconnect_s: how long a lost server is retried, with backoff, before the session fails
     (0: at once). timeout: the deadline of each Generate call (None: none).
     """
@@ -68,6 +72,7 @@ class RoundSettings:
     pipeline: bool = False
     lookahead: int = 0
     hints: str = "measured"
+    tree: int = 1
     reconnect_s: float = 30.0
     timeout: float | None = None
 
@@ -81,6 +86,8 @@ class RoundSettings:
             raise ValueError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
         if self.lookahead < 0 or self.reconnect_s < 0:
             raise ValueError("lookahead and reconnect_s must be >= 0")
+        if self.tree < 1:
+            raise ValueError(f"tree must be >= 1 (candidates per draft position), got {self.tree}")
         if self.hints not in HINT_USES:
             raise ValueError(f"hints must be {' or '.join(HINT_USES)}, got {self.hints!r}")
 
@@ -111,7 +118,7 @@ class DeviceSession:
         self.transport, self.reopen_on = transport, reopen_on
         self.on_tokens, self.on_round = on_tokens, on_round
         self.reconnect = Reconnect(settings.reconnect_s, on_server)
-        self.proposer = Proposer(drafter, request.sampling, settings.min_confidence)
+        self.proposer = Proposer(drafter, request.sampling, settings.min_confidence, settings.tree)
         # Seeded sampling never pipelines: how many tokens get drafted ahead depends on timing,
         # and every draw moves the drafter's random stream, so a seeded run would not repeat.
         seeded = not request.sampling.greedy and request.sampling.seed is not None
@@ -261,7 +268,8 @@ class DeviceSession:
         of draft_len and no further than max_new_tokens allows."""
         left = self.request.max_new_tokens - len(self.result.token_ids) - len(proposal.token_ids) - 1
         cap = min(self.draft_len, left)
-        if not self.pipelining or cap < 1 or not self.policy.pipelining_pays(len(proposal.token_ids)):
+        if not self.pipelining or cap < 1 or proposal.parents is not None or \
+                not self.policy.pipelining_pays(len(proposal.token_ids)):
             return None
         return self.proposer.speculate(self.context + proposal.token_ids, len(proposal.token_ids), cap)
 
@@ -399,7 +407,8 @@ def drafter_fingerprint(drafter: Drafter, target_fingerprint: str | None,
         raise VerifyError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"the drafter {described(drafter)} does not share a tokenizer with "
                           f"{served}: its drafts cannot be verified (tokenizer {short(own)} vs "
-                          f"{printable(short(target_fingerprint))})", "REASON_TOKENIZER_MISMATCH")
+                          f"{printable(short(target_fingerprint))}); xtok:{drafter_name(drafter)} "
+                          "drafts across tokenizers", "REASON_TOKENIZER_MISMATCH")
     return own or target_fingerprint or ""
 
 

@@ -49,6 +49,8 @@ class PolicySettings(Section):
     lookahead: int = Field(0, ge=0, le=16)
     # "measured": a draft starts with the hints only while they beat the drafter; "always"
     hints: Literal["measured", "always"] = "measured"
+    # candidates per draft position: > 1 sends greedy drafts as trees (cacheback and model drafters)
+    tree: int = Field(1, ge=1, le=4)
 
     @field_validator("draft_len")
     @classmethod

@@ -36,10 +36,11 @@ def open_message(prompt_ids: Sequence[int], sampling: Sampling, max_new_tokens: 
 
 
 def draft_message(round: int, proposal: Proposal, lookahead: int = 0) -> pb.DeviceMessage:
-    """Round r's draft, with q per position in sampling mode and m SAT hints asked for."""
+    """Round r's draft, with q per position in sampling mode, m SAT hints asked for, and its
+    tree's parents when it branches."""
     q = [pb.SparseDistribution(ids=d.ids, probs=d.probs) for d in proposal.q or ()]
     return pb.DeviceMessage(draft=pb.Draft(round=round, token_ids=proposal.token_ids, q=q,
-                                           lookahead=lookahead))
+                                           lookahead=lookahead, parents=proposal.parents or ()))
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--hints", choices=["measured", "always"], default="measured",
                         help="measured: start a draft with the hints only while they beat the "
                              "drafter (this session's rounds); always: whenever they come")
+    parser.add_argument("--tree", type=positive_int, default=1,
+                        help="candidates per draft position: above 1 a greedy session sends its "
+                             "drafts as trees (cacheback and the model drafters branch)")
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64,
                         help="stop after this many new tokens")
@@ -78,6 +81,7 @@ async def run(args) -> int:
 
 
 async def _generate(args, shown: "Shown") -> int:
+    from drafters import bind_target_tokenizer
     from edge_client.connection import Connection
     from sled.cache import CacheError
     from sled.v1 import verifier_pb2 as pb
@@ -99,6 +103,7 @@ async def _generate(args, shown: "Shown") -> int:
         except CacheError as exc:  # the server's tokenizer was refused (or cannot be kept)
             return shown.fail(str(exc), 3)
         prompt_ids = shown.tokenizer(args.prompt).input_ids
+        bind_target_tokenizer(drafter, shown.tokenizer)   # an xtok: drafter drafts in its ids
         mode = server_modes.get(args.drafter)
         return await _session(conn.stub, info, prompt_ids, sampling, settings, drafter, mode, shown)
 
@@ -154,7 +159,7 @@ def _round_inputs(args, server_modes):
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed)
     settings = RoundSettings(draft_len=args.draft_len, lookahead=args.lookahead, hints=args.hints,
-                             reconnect_s=args.reconnect_s)
+                             tree=args.tree, reconnect_s=args.reconnect_s)
     drafter = None if args.drafter in server_modes else load_drafter(args.drafter)
     return sampling, settings, drafter
 

@@ -28,12 +28,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sled.tree import children
+
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
     accepted: int            # draft tokens kept: always a prefix of the draft
     emitted: list[int]       # draft[:accepted] + [correction or bonus]
     hints: list[int] = field(default_factory=list)   # SAT guesses of the tokens after `emitted`
+    # A tree draft: the accepted nodes, root's child first (node i = draft[i - 1]); () for a chain,
+    # whose accepted nodes are 1..accepted
+    path: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,27 @@ def verify_greedy(logits: torch.Tensor, draft: Sequence[int]) -> Outcome:
     while accepted < len(draft) and draft[accepted] == targets[accepted]:
         accepted += 1
     return Outcome(accepted, list(draft[:accepted]) + [targets[accepted]])
+
+
+def verify_greedy_tree(logits: torch.Tensor, draft: Sequence[int],
+                       parents: Sequence[int]) -> Outcome:
+    """logits: [len(draft) + 1, vocab], row 0 after the root, row i after node i (draft[i - 1]).
+    From the root, follow the child whose token is the target's argmax while there is one; emit
+    the path, then argmax p after its last node.
+
+    Example: draft [5, 9, 7, 4], parents [0, 1, 0, 3] (root -> 5 -> 9, root -> 7 -> 4), argmax p
+    after root 7, after node 3 (the 7) 4, after node 4 2 -> path (3, 4), emitted [7, 4, 2].
+    """
+    targets = logits.argmax(dim=-1).tolist()  # [len(draft) + 1]
+    kids = children(parents)
+    node, path = 0, []
+    while True:
+        child = next((c for c in kids[node] if draft[c - 1] == targets[node]), None)
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    return Outcome(len(path), [draft[c - 1] for c in path] + [targets[node]], path=tuple(path))
 
 
 def verify_sampling(

@@ -183,6 +183,13 @@ class BlockPool:
         self.values[layer].index_copy_(0, slots, values.to(self.shape.dtype))
         self.bytes_written += keys.nbytes + values.nbytes
 
+    def copy(self, source: torch.Tensor, dest: torch.Tensor) -> None:
+        """Every layer's keys and values at slots `source` [n] written to slots `dest` [n]
+        (read whole before any is written, so the two may overlap)."""
+        source, dest = source.to(self.keys[0].device), dest.to(self.keys[0].device)
+        for layer in range(self.shape.layers):
+            self.write(layer, dest, *self.read(layer, source))
+
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathered keys/values at `slots` (any shape S): [*S, kv_heads, head_dim] each."""
         return self.keys[layer][slots], self.values[layer][slots]

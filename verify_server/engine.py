@@ -28,6 +28,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from sled.tree import depths
 from verify_server.blocks import BlockPool, KVShape
 from verify_server.kv import SessionKV
 from verify_server.sdsat import SatSpec
@@ -55,6 +56,13 @@ class Row:
     want_logits: bool         # False for prefill: only the KV is needed
     sat_slots: int = 0        # SAT slots per block (their KV is dropped later)
     sat_anchors: tuple[int, ...] = ()   # tokens each block follows; () = one block after all
+    # A tree draft (sled.tree): the parent of each of tokens[1:], 0 = tokens[0], i = tokens[i];
+    # each token then sees its ancestors only. () = a chain. Trees carry no SAT slots.
+    parents: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.parents and self.sat_slots:
+            raise ValueError("a tree draft carries no SAT slots")
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -69,11 +77,13 @@ class Row:
     @property
     def branched(self) -> bool:
         """Whether some SAT slot does not simply follow everything before it (a tree, not a chain)."""
-        return self.blocks not in ((), (len(self.tokens),))
+        return bool(self.parents) or self.blocks not in ((), (len(self.tokens),))
 
     def positions(self, start: int) -> torch.Tensor:
         """[width] position ids of the tokens, then of each block's slots."""
         n, m = len(self.tokens), self.sat_slots
+        if self.parents:
+            return start + torch.tensor([0, *depths(self.parents)])
         return torch.cat([torch.arange(start, start + n),
                           *(torch.arange(start + a, start + a + m) for a in self.blocks)])
 
@@ -81,6 +91,12 @@ class Row:
         """[width, width] bool: which of the row's new entries each one attends to."""
         n, m = len(self.tokens), self.sat_slots
         seen = torch.zeros(self.width, self.width, dtype=torch.bool)
+        if self.parents:
+            seen[0, 0] = True
+            for i, parent in enumerate(self.parents, start=1):   # parents come first
+                seen[i] = seen[parent]
+                seen[i, i] = True
+            return seen
         seen[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
         for b, anchor in enumerate(self.blocks):
             first = n + b * m
@@ -93,7 +109,7 @@ class Engine:
     """Owns the block pool and runs one forward per scheduler step."""
 
     kind = "base"
-    branches = False     # whether rows may carry branched SAT blocks (Row.sat_anchors)
+    branches = False     # whether rows may branch: SAT blocks (Row.sat_anchors), trees (Row.parents)
 
     def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None) -> None:
         self.model = model
@@ -335,7 +351,8 @@ class PaddedEngine(Engine):
     @torch.inference_mode()
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor | None]:
         if any(row.branched for row in rows):
-            raise ValueError("the padded engine cannot verify branched SAT blocks; use the paged engine")
+            raise ValueError("the padded engine cannot verify tree drafts or branched SAT blocks; "
+                             "use the paged engine")
         batch = len(rows)
         past = [row.kv.length for row in rows]
         widths = [row.width for row in rows]

@@ -62,6 +62,20 @@ class SessionKV:
                                f"{len(self._slot_ids)} slots the forward wrote")
         self._set_length(self._length + tokens)
 
+    def keep_path(self, path: Sequence[int]) -> None:
+        """After a tree draft's forward: move the KV of its accepted nodes (`path`: offsets after
+        `length`, root's child first) to the slots right after the root, where `commit` keeps
+        them. A chain's path (1, 2, ...) is where it is already.
+
+            length 5; the forward wrote root, a, b, c, d into slots 5..9; path (3, 4)
+            -> c and d move to slots 6 and 7; commit(3) keeps root, c, d
+        """
+        moves = [(self._length + node, self._length + i) for i, node in enumerate(path, start=1)
+                 if node != i]
+        if moves:
+            source, dest = zip(*moves)
+            self.pool.copy(self._slot_ids[list(source)], self._slot_ids[list(dest)])
+
     def _set_length(self, length: int) -> None:
         self.pool.held_tokens += length - self._length
         self._length = length

@@ -69,9 +69,11 @@ class Scheduler:
         return info
 
     async def verify(self, session: Session, draft: list[int], q: list[DraftQ] | None,
-                     deadline: float | None = None, lookahead: int = 0) -> tuple[Outcome, StepInfo]:
+                     deadline: float | None = None, lookahead: int = 0,
+                     parents: list[int] | None = None) -> tuple[Outcome, StepInfo]:
+        """parents: a tree draft's (sled.tree), None for a chain."""
         return await self._submit(Verify(session, self._new_future(), deadline, draft=draft, q=q,
-                                         lookahead=lookahead))
+                                         lookahead=lookahead, parents=parents))
 
     def release(self, session: Session) -> None:
         """Forget the session: drop its queued work and free its KV (after the step in flight)."""

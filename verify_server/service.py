@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from sled.tree import cut
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from verify_server import errors, validation
@@ -131,7 +132,8 @@ class VerifierService(pb_grpc.VerifierServicer):
                                    kv_budget_tokens=self.pool.capacity_tokens,
                                    kv_block_tokens=self.pool.block_tokens,
                                    max_step_tokens=self.scheduler.max_step_tokens,
-                                   idle_timeout_s=self.settings.idle_timeout),
+                                   idle_timeout_s=self.settings.idle_timeout,
+                                   tree_drafts=self.scheduler.engine.branches),
             sat_available=self.target.sat_slots > 0,
             sat_slots=self.target.sat_slots,
             dtype=self.target.dtype,
@@ -282,14 +284,18 @@ class VerifierService(pb_grpc.VerifierServicer):
     async def _verify(self, session: Session | None, draft: pb.Draft, context) -> pb.ServerMessage:
         """A device's draft: checked, verified in the next batched forward, the round finished."""
         tokens = validation.check_draft(draft, session, self.target, self.settings)
+        parents = validation.check_tree(draft, session, self.scheduler.engine.branches)
         session.heard_from_device()
         q = validation.draft_q(draft, tokens, session.sampling, self.target.vocab_size,
                                self.settings.max_q_support)
-        draft_len = session.verifiable(len(tokens))
+        room = session.verifiable(len(tokens))
+        if parents is not None:      # what fits the session's room: as deep and as many as a chain
+            tokens, parents = cut(tokens, parents, max_depth=room, max_nodes=room)
+        draft_len = min(room, len(tokens))
         await self._pace(session, draft_len + 1 + draft.lookahead)
         outcome, info = await self.scheduler.verify(
             session, tokens[:draft_len], q[:draft_len] if q is not None else None,
-            deadline_of(context, draft.deadline_ms), draft.lookahead)
+            deadline_of(context, draft.deadline_ms), draft.lookahead, parents or None)
         verdict = finish_round(session, outcome, draft_len, info, self.metrics, self._advise)
         if session.finished:   # its KV goes now; its slot when the device closes or idles out
             self._end(session)

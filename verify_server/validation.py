@@ -20,6 +20,7 @@ from google.protobuf.message import Message
 from sled.fingerprint import short
 from sled.printable import printable
 from sled.sampling import Sampling
+from sled.tree import tree_problem
 from sled.v1 import verifier_pb2 as pb
 from verify_server import errors
 from verify_server.acceptance import DraftQ
@@ -152,6 +153,28 @@ def check_draft(draft: pb.Draft, session: Session | None, target: Target,
     check_ids(tokens, "draft.token_ids", target.vocab_size, draft.round)
     check_lookahead(draft.lookahead, target, draft.round)
     return tokens
+
+
+def check_tree(draft: pb.Draft, session: Session, trees: bool) -> list[int] | None:
+    """The parents of a tree draft (sled.tree), or None for a chain. `trees`: whether this
+    server's engine verifies trees (ServerLimits.tree_drafts)."""
+    if not draft.parents:
+        return None
+    parents = list(draft.parents)
+    if not trees:
+        raise errors.precondition(Reason.REASON_BAD_TREE,
+                                  "this server's engine verifies chains only "
+                                  "(ServerLimits.tree_drafts is false): send drafts without parents",
+                                  draft.round)
+    problem = tree_problem(parents, len(draft.token_ids))
+    if problem is None and not session.sampling.greedy:
+        problem = ("a tree draft in a sampling session: exact rejection sampling over siblings "
+                   "is not built, so trees are for greedy sessions; send a chain")
+    if problem is None and draft.lookahead:
+        problem = "a tree draft with lookahead: SAT hints follow chains only; send lookahead 0"
+    if problem is not None:
+        raise errors.invalid(Reason.REASON_BAD_TREE, f"bad tree draft: {problem}", draft.round)
+    return parents
 
 
 def check_session_takes(round: int, session: Session | None, idle_timeout: float) -> None:

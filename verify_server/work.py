@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verify_server.acceptance import DraftQ, Outcome, verify_greedy, verify_sampling
+from verify_server.acceptance import (DraftQ, Outcome, verify_greedy, verify_greedy_tree,
+                                      verify_sampling)
 from verify_server.engine import Row
 from verify_server.session import Session
 from verify_server.warp import warp
@@ -71,6 +72,7 @@ class Verify(Work):
     q: list[DraftQ] | None = None                        # [draft_len], None: deterministic drafter
     lookahead: int = 0                                   # m SAT slots after the draft
     every_cut: bool = False    # SAT slots after every place the draft may be cut, not only its end
+    parents: list[int] | None = None    # a tree draft's parent indices (sled.tree); None: a chain
 
     @property
     def tokens_wanted(self) -> int:
@@ -79,13 +81,17 @@ class Verify(Work):
     def row(self, budget: int) -> Row:
         anchors = tuple(range(1, len(self.draft) + 2)) if self.every_cut and self.lookahead else ()
         return Row(self.session.kv, [self.session.last_token, *self.draft], want_logits=True,
-                   sat_slots=self.lookahead, sat_anchors=anchors)
+                   sat_slots=self.lookahead, sat_anchors=anchors, parents=tuple(self.parents or ()))
 
     def complete(self, row: Row, logits: torch.Tensor | None) -> Outcome:
         """logits: [draft_len + 1 + blocks * m, vocab]. Decide acceptance on the first
         draft_len + 1; read SAT hints from the block that follows the accepted tokens (with
         every_cut), else from the one block when the whole draft survived."""
         session, draft_len = self.session, len(self.draft)
+        if self.parents:        # greedy only (validation.check_tree)
+            outcome = verify_greedy_tree(logits, self.draft, self.parents)
+            session.kv.keep_path(outcome.path)
+            return outcome
         if session.sampling.greedy:
             outcome = verify_greedy(logits[:draft_len + 1], self.draft)
         else:

@@ -32,7 +32,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_draft_tokens", "max_sessions", "max_q_support", "kv_budget_tokens", "kv_block_tokens", "max_step_tokens", "idle_timeout_s")
+    __slots__ = ("max_draft_tokens", "max_sessions", "max_q_support", "kv_budget_tokens", "kv_block_tokens", "max_step_tokens", "idle_timeout_s", "tree_drafts")
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_Q_SUPPORT_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class ServerLimits(_message.Message):
     KV_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TREE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     max_draft_tokens: int
     max_sessions: int
     max_q_support: int
@@ -47,7 +48,8 @@ class ServerLimits(_message.Message):
     kv_block_tokens: int
     max_step_tokens: int
     idle_timeout_s: float
-    def __init__(self, max_draft_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_q_support: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., idle_timeout_s: _Optional[float] = ...) -> None: ...
+    tree_drafts: bool
+    def __init__(self, max_draft_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_q_support: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., idle_timeout_s: _Optional[float] = ..., tree_drafts: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "context_length", "limits", "sat_available", "dtype", "device", "sat_slots")
@@ -106,7 +108,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "max_new_tokens", "stop_ids", "tokenizer_fingerprint", "drafter", "ignore_eos", "mode", "cache_salt")
+    __slots__ = ("prompt_ids", "sampling", "max_new_tokens", "stop_ids", "tokenizer_fingerprint", "drafter", "ignore_eos", "mode", "cache_salt", "loose")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +118,7 @@ class Open(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LOOSE_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     max_new_tokens: int
@@ -125,7 +128,16 @@ class Open(_message.Message):
     ignore_eos: bool
     mode: GenerationMode
     cache_salt: str
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[_Union[GenerationMode, str]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    loose: LooseVerification
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[_Union[GenerationMode, str]] = ..., cache_salt: _Optional[str] = ..., loose: _Optional[_Union[LooseVerification, _Mapping]] = ...) -> None: ...
+
+class LooseVerification(_message.Message):
+    __slots__ = ("window", "entropy")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    entropy: float
+    def __init__(self, window: _Optional[int] = ..., entropy: _Optional[float] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("ids", "probs")
@@ -136,18 +148,20 @@ class SparseDistribution(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("round", "token_ids", "q", "deadline_ms", "lookahead")
+    __slots__ = ("round", "token_ids", "q", "deadline_ms", "lookahead", "parents")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     round: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     deadline_ms: int
     lookahead: int
-    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., deadline_ms: _Optional[int] = ..., lookahead: _Optional[int] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., deadline_ms: _Optional[int] = ..., lookahead: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Close(_message.Message):
     __slots__ = ()
@@ -174,21 +188,23 @@ class ServerTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("session_id", "prompt_tokens", "max_new_tokens", "timings", "cached_prompt_tokens")
+    __slots__ = ("session_id", "prompt_tokens", "max_new_tokens", "timings", "cached_prompt_tokens", "loose")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOSE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_tokens: int
     max_new_tokens: int
     timings: ServerTimings
     cached_prompt_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    loose: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., loose: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("round", "accepted", "emitted_ids", "finish_reason", "timings", "verified", "suggested_draft_len", "hint_ids")
+    __slots__ = ("round", "accepted", "emitted_ids", "finish_reason", "timings", "verified", "suggested_draft_len", "hint_ids", "loose_accepted")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     EMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +213,7 @@ class Verdict(_message.Message):
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     SUGGESTED_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
     HINT_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOOSE_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     round: int
     accepted: int
     emitted_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -205,7 +222,8 @@ class Verdict(_message.Message):
     verified: int
     suggested_draft_len: int
     hint_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., emitted_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., verified: _Optional[int] = ..., suggested_draft_len: _Optional[int] = ..., hint_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    loose_accepted: int
+    def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., emitted_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., verified: _Optional[int] = ..., suggested_draft_len: _Optional[int] = ..., hint_ids: _Optional[_Iterable[int]] = ..., loose_accepted: _Optional[int] = ...) -> None: ...
 
 class ErrorDetail(_message.Message):
     __slots__ = ("reason", "message", "round")
@@ -232,6 +250,8 @@ class ErrorDetail(_message.Message):
         REASON_UNAUTHENTICATED: _ClassVar[ErrorDetail.Reason]
         REASON_PERMISSION_DENIED: _ClassVar[ErrorDetail.Reason]
         REASON_QUOTA: _ClassVar[ErrorDetail.Reason]
+        REASON_BAD_TREE: _ClassVar[ErrorDetail.Reason]
+        REASON_BAD_LOOSE: _ClassVar[ErrorDetail.Reason]
     REASON_UNSPECIFIED: ErrorDetail.Reason
     REASON_TOKEN_OUT_OF_RANGE: ErrorDetail.Reason
     REASON_EMPTY_DRAFT: ErrorDetail.Reason
@@ -253,6 +273,8 @@ class ErrorDetail(_message.Message):
     REASON_UNAUTHENTICATED: ErrorDetail.Reason
     REASON_PERMISSION_DENIED: ErrorDetail.Reason
     REASON_QUOTA: ErrorDetail.Reason
+    REASON_BAD_TREE: ErrorDetail.Reason
+    REASON_BAD_LOOSE: ErrorDetail.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]

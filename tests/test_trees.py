@@ -1,0 +1,326 @@
+"""Token trees: several candidates per draft position, verified in one pass with a tree mask.
+
+The greedy oracle holds with tree drafts from every drafter that branches, under concurrency; a
+tree whose right branch is not its first moves that branch's KV into place; malformed trees,
+sampled trees and trees on a chains-only engine are each refused with INVALID_ARGUMENT or
+FAILED_PRECONDITION while another session on the server goes on."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from conftest import greedy_reference
+from drafters.base import KVDrafter, Proposal, unsure_alternatives
+from drafters.cacheback import CachebackDrafter
+from drafters.hf import HFDrafter
+from edge_client.session import RoundSettings, generate
+from sled.sampling import Sampling
+from sled.tree import Trie, children, cut, depths, path_to, tree_problem
+from sled.v1 import verifier_pb2 as pb
+from tests.test_bad_input import TARGET_FP, open_msg
+from tests.test_lossless import server_stub
+from verify_server.acceptance import verify_greedy, verify_greedy_tree
+from verify_server.engine import Row, make_engine
+
+GREEDY = Sampling()
+MAX_NEW = 24
+Reason = pb.ErrorDetail.Reason
+
+
+# --- the tree itself --------------------------------------------------------------------------
+
+def test_depths_children_and_paths_of_a_small_tree():
+    parents = [0, 1, 0, 3, 3]           # root -> a -> b; root -> c -> d, c -> e
+    assert depths(parents) == [1, 2, 1, 2, 2]
+    assert children(parents) == [[1, 3], [2], [], [4, 5], [], []]
+    assert path_to(parents, 5) == [3, 5]
+
+
+@pytest.mark.parametrize("parents,tokens,fault", [
+    ([0, 2], 2, "its own parent"),
+    ([0, 3, 0], 3, "points at a later token"),
+    ([0, 1], 3, "2 parents for 3 draft tokens"),
+])
+def test_malformed_trees_are_named(parents, tokens, fault):
+    assert fault in tree_problem(parents, tokens)
+
+
+def test_well_formed_trees_pass():
+    assert tree_problem([0, 0, 1, 2, 2], 5) is None
+
+
+def test_cut_drops_deep_tokens_and_keeps_a_valid_prefix():
+    tokens, parents = [10, 11, 12, 20, 21], [0, 1, 2, 0, 4]
+    assert cut(tokens, parents, max_depth=2, max_nodes=10) == ([10, 11, 20, 21], [0, 1, 0, 3])
+    assert cut(tokens, parents, max_depth=2, max_nodes=3) == ([10, 11, 20], [0, 1, 0])
+    assert cut(tokens, parents, max_depth=0, max_nodes=10) == ([], [])
+
+
+def test_a_trie_merges_chains_that_share_a_start():
+    trie = Trie()
+    trie.add([5, 6, 7])
+    trie.add([5, 8])
+    trie.add([9], budget=5)
+    trie.add([4], budget=5)             # over the budget: not added
+    assert trie.tokens == [5, 6, 7, 8, 9] and trie.parents == [0, 1, 2, 1, 0]
+
+
+def one_hot_logits(argmax: list[int], vocab: int = 16) -> torch.Tensor:
+    logits = torch.zeros(len(argmax), vocab)
+    logits[range(len(argmax)), argmax] = 1.0
+    return logits
+
+
+def test_greedy_tree_takes_the_branch_the_target_agrees_with():
+    # root -> 5 -> 9; root -> 7 -> 4. Target: 7 after root, (after 5: 1), (after 9: 1), 4 after 7, 2 after 4
+    outcome = verify_greedy_tree(one_hot_logits([7, 1, 1, 4, 2]), [5, 9, 7, 4], [0, 1, 0, 3])
+    assert (outcome.accepted, outcome.emitted, outcome.path) == (2, [7, 4, 2], (3, 4))
+
+
+def test_greedy_tree_with_a_chain_decides_as_a_chain_does():
+    logits = one_hot_logits([5, 9, 3, 2])
+    chain = verify_greedy(logits, [5, 9, 4])
+    tree = verify_greedy_tree(logits, [5, 9, 4], [0, 1, 2])
+    assert (tree.accepted, tree.emitted, tree.path) == (chain.accepted, chain.emitted, (1, 2))
+
+
+# --- the engine -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_each_tree_token_sees_only_its_ancestors(models, arch):
+    """A tree row's logits at every token equal those of the chain from the root to it; gemma3's
+    sliding window (16) is applied by position, with a context longer than it."""
+    model = models[arch]
+    torch.manual_seed(5)
+    context = torch.randint(3, 300, (40,)).tolist()
+    tokens, parents = [11, 12, 13, 21, 22, 31], [0, 1, 2, 0, 4, 1]
+    engine = make_engine(model, kv_budget_bytes=32 << 20, block_tokens=8, kind="paged")
+
+    def prefilled():
+        kv = engine.new_kv()
+        kv.admit(context[:-1], 80, b"")
+        engine.forward([Row(kv, context[:-1], False)])
+        kv.commit(len(context) - 1)
+        return kv
+
+    tree_logits = engine.forward([Row(prefilled(), [context[-1], *tokens], True,
+                                      parents=tuple(parents))])[0]
+    for node in range(1, len(tokens) + 1):
+        path = [tokens[n - 1] for n in path_to(parents, node)]
+        chain_logits = engine.forward([Row(prefilled(), [context[-1], *path], True)])[0]
+        torch.testing.assert_close(tree_logits[node], chain_logits[-1])
+    torch.testing.assert_close(tree_logits[0], chain_logits[0])
+
+
+def test_the_accepted_branch_moves_into_place_and_decoding_goes_on_exactly(models):
+    """The target's own tokens sit in the second branch: after the verify, the session's KV
+    holds the root and that branch in order, so the next tokens are generate()'s."""
+    model = models["llama"]
+    prompt = [3, 17, 42, 9, 77]
+    reference = greedy_reference(model, prompt, 6)
+    engine = make_engine(model, kv_budget_bytes=32 << 20, block_tokens=4, kind="paged")
+    kv = engine.new_kv()
+    kv.admit(prompt[:-1], 20, b"")
+    engine.forward([Row(kv, prompt[:-1], False)])
+    kv.commit(len(prompt) - 1)
+    wrong = [(reference[0] + 1) % 300 + 3, 8]
+    draft = [*wrong, *reference[:3]]
+    parents = [0, 1, 0, 3, 4]
+    logits = engine.forward([Row(kv, [prompt[-1], *draft], True, parents=tuple(parents))])[0]
+    outcome = verify_greedy_tree(logits, draft, parents)
+    assert outcome.path == (3, 4, 5) and outcome.emitted == reference[:4]
+    kv.keep_path(outcome.path)
+    kv.commit(1 + outcome.accepted)
+    logits = engine.forward([Row(kv, [reference[3], reference[4]], True)])[0]
+    assert logits.argmax(-1).tolist() == reference[4:6]
+
+
+# --- drafters that branch -----------------------------------------------------------------------
+
+def test_cacheback_branches_on_each_recent_follower_and_merges_shared_starts():
+    drafter = CachebackDrafter(leader=1, follower=2)
+    drafter.observe([5, 6, 7, 1, 5, 8, 9, 2, 5, 6, 4])
+    proposal = drafter.propose([3, 5], 3, GREEDY, tree=3)
+    # followers of (5,), most recent first: (6, 4), (8, 9), (6, 7) -> 6 4 ..., 8 9 ..., 6 7 ...
+    trie_paths = {tuple(proposal.token_ids[n - 1] for n in path_to(proposal.parents, leaf))
+                  for leaf in range(1, len(proposal.token_ids) + 1)
+                  if leaf not in proposal.parents}
+    assert {p[:2] for p in trie_paths} == {(6, 4), (8, 9), (6, 7)}
+    assert proposal.token_ids.count(6) == 1            # the shared start is one node
+    assert drafter.propose([3, 5], 3, GREEDY, tree=1).parents is None
+
+
+def test_cacheback_tree_of_one_follower_is_sent_as_a_chain():
+    drafter = CachebackDrafter(leader=1, follower=2)
+    drafter.observe([5, 6, 7, 1])
+    proposal = drafter.propose([3, 5], 2, GREEDY, tree=2)
+    assert proposal.token_ids == [6, 7] and proposal.parents is None
+
+
+def test_a_model_drafter_adds_siblings_only_where_it_is_unsure():
+    sure = np.array([10.0, 0.0, 0.0, 0.0])
+    unsure = np.array([1.0, 0.9, 0.8, 0.0])
+    assert unsure_alternatives(sure, 1) == []
+    assert unsure_alternatives(unsure, 2) == [1, 2]
+
+    class Scripted(KVDrafter):
+        def __init__(self, steps):
+            super().__init__()
+            self.steps = iter(steps)
+
+        def _run(self, tokens):
+            return next(self.steps)
+
+        def _truncate(self, length):
+            return length
+
+    proposal = Scripted([sure, unsure, sure]).propose([1, 2], 3, GREEDY, tree=2)
+    # chain 0 0 0; the second position is unsure: its runner-up 1 joins beside it (parent node 1)
+    assert proposal.token_ids == [0, 0, 0, 1] and proposal.parents == [0, 1, 2, 1]
+    assert Scripted([sure, unsure, sure]).propose([1, 2], 3, Sampling(temperature=1.0, seed=1),
+                                                  tree=2).parents is None
+
+
+# --- the greedy oracle with trees, over gRPC -----------------------------------------------------
+
+class Recording:
+    """A drafter wrapper that counts the tree drafts it proposed."""
+
+    def __init__(self, inner):
+        self.inner, self.trees = inner, 0
+        self.name, self.tokenizer_fingerprint = inner.name, inner.tokenizer_fingerprint
+        self.drafts_trees = True
+        if hasattr(inner, "observe"):
+            self.observe = inner.observe
+
+    def propose(self, context, draft_len, sampling, generator=None, **options):
+        proposal = self.inner.propose(context, draft_len, sampling, generator, **options)
+        self.trees += proposal.parents is not None
+        return proposal
+
+    def rollback(self, length):
+        self.inner.rollback(length)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("kind", ["hf", "cacheback"])
+@pytest.mark.parametrize("k", [1, 3, 6])
+async def test_tree_drafts_match_generate_under_concurrency(serve, models, drafter_models, tokenizer,
+                                                            prompts, arch, kind, k):
+    server = await serve(models[arch])
+    shared = Recording(CachebackDrafter(leader=1, follower=2))
+
+    def drafter():
+        if kind == "cacheback":
+            return shared
+        return Recording(HFDrafter(drafter_models[arch], tokenizer, name="hf:noisy"))
+
+    drafters = [drafter() for _ in prompts]
+    results = await asyncio.gather(*(
+        generate(server_stub(server), d, prompt, max_new_tokens=MAX_NEW,
+                 settings=RoundSettings(draft_len=k, tree=3))
+        for d, prompt in zip(drafters, prompts)))
+    for result, prompt in zip(results, prompts):
+        assert result.token_ids == greedy_reference(models[arch], prompt, MAX_NEW)
+    assert sum(d.trees for d in {id(d): d for d in drafters}.values()) > 0   # trees were sent
+
+
+class Oracle:
+    """Drafts a tree whose first branch is wrong and whose second is the target's own text."""
+    name, tokenizer_fingerprint, drafts_trees = "oracle-tree", None, True
+
+    def __init__(self, prompt, reference):
+        self.full = list(prompt) + list(reference)
+
+    def propose(self, context, draft_len, sampling, generator=None, tree=1):
+        right = self.full[len(context):len(context) + draft_len] or [0]
+        wrong = [(right[0] + 1) % 250 + 3]
+        return Proposal(wrong + right, parents=[0] + [0] + list(range(2, len(right) + 1)))
+
+    def rollback(self, length):
+        pass
+
+
+async def test_the_second_branch_is_accepted_whole_every_round(serve, models, prompts):
+    model = models["gemma3"]
+    server = await serve(model)
+    prompt = prompts[0]
+    reference = greedy_reference(model, prompt, MAX_NEW)
+    result = await generate(server_stub(server), Oracle(prompt, reference), prompt,
+                            max_new_tokens=MAX_NEW, settings=RoundSettings(draft_len=4, tree=2))
+    assert result.token_ids == reference
+    # each round takes its whole 4-token second branch and a bonus, until the length limit cuts
+    assert [s.accepted for s in result.round_stats][:4] == [4] * 4
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+def tree_draft(round: int, tokens, parents, lookahead: int = 0) -> pb.DeviceMessage:
+    return pb.DeviceMessage(draft=pb.Draft(round=round, token_ids=list(tokens), parents=list(parents),
+                                           lookahead=lookahead))
+
+
+async def refusal(server, messages) -> tuple[grpc.StatusCode, pb.ErrorDetail, str]:
+    stub = server_stub(server)
+    call = stub.Generate(iter(messages))
+    detail = None
+    try:
+        async for reply in call:
+            if reply.HasField("error"):
+                detail = reply.error
+    except grpc.aio.AioRpcError as error:
+        return error.code(), detail, error.details()
+    raise AssertionError("the stream was not refused")
+
+
+@pytest.mark.parametrize("tokens,parents,fault", [
+    ([5, 6], [0, 2], "its own parent"),
+    ([5, 6, 7], [0, 3, 0], "points at a later token"),
+    ([5, 6, 7], [0, 1], "2 parents for 3 draft tokens"),
+])
+async def test_malformed_trees_are_invalid_argument_and_others_go_on(serve, models, prompts,
+                                                                     tokens, parents, fault):
+    model = models["llama"]
+    server = await serve(model)
+    other = asyncio.create_task(generate(server_stub(server), CachebackDrafter(), prompts[1],
+                                         max_new_tokens=MAX_NEW, settings=RoundSettings(tree=2)))
+    code, detail, message = await refusal(server, [open_msg(prompts[0]),
+                                                   tree_draft(0, tokens, parents)])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and detail.reason == Reason.REASON_BAD_TREE
+    assert fault in message and "bad tree draft" in message
+    assert (await other).token_ids == greedy_reference(model, prompts[1], MAX_NEW)
+
+
+async def test_too_many_tree_tokens_is_draft_too_long(serve, models, prompts):
+    server = await serve(models["llama"], max_draft_len=4)
+    code, detail, _ = await refusal(server, [open_msg(prompts[0]),
+                                             tree_draft(0, [5] * 5, [0, 0, 0, 0, 0])])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and detail.reason == Reason.REASON_DRAFT_TOO_LONG
+
+
+async def test_a_sampled_tree_is_refused_until_siblings_can_be_rejection_sampled(serve, models,
+                                                                                  prompts):
+    server = await serve(models["llama"])
+    code, detail, message = await refusal(server, [open_msg(prompts[0], temperature=0.8),
+                                                   tree_draft(0, [5, 6], [0, 0])])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and detail.reason == Reason.REASON_BAD_TREE
+    assert "sampling session" in message and "send a chain" in message
+
+
+async def test_a_chains_only_engine_says_so(serve, models, prompts):
+    server = await serve(models["llama"], engine="padded")
+    info = await server_stub(server).GetModelInfo(pb.GetModelInfoRequest())
+    assert not info.limits.tree_drafts
+    code, detail, message = await refusal(server, [open_msg(prompts[0]), tree_draft(0, [5, 6], [0, 0])])
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and detail.reason == Reason.REASON_BAD_TREE
+    assert "chains only" in message
+
+
+async def test_the_paged_server_says_it_takes_trees(serve, models):
+    server = await serve(models["llama"])
+    info = await server_stub(server).GetModelInfo(pb.GetModelInfoRequest())
+    assert info.limits.tree_drafts and TARGET_FP == info.tokenizer_fingerprint
