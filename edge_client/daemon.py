@@ -44,6 +44,7 @@ from edge_client.transport import ServerLost, VerifyError
 from lab.profiles import device_profile
 from sled.cache import CacheError
 from sled.fingerprint import short
+from sled.loose import Loose
 from sled.printable import printable
 from sled.sampling import Sampling
 
@@ -71,6 +72,7 @@ class Request:
     stop_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     request_id: str = ""
+    loose: Loose | None = None                 # opt-in loose verification: NOT lossless
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +91,8 @@ class Chunk:
     """Tokens committed by one verdict, or drafted alone (lossless=False)."""
     token_ids: list[int]
     finish_reason: str | None = None           # "eos", "stop" or "length" on the last chunk
-    # the target's own output; False only for the opt-in drafting-alone fallback
+    # the target's own output; False only for the opt-in lossy modes: drafting alone, and loose
+    # verification (Request.loose)
     lossless: bool = True
 
 
@@ -328,6 +331,18 @@ class Device:
         # max_tokens travels as a uint32 (MQTT requests reach here unchecked)
         if request.max_tokens is not None and not 1 <= request.max_tokens < 2**32:
             raise DeviceError("invalid", f"max_tokens must be in [1, 2**32), got {request.max_tokens}")
+        if request.loose is not None:
+            self._validate_loose(request.loose, request.sampling)
+
+    def _validate_loose(self, loose: Loose, sampling: Sampling) -> None:
+        """Loose verification: in range, greedy, and a drafter of this device's to check."""
+        problem = loose.problem()
+        if problem is None and not sampling.greedy:
+            problem = "loose verification is for greedy requests (temperature 0) only"
+        if problem is None and self.settings.mode == "server":
+            problem = "loose verification checks a drafter's tokens: this device has none (mode server)"
+        if problem is not None:
+            raise DeviceError("invalid", problem)
 
     async def _run(self, request: Request, queue: asyncio.Queue) -> None:
         try:
@@ -367,9 +382,10 @@ class Device:
 
         def on_tokens(tokens: list[int]) -> None:
             committed.extend(tokens)
-            self.metrics.tokens.labels(lossless="true").inc(len(tokens))
+            lossless = request.loose is None
+            self.metrics.tokens.labels(lossless=str(lossless).lower()).inc(len(tokens))
             self.window.emitted(len(tokens))
-            queue.put_nowait(Chunk(list(tokens)))
+            queue.put_nowait(Chunk(list(tokens), lossless=lossless))
 
         def on_server(event: ServerEvent) -> None:
             self._log_server_event(request, current["server"], event)
@@ -406,7 +422,8 @@ class Device:
                 reconnect_s=settings.reconnect_s),
             transport=self.link.transport(), reopen_on=reopen, on_tokens=generation.on_tokens,
             on_round=self._count_round, on_server=generation.on_server, target_model=server.model,
-            cache_salt=self.cache_salt)   # this device's sessions share a system prompt's blocks
+            cache_salt=self.cache_salt,   # this device's sessions share a system prompt's blocks
+            loose=request.loose)
 
     async def _centralized(self, server: Server, generation: Generation):
         """The server generates every token, the device only streams them (mode "server": the

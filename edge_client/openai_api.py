@@ -10,9 +10,11 @@ server's lossless verification (or, opted in, from the drafter alone, marked as 
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with SSE
 streaming), GET /health (the device's status; 503 unless ready), GET /metrics (Prometheus).
-Extensions beyond OpenAI's fields: top_k, ignore_eos, stop_token_ids; an answer drafted alone
-(the opt-in fallback, the one lossy mode) carries `"sled": {"lossless": false}` (and, when not
-streamed, `X-Sled-Lossless: false`).
+Extensions beyond OpenAI's fields: top_k, ignore_eos, stop_token_ids, and loose ({"window": W,
+"entropy": H}: opt-in loose verification for a greedy request, sled.loose). An answer that is not
+the target's own (the two opt-in lossy modes: drafted alone as a fallback, or loosely verified)
+carries `"sled": {"lossless": false}` (with `"verification": "loose"` for the second; when not
+streamed also the header `X-Sled-Lossless: false`).
 
 Access: with the device's api_key set, every route but /health asks for
 `Authorization: Bearer API_KEY` (what the openai client sends from its api_key) and answers 401
@@ -44,6 +46,7 @@ from edge_client.text import OutputText
 from sled.auth import HEADER, bearer_token
 from sled.chat_templates import builtin_chat_template, turn_end_ids
 from sled.printable import printable
+from sled.loose import MAX_ENTROPY, MAX_WINDOW, Loose
 from sled.sampling import Sampling
 from sled.settings_files import SettingsError
 
@@ -100,6 +103,12 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class LooseBody(_Strict):
+    """Opt-in loose verification (sled.loose): NOT lossless; greedy requests only."""
+    window: int = Field(2, ge=1, le=MAX_WINDOW)
+    entropy: float = Field(0.5, gt=0.0, lt=MAX_ENTROPY)
+
+
 # Fields OpenAI has that this API cannot honour: accepted only at their neutral value.
 UNSUPPORTED = ("logprobs", "top_logprobs", "best_of", "presence_penalty", "frequency_penalty",
                "logit_bias", "suffix", "tools")
@@ -121,6 +130,7 @@ class GenerationBody(_Strict):
     user: str | None = Field(None, max_length=NAME_CHARS)       # accepted, ignored
     ignore_eos: bool = False                                    # extension
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)  # extension
+    loose: LooseBody | None = None                              # extension: NOT lossless
     logprobs: Any = None
     top_logprobs: Any = None
     best_of: Any = None
@@ -288,7 +298,8 @@ def device_request(body: GenerationBody, prompt_ids: list[int], request_id: str,
     return Request(prompt_ids, max_tokens=max_tokens, sampling=sampling,
                    stop_ids=list(dict.fromkeys([*body.stop_token_ids, *turn_end])),
                    ignore_eos=body.ignore_eos,
-                   request_id=request_id)
+                   request_id=request_id,
+                   loose=Loose(body.loose.window, body.loose.entropy) if body.loose else None)
 
 
 # -- output text ------------------------------------------------------------------------------
@@ -331,6 +342,7 @@ class Job:
     created: int
     prompt_tokens: int
     include_usage: bool = False
+    loose: bool = False               # asked for loose verification: its answer says so
 
     def usage(self, output: OutputText) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": output.tokens,
@@ -349,7 +361,7 @@ class Job:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             body = self.head("text_completion")
-        return {**body, "choices": [choice], "usage": self.usage(output), **_sled(lossless)}
+        return {**body, "choices": [choice], "usage": self.usage(output), **self.sled(lossless)}
 
     def chunk(self, lossless: bool, *, text: str | None = None, role: bool = False,
               finish: str | None = None) -> dict:
@@ -362,15 +374,17 @@ class Job:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             body = self.head("text_completion")
         usage = {"usage": None} if self.include_usage else {}
-        return {**body, "choices": [choice], **usage, **_sled(lossless)}
+        return {**body, "choices": [choice], **usage, **self.sled(lossless)}
 
     def usage_chunk(self, output: OutputText) -> dict:
         object_name = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self.head(object_name), "choices": [], "usage": self.usage(output)}
 
-
-def _sled(lossless: bool) -> dict:
-    return {} if lossless else {"sled": {"lossless": False}}
+    def sled(self, lossless: bool) -> dict:
+        """The mark of an answer that is not the target's own (nothing on one that is)."""
+        if lossless:
+            return {}
+        return {"sled": {"lossless": False, **({"verification": "loose"} if self.loose else {})}}
 
 
 async def answer_whole(job: Job, pieces: AsyncIterator[Piece], output: OutputText,
@@ -483,6 +497,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _answer(request: web.Request, device: Device, body: GenerationBody, job: Job,
                   prompt_ids: list[int], max_tokens: int | None, prefix: str = "",
                   turn_end: list[int] = ()) -> web.StreamResponse:
+    job.loose = body.loose is not None
     end_ids = set(body.stop_token_ids) | set(turn_end) | (set() if body.ignore_eos else set(device.eos_ids))
     output = OutputText(_tokenizer(device), body.stops, end_ids)
     generation = generate_pieces(device, device_request(body, prompt_ids, job.id, max_tokens, turn_end),

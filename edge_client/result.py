@@ -51,6 +51,8 @@ class GenerationResult:
     hint_tokens: int = 0           # draft tokens that came from the server's SAT hints
     pipelined_tokens: int = 0      # draft tokens drafted ahead while a verdict was in flight
     text: str = ""
+    loose: bool = False            # opened with loose verification: NOT the target's own output
+    loose_accepted: int = 0        # draft tokens the server kept against the target's own token
     round_stats: list[RoundStat] = field(default_factory=list)
     # (verified, accepted) of every verdict, device drafts or the server's SAT guesses alike
     judged: list[tuple[int, int]] = field(default_factory=list)
@@ -65,6 +67,7 @@ class GenerationResult:
         self.server_forward_ms += verdict.timings.forward_ms
         self.draft_tokens += verdict.verified        # device drafts, or the server's SAT guesses
         self.accepted_tokens += verdict.accepted
+        self.loose_accepted += verdict.loose_accepted
         self.judged.append((verdict.verified, verdict.accepted))
         self.token_ids.extend(verdict.emitted_ids)
         self.token_times.extend([time.perf_counter() - started] * len(verdict.emitted_ids))
@@ -86,7 +89,8 @@ class GenerationResult:
         out.pop("round_stats")
         out.pop("token_times")
         out.pop("judged")
-        out.update(acceptance_rate=round(self.acceptance_rate, 4),
+        out.update(verification="loose (not lossless)" if self.loose else "lossless",
+                   acceptance_rate=round(self.acceptance_rate, 4),
                    tokens_per_round=round(self.tokens_per_round, 4),
                    tokens_per_s=round(len(self.token_ids) / self.elapsed_s, 2) if self.elapsed_s else 0.0)
         return out

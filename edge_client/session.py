@@ -27,6 +27,7 @@ from edge_client.speculation import Speculation
 from edge_client.transport import ServerLost, Stream, Transport, VerifyError, lost_server
 from edge_client.wire import SessionRequest, draft_message, drafter_label
 from sled.fingerprint import short
+from sled.loose import Loose
 from sled.printable import printable
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
@@ -134,7 +135,7 @@ class DeviceSession:
         self.hints = HintPolicy(settings.lookahead, always=settings.hints == "always")
         self.draft_len = policy.choose() if adaptive else \
             AUTO_FIRST_DRAFT_LEN if self.draft_mode == "auto" else self.draft_mode
-        self.result = GenerationResult()
+        self.result = GenerationResult(loose=request.loose is not None)
         self.stream: Stream | None = None
         self.round = 0
         self.head: Head | None = None                  # what starts the next draft
@@ -443,15 +444,17 @@ def device_session(
     on_server: Callable[[ServerEvent], None] | None = None,
     cache_salt: str = "",
     target_model: str = "",
+    loose: Loose | None = None,
 ) -> DeviceSession:
     """One generation session, ready to run (a DeviceSession); on_tokens sees each verdict's
     committed tokens, on_round each round's RoundStat, on_server a lost and a resumed server.
     target_fingerprint, when known, refuses a drafter with another tokenizer before anything is
     sent (naming target_model, the served model). cache_salt scopes the server's prefix cache:
-    sessions share cached prompt blocks only with the same salt from the same host."""
+    sessions share cached prompt blocks only with the same salt from the same host. loose: opt-in
+    loose verification (sled.loose): the output is then NOT exactly the target's."""
     request = SessionRequest(prompt_ids, max_new_tokens, sampling, stop_ids, ignore_eos,
                              drafter_fingerprint(drafter, target_fingerprint, target_model),
-                             drafter_name(drafter), cache_salt)
+                             drafter_name(drafter), cache_salt, loose=loose)
     return DeviceSession(stub, drafter, request, settings, policy=policy, transport=transport,
                          reopen_on=reopen_on, on_tokens=on_tokens, on_round=on_round,
                          on_server=on_server)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drafters.base import Proposal
+from sled.loose import Loose
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 
@@ -24,14 +25,16 @@ def drafter_label(name: str) -> str:
 def open_message(prompt_ids: Sequence[int], sampling: Sampling, max_new_tokens: int,
                  stop_ids: Sequence[int] = (), fingerprint: str = "", drafter: str = "",
                  ignore_eos: bool = False, mode: int = pb.GENERATION_MODE_DEVICE_DRAFTS,
-                 cache_salt: str = "") -> pb.DeviceMessage:
+                 cache_salt: str = "", loose: Loose | None = None) -> pb.DeviceMessage:
     """cache_salt: the server shares cached prompt blocks only among sessions that send the same
-    salt from the same host."""
+    salt from the same host. loose: opt-in loose verification (not lossless)."""
     msg = pb.DeviceMessage(open=pb.Open(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
                                         stop_ids=list(stop_ids), tokenizer_fingerprint=fingerprint,
                                         drafter=drafter_label(drafter), ignore_eos=ignore_eos, mode=mode,
                                         cache_salt=cache_salt))
     sampling.to_proto(msg.open.sampling)
+    if loose is not None:
+        loose.to_proto(msg.open.loose)
     return msg
 
 
@@ -55,9 +58,10 @@ class SessionRequest:
     drafter: str = ""              # the drafter's name, for the server's logs and metrics
     cache_salt: str = ""           # prefix cache scope: shared with the same salt from this host
     mode: int = pb.GENERATION_MODE_DEVICE_DRAFTS   # who drafts: the device, or the server alone
+    loose: Loose | None = None     # opt-in loose verification: the output is NOT the target's
 
     def open_message(self, committed: Sequence[int]) -> pb.DeviceMessage:
         """Open (or reopen) the session for what is left after the committed tokens."""
         return open_message(list(self.prompt_ids) + list(committed), self.sampling,
                             self.max_new_tokens - len(committed), self.stop_ids, self.fingerprint,
-                            self.drafter, self.ignore_eos, self.mode, self.cache_salt)
+                            self.drafter, self.ignore_eos, self.mode, self.cache_salt, self.loose)

@@ -39,6 +39,16 @@ open_probability = _checked(float, "a number in (0, 1]", lambda v: 0 < v <= 1)
 fraction = _checked(float, "a number in [0, 1)", lambda v: 0 <= v < 1)
 
 
+def loose_flag(text: str):
+    """--loose WINDOW:ENTROPY -> sled.loose.Loose (a bad value is a usage error: exit 2)."""
+    from sled.loose import Loose
+
+    try:
+        return Loose.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every optional flag's help ends with its default (unless required or already said)."""
 

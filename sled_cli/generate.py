@@ -8,8 +8,8 @@ import sys
 
 import grpc
 
-from sled_cli.flags import (builtin_aliases, non_negative_float, non_negative_int, open_probability,
-                            positive_int)
+from sled_cli.flags import (builtin_aliases, loose_flag, non_negative_float, non_negative_int,
+                            open_probability, positive_int)
 
 
 def add_arguments(parser) -> None:
@@ -28,6 +28,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tree", type=positive_int, default=1,
                         help="candidates per draft position: above 1 a greedy session sends its "
                              "drafts as trees (cacheback and the model drafters branch)")
+    parser.add_argument("--loose", type=loose_flag, default=None, metavar="WINDOW:ENTROPY",
+                        help="opt-in loose verification, NOT lossless (greedy only): keep a draft "
+                             "token the target disagrees with where the target's top-3 entropy "
+                             "is above ENTROPY nats and the next WINDOW-1 draft tokens are its "
+                             "own, e.g. 2:0.5")
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64,
                         help="stop after this many new tokens")
@@ -129,7 +134,7 @@ async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, sh
                 stub, drafter, prompt_ids, max_new_tokens=args.max_new_tokens, settings=settings,
                 sampling=sampling, stop_ids=args.stop_id, target_fingerprint=info.tokenizer_fingerprint,
                 target_model=info.model_id, on_tokens=shown.stream, on_server=shown.server_event,
-                cache_salt=args.cache_salt)
+                cache_salt=args.cache_salt, loose=args.loose)
             result = await shown.session.run()
     except (VerifyError, grpc.aio.AioRpcError) as exc:
         if isinstance(exc, ServerLost) or lost_server(exc):
@@ -158,6 +163,9 @@ def _round_inputs(args, server_modes):
 
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed)
+    if args.loose is not None and (not sampling.greedy or args.drafter in server_modes):
+        raise ValueError("--loose checks a drafter's greedy drafts: use it with --temperature 0 "
+                         "and a drafter (not server or sat)")
     settings = RoundSettings(draft_len=args.draft_len, lookahead=args.lookahead, hints=args.hints,
                              tree=args.tree, reconnect_s=args.reconnect_s)
     drafter = None if args.drafter in server_modes else load_drafter(args.drafter)
@@ -216,6 +224,9 @@ class Shown:
             print(f"[{result.finish_reason}] {_count(len(result.token_ids), 'token')} in "
                   f"{_count(result.rounds, 'round')}, acceptance {result.acceptance_rate:.0%}, "
                   f"{result.tokens_per_round:.2f} tokens/round", file=sys.stderr)
+            if result.loose:
+                print(f"loose verification, NOT lossless: {_count(result.loose_accepted, 'draft token')} "
+                      "kept where the target's own token was another", file=sys.stderr)
         return self.code
 
     def fail(self, line: str, code: int) -> int:

@@ -20,6 +20,9 @@ Example (greedy): draft = [5, 9, 4], argmax p = [5, 9, 7, 2]
   -> verified = 3; draft[0], draft[1] match, draft[2] = 4 != 7: accepted = 2,
      emitted = [5, 9, 7] (7 is the correction). Had draft[2] been 7: accepted = 3,
      emitted = [5, 9, 7, 2] (2 is the bonus).
+
+Loose verification (opt-in per session, NOT lossless: sled.loose) is the one exception to "the
+output is the target's": verify_greedy may then keep a mismatching draft token (loose_accepted).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sled.loose import Loose
 from sled.tree import children
 
 
@@ -39,6 +43,25 @@ class Outcome:
     # A tree draft: the accepted nodes, root's child first (node i = draft[i - 1]); () for a chain,
     # whose accepted nodes are 1..accepted
     path: tuple[int, ...] = ()
+    # Loose: the draft positions kept although the target's argmax there was another token
+    loose_at: tuple[int, ...] = ()
+
+
+def loosely_kept(loose: Loose, logits: torch.Tensor, draft: Sequence[int],
+                 targets: Sequence[int], j: int) -> bool:
+    """Whether a loose session keeps the mismatching draft[j] (sled.loose): the next window - 1
+    draft tokens are the target's own and the target was unsure at j. logits [len(draft) + 1, vocab]."""
+    after = range(j + 1, j + loose.window)
+    if after.stop > len(draft) or any(draft[i] != targets[i] for i in after):
+        return False
+    return top3_entropy(logits[j]) > loose.entropy
+
+
+def top3_entropy(logits: torch.Tensor) -> float:
+    """Entropy in nats of the three most likely tokens of logits [vocab], renormalized."""
+    top = torch.softmax(logits.to(torch.float64), dim=-1).topk(3).values
+    top = top / top.sum()
+    return float(-(top * top.clamp_min(1e-300).log()).sum())
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +81,22 @@ class DraftQ:
         return float(self.probs[hit[0, 0]]) if len(hit) else 0.0
 
 
-def verify_greedy(logits: torch.Tensor, draft: Sequence[int]) -> Outcome:
-    """logits: [draft_len + 1, vocab]. Accept while draft[j] == argmax p_j, then emit argmax p."""
+def verify_greedy(logits: torch.Tensor, draft: Sequence[int], loose: Loose | None = None) -> Outcome:
+    """logits: [draft_len + 1, vocab]. Accept while draft[j] == argmax p_j, then emit argmax p.
+    With `loose`, a mismatch that loosely_kept() is accepted too (its position in loose_at).
+
+    Loose example, window 2: draft [5, 8, 4], argmax p [5, 9, 4, 2], the target unsure at
+    position 1 -> 8 is kept because the next draft token 4 is the target's own after it:
+    accepted 3, emitted [5, 8, 4, 2], loose_at (1,)."""
     targets = logits.argmax(dim=-1).tolist()  # [draft_len + 1]
-    accepted = 0
-    while accepted < len(draft) and draft[accepted] == targets[accepted]:
+    accepted, kept = 0, []
+    while accepted < len(draft):
+        if draft[accepted] != targets[accepted]:
+            if loose is None or not loosely_kept(loose, logits, draft, targets, accepted):
+                break
+            kept.append(accepted)
         accepted += 1
-    return Outcome(accepted, list(draft[:accepted]) + [targets[accepted]])
+    return Outcome(accepted, list(draft[:accepted]) + [targets[accepted]], loose_at=tuple(kept))
 
 
 def verify_greedy_tree(logits: torch.Tensor, draft: Sequence[int],

@@ -22,6 +22,10 @@ class Metrics:
         self.emitted_tokens = Counter("sled_emitted_tokens", "Tokens committed to sessions", registry=r)
         self.rounds = Counter("sled_rounds", "Verify rounds answered", registry=r)
         self.sessions = Counter("sled_sessions", "Sessions opened", registry=r)
+        self.loose_sessions = Counter("sled_loose_sessions", "Sessions opened with loose "
+                                      "verification (not lossless)", registry=r)
+        self.loose_tokens = Counter("sled_loose_accepted_tokens", "Draft tokens loose sessions "
+                                    "kept against the target's own token (not lossless)", registry=r)
         self.errors = Counter("sled_errors", "Sessions ended by an error", ["reason"], registry=r)
         self.forward_tokens = Counter("sled_forward_tokens", "Tokens fed through forward passes",
                                       registry=r)
@@ -58,8 +62,11 @@ class Metrics:
         self._device_labels.add(device)
         return device
 
-    def count_round(self, verified: int, accepted: int, emitted: int) -> None:
+    def count_round(self, verified: int, accepted: int, emitted: int, loose: int = 0) -> None:
+        """loose: accepted tokens a loose session kept against the target's argmax."""
         self.rounds.inc()
+        if loose:
+            self.loose_tokens.inc(loose)
         self.draft_tokens.inc(verified)
         self.accepted_tokens.inc(accepted)
         self.emitted_tokens.inc(emitted)

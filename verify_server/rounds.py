@@ -23,9 +23,11 @@ def finish_round(session: Session, outcome: Outcome, draft_len: int, info: StepI
     (server modes use the hints themselves)."""
     emitted, finish, accepted = session.commit(outcome)
     session.observe(draft_len, accepted)
-    metrics.count_round(draft_len, accepted, len(emitted))
+    loose = sum(1 for j in outcome.loose_at if j < accepted)   # those the output kept
+    metrics.count_round(draft_len, accepted, len(emitted), loose)
     verdict = pb.Verdict(round=session.round - 1, accepted=accepted, emitted_ids=emitted,
-                         finish_reason=finish, timings=timings(info), verified=draft_len)
+                         finish_reason=finish, timings=timings(info), verified=draft_len,
+                         loose_accepted=loose)
     if advise is not None:
         verdict.suggested_draft_len = advise(session)
         if not session.finished:

@@ -248,10 +248,11 @@ class VerifierService(pb_grpc.VerifierServicer):
         validation.check_no_session(session)
         sampling = validation.check_open(request, self.target, self.settings, len(self.sessions),
                                          self.accepting)
+        loose = validation.check_loose(request, sampling)
         self.quotas.open(identity, len(request.prompt_ids))
         try:
             session = Session.from_open(request, sampling, self.target.eos_ids,
-                                        self.scheduler.engine.new_kv())
+                                        self.scheduler.engine.new_kv(), loose)
             session.device = identity
             proven = identity.key if identity.authenticated else None
             self._admit(session, tenant_key(peer, request.cache_salt, proven))
@@ -260,6 +261,8 @@ class VerifierService(pb_grpc.VerifierServicer):
             raise
         self.sessions[session.id] = session
         self.metrics.sessions.inc()
+        if loose is not None:
+            self.metrics.loose_sessions.inc()
         self.metrics.device_sessions.labels(self.metrics.device_label(identity.device)).inc()
         log.debug("session %s opened by %s", session.id, identity.device)
         return session
@@ -279,7 +282,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         return pb.ServerMessage(opened=pb.Opened(
             session_id=session.id, prompt_tokens=len(session.prompt_ids),
             max_new_tokens=session.max_new_tokens, timings=timings(info),
-            cached_prompt_tokens=session.cached_prompt_tokens))
+            cached_prompt_tokens=session.cached_prompt_tokens, loose=session.loose is not None))
 
     async def _verify(self, session: Session | None, draft: pb.Draft, context) -> pb.ServerMessage:
         """A device's draft: checked, verified in the next batched forward, the round finished."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sled.loose import Loose
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from verify_server.acceptance import Outcome
@@ -40,16 +41,17 @@ class Session:
     evicted_after: float | None = None      # idle seconds after which the KV was freed
     evicted: asyncio.Event = field(default_factory=asyncio.Event)   # set once evicted: the stream ends
     device: Identity | None = None          # who opened it (auth.Identity): quotas, logs, metrics
+    loose: Loose | None = None              # opt-in loose verification: NOT lossless
 
     @classmethod
     def from_open(cls, request: pb.Open, sampling: Sampling, eos_ids: tuple[int, ...],
-                  kv: SessionKV) -> "Session":
+                  kv: SessionKV, loose: Loose | None = None) -> "Session":
         """The session a checked Open asks for (see validation.check_open)."""
         stop = frozenset(request.stop_ids)
         end = stop if request.ignore_eos else stop | frozenset(eos_ids)
         return cls(prompt_ids=list(request.prompt_ids), sampling=sampling,
                    max_new_tokens=request.max_new_tokens, end_ids=end, stop_ids=stop,
-                   drafter=request.drafter, mode=request.mode, kv=kv)
+                   drafter=request.drafter, mode=request.mode, kv=kv, loose=loose)
 
     def wait_for_device(self) -> None:
         self.waiting_since = time.monotonic()

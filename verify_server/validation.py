@@ -19,6 +19,7 @@ from google.protobuf.message import Message
 
 from sled.fingerprint import short
 from sled.printable import printable
+from sled.loose import Loose
 from sled.sampling import Sampling
 from sled.tree import tree_problem
 from sled.v1 import verifier_pb2 as pb
@@ -71,6 +72,21 @@ def check_open(request: pb.Open, target: Target, settings: ServerSettings, open_
     check_mode(request.mode, target)
     check_fingerprint_sent(request, target)
     return sampling
+
+
+def check_loose(request: pb.Open, sampling: Sampling) -> Loose | None:
+    """Opt-in loose verification (not lossless): greedy device-drafts sessions only, in range."""
+    if not request.HasField("loose"):
+        return None
+    loose = Loose.from_proto(request.loose)
+    problem = loose.problem()
+    if problem is None and not sampling.greedy:
+        problem = "loose verification is for greedy sessions (temperature 0) only"
+    if problem is None and request.mode != pb.GENERATION_MODE_DEVICE_DRAFTS:
+        problem = "loose verification checks a device's drafts: use GENERATION_MODE_DEVICE_DRAFTS"
+    if problem is not None:
+        raise errors.invalid(Reason.REASON_BAD_LOOSE, f"bad loose verification: {problem}")
+    return loose
 
 
 def check_no_session(session: Session | None) -> None:

@@ -7,6 +7,7 @@ finishes. A prefill chunk is all kept, so it commits its own KV here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -93,7 +94,7 @@ class Verify(Work):
             session.kv.keep_path(outcome.path)
             return outcome
         if session.sampling.greedy:
-            outcome = verify_greedy(logits[:draft_len + 1], self.draft)
+            outcome = verify_greedy(logits[:draft_len + 1], self.draft, session.loose)
         else:
             p = warp(logits[:draft_len + 1], session.sampling)  # [draft_len + 1, vocab]
             outcome = verify_sampling(p, self.draft, self.q, session.generator)
@@ -103,7 +104,7 @@ class Verify(Work):
             # after its own.
             first = draft_len + 1 + block * self.lookahead
             hints = logits[first:first + self.lookahead].argmax(-1).tolist()
-            outcome = Outcome(outcome.accepted, outcome.emitted, hints)
+            outcome = dataclasses.replace(outcome, hints=hints)
         return outcome
 
 
