@@ -3,7 +3,8 @@
 Specs: "ngram" or "ngram:N" (prompt lookup, longest n-gram N), "cacheback" or
 "cacheback:NAME=N:..." (an LRU table of what followed what, shared by the device's sessions;
 NAME one of leader, follower, size, width), "hier:CHEAP>MODEL" (CHEAP's guesses checked by the
-model drafter MODEL in one evaluation), "hf:PATH_OR_ID" (transformers),
+model drafter MODEL in one evaluation), "xtok:MODEL" (the model drafter MODEL with a tokenizer
+other than the target's, re-tokenized at the text boundary), "hf:PATH_OR_ID" (transformers),
 "onnx:DIR" or "onnx:ALIAS[-PRECISION]" (an onnxruntime-genai export: sled export-onnx),
 "gguf:FILE" or "gguf:ALIAS" (llama.cpp). ALIAS names a built-in model (sled.models).
 load_drafter is the one place a spec becomes a drafter: every caller accepts every spec.
@@ -15,7 +16,8 @@ from pathlib import Path
 from drafters.base import Drafter, Proposal, SparseQ
 from sled.extras import require_extra
 
-SPECS = "ngram, ngram:N, cacheback[:NAME=N...], hier:CHEAP>MODEL, hf:PATH_OR_ID, onnx:ALIAS_OR_DIR or gguf:ALIAS_OR_FILE"
+SPECS = ("ngram, ngram:N, cacheback[:NAME=N...], hier:CHEAP>MODEL, xtok:MODEL, hf:PATH_OR_ID, "
+         "onnx:ALIAS_OR_DIR or gguf:ALIAS_OR_FILE")
 RUNTIMES = ("hf", "onnx", "gguf")   # the model drafters; each kind is also the extra it needs
 
 
@@ -53,6 +55,8 @@ def load_drafter(spec: str, q_support: int = 32) -> Drafter:
     person gave it (its `name` says which file it is)."""
     if spec.startswith("hier:"):
         return _load_hier(spec, q_support)
+    if spec.startswith("xtok:"):
+        return _load_xtok(spec, q_support)
     require_runtime(spec)   # a missing extra is said before anything resolves or loads
     resolved = resolve_spec(spec)
     check_alias(*resolved.partition(":")[::2])   # a typo is said before anything loads
@@ -72,6 +76,32 @@ def _load_hier(spec: str, q_support: int) -> Drafter:
         raise ValueError(f"bad drafter spec {spec!r}: use hier:CHEAP>MODEL, e.g. "
                          "hier:cacheback>gguf:gemma3-270m")
     return HierDrafter(load_drafter(cheap, q_support), load_drafter(model, q_support))
+
+
+def _load_xtok(spec: str, q_support: int) -> Drafter:
+    """xtok:MODEL: the model drafter loaded as any spec is, with its own tokenizer."""
+    from drafters.cross_tokenizer import CrossTokenizerDrafter
+
+    model = spec.removeprefix("xtok:")
+    kind, _, arg = model.partition(":")
+    if not model:
+        raise ValueError(f"bad drafter spec {spec!r}: use xtok:MODEL, e.g. xtok:gguf:smollm2-135m")
+    if kind == "xtok":
+        raise ValueError(f"bad drafter spec {spec!r}: xtok: wraps a model drafter, not another "
+                         "xtok: drafter; use xtok:MODEL, e.g. xtok:gguf:smollm2-135m")
+    if kind not in RUNTIMES or not arg:
+        raise ValueError(f"bad drafter spec {spec!r}: {model} has no tokenizer of its own to "
+                         "re-tokenize (it drafts in the target's ids already); xtok: wraps a "
+                         "model drafter: gguf:, onnx: or hf:")
+    return CrossTokenizerDrafter.around(load_drafter(model, q_support))
+
+
+def bind_target_tokenizer(drafter, tokenizer) -> None:
+    """Hand the target's tokenizer to a drafter that drafts across tokenizers (xtok:), once it
+    is known; other drafters need none."""
+    bind = getattr(drafter, "bind_target_tokenizer", None)
+    if bind is not None:
+        bind(tokenizer)
 
 
 def require_runtime(spec: str) -> None:
@@ -120,4 +150,5 @@ def _loading(spec: str, resolved: str):
     return nullcontext()
 
 
-__all__ = ["Drafter", "Proposal", "SparseQ", "load_drafter", "resolve_spec"]
+__all__ = ["Drafter", "Proposal", "SparseQ", "bind_target_tokenizer", "load_drafter",
+           "resolve_spec"]

@@ -10,7 +10,7 @@ async def run_workload(server: str, drafter_spec: str, prompts: list[str], *, na
                        max_new_tokens: int, draft_len: int) -> int:
     """Every prompt in turn as device `name`; a line per progress callback, per prompt and at the
     end, each with the running totals. Exit code: 0, or 4 when the server refused a session."""
-    from drafters import load_drafter
+    from drafters import bind_target_tokenizer, load_drafter
     from edge_client.connection import Connection
     from edge_client.session import RoundSettings, generate
     from edge_client.transport import VerifyError
@@ -25,6 +25,7 @@ async def run_workload(server: str, drafter_spec: str, prompts: list[str], *, na
     async with Connection(server) as conn:
         info = await conn.model_info()
         tokenizer = await conn.tokenizer()
+        bind_target_tokenizer(drafter, tokenizer)
         for prompt in prompts:
             started = time.perf_counter()
 

@@ -31,12 +31,16 @@ def run(args) -> int:
     return harness.run_bench("acceptance", bench, args)
 
 
-async def _measure(stub, spec: str, prompts: list[list[int]], draft_len: int, max_new: int,
-                   fingerprint: str, devices: int) -> dict:
-    from drafters import load_drafter
+async def _measure(served, spec: str, prompts: list[list[int]], draft_len: int, max_new: int,
+                   devices: int) -> dict:
+    from drafters import bind_target_tokenizer, load_drafter
     from edge_client.session import RoundSettings, generate
 
+    stub, fingerprint = served.stub, served.fingerprint
     drafters = [load_drafter(spec) for _ in range(devices)]
+    tokenizer = await served.conn.tokenizer()
+    for drafter in drafters:
+        bind_target_tokenizer(drafter, tokenizer)   # an xtok: drafter drafts in the target's ids
     results = []
 
     async def device(slot: int) -> None:
@@ -84,8 +88,8 @@ async def _sweep(served, specs: list[str], draft_lens: list[int], prompts: list[
         for spec in specs:
             for draft_len in draft_lens:
                 progress.update(task, description=f"{spec} k={draft_len}")
-                rows.append(await _measure(served.stub, spec, prompts, draft_len,
-                                           args.max_new_tokens, served.fingerprint, args.devices))
+                rows.append(await _measure(served, spec, prompts, draft_len, args.max_new_tokens,
+                                           args.devices))
                 progress.advance(task)
     return rows
 

@@ -117,18 +117,20 @@ async def _rounds(served, args, console) -> list:
     """--sessions devices generating from the tiny corpus until each has --rounds rounds."""
     from rich.progress import Progress
 
-    from drafters import load_drafter
+    from drafters import bind_target_tokenizer, load_drafter
     from edge_client.session import RoundSettings, generate
     from lab.tiny import CORPUS
 
     conn, info = served.conn, served.info
     prompts = await served.prompt_ids(CORPUS[:7])
+    tokenizer = await conn.tokenizer()
     stats = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("rounds", total=args.rounds * args.sessions)
 
         async def device(index: int) -> None:
             drafter = load_drafter(args.drafter)
+            bind_target_tokenizer(drafter, tokenizer)
             done = 0
             while done < args.rounds:
                 result = await generate(conn.stub, drafter, prompts[(index + done) % len(prompts)],

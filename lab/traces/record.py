@@ -92,7 +92,7 @@ def record_trace_set(model: str, drafter_spec: str, workload: str, max_new_token
     from rich.progress import Progress
     from transformers.utils import logging as hf_logging
 
-    from drafters import load_drafter
+    from drafters import bind_target_tokenizer, load_drafter
     from lab.workload import prompt_texts
     from sled.models import resolve_model
     from verify_server.target import Target
@@ -102,7 +102,9 @@ def record_trace_set(model: str, drafter_spec: str, workload: str, max_new_token
     prompts = [target.tokenizer(text).input_ids for text in prompt_texts(workload, prompts_limit)]
     drafter = load_drafter(drafter_spec)
     if drafter.tokenizer_fingerprint not in (None, target.fingerprint):
-        raise ValueError(f"drafter {drafter_spec} does not share the tokenizer of target {model}")
+        raise ValueError(f"drafter {drafter_spec} does not share the tokenizer of target {model} "
+                         f"(xtok:{drafter_spec} drafts across tokenizers)")
+    bind_target_tokenizer(drafter, target.tokenizer)
     with Progress(console=console, transient=True) as progress:
         outputs = greedy_outputs(target, prompts, max_new_tokens, progress)
         traces = record_traces(drafter, prompts, outputs, max_draft_len, progress)
