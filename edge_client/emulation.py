@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Sequence
 import grpc
 import numpy as np
 
-from drafters.base import Drafter, Proposal, reports_confidence
+from drafters.base import Drafter, Proposal, drafts_trees, observes_context, reports_confidence
 from edge_client.transport import Stream, Transport, VerifyError
 from lab.link import link_transport
 from lab.profiles import DeviceProfile, Link, link_profile
@@ -31,21 +31,35 @@ USER_SPACE, NONE = "user-space", "none"
 
 class PacedDrafter:
     """A drafter slowed to a board's speed: a proposal of k tokens that took t seconds here is
-    returned after max(0, profile.draft_seconds(k) - t). Continuing right where its last
-    proposal ended (drafting ahead of a verdict, one token at a time) skips the per-round
-    overhead, as the drafter's KV is warm there. The tokens are the inner drafter's own."""
+    returned after max(0, profile.draft_seconds(k) - t), the board's assumed time per model
+    token. measured=True scales the work this drafter really did instead: the proposal returns
+    after t / profile.core_speed plus the per-round overhead, so a drafter that costs
+    microseconds (n-gram, cacheback) stays cheap and a model drafter costs what it costs here,
+    slowed to the board's cores. Continuing right where its last proposal ended (drafting ahead
+    of a verdict, one token at a time) skips the per-round overhead, as the drafter's KV is warm
+    there. The tokens are the inner drafter's own. host_s and board_s add up the time each
+    proposal took here and on the board; drafted counts the tokens."""
 
-    def __init__(self, drafter: Drafter, profile: DeviceProfile) -> None:
+    def __init__(self, drafter: Drafter, profile: DeviceProfile, measured: bool = False) -> None:
         self.inner = drafter
         self.profile = profile
+        self.measured = measured
         self.name = drafter.name
         self.alias = getattr(drafter, "alias", None)
         self.tokenizer_fingerprint = drafter.tokenizer_fingerprint
         self._drafted_to: list[int] | None = None      # context + proposal of the last proposal
+        self.host_s = self.board_s = 0.0
+        self.drafted = 0
+        if observes_context(drafter):
+            self.observe = drafter.observe
 
     @property
     def reports_confidence(self) -> bool:
         return reports_confidence(self.inner)
+
+    @property
+    def drafts_trees(self) -> bool:
+        return drafts_trees(self.inner)
 
     def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
                 generator: np.random.Generator | None = None, **options) -> Proposal:
@@ -60,7 +74,10 @@ class PacedDrafter:
         proposal = await self._inner_proposal(context, draft_len, sampling, generator, options)
         took = time.perf_counter() - started
         self._drafted_to = list(context) + list(proposal.token_ids)
-        await asyncio.sleep(max(0.0, self.draft_seconds(len(proposal.token_ids), warm) - took))
+        board = self.board_seconds(len(proposal.token_ids), took, warm)
+        self.host_s, self.board_s = self.host_s + took, self.board_s + max(board, took)
+        self.drafted += len(proposal.token_ids)
+        await asyncio.sleep(max(0.0, board - took))
         return proposal
 
     def _inner_proposal(self, context, draft_len, sampling, generator, options) -> Awaitable[Proposal]:
@@ -68,6 +85,12 @@ class PacedDrafter:
         if inner_apropose is not None:
             return inner_apropose(context, draft_len, sampling, generator, **options)
         return asyncio.to_thread(self.inner.propose, context, draft_len, sampling, generator, **options)
+
+    def board_seconds(self, draft_len: int, took: float, warm: bool = False) -> float:
+        """The board's time for a proposal of draft_len tokens that took `took` seconds here."""
+        if self.measured:
+            return took / self.profile.core_speed + (0.0 if warm else self.profile.draft_seconds(0))
+        return self.draft_seconds(draft_len, warm)
 
     def draft_seconds(self, draft_len: int, warm: bool = False) -> float:
         """The board's time for draft_len tokens; warm: without the per-round overhead."""

@@ -20,12 +20,15 @@ class DeviceProfile:
     round_overhead_ms: float     # per round: feeding the verdict's tokens back, sampling, framing
     cpus: float = 0.0            # container CPU quota, in x86 server cores (0 = no quota)
     memory_mb: int = 0           # container memory limit (0 = no limit)
+    core_speed: float = 1.0      # one of its cores against one x86 server core (see the notes)
 
     def __post_init__(self) -> None:
         if self.draft_ms_per_token < 0 or self.round_overhead_ms < 0:
             raise ValueError(f"device profile {self.name!r}: latencies must be >= 0")
         if self.cpus < 0 or self.memory_mb < 0:
             raise ValueError(f"device profile {self.name!r}: cpus and memory_mb must be >= 0")
+        if not self.core_speed > 0:
+            raise ValueError(f"device profile {self.name!r}: core_speed must be > 0")
 
     def cpus_on(self, host_cpus: int) -> float:
         """The quota a container can get on a host with host_cpus cores (Docker refuses more
@@ -69,13 +72,15 @@ class LinkProfile:
 #   Orin Nano 8 GB, shared between its CPU and GPU, so the whole of it is the drafter's ceiling).
 DEVICES = {p.name: p for p in (
     # Raspberry Pi 4 Model B: 4x Cortex-A72 @ 1.8 GHz (public spec) -> 4 x 0.3 = 1.2 cores; 4 GB
-    DeviceProfile("pi4", draft_ms_per_token=45.0, round_overhead_ms=6.0, cpus=1.2, memory_mb=4096),
+    DeviceProfile("pi4", draft_ms_per_token=45.0, round_overhead_ms=6.0, cpus=1.2, memory_mb=4096,
+                  core_speed=0.3),
     # Raspberry Pi 5: 4x Cortex-A76 @ 2.4 GHz (public spec) -> 4 x 0.6 = 2.4 cores; 8 GB
-    DeviceProfile("pi5", draft_ms_per_token=20.0, round_overhead_ms=3.0, cpus=2.4, memory_mb=8192),
+    DeviceProfile("pi5", draft_ms_per_token=20.0, round_overhead_ms=3.0, cpus=2.4, memory_mb=8192,
+                  core_speed=0.6),
     # Jetson Orin Nano 8 GB: 6x Cortex-A78AE @ 1.5 GHz (public spec) -> 6 x 0.55 = 3.3 cores;
     # its GPU would draft faster than the CPU (the lower draft time assumes it does)
     DeviceProfile("orin-nano", draft_ms_per_token=8.0, round_overhead_ms=1.5, cpus=3.3,
-                  memory_mb=8192),
+                  memory_mb=8192, core_speed=0.55),
     # no board: drafting as fast as the host runs it, no container limits
     DeviceProfile("instant", draft_ms_per_token=0.0, round_overhead_ms=0.0),
 )}

@@ -65,6 +65,11 @@ COMMANDS = {
                           needs=SERVER_LAB),
         "engine": Command("lab.bench.engine",
                           "paged engine vs the padded fallback as contexts grow", needs=SERVER_LAB),
+        "drafting": Command("lab.bench.drafting", "the drafters side by side, chains and trees "
+                            "(ngram, cacheback, hier:, model drafters), interleaved, on an "
+                            "emulated board", needs=SERVER_LAB),
+        "loose": Command("lab.bench.loose", "HumanEval pass@1 and tokens per target pass, "
+                         "lossless vs opt-in loose verification", needs=SERVER_LAB),
         "drafter": Command("lab.bench.drafter",
                            "GGUF/ONNX drafter vs its runtime's own generation loop", needs=SERVER),
         "sdsat": Command("lab.bench.sdsat", "SAT self-drafting vs plain decoding, and SAT "
