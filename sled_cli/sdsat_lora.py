@@ -56,7 +56,8 @@ def train_lora(args, console) -> int:
 
 def _distill(args, console, model, tokenizer, documents, checkpoint_dir: Path):
     """The greedy continuations, generated (or continued from the checkpoint folder's copy)."""
-    from sled_cli.sdsat_train import plain_line, progress_bar
+    from sled.progress import plain_line
+    from sled_cli.sdsat_train import progress_bar
     from verify_server.sdsat_distill import build_distill_set
 
     with progress_bar("greedy continuations") as progress:

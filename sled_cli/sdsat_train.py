@@ -152,6 +152,8 @@ def load(model: str, dtype: str):
 def on_step(progress, steps: int):
     """train_sat's on_step: the bar's position, the last loss and held-out acceptance. A resumed
     run's bar starts at its step; away from a terminal each evaluation is also a plain line."""
+    from sled.progress import plain_line
+
     task = progress.add_task("train", total=steps, status="")
     status = {"acc": float("nan"), "run": float("nan"), "first": True}
 
@@ -166,16 +168,6 @@ def on_step(progress, steps: int):
             plain_line(f"step {step} of {steps}: {line}")
 
     return on_step
-
-
-def plain_line(text: str) -> None:
-    """TEXT on stderr as one line, where no progress bar is drawn (a pipe, a log file)."""
-    import sys
-
-    from sled.progress import on_terminal, prefix
-
-    if not on_terminal():
-        print(f"{prefix()}: {text}", file=sys.stderr, flush=True)
 
 
 def plot_log(path: Path, log: list[dict], title: str) -> Path:

@@ -141,6 +141,8 @@ async def _run_workload(served, pacers: dict, prompts: list[list[int]], workload
     """Every prompt through every configuration, rotating their order per prompt."""
     from rich.progress import Progress
 
+    from sled.progress import plain_line
+
     configs = list(pacers)
     tallies = {config: Tally() for config in configs}
     with Progress(console=console) as progress:
@@ -151,6 +153,7 @@ async def _run_workload(served, pacers: dict, prompts: list[list[int]], workload
                 tallies[config].add(await _session(served, pacers[config], config, prompt, link,
                                                    args))
                 progress.advance(task)
+            plain_line(f"{workload}: prompt {i + 1} of {len(prompts)} done")
     return tallies
 
 

@@ -81,6 +81,7 @@ async def _complete(served, modes: list[Mode], chosen: list[dict], args, console
     from rich.progress import Progress
 
     from drafters import bind_target_tokenizer, load_drafter
+    from sled.progress import plain_line
 
     tokenizer = await served.conn.tokenizer()
     drafter = load_drafter(args.drafter)
@@ -93,6 +94,7 @@ async def _complete(served, modes: list[Mode], chosen: list[dict], args, console
                 progress.update(task, description=f"{problem['task_id']}, {mode.name}")
                 await _one(served, drafter, tokenizer, mode, problem, prompt, args)
                 progress.advance(task)
+            plain_line(f"{problem['task_id']}: {i + 1} of {len(chosen)} problems done")
 
 
 async def _one(served, drafter, tokenizer, mode: Mode, problem: dict, prompt: list[int], args) -> None:

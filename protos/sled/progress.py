@@ -50,6 +50,13 @@ def on_terminal() -> bool:
         return False
 
 
+def plain_line(text: str) -> None:
+    """TEXT on stderr as one line, where no progress bar is drawn (a pipe, a log file): long
+    work under nohup or CI still says how far it got."""
+    if not on_terminal():
+        print(f"{prefix()}: {text}", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def phase(key: str, message: str) -> Iterator[None]:
     """One line for MESSAGE now, a spinner while the block runs (on a terminal), and its time in
