@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             raise SettingsError("model: required: give --model, SLED_SERVE_MODEL or model = ... "
                                 "in --config FILE")
         announce = announce_config(settings)
+        check_synthetic(settings.model)
         from verify_server.auth import access_of
 
         access_of(settings)     # TLS and token files: one line now, not after the target loads
@@ -102,6 +103,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"sled serve: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def check_synthetic(model: str) -> None:
+    """A synthetic:NAME target names a known shape (ValueError before anything loads)."""
+    from verify_server.synthetic import is_synthetic, shape_of
+
+    if is_synthetic(model):
+        shape_of(model)
 
 
 def load_target(settings: ServerSettings):

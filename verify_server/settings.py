@@ -58,7 +58,9 @@ class ServerSettings(BaseSettings):
 
     # --- the target ---
     model: str = Field("", description="target: a built-in alias, local path or HF id "
-                                       "(safetensors); required by sled serve")
+                                       "(safetensors), or synthetic:NAME (a Gemma 3 shape with "
+                                       "random weights: gemma3-1b, gemma3-4b, gemma3-12b, ...); "
+                                       "required by sled serve")
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(
         "float32", description="float32, float64, bfloat16 or float16")
     device: str = Field("cpu", description="torch device, e.g. cuda:0")

@@ -18,6 +18,7 @@ from sled.fingerprint import fingerprint_tokenizer
 from sled.progress import phase
 from sled.v1 import verifier_pb2 as pb
 from verify_server.sdsat import SatSpec, sat_spec_of
+from verify_server.synthetic import is_synthetic, shape_of, synthetic_model
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -46,6 +47,8 @@ class Target:
         serves the model without them."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        if is_synthetic(model_id):
+            return cls.synthetic(model_id, dtype, device, name)
         with phase("target.tokenizer", f"loading the tokenizer of {name or public_name(model_id)}"):
             tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
         tokenizer = with_chat_template(tokenizer, model_id)   # a built-in converted without one
@@ -56,6 +59,16 @@ class Target:
         local = Path(model_id) if Path(model_id).is_dir() else None
         spec = sat_spec_of(model, local, sat_adapter) if sat else None
         return cls._of(model, tokenizer, model_id, spec, name)
+
+    @classmethod
+    def synthetic(cls, model_id: str, dtype: str = "bfloat16", device: str = "cpu",
+                  name: str | None = None) -> "Target":
+        """synthetic:NAME (verify_server.synthetic): a Gemma 3 shape with random weights, no
+        SATs."""
+        shape_of(model_id)      # an unknown name is said before anything is made
+        with phase("target.weights", f"making random {dtype} weights for {model_id}"):
+            model, tokenizer = synthetic_model(model_id, DTYPES[dtype], device)
+        return cls._of(model, tokenizer, model_id, None, name)
 
     @classmethod
     def from_model(cls, model, tokenizer, model_id: str, sat: SatSpec | None = None) -> "Target":
