@@ -118,6 +118,9 @@ COMMANDS = {
         "record": Command("sled_cli.trace_record",
                           "record a drafter's proposals along the target's greedy output",
                           needs=SERVER),
+        "synthesize": Command("sled_cli.trace_synthesize",
+                              "a stated acceptance process along a server's own output (for "
+                              "synthetic targets)", needs=SERVER_LAB),
     }),
     "sdsat": Group("semantic adaptive tokens: the target drafts for itself", {
         "train": Command("sled_cli.sdsat_train",

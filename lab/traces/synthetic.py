@@ -1,0 +1,90 @@
+"""Synthetic drafter traces: a stated acceptance process instead of a drafter, for targets whose
+text means nothing (synthetic:NAME, random weights) or drafters that cannot run here.
+
+A device drafting with such a trace proposes, at every position of the target's greedy output,
+the target's own next token with probability a_1; given that, the one after it with probability
+a_2; and so on (a_j past the profile's end is its last value). The first token it gets wrong is
+another id, and so is every token after it. The target's output comes from the server's own
+server mode (GENERATION_MODE_SERVER), so a replay checks every device output against what the
+same server produces for the same prompt.
+
+The profile comes from a stated source: measured from a recorded trace of a real pair
+(`acceptance_profile`, e.g. gguf:gemma3-270m drafting for gemma3-270m), or given.
+
+    profile [0.9, 0.8], output [5, 6, 7]: after the prompt the draft is 5 with p 0.9, then 6 with
+    p 0.8 (given 5); each draft is drawn once, from the seed, and kept in the trace.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from drafters.base import common_prefix
+from lab.traces.format import Trace, TraceSet
+
+
+def acceptance_profile(traces: TraceSet, max_k: int) -> list[float]:
+    """The conditional acceptance at each of the first max_k draft positions of recorded traces:
+    of the proposals whose first j tokens are the target's, the share whose token j + 1 is too
+    (counted only where the target's output goes on that far)."""
+    reached, kept = np.zeros(max_k), np.zeros(max_k)
+    for trace in traces.traces:
+        for i, proposal in enumerate(trace.proposals):
+            truth = trace.target_ids[i:i + max_k]
+            run = common_prefix(proposal[:max_k], truth)
+            seen = min(len(proposal), len(truth), max_k)
+            for j in range(min(run + 1, seen)):
+                reached[j] += 1
+                kept[j] += j < run
+    if not reached[0]:
+        raise ValueError("the traces hold no proposals to measure acceptance from")
+    return [round(float(k / r), 4) if r else 0.0 for k, r in zip(kept, reached)]
+
+
+def check_profile(profile: Sequence[float]) -> list[float]:
+    """A usable acceptance profile: 1 to 64 probabilities in [0, 1] (ValueError otherwise)."""
+    values = [float(a) for a in profile]
+    if not 1 <= len(values) <= 64 or not all(0.0 <= a <= 1.0 for a in values):
+        raise ValueError(f"an acceptance profile is 1 to 64 probabilities in [0, 1], got {values}")
+    return values
+
+
+def synthetic_trace(prompt: Sequence[int], target_ids: Sequence[int], profile: Sequence[float],
+                    max_k: int, vocab_size: int, rng: np.random.Generator,
+                    draft_ms_per_token: float = 0.0, drafter: str = "synthetic") -> Trace:
+    """One prompt's trace: a draft of max_k drawn by the profile after every prefix of target_ids."""
+    proposals = [_draft(target_ids[i:i + max_k], profile, max_k, vocab_size, rng)
+                 for i in range(len(target_ids))]
+    return Trace(list(prompt), list(target_ids), proposals, draft_ms_per_token, drafter)
+
+
+def _draft(truth: Sequence[int], profile: Sequence[float], max_k: int, vocab_size: int,
+           rng: np.random.Generator) -> list[int]:
+    draft: list[int] = []
+    for j in range(max_k):
+        right = j < len(truth) and rng.random() < profile[min(j, len(profile) - 1)]
+        if not right:
+            break
+        draft.append(int(truth[j]))
+    while len(draft) < max_k:       # the first miss and everything after it: other ids
+        avoid = truth[len(draft)] if len(draft) < len(truth) else -1
+        token = int(rng.integers(vocab_size - 1))
+        draft.append(token + 1 if token >= avoid >= 0 else token)
+    return draft
+
+
+def synthetic_trace_set(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+                        profile: Sequence[float], max_k: int, vocab_size: int, seed: int,
+                        target: str, source: str, fingerprint: str | None,
+                        draft_ms_per_token: float = 0.0) -> TraceSet:
+    """Traces for every prompt; `source` names where the profile comes from (kept as the
+    drafter's name, e.g. "synthetic[gguf:gemma3-270m on humaneval]")."""
+    rng = np.random.default_rng(seed)
+    drafter = f"synthetic[{source}]"
+    traces = [synthetic_trace(p, o, profile, max_k, vocab_size, rng, draft_ms_per_token, drafter)
+              for p, o in zip(prompts, outputs, strict=True)]
+    for trace in traces:
+        trace.tokenizer_fingerprint = fingerprint
+    return TraceSet(target=target, drafter=drafter, max_k=max_k, traces=traces,
+                    tokenizer_fingerprint=fingerprint)

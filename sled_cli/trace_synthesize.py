@@ -1,0 +1,79 @@
+"""`sled trace synthesize`: a trace file for emulated devices from a stated acceptance process
+(lab.traces.synthetic) along a running server's own server-mode output: for a target whose text
+means nothing (synthetic:NAME) or a drafter that cannot run here."""
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser) -> None:
+    from lab.bench.harness import add_workload_flags
+    from sled_cli.flags import non_negative_float, non_negative_int, positive_int
+
+    parser.add_argument("--server", required=True, help="HOST:PORT of the sled server whose "
+                        "target the traces are for (plaintext)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--acceptance", default=None,
+                        help="the profile: conditional acceptance of draft positions 1, 2, ..., "
+                             "comma-separated, e.g. 0.9,0.85,0.8 (the last one repeats)")
+    source.add_argument("--calibrate", default=None,
+                        help="a `sled trace record` file of a real pair to measure the profile from")
+    add_workload_flags(parser, default="humaneval:16", max_new_tokens=128)
+    parser.add_argument("--prompts", type=positive_int, default=None,
+                        help="use at most this many prompts")
+    parser.add_argument("--max-k", dest="max_draft_len", type=positive_int, default=8,
+                        help="tokens proposed per position")
+    parser.add_argument("--draft-ms-per-token", type=non_negative_float, default=0.0,
+                        help="drafting time kept in the traces (a device profile overrides it)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="the draws' seed")
+    parser.add_argument("--out", required=True, help="trace file (.jsonl)")
+
+
+def run(args) -> int:
+    from lab.traces.format import TraceSet
+    from lab.traces.synthetic import acceptance_profile, check_profile
+
+    try:
+        if args.calibrate:
+            profile = acceptance_profile(TraceSet.load(args.calibrate), args.max_draft_len)
+            source = f"calibrated from {Path(args.calibrate).name}"
+        else:
+            profile = check_profile(args.acceptance.split(","))
+            source = "given"
+    except (ValueError, OSError) as exc:
+        print(f"sled trace synthesize: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_synthesize(args, profile, f"{source}: {','.join(map(str, profile))}"))
+
+
+async def _synthesize(args, profile: list[float], source: str) -> int:
+    import grpc
+
+    from edge_client.connection import Connection
+    from edge_client.server_side import generate_server_side
+    from lab.traces.synthetic import synthetic_trace_set
+    from lab.workload import prompt_texts
+
+    async with Connection(args.server) as conn:
+        try:
+            info = await conn.model_info(timeout=15, wait_for_ready=False)
+            tokenizer = await conn.tokenizer()
+        except grpc.aio.AioRpcError as exc:
+            print(f"sled trace synthesize: {await conn.explain(exc)}", file=sys.stderr)
+            return 3
+        prompts = [tokenizer(t).input_ids for t in prompt_texts(args.workload, args.prompts)]
+        outputs = []
+        for i, prompt in enumerate(prompts):   # the server's own output: what replays must match
+            result = await generate_server_side(conn.stub, prompt, max_new_tokens=args.max_new_tokens)
+            outputs.append(result.token_ids)
+            print(f"sled trace synthesize: {i + 1} of {len(prompts)} server-mode outputs",
+                  file=sys.stderr, flush=True)
+    traces = synthetic_trace_set(prompts, outputs, profile, args.max_draft_len, info.vocab_size,
+                                 args.seed, info.model_id, source, info.tokenizer_fingerprint,
+                                 args.draft_ms_per_token)
+    path = traces.save(Path(args.out))
+    print(f"wrote {path}: {len(prompts)} prompts, {sum(map(len, outputs))} target tokens, "
+          f"profile {source}", file=sys.stderr)
+    return 0
