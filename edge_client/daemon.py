@@ -419,7 +419,7 @@ class Device:
                 draft_len=policy.draft_len, max_draft_len=policy.max_draft_len,
                 min_confidence=policy.min_confidence, pipeline=policy.pipeline,
                 lookahead=policy.lookahead, hints=policy.hints, tree=policy.tree,
-                reconnect_s=settings.reconnect_s),
+                max_tree_tokens=server.max_draft_tokens or 32, reconnect_s=settings.reconnect_s),
             transport=self.link.transport(), reopen_on=reopen, on_tokens=generation.on_tokens,
             on_round=self._count_round, on_server=generation.on_server, target_model=server.model,
             cache_salt=self.cache_salt,   # this device's sessions share a system prompt's blocks

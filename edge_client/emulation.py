@@ -23,6 +23,7 @@ from drafters.base import Drafter, Proposal, drafts_trees, observes_context, rep
 from edge_client.transport import Stream, Transport, VerifyError
 from lab.link import link_transport
 from lab.profiles import DeviceProfile, Link, link_profile
+from sled.tree import depths
 from sled.sampling import Sampling
 
 LINK_DOWN = "the emulated link is down"
@@ -73,8 +74,11 @@ class PacedDrafter:
         started = time.perf_counter()
         proposal = await self._inner_proposal(context, draft_len, sampling, generator, options)
         took = time.perf_counter() - started
-        self._drafted_to = list(context) + list(proposal.token_ids)
-        board = self.board_seconds(len(proposal.token_ids), took, warm)
+        tree = proposal.parents is not None
+        self._drafted_to = None if tree else list(context) + list(proposal.token_ids)
+        # a tree's siblings come with the logits of its chain: the board drafts its depth
+        steps = max(depths(proposal.parents)) if tree else len(proposal.token_ids)
+        board = self.board_seconds(steps, took, warm)
         self.host_s, self.board_s = self.host_s + took, self.board_s + max(board, took)
         self.drafted += len(proposal.token_ids)
         await asyncio.sleep(max(0.0, board - took))

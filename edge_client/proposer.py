@@ -10,10 +10,10 @@ import asyncio
 from dataclasses import dataclass
 
 from drafters.base import (Drafter, Proposal, SparseQ, confidence_options, drafts_trees,
-                           observes_context)
+                           observes_context, tree_proposal)
 from edge_client.speculation import Speculation
 from sled.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator
-from sled.tree import chain_parents
+from sled.tree import chain_parents, cut
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,16 +37,18 @@ class Proposer:
     from the request's seed, apart from the server's), its early stop, and run in a thread; a
     drafter with an async apropose() (an emulated device) is awaited directly instead.
     tree=N > 1: a greedy session's drafts may be trees of up to N candidates per position, from a
-    drafter that drafts trees (drafts_trees)."""
+    drafter that drafts trees (drafts_trees), cut to max_tree_tokens tokens (the server's
+    ServerLimits.max_draft_tokens: it refuses a longer draft)."""
 
     def __init__(self, drafter: Drafter, sampling: Sampling, min_confidence: float = 0.0,
-                 tree: int = 1) -> None:
+                 tree: int = 1, max_tree_tokens: int = 32) -> None:
         self.drafter = drafter
         self.sampling = sampling
         self.min_confidence = min_confidence
         self.generator = new_generator(sampling, offset=DRAFTER_SEED_OFFSET)
         self.options = confidence_options(drafter, min_confidence)
         self.tree = {"tree": tree} if tree > 1 and sampling.greedy and drafts_trees(drafter) else {}
+        self.max_tree_tokens = max_tree_tokens
         self._apropose = getattr(drafter, "apropose", None)
 
     async def propose(self, context: list[int], draft_len: int,
@@ -64,13 +66,21 @@ class Proposer:
         """A draft of draft_len tokens: the head's (all of them when it ends early), then the
         drafter's own after it."""
         if head is None:
-            return Draft(await self.propose(context, draft_len, branch=True))
+            return Draft(self.fit(await self.propose(context, draft_len, branch=True)))
         taken = first(head.proposal, draft_len)
         rest = 0 if head.ends else draft_len - len(taken.token_ids)
         tail = await self.propose(context + taken.token_ids, rest, branch=True) if rest else None
         if head.hinted:
-            return Draft(with_hints(taken.token_ids, tail), hinted=len(taken.token_ids))
-        return Draft(joined(taken, tail), pipelined=len(taken.token_ids))
+            return Draft(self.fit(with_hints(taken.token_ids, tail)), hinted=len(taken.token_ids))
+        return Draft(self.fit(joined(taken, tail)), pipelined=len(taken.token_ids))
+
+    def fit(self, proposal: Proposal) -> Proposal:
+        """A tree cut to max_tree_tokens tokens (its first ones: still a tree); a chain as it is."""
+        if proposal.parents is None or len(proposal.token_ids) <= self.max_tree_tokens:
+            return proposal
+        tokens, parents = cut(proposal.token_ids, proposal.parents, len(proposal.token_ids),
+                              self.max_tree_tokens)
+        return tree_proposal(tokens, parents)
 
     def speculate(self, context: list[int], in_flight: int, cap: int) -> Speculation:
         """Draft ahead, one token at a time, while the verdict on the last in_flight tokens of

@@ -38,6 +38,7 @@ class Server:
     source: str = "config"              # "config" or "mqtt"
     model: str = ""
     fingerprint: str = ""               # the target's tokenizer fingerprint ("" until known)
+    max_draft_tokens: int = 0           # the longest draft it verifies (0 until known)
     load: float = 0.0                   # announced load in [0, 1] (0 when unknown)
     online: bool = True                 # announced online (config servers: until probed down)
     reachable: bool | None = None       # last probe: True, False, or None (not probed yet)
@@ -145,6 +146,7 @@ class ServerDirectory:
             server.failed_at = 0.0          # it is back: no longer passed over for failing
         server.reachable, server.unreachable = True, ""
         server.model, server.fingerprint = info.model_id, info.tokenizer_fingerprint
+        server.max_draft_tokens = info.limits.max_draft_tokens
         self._check(server)
         self._notify()
 

@@ -61,9 +61,11 @@ class RoundSettings:
     A seeded sampling session drafts AUTO_FIRST_DRAFT_LEN under "auto" and "adaptive" and never
     pipelines, so that it repeats (both would make the round split depend on timing).
     tree=N > 1 lets a greedy session's drafter (one that drafts trees: cacheback, the model
-    drafters) send up to N candidates per draft position as one tree; the server accepts the
+    drafters) send up to N candidates per draft position as one tree of at most
+    max_tree_tokens tokens (the server's ServerLimits.max_draft_tokens); the server accepts the
     longest path the target agrees with. Rounds that pipeline or start with hints stay chains
-    up to where the drafter's own part begins.
+    up to where the drafter's own part begins, and a branched draft asks for no SAT hints
+    (they follow chains only).
     reconnect_s: how long a lost server is retried, with backoff, before the session fails
     (0: at once). timeout: the deadline of each Generate call (None: none).
     """
@@ -74,6 +76,7 @@ class RoundSettings:
     lookahead: int = 0
     hints: str = "measured"
     tree: int = 1
+    max_tree_tokens: int = 32
     reconnect_s: float = 30.0
     timeout: float | None = None
 
@@ -87,8 +90,9 @@ class RoundSettings:
             raise ValueError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
         if self.lookahead < 0 or self.reconnect_s < 0:
             raise ValueError("lookahead and reconnect_s must be >= 0")
-        if self.tree < 1:
-            raise ValueError(f"tree must be >= 1 (candidates per draft position), got {self.tree}")
+        if self.tree < 1 or self.max_tree_tokens < 1:
+            raise ValueError(f"tree and max_tree_tokens must be >= 1, got {self.tree} and "
+                             f"{self.max_tree_tokens}")
         if self.hints not in HINT_USES:
             raise ValueError(f"hints must be {' or '.join(HINT_USES)}, got {self.hints!r}")
 
@@ -119,7 +123,8 @@ class DeviceSession:
         self.transport, self.reopen_on = transport, reopen_on
         self.on_tokens, self.on_round = on_tokens, on_round
         self.reconnect = Reconnect(settings.reconnect_s, on_server)
-        self.proposer = Proposer(drafter, request.sampling, settings.min_confidence, settings.tree)
+        self.proposer = Proposer(drafter, request.sampling, settings.min_confidence, settings.tree,
+                                 settings.max_tree_tokens)
         # Seeded sampling never pipelines: how many tokens get drafted ahead depends on timing,
         # and every draw moves the drafter's random stream, so a seeded run would not repeat.
         seeded = not request.sampling.greedy and request.sampling.seed is not None
@@ -240,7 +245,8 @@ class DeviceSession:
         self.speculation = self.speculate(draft.proposal)
         self.sent_at = time.perf_counter()
         try:
-            await self.stream.send(draft_message(self.round, draft.proposal, self.hints.ask()))
+            lookahead = 0 if draft.proposal.parents is not None else self.hints.ask()
+            await self.stream.send(draft_message(self.round, draft.proposal, lookahead))
             verdict = (await self.stream.receive()).verdict
         except (VerifyError, grpc.aio.AioRpcError) as error:
             await self.resume(error)

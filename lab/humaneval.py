@@ -6,8 +6,8 @@ subprocesses, no network helpers) and a time limit. All of it runs in a fresh ch
 interpreter (`python -m lab.humaneval IN OUT`), so the caller's threads and connections are not
 forked with it.
 
-    results = check_completions([("HumanEval/0", "    return 1\\n")], timeout_s=5.0)
-    results["HumanEval/0"] -> {"passed": False, "result": "failed: ..."}
+    check_completions([("HumanEval/0", "    return 1\\n")], timeout_s=5.0)
+    -> [{"task_id": "HumanEval/0", "passed": False, "result": "failed: ..."}]
 """
 from __future__ import annotations
 

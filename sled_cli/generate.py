@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -110,6 +111,8 @@ async def _generate(args, shown: "Shown") -> int:
         prompt_ids = shown.tokenizer(args.prompt).input_ids
         bind_target_tokenizer(drafter, shown.tokenizer)   # an xtok: drafter drafts in its ids
         mode = server_modes.get(args.drafter)
+        if info.limits.max_draft_tokens:      # a tree draft stays within what the server takes
+            settings = dataclasses.replace(settings, max_tree_tokens=info.limits.max_draft_tokens)
         return await _session(conn.stub, info, prompt_ids, sampling, settings, drafter, mode, shown)
 
 

@@ -324,3 +324,35 @@ async def test_the_paged_server_says_it_takes_trees(serve, models):
     server = await serve(models["llama"])
     info = await server_stub(server).GetModelInfo(pb.GetModelInfoRequest())
     assert info.limits.tree_drafts and TARGET_FP == info.tokenizer_fingerprint
+
+
+# --- what the device keeps within the server's rules ---------------------------------------------
+
+async def test_a_wide_tree_is_cut_to_the_servers_draft_limit(serve, models, prompts):
+    """Cacheback at k = 8 and 4 candidates per position could draft 32 tokens; a server that
+    verifies at most 8 gets trees of at most 8, and the output is still generate()'s."""
+    model = models["llama"]
+    server = await serve(model, max_draft_len=8)
+    shared = Recording(CachebackDrafter(leader=1, follower=1))
+    for prompt in prompts[:4]:
+        result = await generate(server_stub(server), shared, prompt, max_new_tokens=MAX_NEW,
+                                settings=RoundSettings(draft_len=8, tree=4, max_tree_tokens=8))
+        assert result.token_ids == greedy_reference(model, prompt, MAX_NEW)
+        assert max(s.verified for s in result.round_stats) <= 8
+    assert shared.trees > 0
+
+
+async def test_a_branched_draft_asks_for_no_sat_hints(serve, models, tokenizer, prompts):
+    """Hints follow chains only: with lookahead on a SAT target, a tree round sends lookahead 0
+    (the server would refuse a tree with lookahead) and the output is still the target's."""
+    from test_sdsat_serving import adapter_spec
+
+    model = models["llama"]
+    server = await serve(model, sat=adapter_spec(model))
+    shared = Recording(CachebackDrafter(leader=1, follower=1))
+    for prompt in prompts[:3]:
+        result = await generate(server_stub(server), shared, prompt, max_new_tokens=MAX_NEW,
+                                settings=RoundSettings(draft_len=3, tree=2, lookahead=2,
+                                                       hints="always"))
+        assert result.token_ids == greedy_reference(model, prompt, MAX_NEW)
+    assert shared.trees > 0

@@ -162,7 +162,8 @@ async def _session(served, drafter, config: Config, prompt: list[int], link_prof
     from lab.link import link_transport
     from lab.profiles import Link
 
-    settings = RoundSettings(draft_len=args.draft_len, tree=config.tree)
+    settings = RoundSettings(draft_len=args.draft_len, tree=config.tree,
+                             max_tree_tokens=served.info.limits.max_draft_tokens)
     return await generate(served.stub, drafter, prompt, max_new_tokens=args.max_new_tokens,
                           settings=settings, target_fingerprint=served.fingerprint,
                           transport=link_transport(Link(link_profile, seed=len(prompt))))

@@ -39,7 +39,11 @@ def acceptance_profile(traces: TraceSet, max_k: int) -> list[float]:
                 kept[j] += j < run
     if not reached[0]:
         raise ValueError("the traces hold no proposals to measure acceptance from")
-    return [round(float(k / r), 4) if r else 0.0 for k, r in zip(kept, reached)]
+    measured = [round(float(k / r), 4) for k, r in zip(kept, reached) if r]
+    if len(measured) < max_k:   # positions no trace reached (a shorter max_k when recorded)
+        raise ValueError(f"the traces show acceptance at {len(measured)} draft positions, not "
+                         f"{max_k}: synthesize with --max-k {len(measured)} or record longer drafts")
+    return measured
 
 
 def check_profile(profile: Sequence[float]) -> list[float]:

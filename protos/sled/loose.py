@@ -9,10 +9,19 @@ window - 1 draft tokens are each the target's own after it. The server applies i
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 MAX_WINDOW = 16
 MAX_ENTROPY = math.log(3)   # three equally likely tokens
+
+
+def as_float32(value: float) -> float:
+    """value as a float32 field carries it: as_float32(1.09861228) == 1.0986123085021973."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +33,8 @@ class Loose:
         """What is out of range, in words; None when the settings are usable."""
         if not 1 <= self.window <= MAX_WINDOW:
             return f"loose window must be 1 to {MAX_WINDOW}, got {self.window}"
-        if not (math.isfinite(self.entropy) and 0.0 < self.entropy < MAX_ENTROPY):
+        sent = as_float32(self.entropy)    # what the wire carries, and the server checks
+        if not (math.isfinite(sent) and 0.0 < sent < MAX_ENTROPY):
             return (f"loose entropy must be above 0 and below ln 3 = {MAX_ENTROPY:.4f} nats "
                     f"(the most three tokens can have), got {self.entropy:g}")
         return None
