@@ -34,7 +34,7 @@ class Proposal:
     # q of the drawn token), or None when it was not asked for or the drafter has none
     confidence: list[float] | None = None
     # [draft_len]: a tree draft's parent indices (sled.tree: 0 = the context's last token, i =
-    # token_ids[i - 1]); None for a chain. Only greedy proposals branch.
+    # token_ids[i - 1]); None for a chain. A tree's q is None (deterministic candidates).
     parents: list[int] | None = None
 
 
@@ -70,9 +70,10 @@ def observes_context(drafter) -> bool:
     return callable(getattr(drafter, "observe", None))
 
 
-# A drafter whose `drafts_trees` is true also takes tree=N in propose() (greedy only): up to N
-# candidates per draft position, returned as a tree (Proposal.parents), at most N * draft_len
-# tokens and draft_len deep. Others always draft a chain.
+# A drafter whose `drafts_trees` is true also takes tree=N in propose(): up to N candidates per
+# draft position, returned as a tree (Proposal.parents), at most N * draft_len tokens and
+# draft_len deep. A tree's candidates are deterministic (q None): a drafter that samples with a
+# q drafts a chain instead. Others always draft a chain.
 def drafts_trees(drafter) -> bool:
     """Whether drafter.propose() takes tree=N (see above)."""
     return bool(getattr(drafter, "drafts_trees", False))

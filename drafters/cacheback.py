@@ -76,11 +76,12 @@ class CachebackDrafter:
 
     def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
                 generator: np.random.Generator | None = None, *, tree: int = 1) -> Proposal:
-        """tree=N > 1 (greedy): up to N of the context's followers each start a branch, every
-        branch continued as a chain is, merged where they share a start (sled.tree.Trie)."""
+        """tree=N > 1: up to N of the context's followers each start a branch, every branch
+        continued as a chain is, merged where they share a start (sled.tree.Trie). Its candidates
+        are deterministic (q one-hot), so a sampling session may send the tree too."""
         tokens = list(context)
         with self._lock:
-            if tree > 1 and sampling.greedy:
+            if tree > 1:
                 return self._tree(tokens, draft_len, tree)
             draft = self._continue(tokens, [], draft_len)
         # Nothing cached: guess the last token repeats (never an empty draft), as prompt lookup does.

@@ -36,8 +36,8 @@ class Proposer:
     """The device's drafter as one session uses it: the session's own random stream (seeded
     from the request's seed, apart from the server's), its early stop, and run in a thread; a
     drafter with an async apropose() (an emulated device) is awaited directly instead.
-    tree=N > 1: a greedy session's drafts may be trees of up to N candidates per position, from a
-    drafter that drafts trees (drafts_trees), cut to max_tree_tokens tokens (the server's
+    tree=N > 1: drafts may be trees of up to N candidates per position, from a drafter that
+    drafts trees (drafts_trees; a sampling session's trees are deterministic candidates), cut to max_tree_tokens tokens (the server's
     ServerLimits.max_draft_tokens: it refuses a longer draft)."""
 
     def __init__(self, drafter: Drafter, sampling: Sampling, min_confidence: float = 0.0,
@@ -47,7 +47,9 @@ class Proposer:
         self.min_confidence = min_confidence
         self.generator = new_generator(sampling, offset=DRAFTER_SEED_OFFSET)
         self.options = confidence_options(drafter, min_confidence)
-        self.tree = {"tree": tree} if tree > 1 and sampling.greedy and drafts_trees(drafter) else {}
+        # a sampling session's trees carry no q (deterministic candidates): a drafter that samples
+        # drafts its chain with q instead (KVDrafter branches only when greedy)
+        self.tree = {"tree": tree} if tree > 1 and drafts_trees(drafter) else {}
         self.max_tree_tokens = max_tree_tokens
         self._apropose = getattr(drafter, "apropose", None)
 

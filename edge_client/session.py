@@ -60,8 +60,8 @@ class RoundSettings:
     hints="always" uses every hint, unmeasured.
     A seeded sampling session drafts AUTO_FIRST_DRAFT_LEN under "auto" and "adaptive" and never
     pipelines, so that it repeats (both would make the round split depend on timing).
-    tree=N > 1 lets a greedy session's drafter (one that drafts trees: cacheback, the model
-    drafters) send up to N candidates per draft position as one tree of at most
+    tree=N > 1 lets the drafter (one that drafts trees: cacheback; the model drafters in greedy
+    sessions) send up to N candidates per draft position as one tree of at most
     max_tree_tokens tokens (the server's ServerLimits.max_draft_tokens); the server accepts the
     longest path the target agrees with. Rounds that pipeline or start with hints stay chains
     up to where the drafter's own part begins, and a branched draft asks for no SAT hints

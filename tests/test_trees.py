@@ -302,13 +302,78 @@ async def test_too_many_tree_tokens_is_draft_too_long(serve, models, prompts):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and detail.reason == Reason.REASON_DRAFT_TOO_LONG
 
 
-async def test_a_sampled_tree_is_refused_until_siblings_can_be_rejection_sampled(serve, models,
-                                                                                  prompts):
+async def test_a_sampled_tree_with_q_is_refused(serve, models, prompts):
+    """A tree's candidates are verified as deterministic ones: a q with them is refused."""
     server = await serve(models["llama"])
-    code, detail, message = await refusal(server, [open_msg(prompts[0], temperature=0.8),
-                                                   tree_draft(0, [5, 6], [0, 0])])
+    draft = tree_draft(0, [5, 6], [0, 0])
+    draft.draft.q.extend([pb.SparseDistribution(ids=[5], probs=[1.0]),
+                          pb.SparseDistribution(ids=[6], probs=[1.0])])
+    code, detail, message = await refusal(server, [open_msg(prompts[0], temperature=0.8), draft])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and detail.reason == Reason.REASON_BAD_TREE
-    assert "sampling session" in message and "send a chain" in message
+    assert "sampled tree draft with q" in message and "without q" in message
+
+
+def test_recursive_rejection_sampling_emits_each_token_with_its_target_probability():
+    """At the root: candidates 1 and 2 (siblings), 2 has a child 3. Over many draws the first
+    token follows p at the root exactly, and a chain decides as verify_sampling does."""
+    from verify_server.acceptance import verify_sampling, verify_sampling_tree
+
+    p = torch.tensor([[0.1, 0.4, 0.3, 0.2], [0.25] * 4, [0.5, 0.1, 0.1, 0.3], [0.25] * 4])
+    generator = torch.Generator().manual_seed(0)
+    firsts = [verify_sampling_tree(p, [1, 2, 3], [0, 0, 2], generator).emitted[0]
+              for _ in range(20000)]
+    frequencies = torch.bincount(torch.tensor(firsts), minlength=4).double() / len(firsts)
+    torch.testing.assert_close(frequencies, p[0].double(), atol=0.01, rtol=0)
+    chain_p = p[[0, 2, 3]]
+    for seed in range(50):
+        tree = verify_sampling_tree(chain_p, [2, 3], [0, 1], torch.Generator().manual_seed(seed))
+        chain = verify_sampling(chain_p, [2, 3], None, torch.Generator().manual_seed(seed))
+        assert (tree.accepted, tree.emitted) == (chain.accepted, chain.emitted)
+
+
+class SiblingsAlways:
+    """A deterministic tree drafter for sampling sessions: the noisy model's greedy chain with its
+    runner-ups beside every token (the tiny model is never sure)."""
+    name, tokenizer_fingerprint, drafts_trees = "siblings", None, True
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def propose(self, context, k, sampling, generator=None, tree=1):
+        return self.drafter.propose(context, k, Sampling(), None, tree=tree)
+
+    def rollback(self, length):
+        self.drafter.rollback(length)
+
+
+async def test_sampled_trees_converge_to_the_target_distribution(serve, models, drafter_models,
+                                                                 tokenizer, prompts):
+    import math
+
+    from test_sampling_e2e import COUNTS, SAMPLING, exact_distributions, total_variation
+
+    model = models["llama"]
+    prompt = prompts[0]
+    p1, p2 = exact_distributions(model, prompt, SAMPLING)
+    server = await serve(model, max_batch_sessions=64)
+    gate = asyncio.Semaphore(64)
+
+    async def one(seed: int):
+        async with gate:
+            drafter = SiblingsAlways(HFDrafter(drafter_models["llama"], tokenizer))
+            result = await generate(server_stub(server), drafter, prompt, max_new_tokens=2,
+                                    settings=RoundSettings(draft_len=2, tree=3), ignore_eos=True,
+                                    sampling=Sampling(SAMPLING.temperature, SAMPLING.top_k,
+                                                      seed=seed))
+            return result.token_ids
+
+    pairs = await asyncio.gather(*(one(seed) for seed in range(COUNTS[-1])))
+    accepted = server.metrics.value("sled_accepted_tokens_total")
+    assert 0 < accepted < server.metrics.value("sled_draft_tokens_total")
+    for position, p in ((0, p1), (1, p2)):
+        distances = [total_variation([pair[position] for pair in pairs[:n]], p) for n in COUNTS]
+        bound = 0.8 * math.sqrt(int((p > 1e-4).sum()) / COUNTS[-1])
+        assert distances[-1] < bound and distances[-1] < distances[0], (position, distances, bound)
 
 
 async def test_a_chains_only_engine_says_so(serve, models, prompts):

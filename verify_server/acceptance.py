@@ -120,6 +120,45 @@ def verify_greedy_tree(logits: torch.Tensor, draft: Sequence[int],
     return Outcome(len(path), [draft[c - 1] for c in path] + [targets[node]], path=tuple(path))
 
 
+def verify_sampling_tree(
+    p: torch.Tensor,                    # [len(draft) + 1, vocab] target probabilities (warped)
+    draft: Sequence[int],               # the tree's tokens, each a deterministic candidate
+    parents: Sequence[int],             # sled.tree: node i's parent, 0 = the root
+    generator: torch.Generator,
+) -> Outcome:
+    """Recursive rejection sampling over a tree of deterministic candidates (q one-hot at each):
+    exact for any tree. At a node, its children are tried in order: a child's token x is accepted
+    with probability r(x) / sum(r), where r starts as p at the node and loses the token of every
+    rejected child; the first accepted child is the next node. When none is accepted (or the node
+    is a leaf) the last token is drawn from r (p itself at a leaf: the bonus).
+
+    Each token y comes out with probability p(y): a candidate x1 with p(x1), else x2 with
+    (1 - p(x1)) * p(x2) / (1 - p(x1)) = p(x2), and so on; the correction from what is left. A chain
+    decides exactly as verify_sampling with q None, drawing the same numbers. Draw order: one
+    uniform per child tried, then one token.
+    """
+    p = p.to(torch.float64)
+    kids = children(parents)
+    node, path = 0, []
+    while True:
+        residual = p[node].clone()
+        child = None
+        for c in kids[node]:
+            token = draft[c - 1]
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            if u * float(residual.sum()) < float(residual[token]):
+                child = c
+                break
+            residual[token] = 0.0
+        if child is None:
+            if float(residual.sum()) <= 0.0:   # the candidates held all of p up to rounding
+                residual = p[node]
+            last = int(torch.multinomial(residual, 1, generator=generator))
+            return Outcome(len(path), [draft[c - 1] for c in path] + [last], path=tuple(path))
+        path.append(child)
+        node = child
+
+
 def verify_sampling(
     p: torch.Tensor,                    # [draft_len + 1, vocab] target probabilities (warped)
     draft: Sequence[int],               # [draft_len]

@@ -183,9 +183,10 @@ def check_tree(draft: pb.Draft, session: Session, trees: bool) -> list[int] | No
                                   "(ServerLimits.tree_drafts is false): send drafts without parents",
                                   draft.round)
     problem = tree_problem(parents, len(draft.token_ids))
-    if problem is None and not session.sampling.greedy:
-        problem = ("a tree draft in a sampling session: exact rejection sampling over siblings "
-                   "is not built, so trees are for greedy sessions; send a chain")
+    if problem is None and draft.q and not session.sampling.greedy:
+        problem = ("a sampled tree draft with q: a tree's candidates are verified as deterministic "
+                   "ones (q one-hot, recursive rejection sampling); send the tree without q, or "
+                   "a chain with its q")
     if problem is None and draft.lookahead:
         problem = "a tree draft with lookahead: SAT hints follow chains only; send lookahead 0"
     if problem is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verify_server.acceptance import (DraftQ, Outcome, verify_greedy, verify_greedy_tree,
-                                      verify_sampling)
+                                      verify_sampling, verify_sampling_tree)
 from verify_server.engine import Row
 from verify_server.session import Session
 from verify_server.warp import warp
@@ -89,8 +89,12 @@ class Verify(Work):
         draft_len + 1; read SAT hints from the block that follows the accepted tokens (with
         every_cut), else from the one block when the whole draft survived."""
         session, draft_len = self.session, len(self.draft)
-        if self.parents:        # greedy only (validation.check_tree)
-            outcome = verify_greedy_tree(logits, self.draft, self.parents)
+        if self.parents:        # deterministic candidates only (validation.check_tree)
+            if session.sampling.greedy:
+                outcome = verify_greedy_tree(logits, self.draft, self.parents)
+            else:
+                outcome = verify_sampling_tree(warp(logits, session.sampling), self.draft,
+                                               self.parents, session.generator)
             session.kv.keep_path(outcome.path)
             return outcome
         if session.sampling.greedy:
