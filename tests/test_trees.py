@@ -19,7 +19,7 @@ from drafters.cacheback import CachebackDrafter
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
 from sled.sampling import Sampling
-from sled.tree import Trie, children, cut, depths, path_to, tree_problem
+from sled.tree import Trie, children, cut, depths, tree_problem
 from sled.v1 import verifier_pb2 as pb
 from tests.test_bad_input import TARGET_FP, open_msg
 from tests.test_lossless import server_stub
@@ -27,6 +27,15 @@ from verify_server.acceptance import verify_greedy, verify_greedy_tree
 from verify_server.engine import Row, make_engine
 
 GREEDY = Sampling()
+
+
+def path_to(parents, node: int) -> list[int]:
+    """The nodes from the root's child down to `node` (node i = token i - 1)."""
+    path = []
+    while node:
+        path.append(node)
+        node = parents[node - 1]
+    return path[::-1]
 MAX_NEW = 24
 Reason = pb.ErrorDetail.Reason
 
@@ -64,8 +73,8 @@ def test_a_trie_merges_chains_that_share_a_start():
     trie = Trie()
     trie.add([5, 6, 7])
     trie.add([5, 8])
-    trie.add([9], budget=5)
-    trie.add([4], budget=5)             # over the budget: not added
+    assert trie.add([9]) == 5
+    assert trie.add([5, 6]) == 2        # already there: nothing added
     assert trie.tokens == [5, 6, 7, 8, 9] and trie.parents == [0, 1, 2, 1, 0]
 
 

@@ -75,16 +75,6 @@ def cut(tokens: Sequence[int], parents: Sequence[int], max_depth: int,
     return out_tokens, out_parents
 
 
-def path_to(parents: Sequence[int], node: int) -> list[int]:
-    """The nodes from the root's child down to `node` (node i = token i - 1): path_to([0, 1, 0, 3], 4)
-    == [3, 4]."""
-    path = []
-    while node:
-        path.append(node)
-        node = parents[node - 1]
-    return path[::-1]
-
-
 class Trie:
     """Candidate chains merged into one tree: chains that share a start share its nodes.
 
@@ -100,15 +90,12 @@ class Trie:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, chain: Sequence[int], under: int = 0, budget: int | None = None) -> int:
-        """Insert `chain` below node `under` (0 = the root); new nodes stop at `budget` tokens in
-        all. Returns the node the chain ended at (as far as it went)."""
+    def add(self, chain: Sequence[int], under: int = 0) -> int:
+        """Insert `chain` below node `under` (0 = the root); returns the node it ends at."""
         node = under
         for token in chain:
             found = self._child.get((node, token))
             if found is None:
-                if budget is not None and len(self.tokens) >= budget:
-                    break
                 self.tokens.append(token)
                 self.parents.append(node)
                 found = self._child[(node, token)] = len(self.tokens)
