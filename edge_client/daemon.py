@@ -336,9 +336,7 @@ class Device:
 
     def _validate_loose(self, loose: Loose, sampling: Sampling) -> None:
         """Loose verification: in range, greedy, and a drafter of this device's to check."""
-        problem = loose.problem()
-        if problem is None and not sampling.greedy:
-            problem = "loose verification is for greedy requests (temperature 0) only"
+        problem = loose.problem(sampling.greedy)
         if problem is None and self.settings.mode == "server":
             problem = "loose verification checks a drafter's tokens: this device has none (mode server)"
         if problem is not None:

