@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import aiomqtt
 import pytest
 
 from edge_client.daemon import Device
@@ -310,6 +311,43 @@ async def test_a_malformed_message_is_dropped_and_the_listener_keeps_going(mosqu
             attempt = await asyncio.wait_for(sender.send(handle("dev-05"), "x"), 30)
             assert sender._task is not None and not sender._task.done()
     assert attempt.error is None and attempt.token_ids == answer and attempt.complete
+
+
+@pytest.fixture
+def unclean_disconnects(monkeypatch):
+    """aiomqtt as it behaves when paho reports a connection's end as unclean: leaving
+    `async with client` raises MqttCodeError("Unexpected disconnection") in place of the error or
+    cancel it was handed (seen with a cancel racing the broker's side of the disconnect)."""
+    from aiomqtt.exceptions import MqttCodeError
+
+    plain_exit = aiomqtt.Client.__aexit__
+
+    async def unclean_exit(self, exc_type, exc, tb):
+        await plain_exit(self, exc_type, exc, tb)
+        raise MqttCodeError(7, "Unexpected disconnection")
+
+    monkeypatch.setattr(aiomqtt.Client, "__aexit__", unclean_exit)
+
+
+async def test_a_cancelled_listener_ends_even_when_its_disconnect_is_unclean(mosquitto, unclean_disconnects):  # noqa: F811
+    """The cancel must not be taken for a lost broker: before sled.mqtt.Client kept it a cancel,
+    the listener reconnected and leaving MqttSender waited until the suite's time-out."""
+    from sled.mqtt import MqttConnection
+
+    broker = mosquitto.broker()
+    sender = MqttSender(broker, "sled", lambda: 0.0, {})
+    await asyncio.wait_for(sender.__aenter__(), 10)
+    await asyncio.wait_for(sender.__aexit__(None, None, None), 10)
+    connection = MqttConnection(broker, "sled-server-x", "sled/servers/x", will={"online": False})
+    task = asyncio.create_task(connection.run(lambda client: asyncio.Event().wait()))
+    for _ in range(100):
+        if connection.connected:
+            break
+        await asyncio.sleep(0.05)
+    assert connection.connected
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=10)
+    assert done and task.cancelled()
 
 
 # -- the loops without devices -----------------------------------------------------------------

@@ -107,9 +107,27 @@ class Broker:
     def client(self, identifier: str, will: aiomqtt.Will | None = None) -> aiomqtt.Client:
         tls = aiomqtt.TLSParameters(ca_certs=self.ca_file, certfile=self.cert_file,
                                     keyfile=self.key_file) if self.uses_tls else None
-        return aiomqtt.Client(self.host, self.port, username=self.username or None,
+        return Client(self.host, self.port, username=self.username or None,
                               password=self.password or None, identifier=identifier, will=will,
                               keepalive=self.keepalive_s, timeout=self.timeout_s, tls_params=tls)
+
+
+class Client(aiomqtt.Client):
+    """aiomqtt's client, except that a cancel leaving `async with client` stays a cancel.
+
+    aiomqtt's __aexit__ waits for the broker connection to end, and when paho reports that end
+    as unclean (a reset or closed socket while the DISCONNECT goes out) it raises
+    MqttCodeError("Unexpected disconnection") in place of the CancelledError it was handed. A loop
+    that reconnects on MqttError (MqttConnection, the lab's listener) then takes its own cancel
+    for a lost broker and connects again, and whoever awaits the cancelled task waits forever."""
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        try:
+            await super().__aexit__(exc_type, exc, tb)
+        except aiomqtt.MqttError:
+            if exc_type is None or not issubclass(exc_type, asyncio.CancelledError):
+                raise
+            log.debug("MQTT: the connection ended uncleanly while cancelled")
 
 
 def refused_credentials(error: BaseException) -> bool:
