@@ -62,12 +62,10 @@ async def run_demo(prompts: int, max_new_tokens: int) -> int:
     """The demo on `prompts` HumanEval prompts per device; 1 if any output differs from the
     target alone."""
     from rich.console import Console
-    from transformers.utils import logging as hf_logging
 
     from lab.bench.harness import serving
     from lab.workload import load_workload
 
-    hf_logging.disable_progress_bar()
     console = Console()
     _prepare(console)
     workload = f"humaneval:{prompts}"

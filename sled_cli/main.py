@@ -157,6 +157,7 @@ def _add_commands(parser: argparse.ArgumentParser, table: dict, dest: str) -> No
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     progress.set_command(_command_name(argv))
+    progress.quiet_libraries()
     try:
         return _dispatch(argv)
     except KeyboardInterrupt:   # Ctrl-C: the command's own cleanup (finally, async with) ran

@@ -67,6 +67,9 @@ def test_a_refused_tokenizer_stops_a_bench_with_one_line_and_exit_3(capsys, monk
                          "fingerprint")
 
     monkeypatch.setattr(Connection, "tokenizer", refused)
+    # A cache of its own: the tiny model is made here for the first time, as on a new machine,
+    # where transformers' "Writing model shards" bars once came before the one line.
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path / "cache"))
     code, _, err = run_main(capsys, "bench", "overhead", "--rounds", "1",
                          "--out", str(tmp_path / "overhead.json"))
     assert code == 3, err

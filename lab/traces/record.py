@@ -90,14 +90,12 @@ def record_trace_set(model: str, drafter_spec: str, workload: str, max_new_token
                      console=None):
     """Load the target (alias or path), take its greedy outputs, drive the drafter along them."""
     from rich.progress import Progress
-    from transformers.utils import logging as hf_logging
 
     from drafters import bind_target_tokenizer, load_drafter
     from lab.workload import prompt_texts
     from sled.models import resolve_model
     from verify_server.target import Target
 
-    hf_logging.disable_progress_bar()
     target = Target.load(resolve_model(model), dtype=dtype)
     prompts = [target.tokenizer(text).input_ids for text in prompt_texts(workload, prompts_limit)]
     drafter = load_drafter(drafter_spec)

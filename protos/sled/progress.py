@@ -31,6 +31,16 @@ _status = None                          # the terminal's spinner while a phase r
 _command = "sled"                       # what the lines start with: set_command()
 
 
+def quiet_libraries() -> None:
+    """sled's phases are the progress a person sees: transformers' and huggingface_hub's own bars
+    ("Writing model shards" when a checkpoint is first made, "Loading weights") are turned off,
+    at once where transformers is loaded and at its import otherwise. sled_cli.main calls it."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:
+        hf_logging.disable_progress_bar()
+
+
 def set_command(name: str) -> None:
     """Name the command whose phases these are ("sled serve"); sled_cli.main sets it once."""
     global _command
