@@ -12,11 +12,18 @@ EXTRAS := server,gguf,onnx,hf,export,lab,models,dev
 
 install: $(STAMP)
 
+# llama-cpp-python compiles llama.cpp; sled.llama_build names its flags for this CPU (its vector
+# extensions, never AMX), keeps the wheel in sled's cache under those flags, and installs it before
+# the extras would let pip build it with -march=native. The last step decodes a few tokens of the
+# built-in GGUF in a child: a build that crashes is rebuilt once with the portable baseline.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e .
+	$(BIN)/python -m sled.llama_build install
 	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
+	$(BIN)/python -m sled.llama_build verify
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sled import llama_build
 from sled.cache import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent       # the repository (pyproject.toml, docker/)
@@ -120,7 +121,7 @@ def wheelhouse(root: Path | None = None, torch: str = TORCH) -> Path:
     server = f"{target}[{','.join(SERVER_EXTRAS)}]"
     run_step("wheelhouse", [_pip_python(), "-m", "pip", "wheel", "--quiet", "--wheel-dir",
                             str(house), "--find-links", str(house), device, server, torch,
-                            *SERVER_EXTRA_PACKAGES])
+                            str(llama_build.wheel_for_this_cpu()), *SERVER_EXTRA_PACKAGES])
     (house / ".complete").write_text(key + "\n")
     prune_wheelhouses(root, keep=house)
     return house
@@ -137,6 +138,7 @@ def prune_wheelhouses(root: Path, keep: Path, count: int = 2) -> None:
 def wheelhouse_key(wheel: Path, torch: str = TORCH) -> str:
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
     digest.update(_wheel_content_hash(wheel).encode())
+    digest.update(llama_build.wheel_key(llama_build.current_flags()).encode())   # the CPU's build
     if torch != TORCH:      # the default keeps the key (and the cache) it always had
         digest.update(torch.encode())
     return digest.hexdigest()[:16]

@@ -4,7 +4,8 @@ what an environment holds: the size of its site-packages, and which modules it c
     python = build(folder, "gguf")         # python -m venv, then pip install "SOURCE[gguf]"
     size = environment_size(python)         # {"site_packages_mb": ..., "without_llama_cpp_mb": ...}
 
-pip's own cache is used (a wheel built once, llama-cpp-python's above all, is not built again).
+pip's own cache is used (a wheel built once is not built again); llama-cpp-python is the wheel
+sled.llama_build made for this CPU.
 The source is copied first, so installing never writes build output into a working tree.
 """
 from __future__ import annotations
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from sled import llama_build
 
 REPO = Path(__file__).resolve().parents[1]
 # What a sled wheel is built from (pyproject.toml's packages and the files it names).
@@ -40,9 +43,11 @@ def build(folder: str | Path, extras: str, source: str | Path = REPO,
     _run([sys.executable, "-m", "venv", str(folder)], timeout)
     with tempfile.TemporaryDirectory(prefix="sled-src-") as copy:
         tree = _copy_source(Path(source), Path(copy) / "sled")
-        wanted = f"{tree}[{extras}]" if extras else str(tree)
+        wanted = [f"{tree}[{extras}]" if extras else str(tree)]
+        if "gguf" in extras.split(","):     # llama.cpp as built for this CPU, never pip's own build
+            wanted.append(str(llama_build.wheel_for_this_cpu()))
         _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-              wanted], timeout)
+              *wanted], timeout)
     return python
 
 

@@ -107,6 +107,8 @@ COMMANDS = {
     "export-onnx": Command("sled_cli.export_onnx",
                            "export an HF checkpoint or built-in model to ONNX (drafter)",
                            needs=("export",)),
+    "doctor": Command("sled_cli.doctor", "this CPU's vector extensions, llama.cpp's build flags "
+                      "and a decode check of a GGUF (--repair: a portable rebuild on a crash)"),
     "models": Group("built-in offline models", {
         "list": Command("sled_cli.models_list", "aliases, their packages and cached conversions"),
         "prepare": Command("sled_cli.models_prepare",
