@@ -29,8 +29,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/sled demo
 
+# The suite on both cores: whole test files to two workers (a file's fixtures stay in one process),
+# then the tests marked serial (fleets with fault steps at set times) alone.
+TEST_JOBS ?= 2
 test: $(STAMP) mosquitto docker models
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not serial" --durations=15
+	$(BIN)/python -m pytest -q -m serial --durations=5
 
 # The built-in models the slow tests and the demo use, made once into the sled cache (each step
 # is skipped when its result is there): assemble the GGUFs, convert them to transformers

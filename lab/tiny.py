@@ -2,6 +2,7 @@
 overhead benchmark. They need no download; their output is meaningless but fully deterministic."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -81,9 +82,28 @@ def save_pair(folder: Path, arch: str = "llama", dtype: torch.dtype = torch.floa
     tokenizer = make_tokenizer()
     target = make_model(arch, len(tokenizer), dtype=dtype)
     for path, model in ((target_dir, target), (drafter_dir, perturbed(target, drafter_noise))):
-        model.save_pretrained(path, safe_serialization=True)
-        tokenizer.save_pretrained(path)
+        _save_whole(path, model, tokenizer)
     return target_dir, drafter_dir
+
+
+def _save_whole(path: Path, model, tokenizer) -> None:
+    """Model and tokenizer written beside PATH, then renamed into place: another process (a
+    parallel test worker, a second bench) never sees a config.json without its weights."""
+    from sled.cache import partial_dir
+
+    if (path / "config.json").exists():
+        return
+    shutil.rmtree(path, ignore_errors=True)          # a copy cut short earlier
+    partial = partial_dir(path)
+    try:
+        model.save_pretrained(partial, safe_serialization=True)
+        tokenizer.save_pretrained(partial)
+        try:
+            partial.rename(path)
+        except OSError:            # another process made it first: its copy stays
+            pass
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def cached_pair() -> tuple[str, str]:

@@ -61,6 +61,7 @@ def test_a_bad_profile_is_one_line_naming_its_flag_and_exit_2(capsys, tmp_path, 
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.serial    # a fleet on both cores, with fault steps at set times: run alone
 @pytest.mark.slow
 def test_a_short_soak_is_lossless_through_every_fault_step(capsys, tmp_path):
     out = tmp_path / "soak.json"

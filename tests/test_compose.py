@@ -348,6 +348,7 @@ def remove_project(project: str) -> None:
             subprocess.run(remove + found, capture_output=True)
 
 
+@pytest.mark.serial    # a fleet on both cores, with fault steps at set times: run alone
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_compose_lab_runs_a_fleet_losslessly(tmp_path):

@@ -133,6 +133,7 @@ def test_a_bad_scenario_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.serial    # a fleet on both cores, with fault steps at set times: run alone
 @pytest.mark.slow
 def test_smoke_runs_end_to_end_with_its_fault_steps(tmp_path):
     done = sled("lab", "run", "smoke", "--out", str(tmp_path), "--run", "smoke", timeout=480)
