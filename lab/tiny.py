@@ -93,15 +93,17 @@ def _save_whole(path: Path, model, tokenizer) -> None:
 
     if (path / "config.json").exists():
         return
-    shutil.rmtree(path, ignore_errors=True)          # a copy cut short earlier
     partial = partial_dir(path)
     try:
         model.save_pretrained(partial, safe_serialization=True)
         tokenizer.save_pretrained(partial)
         try:
             partial.rename(path)
-        except OSError:            # another process made it first: its copy stays
-            pass
+        except OSError:            # there already: another process's whole copy stays
+            if (path / "config.json").exists():
+                return
+            shutil.rmtree(path, ignore_errors=True)   # a folder without a config: replaced
+            partial.rename(path)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
 

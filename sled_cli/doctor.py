@@ -34,11 +34,12 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     features = llama_build.cpu_features()
-    print(f"cpu: {_cpu_name()} ({llama_build.machine()}): "
+    print(f"cpu: {llama_build.cpu_name()} ({llama_build.machine()}): "
           f"{' '.join(sorted(features & SHOWN)) or 'no vector extensions reported'} "
           f"(llama.cpp: no AMX, whatever the CPU reports)")
     record = llama_build.installed_record()
-    print("llama.cpp build: " + (f"{record['extensions']} (flags by sled.llama_build)" if record
+    print("llama.cpp build: " + (f"{llama_build.describe(record['flags'])} (flags by "
+                                 f"sled.llama_build)" if record
           else "not built by sled (pip's own build: -march=native may select instructions this "
                "CPU cannot run); python -m sled.llama_build install builds it for this CPU"))
     if not installed("llama_cpp"):
@@ -61,13 +62,3 @@ def run(args) -> int:
     print(f"check: {verdict.detail} of {gguf.name}")
     return 0
 
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name.strip() in ("model name", "Model"):
-                return value.strip()
-    except OSError:
-        pass
-    return "unknown processor"

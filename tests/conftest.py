@@ -23,6 +23,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
 def pytest_collection_modifyitems(config, items) -> None:
     """The files with real-model (slow) tests go first: make test hands whole files to two
     workers in this order (--dist loadfile), and the long ones started last would leave one

@@ -184,3 +184,11 @@ def test_the_check_names_the_signal_a_child_died_of():
     verdict = llama_build.check_decode(Path("x.gguf"),
                                        code="import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     assert not verdict.ok and verdict.signal == signal.SIGSEGV and verdict.detail == "died of SIGSEGV"
+
+
+def test_the_cpu_is_named_by_its_model_name_not_its_model_number():
+    x86 = "processor\t: 0\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: avx avx2\n"
+    pi5 = "Features\t: fp asimd asimddp\n\nModel\t\t: Raspberry Pi 5 Model B Rev 1.0\n"
+    assert llama_build.cpuinfo_field(("model name", "Model"), x86) == "AMD EPYC"
+    assert llama_build.cpuinfo_field(("model name", "Model"), pi5) == "Raspberry Pi 5 Model B Rev 1.0"
+    assert cpu_features(pi5) == {"fp", "asimd", "asimddp"}

@@ -81,18 +81,29 @@ def machine() -> str:
     return platform.machine().lower()
 
 
-def cpu_features(cpuinfo: str | None = None) -> frozenset[str]:
-    """The extensions the processor reports: x86 "flags", ARM "Features" of /proc/cpuinfo."""
+def cpuinfo_field(names: tuple[str, ...], cpuinfo: str | None = None) -> str | None:
+    """The first /proc/cpuinfo field (of CPUINFO where given) named exactly one of NAMES (x86
+    has both "model" and "model name"; a Pi's board is "Model")."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return frozenset()
+            return None
     for line in cpuinfo.splitlines():
         name, _, value = line.partition(":")
-        if name.strip().lower() in ("flags", "features"):
-            return frozenset(value.split())
-    return frozenset()
+        if name.strip() in names:
+            return value.strip()
+    return None
+
+
+def cpu_features(cpuinfo: str | None = None) -> frozenset[str]:
+    """The extensions the processor reports: x86 "flags", ARM "Features" of /proc/cpuinfo."""
+    return frozenset((cpuinfo_field(("flags", "Features"), cpuinfo) or "").split())
+
+
+def cpu_name() -> str:
+    """The processor's name as /proc/cpuinfo gives it (x86 "model name", a Pi's "Model")."""
+    return cpuinfo_field(("model name", "Model")) or "unknown processor"
 
 
 def build_flags(features: frozenset[str], arch: str | None = None,
@@ -120,7 +131,7 @@ def arm_march(features: frozenset[str], portable: bool = False) -> str:
 
 
 def describe(flags: list[str]) -> str:
-    """The extensions a flag list turns on, for a person: "AVX AVX2 ... (no AMX)"."""
+    """The extensions a flag list turns on, for a person: "AVX AVX2 ..." or "armv8.2-a+dotprod"."""
     on = [flag[len("-DGGML_"):-len("=ON")] for flag in flags
           if flag.startswith("-DGGML_") and flag.endswith("=ON")]
     arm = [flag.split("=", 1)[1] for flag in flags if flag.startswith("-DGGML_CPU_ARM_ARCH=")]
@@ -138,9 +149,9 @@ def spec() -> str:
     return DEFAULT_SPEC
 
 
-def wheel_key(flags: list[str], requirement: str | None = None) -> str:
+def wheel_key(flags: list[str]) -> str:
     """The cache key of a build: the requirement, the flags, this Python and this machine."""
-    facts = [requirement or spec(), *flags, sys.implementation.cache_tag, sysconfig.get_platform()]
+    facts = [spec(), *flags, sys.implementation.cache_tag, sysconfig.get_platform()]
     return hashlib.sha256("\n".join(facts).encode()).hexdigest()[:16]
 
 
@@ -207,7 +218,7 @@ def install(wheel: Path, flags: list[str]) -> None:
     _pip(["install", "--no-deps", "--force-reinstall", str(wheel)], step="installing llama.cpp")
     _pip(["install", str(wheel)], step="installing llama-cpp-python's requirements")
     record_path().parent.mkdir(parents=True, exist_ok=True)
-    record = {"flags": flags, "extensions": describe(flags), "wheel": wheel.name}
+    record = {"flags": flags, "wheel": wheel.name}
     record_path().write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -285,7 +296,7 @@ def verify(gguf: Path, rebuild=None, check=None, say=print) -> Verdict:
     if not second.ok:
         raise LlamaBuildError(f"llama.cpp built with the portable baseline also {second.detail} "
                               f"decoding {gguf.name}: this CPU needs a build by hand (README, "
-                              f"'On a device')")
+                              f"'On a Raspberry Pi or a Jetson')")
     return second
 
 
@@ -307,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             build_and_install(portable=args.portable, say=say)
         else:
             gguf = Path(args.gguf) if args.gguf else builtin_gguf()
-            say(f"{verify(gguf, say=say).detail} of {gguf.name} with this build "
-                f"({installed_record()['extensions'] if installed_record() else 'unrecorded'})")
+            verdict = verify(gguf, say=say)
+            say(f"{verdict.detail} of {gguf.name} with this build ({describe(current_flags())})")
     except LlamaBuildError as exc:
         print(f"llama.cpp: {exc}", file=sys.stderr)
         return 1

@@ -104,12 +104,12 @@ class Broker:
     def uses_tls(self) -> bool:
         return self.tls or bool(self.ca_file or self.cert_file)
 
-    def client(self, identifier: str, will: aiomqtt.Will | None = None) -> aiomqtt.Client:
+    def client(self, identifier: str, will: aiomqtt.Will | None = None) -> "Client":
         tls = aiomqtt.TLSParameters(ca_certs=self.ca_file, certfile=self.cert_file,
                                     keyfile=self.key_file) if self.uses_tls else None
         return Client(self.host, self.port, username=self.username or None,
-                              password=self.password or None, identifier=identifier, will=will,
-                              keepalive=self.keepalive_s, timeout=self.timeout_s, tls_params=tls)
+                      password=self.password or None, identifier=identifier, will=will,
+                      keepalive=self.keepalive_s, timeout=self.timeout_s, tls_params=tls)
 
 
 class Client(aiomqtt.Client):
