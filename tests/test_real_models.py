@@ -22,7 +22,7 @@ from verify_server.target import Target
 
 pytestmark = pytest.mark.slow
 TARGET = "gemma3-270m"
-PROMPTS = 20
+PROMPTS = 8        # 2 per device: each drafter meets rejections on every prompt
 MAX_NEW = 64
 
 

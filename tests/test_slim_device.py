@@ -46,6 +46,22 @@ def test_the_slim_venv_has_sled_and_neither_torch_nor_transformers(slim_python, 
     assert str(slim_python.parents[1]) in where     # the installed copy, not the working tree
 
 
+def test_the_slim_venv_runs_the_llama_cpp_sled_built_for_this_cpu(slim_python):
+    """Not a build pip made with -march=native: the very library of sled.llama_build's wheel."""
+    import hashlib
+    import zipfile
+
+    from sled import llama_build
+
+    library = "lib/libggml-cpu.so"
+    with zipfile.ZipFile(llama_build.wheel_for_this_cpu()) as wheel:
+        built = hashlib.sha256(wheel.read(library)).hexdigest()
+    installed = [folder / library for folder in slim_env.site_packages(slim_python)
+                 if (folder / library).exists()]
+    assert len(installed) == 1, installed
+    assert hashlib.sha256(installed[0].read_bytes()).hexdigest() == built
+
+
 def _clean_env(**extra: str) -> dict:
     """This environment without a PYTHONPATH that would reach the working tree's code."""
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
