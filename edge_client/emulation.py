@@ -195,6 +195,11 @@ class CutStream:
             await self._connect()
         await self._unless_cut(self.inner.send(msg))
 
+    async def accepted(self) -> None:
+        if self.inner is None:
+            raise link_lost()
+        await self._unless_cut(self.inner.accepted())
+
     async def receive(self):
         if self.inner is None:
             raise link_lost()

@@ -38,6 +38,8 @@ AUTO_FIRST_DRAFT_LEN = 4
 CONNECT_S, MAX_CONNECT_S = 1.0, 8.0
 # ... and attempts after a lost server are this far apart at first, doubling up to the most.
 PAUSE_S, MAX_PAUSE_S = 0.05, 2.0
+# A first open's server must take the call this soon (a resuming open: its connect_s).
+ACCEPT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,19 +376,32 @@ class Reconnect:
 async def open_stream(transport: Transport, stub, opening: pb.DeviceMessage, timeout: float | None,
                       connect_s: float | None = None) -> Stream:
     """A Generate stream on which the session is open: `opening` sent and Opened received (the
-    prompt is in the server's KV). connect_s (resuming) waits up to that long for the server to
-    take the open message (asyncio.TimeoutError: it is still away), then as long as the prefill
-    takes."""
+    prompt is in the server's KV). The server must take the call (Stream.accepted) within
+    connect_s when resuming (asyncio.TimeoutError: it is still away), ACCEPT_S otherwise (a lost
+    server); the prefill then takes as long as it takes. A written message proves nothing:
+    grpc takes it before any server has, and a call that reached a server as it stopped is
+    never answered at all."""
     resuming = connect_s is not None
     stream = transport(stub, timeout=timeout, wait_for_ready=resuming)
     try:
-        sent = stream.send(opening)
-        await (asyncio.wait_for(sent, connect_s) if resuming else sent)
+        try:
+            await asyncio.wait_for(_sent_and_taken(stream, opening), connect_s if resuming else ACCEPT_S)
+        except asyncio.TimeoutError:
+            if resuming:
+                raise
+            raise VerifyError(grpc.StatusCode.UNAVAILABLE,
+                              f"the server took no Generate call within {ACCEPT_S:g} s (it is "
+                              "stopping, or stuck)") from None
         await stream.receive()  # opened
     except BaseException:
         stream.cancel()
         raise
     return stream
+
+
+async def _sent_and_taken(stream: Stream, opening: pb.DeviceMessage) -> None:
+    await stream.send(opening)
+    await stream.accepted()
 
 
 async def target_fingerprint(stub, connect_s: float | None = None) -> str:

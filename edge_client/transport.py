@@ -52,6 +52,11 @@ class Stream:
             raise VerifyError(grpc.StatusCode.UNAVAILABLE,
                               f"the stream broke while sending: {exc.details()}") from None
 
+    async def accepted(self) -> None:
+        """Until the server has taken the call (its initial metadata came; sled's server sends
+        it at once). A call that failed first returns at once: its receive() says how."""
+        await self.call.initial_metadata()
+
     async def receive(self) -> pb.ServerMessage:
         """The next server message; an error message or a broken stream becomes a VerifyError."""
         try:
@@ -80,9 +85,11 @@ Transport = Callable[..., Stream]
 
 
 def lost_server(error: Exception) -> bool:
-    """The server is gone or going (as opposed to refusing this session)."""
+    """The server is gone or going (as opposed to refusing this session). CANCELLED counts: a
+    device drops the calls it cancels itself, so one it still uses was cancelled by a server
+    shutting down (a call that reached it as it stopped gets that, not UNAVAILABLE)."""
     code = error.code if isinstance(error, VerifyError) else error.code()
-    return code == grpc.StatusCode.UNAVAILABLE
+    return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 class ServerLost(VerifyError):

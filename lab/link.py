@@ -32,6 +32,9 @@ class LinkStream:
         await self.link.uplink(msg.ByteSize())
         await self.inner.send(msg)
 
+    async def accepted(self) -> None:
+        await self.inner.accepted()
+
     async def receive(self) -> pb.ServerMessage:
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())

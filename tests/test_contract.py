@@ -2,6 +2,7 @@
 server exposes health, reflection, model info and its tokenizer as documented."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import shutil
 from pathlib import Path
@@ -65,6 +66,18 @@ async def running(serve, models):
     channel = grpc.aio.insecure_channel(server.address)
     yield server, channel
     await channel.close()
+
+
+async def test_a_generate_call_is_taken_with_headers_before_any_message(running):
+    """The server sends its initial metadata as soon as a handler takes a Generate call, before
+    the Open is even read: the device's sign that a server, not only grpc, has its call."""
+    _, channel = running
+    call = pb_grpc.VerifierStub(channel).Generate(timeout=30)
+    try:
+        await asyncio.wait_for(call.initial_metadata(), 10)    # nothing written yet
+        assert not call.done()
+    finally:
+        call.cancel()
 
 
 @pytest.mark.parametrize("service", ["", SERVICE])

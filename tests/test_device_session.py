@@ -10,8 +10,9 @@ import pytest
 
 from drafters.base import Proposal, SparseQ
 from edge_client.proposer import Head, Proposer
+from edge_client import session as session_module
 from edge_client.session import AUTO_FIRST_DRAFT_LEN, CONNECT_S, DeviceSession, RoundSettings
-from edge_client.transport import VerifyError
+from edge_client.transport import Stream, VerifyError
 from edge_client.wire import SessionRequest
 from lab.link import LinkStream
 from lab.profiles import Link, LinkProfile
@@ -84,6 +85,9 @@ class ScriptedStream:
         finish = pb.FINISH_REASON_LENGTH if self.left == 0 else pb.FINISH_REASON_UNSPECIFIED
         return pb.Verdict(round=round, accepted=min(accepted, len(emitted)), emitted_ids=emitted,
                           finish_reason=finish, verified=len(draft), suggested_draft_len=self.server.suggest)
+
+    async def accepted(self) -> None:
+        pass
 
     async def receive(self) -> pb.ServerMessage:
         reply = await self.replies.get()
@@ -184,6 +188,57 @@ async def test_a_session_that_asks_the_fingerprint_waits_for_a_server_not_up_yet
         await channel.close()
     assert result.token_ids == list(range(2, 8))
     assert scripted.opens[0].tokenizer_fingerprint == ModelInfoOnly.FINGERPRINT
+
+
+class Deaf(pb_grpc.VerifierServicer):
+    """A server whose Generate calls are never answered, as one is that a call reaches while it
+    stops (grpc takes the device's Open, no handler ever answers, the call never ends)."""
+
+    async def Generate(self, requests, context):
+        await asyncio.Event().wait()
+        yield pb.ServerMessage()
+
+
+@pytest.fixture
+async def deaf():
+    server, port = grpc.aio.server(), free_port()
+    pb_grpc.add_VerifierServicer_to_server(Deaf(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield pb_grpc.VerifierStub(channel)
+    await channel.close()
+    await server.stop(0)
+
+
+async def test_a_resume_on_a_server_that_never_takes_the_call_moves_on_to_another(deaf):
+    """The written Open proves nothing (grpc takes it before any server has): a resuming open
+    waits connect_s for the server to take the call, then asks for another server."""
+    scripted, asked = ScriptedServer(), []
+    other = object()                 # the stub the scripted server plays
+
+    def transport(stub, **options):
+        return Stream.open(stub, **options) if stub is deaf else scripted.transport(stub, **options)
+
+    def reopen_on():
+        asked.append(True)
+        return other
+    device = DeviceSession(deaf, CountingDrafter(), SessionRequest(PROMPT, 6, fingerprint="sha256:x"),
+                           RoundSettings(draft_len=2, reconnect_s=60), transport=transport,
+                           reopen_on=reopen_on)
+    started = time.monotonic()
+    result = await asyncio.wait_for(device.run(), 30)
+    assert result.token_ids == list(range(2, 8)) and asked
+    assert time.monotonic() - started < CONNECT_S + 5
+
+
+async def test_a_first_open_a_server_never_takes_is_a_lost_server(deaf, monkeypatch):
+    monkeypatch.setattr(session_module, "ACCEPT_S", 0.5)
+    device = DeviceSession(deaf, CountingDrafter(), SessionRequest(PROMPT, 6, fingerprint="sha256:x"))
+    with pytest.raises(VerifyError) as error:
+        await asyncio.wait_for(device.run(), 30)
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "took no Generate call within 0.5 s" in error.value.message
 
 
 @pytest.mark.parametrize("bad", [{"draft_len": 0}, {"draft_len": "long"}, {"draft_len": True},

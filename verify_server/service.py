@@ -188,6 +188,9 @@ class VerifierService(pb_grpc.VerifierServicer):
         refusal: SessionError | None = None
         device = "-"
         try:
+            # Headers at once: the device's sign that a handler took this call (one stuck in a
+            # stopping server's race gets none, and the device tries elsewhere: docs/protocol.md)
+            await context.send_initial_metadata(())
             identity = self.identify(context)
             device = identity.device
             while (message := await self._next(session, context)) is not grpc.aio.EOF:
