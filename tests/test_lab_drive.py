@@ -4,6 +4,7 @@ output, and are counted, spaced and sent again as a scenario says."""
 from __future__ import annotations
 
 import asyncio
+import random
 import contextlib
 import json
 from dataclasses import dataclass
@@ -348,6 +349,57 @@ async def test_a_cancelled_listener_ends_even_when_its_disconnect_is_unclean(mos
     task.cancel()
     done, _ = await asyncio.wait({task}, timeout=10)
     assert done and task.cancelled()
+
+
+@pytest.mark.parametrize("outcome", ["result", "error"])
+async def test_a_cancel_landing_as_an_mqtt_step_completes_is_kept(outcome):
+    """aiomqtt waits for each step with asyncio.wait_for, which before Python 3.12 drops a cancel
+    that lands as the step completes: the announcer and the device's telemetry then publish on
+    after their clean stop, and sled serve's shutdown waits forever. sled.mqtt.Client keeps it."""
+    from sled.mqtt import Client
+
+    client = Client("127.0.0.1", 1)        # never connected: only its waiting is used
+    step = asyncio.get_running_loop().create_future()
+    waiting = asyncio.create_task(client._wait_for(step, timeout=5))
+    await asyncio.sleep(0)
+    if outcome == "result":
+        step.set_result("published")       # the step completes ...
+    else:
+        step.set_exception(aiomqtt.MqttError("refused"))
+    waiting.cancel()                       # ... and the cancel lands before the waiter runs
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+
+
+async def test_a_connection_that_publishes_without_pause_stops_every_time(mosquitto):  # noqa: F811
+    """The same at the top: with aiomqtt's own waiting, about half of these stops never ended."""
+    from sled.mqtt import MqttConnection
+
+    async def publishing(client):
+        while True:
+            await client.publish("sled/test/busy", b"x", qos=1)
+
+    for attempt in range(40):
+        connection = MqttConnection(mosquitto.broker(), f"sled-busy-{attempt}", "sled/test/busy/status",
+                                    will={"online": False})
+        task = asyncio.create_task(connection.run(publishing))
+        while not connection.connected:
+            assert not task.done()
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(random.random() * 0.03)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=10)
+        assert done and task.cancelled(), f"stop {attempt} did not end"
+
+
+async def test_an_mqtt_step_past_its_timeout_is_an_mqtt_error():
+    from sled.mqtt import Client
+
+    client = Client("127.0.0.1", 1)
+    step = asyncio.get_running_loop().create_future()
+    with pytest.raises(aiomqtt.MqttError, match="timed out"):
+        await client._wait_for(step, timeout=0.05)
+    assert step.cancelled()
 
 
 # -- the loops without devices -----------------------------------------------------------------

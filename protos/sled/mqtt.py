@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -113,13 +114,33 @@ class Broker:
 
 
 class Client(aiomqtt.Client):
-    """aiomqtt's client, except that a cancel leaving `async with client` stays a cancel.
+    """aiomqtt's client, except that a cancel stays a cancel. Two places lose one:
 
-    aiomqtt's __aexit__ waits for the broker connection to end, and when paho reports that end
-    as unclean (a reset or closed socket while the DISCONNECT goes out) it raises
-    MqttCodeError("Unexpected disconnection") in place of the CancelledError it was handed. A loop
-    that reconnects on MqttError (MqttConnection, the lab's listener) then takes its own cancel
-    for a lost broker and connects again, and whoever awaits the cancelled task waits forever."""
+    - aiomqtt waits for each step (connect, a QoS 1 publish, subscribe, disconnect) with
+      asyncio.wait_for, which before Python 3.12 returns the step's result and drops the cancel
+      when the cancel lands as the step completes. A loop that publishes every interval (the
+      server's announcer, the device's telemetry) then goes on publishing after its clean stop,
+      and whoever awaits it (sled serve's shutdown, the device's close) waits forever.
+    - aiomqtt's __aexit__ waits for the broker connection to end, and when paho reports that end
+      as unclean (a reset or closed socket while the DISCONNECT goes out) it raises
+      MqttCodeError("Unexpected disconnection") in place of the CancelledError it was handed. A
+      loop that reconnects on MqttError (MqttConnection, the lab's listener) then takes its own
+      cancel for a lost broker and connects again.
+    """
+
+    async def _wait_for(self, fut: Awaitable, timeout: float | None):
+        if timeout is None:
+            timeout = self.timeout
+        step = asyncio.ensure_future(fut)
+        try:
+            done, _ = await asyncio.wait({step}, timeout=None if timeout == math.inf else timeout)
+        except asyncio.CancelledError:      # raised whether or not the step has just completed
+            step.cancel()
+            raise
+        if not done:
+            step.cancel()
+            raise aiomqtt.MqttError("Operation timed out")
+        return step.result()
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         try:
