@@ -18,7 +18,7 @@ from sled.v1 import verifier_pb2_grpc as pb_grpc
 from verify_server.warp import warp
 
 SAMPLING = Sampling(temperature=1.0, top_k=12)
-COUNTS = (200, 800, 3200)
+COUNTS = (100, 800)
 
 
 class GreedyDrafter(HFDrafter):
