@@ -8,6 +8,11 @@ import subprocess
 import sys
 
 import pytest
+
+# grpc core's INFO lines ("Got goaway" each time a test stops a server with calls open) say
+# nothing a failing test needs; set before grpc is first imported.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import torch
 
 from lab.tiny import make_model, make_tokenizer, perturbed, save_pair
