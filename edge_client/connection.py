@@ -1,6 +1,8 @@
 """A device's connection to one verify server: model info, tokenizer bootstrap, the stub.
 
-The target's tokenizer is fetched once per fingerprint into sled.cache.tokenizer_dir. What the
+The target's tokenizer is fetched once per fingerprint and files digest (what the files are, which
+the server names in its model info: two servers with one vocabulary can normalize, split or
+template text otherwise) into sled.cache.tokenizer_dir. What the
 server streams is checked chunk by chunk before anything is written (edge_client.tokenizer_chunks:
 only the file names of sled.cache.TOKENIZER_FILES, once each, in order, each whole and matching
 its sha256, within MAX_TOKENIZER_BYTES); the fingerprint is bounded (and only its hash names the
@@ -20,6 +22,7 @@ limits: every message of the protocol fits them.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import shutil
 from pathlib import Path
@@ -30,10 +33,10 @@ from edge_client.security import ChannelSecurity, speaks_tls
 from edge_client.tokenizer import DeviceTokenizer
 from edge_client.tokenizer_chunks import TokenizerChunks, TokenizerRefused
 from edge_client.transport import connect_error
-from sled.cache import (MAX_FINGERPRINT_CHARS, CacheError, manifest_fingerprint, partial_dir,
-                        publish, read_manifest, record_fingerprint, tokenizer_dir, verify_folder,
-                        write_manifest)
-from sled.fingerprint import fingerprint_tokenizer, short
+from sled.cache import (MAX_FINGERPRINT_CHARS, CacheError, cache_dir, manifest_fingerprint,
+                        partial_dir, publish, read_manifest, record_fingerprint, tokenizer_dir,
+                        verify_folder, write_manifest)
+from sled.fingerprint import files_fingerprint, fingerprint_tokenizer, short
 from sled.memory import release_freed_heap
 from sled.printable import printable
 from sled.v1 import verifier_pb2 as pb
@@ -66,14 +69,19 @@ class Connection:
         return self._info
 
     async def tokenizer(self, timeout: float = 60.0):
-        """The target's tokenizer: from the cache when it is there and verifies, else fetched.
+        """The target's tokenizer made of exactly the files this server sends: a kept copy of
+        those very files (ModelInfo.tokenizer_files_sha256) when it verifies, else fetched.
         Raises TokenizerRefused when what the server sends cannot be used."""
         info = await self.model_info()
         fingerprint = checked_fingerprint(info.tokenizer_fingerprint, self.address)
-        tokenizer = await asyncio.to_thread(cached_tokenizer, fingerprint)
+        files_sha256 = checked_files_sha256(info.tokenizer_files_sha256, self.address)
+        tokenizer = None
+        if files_sha256:       # a server that does not say what its files are: fetched each time
+            tokenizer = await asyncio.to_thread(cached_tokenizer, fingerprint, files_sha256)
         if tokenizer is None:
             files = await self.tokenizer_files(fingerprint, timeout)
-            tokenizer = await asyncio.to_thread(save_tokenizer, fingerprint, files, self.address)
+            tokenizer = await asyncio.to_thread(save_tokenizer, fingerprint, files, self.address,
+                                                files_sha256)
         return tokenizer
 
     async def tokenizer_files(self, fingerprint: str, timeout: float = 60.0) -> dict[str, bytes]:
@@ -132,14 +140,23 @@ def checked_fingerprint(fingerprint: str, address: str) -> str:
     return fingerprint
 
 
-def cached_tokenizer(fingerprint: str):
-    """The tokenizer with this fingerprint from the cache; None when it is not there or does not
-    verify (a damaged or stale copy, fetched again by the next Connection.tokenizer())."""
-    folder = tokenizer_dir(fingerprint)
+def checked_files_sha256(files_sha256: str, address: str) -> str:
+    """The server's files fingerprint when it can be one ("" when it sends none)."""
+    if files_sha256 and (len(files_sha256) > MAX_FINGERPRINT_CHARS or not files_sha256.isprintable()):
+        raise TokenizerRefused(f"the server at {address} sent a malformed tokenizer files digest "
+                               f"({len(files_sha256)} characters: {printable(files_sha256)})")
+    return files_sha256
+
+
+def cached_tokenizer(fingerprint: str, files_sha256: str):
+    """The kept tokenizer with this fingerprint made of these files; None when it is not there
+    or does not verify (a damaged or stale copy, fetched again by the next
+    Connection.tokenizer())."""
+    folder = tokenizer_dir(fingerprint, files_sha256)
     if not folder.exists():
         return None
     files, checked = read_manifest(folder), manifest_fingerprint(folder) == fingerprint
-    if not verify_folder(folder, full=True):
+    if not verify_folder(folder, full=True) or _files_sha256(files) != files_sha256:
         log.warning("cached tokenizer %s is incomplete or damaged: fetching it again",
                     printable(short(fingerprint)))
         return None
@@ -156,7 +173,23 @@ def cached_tokenizer(fingerprint: str):
             return None
         _record(folder, files, fingerprint)
     tokenizer.fingerprint = fingerprint     # nobody needs to hash its vocabulary again
+    tokenizer.files_sha256 = files_sha256
     return tokenizer
+
+
+def kept_tokenizer(fingerprint: str):
+    """The one kept tokenizer with this fingerprint, whatever server sent it (a device's start
+    before any server answers); None when there is none, or several (servers with other files:
+    which one is meant is known only from the server the device binds to)."""
+    folders = [folder for folder in (cache_dir() / "tokenizers").glob("*")
+               if folder.is_dir() and manifest_fingerprint(folder) == fingerprint]
+    files = read_manifest(folders[0]) if len(folders) == 1 else None
+    return cached_tokenizer(fingerprint, _files_sha256(files)) if files else None
+
+
+def _files_sha256(files: dict[str, dict] | None) -> str:
+    """files_fingerprint of a manifest's entries (verified ones: their sha256 are the files')."""
+    return files_fingerprint({name: entry["sha256"] for name, entry in (files or {}).items()})
 
 
 def _record(folder: Path, files: dict[str, dict], fingerprint: str) -> None:
@@ -169,12 +202,17 @@ def _record(folder: Path, files: dict[str, dict], fingerprint: str) -> None:
                   printable(short(fingerprint)), exc)
 
 
-def save_tokenizer(fingerprint: str, files: dict[str, bytes], address: str):
+def save_tokenizer(fingerprint: str, files: dict[str, bytes], address: str, files_sha256: str = ""):
     """Load the server's checked files (edge_client.tokenizer_chunks) from a temporary folder in
-    the cache, and keep them (renamed into place with their manifest) only when they match the
-    fingerprint. A cache that cannot be written (read-only, full, not a folder) is one line:
-    CacheError."""
-    folder = tokenizer_dir(fingerprint)
+    the cache, and keep them (renamed into place with their manifest, under their fingerprint and
+    what they are) only when they match the fingerprint, and the files digest the server named
+    (files_sha256, when it named one). A cache that cannot be written (read-only, full, not a
+    folder) is one line: CacheError."""
+    sent = files_fingerprint({name: hashlib.sha256(content).hexdigest() for name, content in files.items()})
+    if files_sha256 and sent != files_sha256:
+        raise TokenizerRefused(f"the server at {address} sent other tokenizer files than its model "
+                               f"info names ({short(sent)}, not {printable(short(files_sha256))})")
+    folder = tokenizer_dir(fingerprint, sent)
     try:
         partial = partial_dir(folder)
         try:
@@ -186,6 +224,7 @@ def save_tokenizer(fingerprint: str, files: dict[str, bytes], address: str):
     except OSError as exc:
         raise CacheError(f"cannot keep the tokenizer in the cache folder "
                          f"{printable(str(folder.parent), 200)}: {exc.strerror or exc}") from None
+    tokenizer.files_sha256 = sent
     return tokenizer
 
 

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from drafters import bind_target_tokenizer
 from drafters.base import Drafter
-from edge_client.connection import cached_tokenizer
+from edge_client.connection import kept_tokenizer
 from edge_client.drafting import SharedDrafter
 from edge_client.emulation import LinkEmulation, PacedDrafter
 from edge_client.proposer import Proposer
@@ -195,8 +195,9 @@ class Device:
         if self.tokenizer is None and self.settings.tokenizer:
             self.tokenizer = await asyncio.to_thread(_load_tokenizer, self.settings.tokenizer)
         if self.tokenizer is None and self.drafter.tokenizer_fingerprint:
-            # a target tokenizer fetched from a server earlier
-            self.tokenizer = await asyncio.to_thread(cached_tokenizer, self.drafter.tokenizer_fingerprint)
+            # a target tokenizer fetched from a server earlier: until a server is reached, for
+            # its files may not be the ones that server sends (see _bootstrap)
+            self.tokenizer = await asyncio.to_thread(kept_tokenizer, self.drafter.tokenizer_fingerprint)
         self._set_fingerprint()
         self._bind_target_tokenizer(self.drafter)
         await self.directory.probe_all()
@@ -238,10 +239,11 @@ class Device:
             return
         try:
             info = await server.connect().model_info(timeout=10, wait_for_ready=False)
-            if self.tokenizer is None:
+            if self.tokenizer is None or self._kept_but_not_these(info.tokenizer_files_sha256):
                 self.tokenizer = await server.connect().tokenizer()
                 self._set_fingerprint()
                 self._bind_target_tokenizer(self.drafter)
+            self.directory.set_files(getattr(self.tokenizer, "files_sha256", None) or "")
         except grpc.aio.AioRpcError as exc:
             self._set_state("waiting", await server.connect().explain(exc))
             return
@@ -251,6 +253,13 @@ class Device:
         self.eos_ids = list(info.eos_token_ids)
         self.model_id = self.settings.model_name or printable(info.model_id, 200)
         self._set_state("ready", f"verifying on {printable(server.id or server.endpoint, 200)}")
+
+    def _kept_but_not_these(self, files_sha256: str) -> bool:
+        """The device's tokenizer is a kept copy of other files than the server's (one
+        vocabulary, another normalizer or chat template): the server's files are the ones to use.
+        A tokenizer from a local folder (settings.tokenizer) is the operator's and stays."""
+        return (not self.settings.tokenizer and getattr(self.tokenizer, "files_sha256", None) is not None
+                and not self.directory.files_sha256 and files_sha256 != self.tokenizer.files_sha256)
 
     async def _keep_probing(self) -> None:
         while True:

@@ -166,6 +166,7 @@ class DeviceMqtt:
                     directory.announce(server_id, str(parse_endpoint(announcement.get("endpoint"))),
                                        model=str(announcement.get("model") or ""),
                                        fingerprint=str(announcement.get("fingerprint") or ""),
+                                       files_sha256=str(announcement.get("tokenizer_files") or ""),
                                        load=float(announcement.get("load") or 0.0),
                                        tls_name=_tls_name(announcement.get("tls_name")))
             except (ValueError, TypeError) as error:

@@ -38,6 +38,7 @@ class Server:
     source: str = "config"              # "config" or "mqtt"
     model: str = ""
     fingerprint: str = ""               # the target's tokenizer fingerprint ("" until known)
+    files_sha256: str = ""              # what its tokenizer files are ("" until known, or unsaid)
     max_draft_tokens: int = 0           # the longest draft it verifies (0 until known)
     load: float = 0.0                   # announced load in [0, 1] (0 when unknown)
     online: bool = True                 # announced online (config servers: until probed down)
@@ -78,6 +79,7 @@ class ServerDirectory:
     def __init__(self, endpoints: list[str] = (), fingerprint: str = "",
                  security: ChannelSecurity | None = None) -> None:
         self.fingerprint = fingerprint          # the device's tokenizer; "" = accept any
+        self.files_sha256 = ""                  # the server files it was made of; "" = any
         self.security = security or ChannelSecurity()   # TLS, token: how every server is dialed
         self.servers: dict[str, Server] = {}    # by endpoint
         self.changed = asyncio.Event()          # set whenever a server comes, goes or changes
@@ -87,6 +89,14 @@ class ServerDirectory:
     def set_fingerprint(self, fingerprint: str) -> None:
         """The device's tokenizer became known (or changed with the drafter): recheck all."""
         self.fingerprint = fingerprint
+        for server in self.servers.values():
+            self._check(server)
+        self._notify()
+
+    def set_files(self, files_sha256: str) -> None:
+        """The device encodes text with a server's tokenizer files: only servers that send the
+        same files may verify (one vocabulary does not make one text-to-ids)."""
+        self.files_sha256 = files_sha256
         for server in self.servers.values():
             self._check(server)
         self._notify()
@@ -106,7 +116,8 @@ class ServerDirectory:
         self._notify()
 
     def announce(self, server_id: str, endpoint: str, model: str = "", fingerprint: str = "",
-                 load: float = 0.0, online: bool = True, tls_name: str = "") -> None:
+                 load: float = 0.0, online: bool = True, tls_name: str = "",
+                 files_sha256: str = "") -> None:
         """A server's announcement (MQTT, retained): add it or update its state. An announced
         server this device cannot authenticate is listed with why, and never dialed."""
         server = self.servers.get(endpoint) or self.servers.setdefault(
@@ -116,6 +127,8 @@ class ServerDirectory:
             server.model = model
         if fingerprint:
             server.fingerprint = fingerprint
+        if files_sha256:
+            server.files_sha256 = files_sha256
         self._check(server)
         self._notify()
 
@@ -146,6 +159,7 @@ class ServerDirectory:
             server.failed_at = 0.0          # it is back: no longer passed over for failing
         server.reachable, server.unreachable = True, ""
         server.model, server.fingerprint = info.model_id, info.tokenizer_fingerprint
+        server.files_sha256 = info.tokenizer_files_sha256
         server.max_draft_tokens = info.limits.max_draft_tokens
         self._check(server)
         self._notify()
@@ -207,8 +221,12 @@ class ServerDirectory:
         if self.fingerprint and server.fingerprint and server.fingerprint != self.fingerprint:
             mismatch = (f"tokenizer {printable(short(server.fingerprint))} does not match this "
                         f"device's {short(self.fingerprint)}: it cannot verify these drafts")
-            if server.mismatch != mismatch:
-                log.warning("server %s: %s", server.endpoint, mismatch)
+        elif self.files_sha256 and server.files_sha256 and server.files_sha256 != self.files_sha256:
+            mismatch = (f"tokenizer files {printable(short(server.files_sha256))} are not the ones this "
+                        f"device encodes with ({short(self.files_sha256)}): the same vocabulary, but "
+                        "text may become other ids")
+        if mismatch and server.mismatch != mismatch:
+            log.warning("server %s: %s", server.endpoint, mismatch)
         server.mismatch = mismatch
 
     def _drop(self, endpoint: str) -> None:

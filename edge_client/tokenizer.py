@@ -58,6 +58,8 @@ class DeviceTokenizer:
         self.chat_template = chat_template
         # sled.fingerprint of these very files when they were checked against it, else None
         self.fingerprint: str | None = None
+        # sled.fingerprint.files_fingerprint of the files it was loaded from, when a server's
+        self.files_sha256: str | None = None
         self._named, self._extra = _special_tokens(config, special_tokens_map)
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self._clean_up_bpe = bool(config.get(

@@ -3,6 +3,7 @@ far below any argmax gap), an in-process server, and the greedy oracle."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import signal
 import subprocess
 import sys
@@ -174,3 +175,28 @@ def assert_valid_q(proposal, k: int, sampling, q_support: int, vocab: int) -> li
         assert all(0 <= i < vocab for i in q.ids)
         widths.append(len(q.ids))
     return widths
+
+
+def keep_tokenizer(tokenizer, fingerprint: str, staging: Path) -> tuple[Path, str]:
+    """TOKENIZER's files (save_pretrained) placed where the device keeps that fingerprint made of
+    those files, with no manifest yet: (the folder, its files digest)."""
+    tokenizer.save_pretrained(staging)
+    return rekey(Path(staging), fingerprint)
+
+
+def rekey(folder: Path, fingerprint: str) -> tuple[Path, str]:
+    """FOLDER moved to where the device keeps FINGERPRINT made of the files it holds now."""
+    import hashlib
+    import shutil
+
+    from sled.cache import tokenizer_dir
+    from sled.fingerprint import files_fingerprint
+
+    files = files_fingerprint({p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                               for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")})
+    place = tokenizer_dir(fingerprint, files)
+    if place != folder:
+        place.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(place, ignore_errors=True)
+        shutil.move(str(folder), str(place))
+    return place, files

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from conftest import greedy_reference
-from edge_client.connection import Connection, cached_tokenizer
-from sled.cache import (MANIFEST, cache_dir, stamp_file, tokenizer_dir, verified_file,
+from conftest import keep_tokenizer, rekey
+from edge_client.connection import Connection, _files_sha256, cached_tokenizer
+from sled.cache import (MANIFEST, cache_dir, read_manifest, stamp_file, tokenizer_dir, verified_file,
                         verify_folder, write_manifest)
 from sled.fingerprint import fingerprint_tokenizer
 
@@ -78,7 +79,7 @@ async def test_a_damaged_tokenizer_cache_is_fetched_again_and_the_output_stays_e
 def _tokenizer_folder(cache: Path, fingerprint: str) -> Path:
     """The one folder the device keeps for this tokenizer in that cache."""
     (folder,) = [p for p in (cache / "tokenizers").iterdir() if not p.name.startswith(".")]
-    assert folder.name == tokenizer_dir(fingerprint).name
+    assert folder.name == tokenizer_dir(fingerprint, _files_sha256(read_manifest(folder))).name
     return folder
 
 
@@ -88,13 +89,13 @@ def test_a_tokenizer_that_cannot_be_loaded_is_not_used(content, tokenizer, tmp_p
     copy is simply not used, even when its manifest was rewritten to match it."""
     monkeypatch.setenv("SLED_CACHE", str(tmp_path))
     fingerprint = fingerprint_tokenizer(tokenizer)
-    folder = tokenizer_dir(fingerprint)
-    tokenizer.save_pretrained(folder)
+    folder, files = keep_tokenizer(tokenizer, fingerprint, tmp_path / "staging")
     write_manifest(folder)
-    assert fingerprint_tokenizer(cached_tokenizer(fingerprint)) == fingerprint
+    assert fingerprint_tokenizer(cached_tokenizer(fingerprint, files)) == fingerprint
     (folder / "tokenizer.json").write_bytes(content)
+    folder, files = rekey(folder, fingerprint)     # kept under what its files are now
     write_manifest(folder)
-    assert cached_tokenizer(fingerprint) is None
+    assert cached_tokenizer(fingerprint, files) is None
 
 
 # -- the manifest itself -------------------------------------------------------------------

@@ -370,12 +370,12 @@ def test_a_checked_copy_carries_its_fingerprint_and_is_not_hashed_again(tokenize
     fingerprint = fingerprint_tokenizer(tokenizer)
     files = {path.name: path.read_bytes() for path in saved(tokenizer, tmp_path / "files").iterdir()}
     fetched = save_tokenizer(fingerprint, files, "server:1")      # checked against the server's
-    cached = cached_tokenizer(fingerprint)                        # its manifest records it
+    cached = cached_tokenizer(fingerprint, fetched.files_sha256)  # its manifest records it
     assert fetched.fingerprint == cached.fingerprint == fingerprint
     assert tokenizer_fingerprint(fetched) == tokenizer_fingerprint(cached) == fingerprint
     assert hashes == []
-    write_manifest(tokenizer_dir(fingerprint))                    # a manifest recording none
-    unrecorded = cached_tokenizer(fingerprint)                    # hashed there, then carried
+    write_manifest(tokenizer_dir(fingerprint, fetched.files_sha256))   # a manifest recording none
+    unrecorded = cached_tokenizer(fingerprint, fetched.files_sha256)   # hashed, then carried
     assert unrecorded.fingerprint == fingerprint and tokenizer_fingerprint(unrecorded) == fingerprint
     assert hashes == []
 

@@ -294,11 +294,12 @@ async def test_a_device_asks_a_busy_server_again(served, tokenizer, tmp_path, mo
     monkeypatch.setattr(connection, "BUSY_PAUSE_S", 0.2)
     server = await served(tokenizer, max_tokenizer_calls=1)
     files = server.service.target.tokenizer_reply
-    lengthened(server)      # so that a client reading nothing holds its slot
-    holder = grpc.aio.insecure_channel(server.address)
-    call = pb_grpc.VerifierStub(holder).GetTokenizer(pb.GetTokenizerRequest(), timeout=30)
-    assert (await call.read()).offset == 0
     async with Connection(server.address) as conn:
+        await conn.model_info()     # naming the files it will get (not the lengthened ones)
+        lengthened(server)      # so that a client reading nothing holds its slot
+        holder = grpc.aio.insecure_channel(server.address)
+        call = pb_grpc.VerifierStub(holder).GetTokenizer(pb.GetTokenizerRequest(), timeout=30)
+        assert (await call.read()).offset == 0
         fetch = asyncio.create_task(conn.tokenizer())
         await asyncio.sleep(1.0)
         assert not fetch.done()                              # refused, and asking again

@@ -14,6 +14,7 @@ import logging
 import pytest
 
 import edge_client.connection as connection
+from conftest import keep_tokenizer
 from edge_client.connection import Connection, cached_tokenizer, save_tokenizer
 from sled import progress
 from sled.cache import (MANIFEST, manifest_fingerprint, read_manifest, tokenizer_dir,
@@ -47,9 +48,9 @@ def test_a_fetched_tokenizer_is_not_fingerprinted_again_while_its_manifest_verif
     fingerprint = fingerprint_tokenizer(tokenizer)
     saved = save_tokenizer(fingerprint, _files(tokenizer, tmp_path / "files"), "server:1")
     assert len(fingerprints) == 1                            # checked once, when written
-    assert manifest_fingerprint(tokenizer_dir(fingerprint)) == fingerprint
+    assert manifest_fingerprint(tokenizer_dir(fingerprint, saved.files_sha256)) == fingerprint
     for _ in range(3):
-        assert _same(cached_tokenizer(fingerprint), saved)
+        assert _same(cached_tokenizer(fingerprint, saved.files_sha256), saved)
     assert len(fingerprints) == 1                            # never again while it verifies
 
 
@@ -57,13 +58,12 @@ def test_a_copy_whose_manifest_records_no_fingerprint_is_checked_once_then_recor
         tokenizer, fingerprints, tmp_path, monkeypatch):
     monkeypatch.setenv("SLED_CACHE", str(tmp_path))
     fingerprint = fingerprint_tokenizer(tokenizer)
-    folder = tokenizer_dir(fingerprint)
-    tokenizer.save_pretrained(folder)
+    folder, digest = keep_tokenizer(tokenizer, fingerprint, tmp_path / "staging")
     write_manifest(folder)                                   # as written before fingerprints
     files = read_manifest(folder)
-    assert cached_tokenizer(fingerprint) is not None and len(fingerprints) == 1
+    assert cached_tokenizer(fingerprint, digest) is not None and len(fingerprints) == 1
     assert manifest_fingerprint(folder) == fingerprint and read_manifest(folder) == files
-    assert cached_tokenizer(fingerprint) is not None and len(fingerprints) == 1
+    assert cached_tokenizer(fingerprint, digest) is not None and len(fingerprints) == 1
 
 
 def test_a_recorded_fingerprint_vouches_only_for_its_own_fingerprint(tokenizer, fingerprints,
@@ -73,10 +73,9 @@ def test_a_recorded_fingerprint_vouches_only_for_its_own_fingerprint(tokenizer, 
     monkeypatch.setenv("SLED_CACHE", str(tmp_path))
     fingerprint = fingerprint_tokenizer(tokenizer)
     wrong = "sha256:" + "0" * 64
-    folder = tokenizer_dir(wrong)
-    tokenizer.save_pretrained(folder)
+    folder, digest = keep_tokenizer(tokenizer, wrong, tmp_path / "staging")
     write_manifest(folder, fingerprint)
-    assert cached_tokenizer(wrong) is None and len(fingerprints) == 1
+    assert cached_tokenizer(wrong, digest) is None and len(fingerprints) == 1
     assert manifest_fingerprint(folder) == fingerprint      # nothing recorded for the wrong one
 
 
@@ -85,8 +84,8 @@ def test_a_damaged_copy_with_a_recorded_fingerprint_is_not_used(damage, tokenize
                                                                  monkeypatch):
     monkeypatch.setenv("SLED_CACHE", str(tmp_path / "cache"))
     fingerprint = fingerprint_tokenizer(tokenizer)
-    save_tokenizer(fingerprint, _files(tokenizer, tmp_path / "files"), "server:1")
-    folder = tokenizer_dir(fingerprint)
+    saved = save_tokenizer(fingerprint, _files(tokenizer, tmp_path / "files"), "server:1")
+    folder = tokenizer_dir(fingerprint, saved.files_sha256)
     if damage == "edited":    # same size, mtime put back: only a full hash sees it
         path = folder / "tokenizer_config.json"
         stat, data = path.stat(), path.read_bytes()
@@ -95,7 +94,7 @@ def test_a_damaged_copy_with_a_recorded_fingerprint_is_not_used(damage, tokenize
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     else:
         (folder / "added_tokens.json").write_text("{}")
-    assert cached_tokenizer(fingerprint) is None
+    assert cached_tokenizer(fingerprint, saved.files_sha256) is None
 
 
 def test_a_rehashed_folder_keeps_its_recorded_fingerprint(tmp_path):
@@ -126,9 +125,9 @@ async def test_generate_loads_the_drafter_before_the_targets_tokenizer(
     order = []
     real_cached = connection.cached_tokenizer
 
-    def cached(fingerprint):
+    def cached(fingerprint, files_sha256):
         order.append("tokenizer")
-        return real_cached(fingerprint)
+        return real_cached(fingerprint, files_sha256)
 
     def load_drafter(spec, q_support=32):
         order.append("drafter")

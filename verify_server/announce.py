@@ -3,7 +3,8 @@
 `<prefix>/servers/<server_id>` holds a retained announcement, republished every `interval_s`:
 
     {"id": "gpu-1", "endpoint": "10.0.0.2:50051", "model": "gemma3-12b",
-     "fingerprint": "sha256:...", "load": 0.25, "sessions": 16, "online": true}
+     "fingerprint": "sha256:...", "tokenizer_files": "sha256:...", "load": 0.25, "sessions": 16,
+     "online": true}
 
 load is in [0, 1]: the larger of open sessions / max_sessions and the KV pool's committed
 fraction. The last will, and a clean stop, leave {"id", "online": false} there instead.
@@ -64,7 +65,8 @@ class Announcer:
     def announcement(self) -> dict:
         target = self.service.target
         return {"id": self.config.server_id, "endpoint": self.config.endpoint,
-                "model": target.model_id, "fingerprint": target.fingerprint, "load": self.load(),
+                "model": target.model_id, "fingerprint": target.fingerprint,
+                "tokenizer_files": target.tokenizer_files_sha256, "load": self.load(),
                 "sessions": len(self.service.sessions), "online": self.service.accepting,
                 **({"tls_name": self.config.tls_name} if self.config.tls_name else {})}
 

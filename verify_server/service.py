@@ -124,6 +124,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             model_id=self.target.model_id,
             vocab_size=self.target.vocab_size,
             tokenizer_fingerprint=self.target.fingerprint,
+            tokenizer_files_sha256=self.target.tokenizer_files_sha256,
             eos_token_ids=self.target.eos_ids,
             context_length=self.target.context_length,
             limits=pb.ServerLimits(max_draft_tokens=self.settings.max_draft_len,

@@ -4,6 +4,7 @@ The target is the one owner of what the server serves: its context length (after
 its SATs. The engine is handed the SATs when it is built; everything else asks the target."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import tempfile
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sled.cache import MAX_TOKENIZER_CHUNK_BYTES
 from sled.chat_templates import with_chat_template
-from sled.fingerprint import fingerprint_tokenizer
+from sled.fingerprint import files_fingerprint, fingerprint_tokenizer
 from sled.progress import phase
 from sled.v1 import verifier_pb2 as pb
 from verify_server.sdsat import SatSpec, sat_spec_of
@@ -93,6 +94,11 @@ class Target:
             tokenizer_reply=tokenizer_reply(tokenizer, fingerprint),
         )
 
+    @property
+    def tokenizer_files_sha256(self) -> str:
+        """What the GetTokenizer stream's files are (sled.fingerprint.files_fingerprint)."""
+        return files_sha256_of(self.tokenizer_reply)
+
     def cap_context(self, limit: int | None) -> None:
         """Serve at most `limit` tokens of context (never more than the model's own limit)."""
         if limit is not None:
@@ -131,6 +137,19 @@ def tokenizer_reply(tokenizer, fingerprint: str) -> tuple[bytes, ...]:
                                       size=len(content), sha256=digest)
             chunks.append(chunk.SerializeToString())
     return tuple(chunks)
+
+
+@functools.lru_cache(maxsize=8)
+def files_sha256_of(reply: tuple[bytes, ...]) -> str:
+    """files_fingerprint of the files in a GetTokenizer reply (each chunk names its file's
+    sha256); "" for a target without one."""
+    if not reply:
+        return ""
+    file_sha256 = {}
+    for encoded in reply:
+        chunk = pb.TokenizerChunk.FromString(encoded)
+        file_sha256[chunk.name] = chunk.sha256
+    return files_fingerprint(file_sha256)
 
 
 def public_name(model_id: str, config=None) -> str:

@@ -2,7 +2,8 @@
 
 Two tokenizers are compatible for speculative decoding when every id means the same token string,
 so the fingerprint hashes the (id, token) table and nothing else (not the model, not the file
-format). Any id space mismatch changes the hash.
+format). Any id space mismatch changes the hash. Text to ids is another matter: the normalizer,
+pre-tokenizer and chat template are in the files, which files_fingerprint names.
 """
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ def fingerprint_tokenizer(tokenizer) -> str:
     """Fingerprint of a tokenizer's full vocabulary, added tokens included: transformers' tokenizer
     and the device's edge_client.tokenizer.DeviceTokenizer of the same files give the same one."""
     return fingerprint_vocab(tokenizer.get_vocab())
+
+
+def files_fingerprint(file_sha256: Mapping[str, str]) -> str:
+    """What a tokenizer's files are, exactly (ModelInfo.tokenizer_files_sha256): sha256 over one
+    "name<TAB>sha256 hex<NEWLINE>" line per file, sorted by name. The vocabulary's fingerprint
+    above leaves out the normalizer, the pre-tokenizer and the chat template: this covers them."""
+    lines = "".join(f"{name}\t{sha256}\n" for name, sha256 in sorted(file_sha256.items()))
+    return "sha256:" + hashlib.sha256(lines.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def short(fingerprint: str) -> str:

@@ -52,7 +52,7 @@ class ServerLimits(_message.Message):
     def __init__(self, max_draft_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_q_support: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., idle_timeout_s: _Optional[float] = ..., tree_drafts: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "context_length", "limits", "sat_available", "dtype", "device", "sat_slots")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "context_length", "limits", "sat_available", "dtype", "device", "sat_slots", "tokenizer_files_sha256")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SAT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FILES_SHA256_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -73,7 +74,8 @@ class ModelInfo(_message.Message):
     dtype: str
     device: str
     sat_slots: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., sat_available: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., sat_slots: _Optional[int] = ...) -> None: ...
+    tokenizer_files_sha256: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., sat_available: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., sat_slots: _Optional[int] = ..., tokenizer_files_sha256: _Optional[str] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
