@@ -96,6 +96,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.accepting = True
         self.pool = scheduler.engine.pool
         self.tokenizer_calls = 0          # GetTokenizer calls not done yet
+        self.streams: dict[str, int] = {}   # Generate streams held, by device key (Identity.key)
         self.gate = gate or Gate()        # who may call (auth): every Verifier call passes it
         self.quotas = Quotas(settings.quota_sessions, settings.quota_tokens_per_s,
                              settings.quota_burst_s, settings.quota_wait_s)
@@ -187,13 +188,14 @@ class VerifierService(pb_grpc.VerifierServicer):
         after the except block, not by an abort, whose kept exception would pin the frames."""
         session: Session | None = None
         refusal: SessionError | None = None
-        device = "-"
+        device, counted = "-", None
         try:
             # Headers at once: the device's sign that a handler took this call (one stuck in a
             # stopping server's race gets none, and the device tries elsewhere: docs/protocol.md)
             await context.send_initial_metadata(())
             identity = self.identify(context)
             device = identity.device
+            counted = self._count_stream(identity)
             while (message := await self._next(session, context)) is not grpc.aio.EOF:
                 kind = kind_of(message)
                 if kind == "open":
@@ -212,16 +214,39 @@ class VerifierService(pb_grpc.VerifierServicer):
             refusal = detached(error)
         finally:
             self._close(session)
+            if counted is not None:
+                self._uncount_stream(counted)
         message = None          # the last request goes before a refusal is sent
         if refusal is not None:
             yield self._refuse(session, device, refusal)
             end_call(context, refusal)
 
+    def _count_stream(self, identity) -> str:
+        """One more stream of this device, from its first byte; RESOURCE_EXHAUSTED (REASON_QUOTA)
+        past max_streams_per_device. Returns the key to uncount when the stream ends."""
+        held, limit = self.streams.get(identity.key, 0), self.settings.max_streams_per_device
+        if held >= limit:
+            raise errors.exhausted(Reason.REASON_QUOTA, f"device {identity.device} holds {held} "
+                                   f"Generate streams (limit {limit}): end one first")
+        self.streams[identity.key] = held + 1
+        return identity.key
+
+    def _uncount_stream(self, key: str) -> None:
+        left = self.streams.pop(key, 1) - 1
+        if left > 0:
+            self.streams[key] = left
+
     async def _next(self, session: Session | None, context):
         """The device's next message, or the end of the stream once its session is evicted:
-        EOF (the call ends OK) for a finished session, a REASON_EVICTED refusal for a live one."""
+        EOF (the call ends OK) for a finished session, a REASON_EVICTED refusal for a live one.
+        The first message must come within open_timeout (a stream with no Open is ended)."""
         if session is None:
-            return await context.read()
+            try:
+                return await asyncio.wait_for(context.read(), self.settings.open_timeout)
+            except asyncio.TimeoutError:
+                raise errors.deadline(Reason.REASON_PROTOCOL, f"no Open within "
+                                      f"{self.settings.open_timeout:g} s of the call: send the Open "
+                                      "first") from None
         read = asyncio.ensure_future(context.read())
         try:
             await self._read_or_evicted(session, read)

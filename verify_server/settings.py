@@ -110,6 +110,11 @@ class ServerSettings(BaseSettings):
                                                         "once before RESOURCE_EXHAUSTED")
     idle_timeout: float = Field(300.0, ge=0, description="seconds a session may idle before its "
                                                          "KV is freed (0 = never)")
+    open_timeout: float = Field(10.0, gt=0, description="seconds a Generate stream may go without "
+                                                        "its Open before it is ended")
+    max_streams_per_device: int = Field(256, ge=1, description="Generate streams one device may "
+                                        "hold at once, opened or not (a device: its token, its "
+                                        "certificate name, else its host)")
     # --- the KV cache ---
     kv_budget: int | None = Field(None, ge=1, description="KV cache size, e.g. 2GiB or 512MiB "
                                   "(default: --kv-fraction of free memory)",
