@@ -275,16 +275,17 @@ async def test_hints_before_sampled_tokens_are_sent_with_a_one_hot_q():
 async def test_a_link_stream_delays_both_ways_and_keeps_the_rate_of_a_stream():
     server = ScriptedServer()
     inner = server.transport(None)
-    stream = LinkStream(inner, Link(LinkProfile("far", rtt_ms=60.0, jitter_ms=0.0, bandwidth_mbps=0.0)))
+    # a long rtt, so that a busy machine's scheduling (tens of ms) cannot pass for a latency
+    stream = LinkStream(inner, Link(LinkProfile("far", rtt_ms=400.0, jitter_ms=0.0, bandwidth_mbps=0.0)))
     started = time.perf_counter()
     await stream.send(pb.DeviceMessage(open=pb.Open(prompt_ids=PROMPT, max_new_tokens=4)))
-    assert time.perf_counter() - started >= 0.030                  # half the rtt up
+    assert time.perf_counter() - started >= 0.200                  # half the rtt up
     await stream.receive()
-    assert time.perf_counter() - started >= 0.060                  # and half down
+    assert time.perf_counter() - started >= 0.400                  # and half down
     for _ in range(3):                                             # three verdicts at once
         inner.replies.put_nowait(pb.ServerMessage(verdict=pb.Verdict()))
     waiting = time.perf_counter()
     for _ in range(3):
         await stream.receive()
-    assert time.perf_counter() - waiting < 0.060                   # one latency, not three
+    assert time.perf_counter() - waiting < 0.400                   # one latency (0.2 s), not three
     stream.cancel()
