@@ -7,12 +7,16 @@ import asyncio
 import time
 
 import grpc
+import pytest
 
 from drafters.ngram import NgramDrafter
+from edge_client.connection import Connection
+from edge_client.security import ChannelSecurity
 from edge_client.session import generate
 from sled.v1 import verifier_pb2 as pb
 from tests.conftest import greedy_reference
 from tests.test_access import PROMPT, TOKENS, stub_of, token_file
+from tests.test_tokenizer_stream import lengthened
 
 
 async def secured(serve, models, tmp_path, **settings):
@@ -52,5 +56,62 @@ async def test_streams_without_an_open_are_ended_and_counted_against_their_devic
             assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert time.monotonic() - started < 5
         assert server.service.streams == {}
+    finally:
+        await channel.close()
+
+
+async def stalled_replies(server, token: str, count: int):
+    """COUNT GetTokenizer calls of one device that read one chunk each, then nothing (of a reply
+    far longer than flow control sends ahead; later calls get the real one)."""
+    files = server.service.target.tokenizer_reply
+    lengthened(server)
+    channel = grpc.aio.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)])
+    stub = ChannelSecurity(token=token).stub(channel)
+    calls = [stub.GetTokenizer(pb.GetTokenizerRequest()) for _ in range(count)]
+    for call in calls:
+        assert (await asyncio.wait_for(call.read(), 10)).offset == 0
+    server.service.target.tokenizer_reply = files
+    return channel, calls
+
+
+async def tokenizer_of(server, token: str):
+    async with Connection(server.address, ChannelSecurity(token=token)) as conn:
+        return await asyncio.wait_for(conn.tokenizer(), 60)
+
+
+async def test_one_device_holds_at_most_its_share_of_the_tokenizer_replies(
+        serve, models, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path / "cache"))
+    server = await secured(serve, models, tmp_path, max_tokenizer_calls_per_device=2)
+    channel, calls = await stalled_replies(server, TOKENS["dev-1"], 2)
+    try:
+        third = ChannelSecurity(token=TOKENS["dev-1"]).stub(channel).GetTokenizer(pb.GetTokenizerRequest())
+        assert await third.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "device dev-1 holds 2 GetTokenizer replies (limit 2 per device)" in await third.details()
+        started = time.monotonic()
+        victim = await tokenizer_of(server, TOKENS["dev-2"])      # at once: no slot is dev-1's to take
+        assert victim.fingerprint == server.service.target.fingerprint
+        assert time.monotonic() - started < 5
+    finally:
+        await channel.close()
+
+
+async def test_a_reply_nobody_reads_ends_and_frees_its_slot(serve, models, tmp_path, monkeypatch):
+    import edge_client.connection as connection
+
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(connection, "BUSY_PAUSE_S", 0.2)
+    server = await secured(serve, models, tmp_path, max_tokenizer_calls=2, tokenizer_stall_timeout=1.0)
+    channel, calls = await stalled_replies(server, TOKENS["dev-1"], 2)   # every slot
+    try:
+        victim = await tokenizer_of(server, TOKENS["dev-2"])   # refused, asks again, served
+        assert victim.fingerprint == server.service.target.fingerprint
+        assert server.service.tokenizer_calls == 0
+        for call in calls:                                     # dev-1's replies were ended
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                while await asyncio.wait_for(call.read(), 10) is not grpc.aio.EOF:
+                    pass
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "read nothing of this reply for 1 s" in caught.value.details()
     finally:
         await channel.close()

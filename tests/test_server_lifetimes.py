@@ -254,9 +254,9 @@ async def test_get_tokenizer_does_no_work_per_call(serve, models, tokenizer, pro
         raise AssertionError("GetTokenizer serialized the tokenizer")
     monkeypatch.setattr(server.service.target.tokenizer, "save_pretrained", no_disk)
     service = server.service
-    await chunks_of(service.GetTokenizer(pb.GetTokenizerRequest(), HeldCall()))   # warm-up
+    await written(service, HeldCall())                       # warm-up
     started = time.perf_counter()
-    wire = await chunks_of(service.GetTokenizer(pb.GetTokenizerRequest(), HeldCall()))
+    wire = await written(service, HeldCall())
     assert time.perf_counter() - started < 0.01
     assert all(isinstance(chunk, bytes) for chunk in wire)     # encoded once, at start
     replies = [pb.TokenizerChunk.FromString(chunk) for chunk in wire]
@@ -269,11 +269,17 @@ async def test_get_tokenizer_does_no_work_per_call(serve, models, tokenizer, pro
                                    response_deserializer=pb.TokenizerChunk.FromString)
         replies = await asyncio.gather(*[chunks_of(get(pb.GetTokenizerRequest())) for _ in range(12)])
     assert all(files_of(r) == expected for r in replies)
-    await wait_until(lambda: service.tokenizer_calls == 2, "the calls to be counted done")
+    await wait_until(lambda: service.tokenizer_calls == 0, "the calls to be counted done")
 
 
 async def chunks_of(stream) -> list:
     return [chunk async for chunk in stream]
+
+
+async def written(service, call: "HeldCall") -> list[bytes]:
+    """What a GetTokenizer call wrote, once its handler returned."""
+    await service.GetTokenizer(pb.GetTokenizerRequest(), call)
+    return call.written
 
 
 def files_of(chunks) -> dict[str, bytes]:
@@ -285,10 +291,18 @@ def files_of(chunks) -> dict[str, bytes]:
 
 
 class HeldCall:
-    """A servicer context whose call is not done until done() (its reply still being sent)."""
+    """A servicer context whose call is not done until done() (its reply still being sent);
+    hold_after: its client reads that many chunks, then nothing until `release` is set."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_after: int | None = None) -> None:
         self.code, self.details, self.callbacks = None, "", []
+        self.written: list[bytes] = []
+        self.hold_after, self.release = hold_after, asyncio.Event()
+
+    async def write(self, chunk: bytes) -> None:
+        if self.hold_after is not None and len(self.written) >= self.hold_after:
+            await self.release.wait()
+        self.written.append(chunk)
 
     def set_code(self, code) -> None:
         self.code = code
@@ -318,15 +332,16 @@ async def test_get_tokenizer_calls_in_flight_are_bounded(serve, models):
     once one is done, the next is served."""
     server = await serve(models["llama"], max_tokenizer_calls=1)
     service = server.service
-    held, refused_call, later = HeldCall(), HeldCall(), HeldCall()
-    held_stream = service.GetTokenizer(pb.GetTokenizerRequest(), held)
-    assert isinstance(await anext(held_stream), bytes)      # its first chunk sent, the rest not
-    reply = await chunks_of(service.GetTokenizer(pb.GetTokenizerRequest(), refused_call))
-    assert refused_call.code == grpc.StatusCode.RESOURCE_EXHAUSTED and reply == []
+    held, refused_call, later = HeldCall(hold_after=1), HeldCall(), HeldCall()
+    holding = asyncio.create_task(service.GetTokenizer(pb.GetTokenizerRequest(), held))
+    await wait_until(lambda: len(held.written) == 1, "the first chunk")   # the rest not read
+    assert await written(service, refused_call) == []
+    assert refused_call.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "limit 1" in refused_call.details and not refused_call.callbacks
+    held.release.set()
+    await holding
     held.done()
-    assert tuple(await chunks_of(service.GetTokenizer(pb.GetTokenizerRequest(), later))) \
-        == service.target.tokenizer_reply
+    assert tuple(await written(service, later)) == service.target.tokenizer_reply
     later.done()
     assert service.tokenizer_calls == 0
     async with grpc.aio.insecure_channel(server.address) as channel:   # done over the wire too

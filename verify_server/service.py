@@ -95,7 +95,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.sessions: dict[str, Session] = {}
         self.accepting = True
         self.pool = scheduler.engine.pool
-        self.tokenizer_calls = 0          # GetTokenizer calls not done yet
+        self.tokenizer_calls = 0          # GetTokenizer replies being written (the server's slots)
+        self.tokenizer_calls_of: dict[str, int] = {}   # GetTokenizer calls not over, by device key
         self.streams: dict[str, int] = {}   # Generate streams held, by device key (Identity.key)
         self.gate = gate or Gate()        # who may call (auth): every Verifier call passes it
         self.quotas = Quotas(settings.quota_sessions, settings.quota_tokens_per_s,
@@ -142,38 +143,71 @@ class VerifierService(pb_grpc.VerifierServicer):
             device=self.target.device,
         )
 
-    async def GetTokenizer(self, request, context) -> AsyncIterator[bytes]:
+    async def GetTokenizer(self, request, context) -> None:
         """The tokenizer's chunks, made and encoded once at start: a call costs no disk work and
         no serialization on the loop (server.add_verifier sends the bytes as they are).
 
-        gRPC holds a chunk in the call's buffer until the client has read it, so at most
-        settings.max_tokenizer_calls calls are in flight, counted from entry until the call is
-        done (sent, failed or cancelled): clients that never read cannot pile up copies. A stream
-        the client drops is one log line (verify_server.dropped_replies)."""
+        gRPC holds a chunk in the call's buffer until the client has read it, so replies are
+        bounded twice: at most max_tokenizer_calls are being written at once (the server's slots),
+        and one device (a token's or certificate's) holds at most max_tokenizer_calls_per_device
+        calls until each is over, so it cannot take every slot, nor pile up stalled calls. A write that waits on a client
+        reading nothing for tokenizer_stall_timeout ends the reply (DEADLINE_EXCEEDED) and frees
+        its slot. A stream the client drops is one log line (verify_server.dropped_replies)."""
         if isinstance(request, Undecodable):
             end_call(context, request.refusal())
             return
         try:
-            self.identify(context)
+            identity = self.identify(context)
         except SessionError as error:
             end_call(context, error)
             return
+        busy = self._tokenizer_busy(identity)
+        if busy:
+            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            context.set_details(busy)
+            return
+        chunks, sent, peer, key = self.target.tokenizer_reply, [0], context.peer(), identity.key
+        self.tokenizer_calls += 1
+        self.tokenizer_calls_of[key] = self.tokenizer_calls_of.get(key, 0) + 1
+        context.add_done_callback(lambda _: self._tokenizer_call_done(key, peer, sent[0], len(chunks)))
+        try:
+            for chunk in chunks:
+                if not await self._written(context, chunk):
+                    return
+                sent[0] += 1
+        finally:
+            self.tokenizer_calls -= 1   # nothing more is written: the server's slot is free
+
+    def _tokenizer_busy(self, identity) -> str:
+        """Why a GetTokenizer call cannot be served now ("" when it can)."""
+        held = self.tokenizer_calls_of.get(identity.key, 0)
+        per_device = self.settings.max_tokenizer_calls_per_device
+        if identity.authenticated and held >= per_device:   # a host's devices cannot be told apart
+            return (f"device {identity.device} holds {held} GetTokenizer replies (limit "
+                    f"{per_device} per device): read or end them first")
         limit = self.settings.max_tokenizer_calls
         if self.tokenizer_calls >= limit:
-            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
-            context.set_details(f"{self.tokenizer_calls} GetTokenizer replies are being sent "
-                                f"(limit {limit}): retry in a moment")
-            return
-        chunks, sent, peer = self.target.tokenizer_reply, [0], context.peer()
-        self.tokenizer_calls += 1
-        context.add_done_callback(
-            lambda _: self._tokenizer_call_done(peer, sent[0], len(chunks)))
-        for chunk in chunks:
-            yield chunk
-            sent[0] += 1     # gRPC asks for the next chunk once this one is sent
+            return (f"{self.tokenizer_calls} GetTokenizer replies are being sent (limit {limit}): "
+                    "retry in a moment")
+        return ""
 
-    def _tokenizer_call_done(self, peer: str, sent: int, total: int) -> None:
-        self.tokenizer_calls -= 1
+    async def _written(self, context, chunk: bytes) -> bool:
+        """The chunk handed to gRPC; False (and the call's status set) when the client read
+        nothing for tokenizer_stall_timeout."""
+        stall = self.settings.tokenizer_stall_timeout
+        try:
+            await asyncio.wait_for(context.write(chunk), stall)
+        except asyncio.TimeoutError:
+            context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+            context.set_details(f"the client read nothing of this reply for {stall:g} s: it ends "
+                                "here (ask again)")
+            return False
+        return True
+
+    def _tokenizer_call_done(self, key: str, peer: str, sent: int, total: int) -> None:
+        left = self.tokenizer_calls_of.pop(key, 1) - 1
+        if left > 0:
+            self.tokenizer_calls_of[key] = left
         tokenizer_stream_ended(peer, sent, total)
 
     # --- the session stream ------------------------------------------------------------------

@@ -108,6 +108,12 @@ class ServerSettings(BaseSettings):
                                 "limits)", json_schema_extra={"metavar": "SIZE"})
     max_tokenizer_calls: int = Field(8, ge=1, description="GetTokenizer replies being sent at "
                                                         "once before RESOURCE_EXHAUSTED")
+    max_tokenizer_calls_per_device: int = Field(2, ge=1, description="GetTokenizer replies one "
+                                                "device (token or certificate) may hold at once, "
+                                                "until each call is over")
+    tokenizer_stall_timeout: float = Field(20.0, gt=0, description="seconds a GetTokenizer reply "
+                                           "may wait on a client that reads nothing before it "
+                                           "ends (DEADLINE_EXCEEDED) and frees its slot")
     idle_timeout: float = Field(300.0, ge=0, description="seconds a session may idle before its "
                                                          "KV is freed (0 = never)")
     open_timeout: float = Field(10.0, gt=0, description="seconds a Generate stream may go without "
