@@ -13,6 +13,8 @@ from drafters.ngram import NgramDrafter
 from edge_client.connection import Connection
 from edge_client.security import ChannelSecurity
 from edge_client.session import generate
+from edge_client.wire import open_message
+from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from tests.conftest import greedy_reference
 from tests.test_access import PROMPT, TOKENS, stub_of, token_file
@@ -115,3 +117,49 @@ async def test_a_reply_nobody_reads_ends_and_frees_its_slot(serve, models, tmp_p
             assert "read nothing of this reply for 1 s" in caught.value.details()
     finally:
         await channel.close()
+
+
+async def opened(stub, fingerprint: str, max_new_tokens: int):
+    """A session held open with nothing drafted: (the call, the server's first answer)."""
+    call = stub.Generate()
+    await call.write(open_message(PROMPT, Sampling(), max_new_tokens, fingerprint=fingerprint,
+                                  drafter="idle"))
+    return call, await asyncio.wait_for(call.read(), 30)
+
+
+async def test_one_device_reserves_at_most_its_share_of_the_kv(serve, models, tmp_path):
+    """Idle sessions with a large max_new_tokens reserve KV: one device's may take its share (a
+    third: three devices in the token file), never another's."""
+    server = await secured(serve, models, tmp_path, kv_budget=3 << 20)
+    capacity, share = server.service.pool.capacity_tokens, server.service.kv_share_tokens()
+    assert share == capacity // 3
+    fingerprint = server.service.target.fingerprint
+    big = share // 2 - len(PROMPT)
+    channel, stub = stub_of(server, TOKENS["dev-1"])
+    try:
+        idle = [await opened(stub, fingerprint, big) for _ in range(2)]
+        assert all(reply.WhichOneof("kind") == "opened" for _, reply in idle)
+        over, refusal = await opened(stub, fingerprint, big)
+        assert refusal.error.reason == pb.ErrorDetail.REASON_KV_BUDGET
+        assert f"device dev-1's share of the KV cache is {share} tokens" in refusal.error.message
+        assert str(capacity) not in refusal.error.message        # its own share, not the totals
+        victim_channel, victim = stub_of(server, TOKENS["dev-2"])
+        try:
+            held, reply = await opened(victim, fingerprint, share - len(PROMPT) - 1)
+            assert reply.WhichOneof("kind") == "opened"               # its whole share is there
+            held.cancel()
+        finally:
+            await victim_channel.close()
+        await victim_generates(server, models)
+        for call, _ in idle:
+            call.cancel()
+        await wait_for(lambda: server.service.kv_reserved == {}, "the reservations to go")
+    finally:
+        await channel.close()
+
+
+async def wait_for(predicate, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        await asyncio.sleep(0.02)

@@ -135,7 +135,7 @@ async def test_kv_budget_refuses_with_the_budget_and_others_carry_on(serve, mode
         refused = stub.Generate()
         await refused.write(open_msg(prompt, 40))                  # 44 -> 3 blocks, 2 free
         message = await read_error(refused, grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.REASON_KV_BUDGET)
-        assert "needs 44 tokens" in message and "32 of 128 tokens" in message
+        assert "needs 44 tokens" in message and "128" not in message and "32" not in message
         assert "--kv-budget" in message
         fits = await run_device(stub, model, drafter_models["llama"], prompt, max_new=20)
         assert fits == greedy_reference(model, prompt, 20)

@@ -98,6 +98,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.tokenizer_calls = 0          # GetTokenizer replies being written (the server's slots)
         self.tokenizer_calls_of: dict[str, int] = {}   # GetTokenizer calls not over, by device key
         self.streams: dict[str, int] = {}   # Generate streams held, by device key (Identity.key)
+        self.kv_reserved: dict[str, int] = {}   # KV tokens reserved by open sessions, by device key
         self.gate = gate or Gate()        # who may call (auth): every Verifier call passes it
         self.quotas = Quotas(settings.quota_sessions, settings.quota_tokens_per_s,
                              settings.quota_burst_s, settings.quota_wait_s)
@@ -431,29 +432,55 @@ class VerifierService(pb_grpc.VerifierServicer):
     # --- KV and session lifetimes -------------------------------------------------------------
 
     def _admit(self, session: Session, tenant: bytes) -> None:
-        """Reserve the session's KV (prompt + max_new_tokens), sharing the cached prefix blocks
-        of its tenant (verify_server.tenant) only."""
+        """Reserve the session's KV (prompt + max_new_tokens) within its device's share,
+        sharing the cached prefix blocks of its tenant (verify_server.tenant) only."""
         slots = self.target.sat_slots
         # room for the SAT slots of a pass: one block, or one after every cut of a SAT draft
         needed = len(session.prompt_ids) + session.max_new_tokens + \
             (slots * (slots + 1) if session.mode == pb.GENERATION_MODE_SERVER_SAT else slots)
+        device = session.device
+        held, share = self.kv_reserved.get(device.key, 0), self.kv_share_tokens()
+        shared = share < self.pool.capacity_tokens       # else the pool's own bound is the share
+        if shared and held + needed > share:
+            raise errors.exhausted(
+                Reason.REASON_KV_BUDGET,
+                f"device {device.device}'s share of the KV cache is {share} tokens and its sessions "
+                f"hold {held}: this one needs {needed}; end a session, or lower max_new_tokens")
         try:
             session.cached_prompt_tokens = session.kv.admit(session.prefill_tokens(), needed, tenant)
         except PoolExhausted:
-            pool, mib = self.pool, self.pool.shape.bytes_per_token / (1 << 20)
-            free_tokens = (pool.usable_blocks - pool.committed_blocks) * pool.block_tokens
-            raise errors.exhausted(
+            own = f" (device {device.device}'s sessions hold {held} of its share of {share})" \
+                if shared else ""
+            raise errors.exhausted(   # what the device holds, never the server's totals
                 Reason.REASON_KV_BUDGET,
-                f"KV cache budget is full: this session needs {needed} tokens "
-                f"({needed * mib:.1f} MiB) but only {free_tokens} of {pool.capacity_tokens} tokens "
-                f"({pool.capacity_tokens * mib:.0f} MiB budget) are free across "
-                f"{len(self.sessions)} sessions; retry later, lower max_new_tokens, or use a "
-                "server with a larger --kv-budget") from None
+                f"the KV cache is full: this session needs {needed} tokens{own}; retry later, "
+                "lower max_new_tokens, or use a server with a larger --kv-budget") from None
+        session.kv_reserved = needed
+        self.kv_reserved[device.key] = held + needed
         self.metrics.prefix_hit_tokens.inc(session.cached_prompt_tokens)
+
+    def kv_share_tokens(self) -> int:
+        """KV tokens one device may reserve: kv_share of the budget, by default an equal part
+        for each device of the token file (all of it without one: devices are told apart only
+        by token)."""
+        share = self.settings.kv_share
+        if share is None:
+            devices = len(self.gate.grants) if self.gate.required else 1
+            share = 1.0 / max(devices, 1)
+        return int(self.pool.capacity_tokens * share)
 
     def _end(self, session: Session) -> None:
         """The session is done (finished, failed or disconnected): its KV goes now."""
         self.scheduler.release(session)
+        self._unreserve(session)
+
+    def _unreserve(self, session: Session) -> None:
+        """Its KV no longer counts against its device's share (once)."""
+        if session.kv_reserved and session.device is not None:
+            left = self.kv_reserved.pop(session.device.key, 0) - session.kv_reserved
+            if left > 0:
+                self.kv_reserved[session.device.key] = left
+        session.kv_reserved = 0
 
     def _close(self, session: Session | None) -> None:
         """The stream is over: the session goes, whatever ended it."""
@@ -476,7 +503,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         idle = [s for s in self.sessions.values() if s.idle_for(now) > timeout]
         for session in idle:
             session.evicted_after = session.idle_for(now)
-            self.scheduler.release(session)
+            self._end(session)
             self._forget(session)
             self.metrics.evicted.inc()
             session.evicted.set()             # its handler ends the stream

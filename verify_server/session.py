@@ -41,6 +41,7 @@ class Session:
     evicted_after: float | None = None      # idle seconds after which the KV was freed
     evicted: asyncio.Event = field(default_factory=asyncio.Event)   # set once evicted: the stream ends
     device: Identity | None = None          # who opened it (auth.Identity): quotas, logs, metrics
+    kv_reserved: int = 0                    # KV tokens it holds against its device's share
     loose: Loose | None = None              # opt-in loose verification: NOT lossless
 
     @classmethod
