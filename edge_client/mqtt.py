@@ -237,8 +237,12 @@ class DeviceMqtt:
             index += 1
 
     async def _respond_error(self, client: aiomqtt.Client, request_id, kind: str, error: str) -> None:
-        topic = self.topic(f"responses/{request_id if is_topic_level(request_id) else 'invalid'}")
-        await client.publish(topic, encode({"request_id": request_id, "error": error, "kind": kind}),
+        """On the request's own topic when its id can be one; else on responses/invalid, where
+        the id comes back only as a short printable excerpt (a 200 KB object is not echoed)."""
+        usable = is_topic_level(request_id)
+        topic = self.topic(f"responses/{request_id if usable else 'invalid'}")
+        shown = request_id if usable or request_id is None else _shown(request_id)
+        await client.publish(topic, encode({"request_id": shown, "error": error, "kind": kind}),
                              qos=1)
 
 

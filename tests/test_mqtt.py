@@ -198,6 +198,12 @@ async def test_requests_stream_the_targets_greedy_output_and_bad_ones_get_errors
             seen = await watcher.wait_for(topic(f"responses/{where}"), lambda m: "error" in m, since=mark)
             assert seen.payload["kind"] == "invalid" and says in seen.payload["error"], seen.payload
 
+        mark = watcher.mark()       # a huge id that cannot be a topic is not echoed whole
+        await watcher.publish(topic("requests"), json.dumps({"request_id": {"x": "y" * 200_000},
+                                                             "prompt": "x"}))
+        seen = await watcher.wait_for(topic("responses/invalid"), lambda m: "error" in m, since=mark)
+        assert "request_id" in seen.payload["error"] and len(json.dumps(seen.payload)) < 1000
+
         await watcher.publish(topic("requests"), json.dumps(
             {"request_id": "r7", "prompt_ids": prompts[2], "max_tokens": 5, "ignore_eos": True}))
         tokens = [t for m in await collect(watcher, "r7") for t in m["token_ids"]]
