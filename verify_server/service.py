@@ -151,9 +151,9 @@ class VerifierService(pb_grpc.VerifierServicer):
         gRPC holds a chunk in the call's buffer until the client has read it, so replies are
         bounded twice: at most max_tokenizer_calls are being written at once (the server's slots),
         and one device (a token's or certificate's) holds at most max_tokenizer_calls_per_device
-        calls until each is over, so it cannot take every slot, nor pile up stalled calls. A write that waits on a client
-        reading nothing for tokenizer_stall_timeout ends the reply (DEADLINE_EXCEEDED) and frees
-        its slot. A stream the client drops is one log line (verify_server.dropped_replies)."""
+        calls until each is over, so it cannot take every slot, nor pile up stalled calls. A write
+        that waits on a client reading nothing for tokenizer_stall_timeout ends the reply
+        (DEADLINE_EXCEEDED) and frees its slot. A stream the client drops is one log line (verify_server.dropped_replies)."""
         if isinstance(request, Undecodable):
             end_call(context, request.refusal())
             return
@@ -169,7 +169,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             return
         chunks, sent, peer, key = self.target.tokenizer_reply, [0], context.peer(), identity.key
         self.tokenizer_calls += 1
-        self.tokenizer_calls_of[key] = self.tokenizer_calls_of.get(key, 0) + 1
+        hold(self.tokenizer_calls_of, key, 1)
         context.add_done_callback(lambda _: self._tokenizer_call_done(key, peer, sent[0], len(chunks)))
         try:
             for chunk in chunks:
@@ -206,9 +206,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         return True
 
     def _tokenizer_call_done(self, key: str, peer: str, sent: int, total: int) -> None:
-        left = self.tokenizer_calls_of.pop(key, 1) - 1
-        if left > 0:
-            self.tokenizer_calls_of[key] = left
+        release(self.tokenizer_calls_of, key, 1)
         tokenizer_stream_ended(peer, sent, total)
 
     # --- the session stream ------------------------------------------------------------------
@@ -250,7 +248,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         finally:
             self._close(session)
             if counted is not None:
-                self._uncount_stream(counted)
+                release(self.streams, counted, 1)
         message = None          # the last request goes before a refusal is sent
         if refusal is not None:
             yield self._refuse(session, device, refusal)
@@ -263,13 +261,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         if held >= limit:
             raise errors.exhausted(Reason.REASON_QUOTA, f"device {identity.device} holds {held} "
                                    f"Generate streams (limit {limit}): end one first")
-        self.streams[identity.key] = held + 1
+        hold(self.streams, identity.key, 1)
         return identity.key
-
-    def _uncount_stream(self, key: str) -> None:
-        left = self.streams.pop(key, 1) - 1
-        if left > 0:
-            self.streams[key] = left
 
     async def _next(self, session: Session | None, context):
         """The device's next message, or the end of the stream once its session is evicted:
@@ -456,7 +449,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                 f"the KV cache is full: this session needs {needed} tokens{own}; retry later, "
                 "lower max_new_tokens, or use a server with a larger --kv-budget") from None
         session.kv_reserved = needed
-        self.kv_reserved[device.key] = held + needed
+        hold(self.kv_reserved, device.key, needed)
         self.metrics.prefix_hit_tokens.inc(session.cached_prompt_tokens)
 
     def kv_share_tokens(self) -> int:
@@ -477,9 +470,7 @@ class VerifierService(pb_grpc.VerifierServicer):
     def _unreserve(self, session: Session) -> None:
         """Its KV no longer counts against its device's share (once)."""
         if session.kv_reserved and session.device is not None:
-            left = self.kv_reserved.pop(session.device.key, 0) - session.kv_reserved
-            if left > 0:
-                self.kv_reserved[session.device.key] = left
+            release(self.kv_reserved, session.device.key, session.kv_reserved)
         session.kv_reserved = 0
 
     def _close(self, session: Session | None) -> None:
@@ -519,3 +510,15 @@ class VerifierService(pb_grpc.VerifierServicer):
             await asyncio.sleep(max(self.settings.idle_timeout / 4, 0.05))
             self.evict_idle()
             self.quotas.sweep()
+
+
+def hold(table: dict[str, int], key: str, amount: int) -> None:
+    """What a device holds (streams, tokenizer calls, KV tokens) grows by amount."""
+    table[key] = table.get(key, 0) + amount
+
+
+def release(table: dict[str, int], key: str, amount: int) -> None:
+    """... and shrinks; a device holding nothing leaves the table."""
+    left = table.pop(key, 0) - amount
+    if left > 0:
+        table[key] = left
