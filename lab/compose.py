@@ -3,8 +3,10 @@
 Steps, each shown as it runs; a step that fails ends the command with one line (the step and the
 tail of its log) and exit status 3:
   base image   sled-base:bookworm from debootstrap (--build-base; cached by tag), or --base-image
-  wheelhouse   the project's wheel and every dependency (cached by pyproject.toml + the wheel)
-  images       server, device and broker images FROM the base (cached by wheelhouse + base)
+  wheelhouse   every dependency of the images (cached by pyproject.toml, llama.cpp flags, torch)
+  project      the project's wheel, built from this tree
+  images       each image's dependencies image (cached by wheelhouse + base), then the server and
+               device images (that plus the project's wheel: seconds) and the broker image
   run folder   broker files (lab.broker), the scenario (a prompt file copied beside it), the
                compose environment and override
   up           broker, server and one device replica per slot (--scale device=N)
@@ -59,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", action="store_true",
                         help="leave the fleet running and the run folder in place")
     parser.add_argument("--clean-images", action="store_true",
-                        help="remove the server, device and broker images afterwards")
+                        help="remove the lab's images afterwards (their dependencies images too)")
     parser.add_argument("--torch", default=TORCH, metavar="SPEC",
                         help=f"the torch the server image installs (default: {TORCH}); with "
                              "--gpu a CUDA build of it")
@@ -176,7 +178,7 @@ class ComposeLab:
         return argv + list(words)
 
     def run_all(self, args: argparse.Namespace) -> int:
-        from lab.images import base_image, build_images, remove_images, wheelhouse
+        from lab.images import base_image, build_images, project_wheel, remove_images, wheelhouse
 
         progress = Steps()
         progress.step("docker", docker_ready)
@@ -184,7 +186,8 @@ class ComposeLab:
         progress.step("models", models_ready, self.scenario)
         base = args.base_image or progress.step("base image", base_image, args.build_base)
         house = progress.step("wheelhouse", wheelhouse, None, args.torch)
-        self.tags = progress.step("images", build_images, base, house)
+        wheel = progress.step("project", project_wheel)
+        self.tags = progress.step("images", build_images, base, house, wheel)
         if self.gpu:
             progress.step("cuda torch", cuda_torch_ready, self.tags["server"])
         progress.step("run folder", self.write_run_folder)

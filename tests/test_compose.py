@@ -201,6 +201,44 @@ def test_the_wheelhouse_python_must_be_the_base_images():
         images.python_ready((3, 12))
 
 
+def test_each_image_requires_its_extras_and_the_device_no_torch(tmp_path):
+    from lab import images
+
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\nname = "sled"\ndependencies = ["numpy"]\n'
+                         '[project.optional-dependencies]\nserver = ["torch", "numpy"]\n'
+                         'lab = ["psutil"]\nall = ["sled[server,lab]", "rich"]\n')
+    assert images.requirements(("all",), pyproject) == ["numpy", "rich", "psutil", "torch"]
+    wanted = images.image_requirements()
+    assert not any(r.startswith(("torch", "transformers")) for r in wanted["device"])
+    assert any(r.startswith("llama-cpp-python") for r in wanted["device"])
+    assert images.TORCH in wanted["server"]
+
+
+def test_a_change_to_the_project_rebuilds_only_its_own_layer(tmp_path):
+    """The dependencies images are keyed by the wheelhouse and the base alone: a new project
+    wheel gives new server and device tags over the same dependencies images."""
+    import zipfile
+
+    from lab import images
+
+    wheels = []
+    for n, text in enumerate(["a = 1\n", "a = 2\n"]):
+        wheel = tmp_path / str(n) / "sled-0.1.0-py3-none-any.whl"
+        wheel.parent.mkdir()
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr("sled/x.py", text)
+        wheels.append(wheel)
+    house = tmp_path / "0123456789abcdef"
+    one, two = (images.image_tags("sled-base:bookworm", house, wheel) for wheel in wheels)
+    for name in ("server-deps", "device-deps", "broker"):
+        assert one[name] == two[name]
+    for name in ("server", "device"):
+        assert one[name] != two[name]
+    other = images.image_tags("sled-base:bookworm", tmp_path / "fedcba9876543210", wheels[0])
+    assert other["server-deps"] != one["server-deps"] and other["server"] != one["server"]
+
+
 def test_compose_without_the_compose_files_says_so(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(lab_compose, "COMPOSE_FILE", tmp_path / "docker-compose.yml")
     args = SimpleNamespace(scenario="smoke")
