@@ -13,7 +13,11 @@ Every user has a random password kept in folder/credentials.json (mode 0600). Th
     config/applied, responses/#; reads config and requests) and reads `<prefix>/servers/#`;
   - a server's user writes only its announcement `<prefix>/servers/<its server id>`;
   - an operator reads everything under the prefix and writes every device's config and requests.
-The lab's users are each slot's device, "server" (announcing "lab-server") and the operator "lab".
+The broker takes each login's user name as its client id (use_username_as_clientid), so no user
+can take over another's connection or fire its last will with a forged client id; a user holds
+one connection at a time (a second login of the same user ends the first).
+The lab's users are each slot's device, "server" (announcing "lab-server") and two operators:
+"lab" (requests and statuses) and "lab-config" (settings changes).
 The conf names its files under `root`: the folder itself locally, or where a container mounts
 it (/mosquitto/config), so compose uses the same files.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import secrets
 import shutil
 import subprocess
@@ -34,7 +39,9 @@ from sled.printable import printable
 if TYPE_CHECKING:
     from lab.scenario import DeviceSlot
 
-SERVER_USER, LAB_USER, SERVER_ID = "server", "lab", "lab-server"
+SERVER_USER, LAB_USER, CONFIG_USER, SERVER_ID = "server", "lab", "lab-config", "lab-server"
+# The user Mosquitto becomes when started as root without a `user` line in its conf.
+BROKER_USER = "mosquitto"
 DEVICE_WRITES = ("status", "telemetry", "config/applied", "responses/#")
 DEVICE_READS = ("config", "requests")
 OPERATOR_WRITES = ("config", "requests")
@@ -77,8 +84,10 @@ class Fleet:
 
     @classmethod
     def lab(cls, slots: list[DeviceSlot], server_id: str = SERVER_ID) -> "Fleet":
-        """The lab's fleet: a device per slot, "server" announcing `server_id`, operator "lab"."""
-        return cls(tuple(slot.id for slot in slots), {SERVER_USER: server_id}, (LAB_USER,))
+        """The lab's fleet: a device per slot, "server" announcing `server_id`, operators "lab"
+        and "lab-config"."""
+        return cls(tuple(slot.id for slot in slots), {SERVER_USER: server_id},
+                   (LAB_USER, CONFIG_USER))
 
     @property
     def users(self) -> list[str]:
@@ -122,10 +131,11 @@ def acl_lines(fleet: Fleet, prefix: str) -> list[str]:
 
 
 def conf_lines(root: str, listener: Listener) -> list[str]:
-    """mosquitto.conf: one listener, passwords and the ACL required, TLS when it has files."""
+    """mosquitto.conf: one listener, passwords and the ACL required, the user name as the
+    client id, TLS when it has files."""
     lines = [f"listener {listener.port}" + (f" {listener.bind}" if listener.bind else ""),
              "persistence false", "allow_anonymous false", f"password_file {root}/passwords",
-             f"acl_file {root}/acl"]
+             f"acl_file {root}/acl", "use_username_as_clientid true"]
     if listener.tls:       # clients prove who they are with passwords, not certificates
         lines += [f"cafile {listener.tls.ca}", f"certfile {listener.tls.cert}",
                   f"keyfile {listener.tls.key}", "require_certificate false"]
@@ -171,7 +181,7 @@ class BrokerFiles:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         credentials = {user: secrets.token_hex(16) for user in fleet.users}   # never a leading "-"
-        _write_passwords(folder / "passwords", credentials)
+        _write_passwords(folder / "passwords", credentials, listener.run_as)
         (folder / "acl").write_text("\n".join(acl_lines(fleet, prefix)) + "\n")
         root = listener.root or str(folder.resolve())
         (folder / "mosquitto.conf").write_text("\n".join(conf_lines(root, listener)) + "\n")
@@ -184,8 +194,9 @@ class BrokerFiles:
         return cls(Path(folder), credentials, prefix, server_id)
 
 
-def _write_passwords(path: Path, credentials: dict[str, str]) -> None:
-    """Hashed with mosquitto_passwd -b (the first call creates the file)."""
+def _write_passwords(path: Path, credentials: dict[str, str], run_as: str | None) -> None:
+    """Hashed with mosquitto_passwd -b (the first call creates the file), 0600, owned by the
+    user Mosquitto reads it as."""
     path.unlink(missing_ok=True)
     for i, (user, password) in enumerate(credentials.items()):
         flags = ["-b", "-c"] if i == 0 else ["-b"]
@@ -194,7 +205,30 @@ def _write_passwords(path: Path, credentials: dict[str, str]) -> None:
         if done.returncode != 0:     # its message, never the command line: that has the password
             raise ValueError(f"mosquitto_passwd refused the user {printable(user)!r}: "
                              f"{printable(done.stderr.strip() or done.stdout.strip())}")
-    path.chmod(0o644)   # hashes only; a broker running as its own user must read them
+    path.chmod(0o600)
+    give_to_broker_user(path, run_as)
+
+
+def give_to_broker_user(path: Path, run_as: str | None) -> None:
+    """Mosquitto 2 started as root reads its password file after it becomes `run_as` (default:
+    its own user, mosquitto): as root, hand the file to that user when it exists. Otherwise the
+    file stays its writer's, the user a broker started without root runs as."""
+    if os.geteuid() != 0:
+        return
+    try:
+        user = pwd.getpwnam(run_as or BROKER_USER)
+    except KeyError:
+        return
+    os.chown(path, user.pw_uid, user.pw_gid)
+
+
+def passwords_owner(folder: Path) -> str:
+    """Who owns folder/passwords (the only user that can read it), by name where it has one."""
+    uid = (Path(folder) / "passwords").stat().st_uid
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def write_secret(path: Path, text: str) -> None:

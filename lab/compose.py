@@ -274,7 +274,10 @@ def write_run_folder(lab: ComposeLab) -> None:
     (run_dir / "state" / "slots").mkdir(parents=True)
     lab.out.mkdir(parents=True, exist_ok=True)
     slots = lab.scenario.slots()
-    files = BrokerFiles.write(run_dir / "broker", slots, root="/mosquitto/config", port=1883)
+    # The broker container stays root (`user root`): the password file is 0600 and the host's,
+    # and a uid inside the image cannot be known from here.
+    files = BrokerFiles.write(run_dir / "broker", slots, root="/mosquitto/config", port=1883,
+                              run_as="root")
     write_scenario(lab, run_dir)
     env = compose_env(lab, files.password("server"))
     write_secret(run_dir / ".env", "".join(f"{k}={v}\n" for k, v in env.items()))

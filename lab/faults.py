@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 
 import aiohttp
 
+from lab.broker import CONFIG_USER
 from lab.fleet import DeviceHandle, Fleet
 from lab.scenario import Fault
 from sled.mqtt import device_topic, encode
@@ -78,9 +80,30 @@ async def set_link_down(fleet: Fleet, handle: DeviceHandle, down: bool, prefix: 
 
 
 async def publish_config(fleet: Fleet, device_id: str, changes: dict, prefix: str = "sled") -> None:
-    """One settings change to a device over MQTT, as the lab user."""
-    async with fleet.broker.client(f"sled-lab-config-{device_id}-{time.monotonic_ns()}") as client:
-        await client.publish(device_topic(prefix, device_id, "config"), encode(changes), qos=1)
+    """One settings change to a device over MQTT."""
+    await publish_configs(fleet, {device_id: changes}, prefix)
+
+
+async def publish_configs(fleet: Fleet, changes: dict[str, dict], prefix: str = "sled") -> None:
+    """Settings changes to devices (device id -> changes) over one MQTT connection as the user
+    "lab-config". The broker gives a user one connection at a time, so this loop's publishers
+    take turns."""
+    async with _config_turn():
+        async with fleet.config_broker.client(CONFIG_USER) as client:
+            for device_id, change in changes.items():
+                await client.publish(device_topic(prefix, device_id, "config"), encode(change),
+                                     qos=1)
+
+
+# One lock per event loop (the lab runs one; tests make one each).
+_config_turns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _config_turn() -> asyncio.Lock:
+    loop = asyncio.get_running_loop()
+    if loop not in _config_turns:
+        _config_turns[loop] = asyncio.Lock()
+    return _config_turns[loop]
 
 
 async def wait_status(handle: DeviceHandle, holds, what: str, timeout_s: float = 10.0) -> dict:

@@ -32,6 +32,7 @@ class Fleet(Protocol):
     devices: list[DeviceHandle]   # in slot order, filled by start()
     server_metrics_url: str
     broker: Broker                # how the lab logs in (user "lab")
+    config_broker: Broker         # how it changes devices' settings (user "lab-config")
 
     async def start(self, slots: list[DeviceSlot]) -> None:
         """Bring up broker, server and one device per slot; return when every device is ready."""

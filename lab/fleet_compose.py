@@ -3,9 +3,10 @@
 `sled lab compose` has brought up broker, server and the device replicas; each replica took a
 slot and wrote <state>/slots/<index>.json (lab.device_entry). This fleet waits for those files
 and for every device's /health, reaches the server's metrics at http://server:9400/metrics and
-logs in to the broker as "lab". Fault steps kill, stop and start the server and broker containers
-through the Docker Engine API on the mounted unix socket (no docker CLI in the image); the
-containers are found by compose's labels (project and service).
+logs in to the broker as "lab" (and as "lab-config" to change settings). Fault steps kill, stop
+and start the server and broker containers through the Docker Engine API on the mounted unix
+socket (no docker CLI in the image); the containers are found by compose's labels (project and
+service).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import aiohttp
 
+from lab.broker import CONFIG_USER, LAB_USER
 from lab.device_entry import wait_slot_files
 from lab.fleet import DeviceHandle, FleetStartError
 from lab.scenario import DeviceSlot
@@ -38,8 +40,10 @@ class ComposeFleet:
         self.state = Path(state or os.environ.get("SLED_LAB_STATE", "/lab/state"))
         folder = Path(broker_files or os.environ.get("SLED_LAB_BROKER", "/lab/broker"))
         self.project = project or os.environ.get("COMPOSE_PROJECT_NAME", "sled")
-        password = json.loads((folder / "credentials.json").read_text())["lab"]
-        self.broker = Broker(BROKER_HOST, BROKER_PORT, "lab", password)
+        credentials = json.loads((folder / "credentials.json").read_text())
+        self.broker = Broker(BROKER_HOST, BROKER_PORT, LAB_USER, credentials[LAB_USER])
+        self.config_broker = Broker(BROKER_HOST, BROKER_PORT, CONFIG_USER,
+                                    credentials[CONFIG_USER])
         self.server_metrics_url = f"http://{SERVER_HOST}:{SERVER_METRICS_PORT}/metrics"
         self.devices: list[DeviceHandle] = []
         self._slot_files: dict[str, dict] = {}

@@ -17,12 +17,13 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
 import grpc
 
-from lab.broker import LAB_USER, SERVER_USER, BrokerFiles
+from lab.broker import CONFIG_USER, LAB_USER, SERVER_USER, BrokerFiles
 from lab.fleet import DeviceHandle, FleetStartError
 from lab.scenario import DeviceSlot
 from lab.server_process import free_port
@@ -88,6 +89,7 @@ class LocalFleet:
         self.devices: list[DeviceHandle] = []
         self.files: BrokerFiles | None = None
         self.broker: Broker | None = None
+        self.config_broker: Broker | None = None
         self._broker: Child | None = None
         self._server: Child | None = None
         self._devices: list[Child] = []
@@ -103,6 +105,8 @@ class LocalFleet:
                                        log=str(self.folder / "logs" / "mosquitto.log"))
         self.broker = Broker(HOST, self.broker_port, username=LAB_USER,
                              password=self.files.password(LAB_USER), keepalive_s=5)
+        self.config_broker = replace(self.broker, username=CONFIG_USER,
+                                     password=self.files.password(CONFIG_USER))
         self._broker = Child("mosquitto", [mosquitto_binary(), "-c", str(self.files.conf)],
                              self.folder / "logs" / "mosquitto.out")
         self._server = Child("sled serve", self._server_args(), self.folder / "logs" / "server.log",

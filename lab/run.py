@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiomqtt
 
-from lab.faults import publish_config, run_faults, wait_status
+from lab.faults import publish_configs, run_faults, wait_status
 from lab.fleet import Fleet, FleetStartError
 from lab.results import Results, greedy_mismatches, phase_totals
 from lab.scenario import Scenario, ScenarioError, load_scenario
@@ -205,12 +205,11 @@ async def run_phase(fleet: Fleet, scenario: Scenario, system: str, n: int, promp
 
 async def set_mode(fleet: Fleet, devices, mode: str) -> None:
     """Switch devices live over MQTT ("draft": sled; "server": centralized) and wait for it."""
-    async def switch(handle) -> None:
-        await publish_config(fleet, handle.id, {"mode": mode}, PREFIX)
-        await wait_status(handle, lambda s: s.get("mode") == mode and s.get("state") == "ready",
-                          f"{handle.id} did not switch to mode {mode}", 60)
-
-    await asyncio.gather(*(switch(handle) for handle in devices))
+    await publish_configs(fleet, {handle.id: {"mode": mode} for handle in devices}, PREFIX)
+    await asyncio.gather(*(wait_status(handle, lambda s: s.get("mode") == mode
+                                       and s.get("state") == "ready",
+                                       f"{handle.id} did not switch to mode {mode}", 60)
+                           for handle in devices))
 
 
 def _summary(phase: dict) -> str:

@@ -13,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from lab.broker import BrokerFiles, BrokerTls, Fleet, Listener
+from lab.broker import BrokerFiles, BrokerTls, Fleet, Listener, passwords_owner
 from sled.mqtt import DEFAULT_PREFIX
 from sled_cli.certs import Pki, id_list
 from sled_cli.flags import one_line, positive_int
@@ -73,7 +73,9 @@ def usage(files: BrokerFiles, fleet: Fleet, where: Listener) -> list[str]:
     login = _login_options(files.prefix, where)
     lines = [f"{files.folder}: mosquitto.conf, passwords, acl, credentials.json (every user's "
              f"password, 0600)", "", "The broker:",
-             f"  mosquitto -c {_quoted(files.conf.resolve())}", ""]
+             f"  mosquitto -c {_quoted(files.conf.resolve())}",
+             f"  (passwords is 0600 and {passwords_owner(files.folder)}'s: Mosquitto must read it "
+             f"as that user; each user's name is its client id, one connection per user)", ""]
     if where.tls:
         lines += _tls_notes(where.tls)
     lines.append("Each device (the password may also be --mqtt.password):")

@@ -11,6 +11,7 @@ import os
 import stat
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiomqtt
 import pytest
@@ -82,6 +83,56 @@ async def test_each_device_and_each_server_writes_only_its_own_topics(fleet_brok
     assert ("sled/devices/dev-1/status", b"mine") in app_seen
     assert ("sled/devices/dev-2/config", b"from the operator") in dev_2_seen
     assert dev_1_seen == [last]           # another device's config never reaches dev-1
+
+
+async def test_a_forged_client_id_takes_over_no_connection_and_fires_no_will(fleet_broker):
+    """dev-2 logs in with its own password under dev-1's and gpu-1's client ids (the ones
+    sled device and sled serve use, and their user names): dev-1 and gpu-1 stay connected, and
+    gpu-1's last will (the server offline) is never published."""
+    files, port = fleet_broker
+    will = aiomqtt.Will("sled/servers/gpu-1", b"offline", qos=1, retain=True)
+    gpu_1 = Broker("127.0.0.1", port, username="gpu-1", password=files.password("gpu-1"),
+                   timeout_s=3).client("sled-server-gpu-1", will)
+    dev_1 = Broker("127.0.0.1", port, username="dev-1", password=files.password("dev-1"),
+                   timeout_s=3).client("sled-device-dev-1")
+    forger = Broker("127.0.0.1", port, username="dev-2", password=files.password("dev-2"),
+                    timeout_s=3)
+    seen, last = [], ("sled/servers/gpu-1", b"still announcing")
+    async with login(files, port, "app") as app, gpu_1, dev_1:
+        await app.subscribe("sled/#", qos=1)
+        for forged in ("sled-device-dev-1", "sled-server-gpu-1", "dev-1", "gpu-1"):
+            async with forger.client(forged) as client:
+                await client.publish("sled/devices/dev-2/status", forged.encode(), qos=1)
+        await dev_1.publish("sled/devices/dev-1/status", b"still here", qos=1)
+        await gpu_1.publish(*last, qos=1)
+        await asyncio.wait_for(collect(app, seen, last), 10)
+    assert ("sled/devices/dev-1/status", b"still here") in seen
+    assert ("sled/servers/gpu-1", b"offline") not in seen, seen
+    # the forger's own logins worked: only its own id was in play
+    assert ("sled/devices/dev-2/status", b"sled-server-gpu-1") in seen
+
+
+def test_the_password_file_is_0600_and_the_brokers(fleet_broker):
+    files, _ = fleet_broker
+    mode = stat.S_IMODE((files.folder / "passwords").stat().st_mode)
+    assert mode == 0o600, oct(mode)
+    # --run-as is the test's own user (as root) or none: the file is that user's
+    assert (files.folder / "passwords").stat().st_uid == os.geteuid()
+
+
+def test_as_root_the_password_file_goes_to_the_user_mosquitto_becomes(tmp_path, monkeypatch):
+    """Mosquitto 2 started as root reads the file after becoming its own user: the file must be
+    that user's, or the broker cannot start."""
+    from lab import broker
+
+    chowned = []
+    monkeypatch.setattr(broker.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(broker.os, "chown", lambda path, uid, gid: chowned.append((uid, gid)))
+    monkeypatch.setattr(broker.pwd, "getpwnam", lambda name: SimpleNamespace(
+        pw_uid={"mosquitto": 105, "svc": 200}[name], pw_gid=7))
+    broker.give_to_broker_user(tmp_path / "passwords", None)
+    broker.give_to_broker_user(tmp_path / "passwords", "svc")
+    assert chowned == [(105, 7), (200, 7)]
 
 
 async def test_a_wrong_password_is_refused(fleet_broker):

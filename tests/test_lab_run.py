@@ -59,7 +59,7 @@ def test_broker_files(lab_broker):
     files, _ = lab_broker
     assert stat.S_IMODE((files.folder / "credentials.json").stat().st_mode) == 0o600
     assert set(json.loads((files.folder / "credentials.json").read_text())) == \
-        {"dev-00", "dev-01", "server", "lab"}
+        {"dev-00", "dev-01", "server", "lab", "lab-config"}
     conf = files.conf.read_text()
     assert "allow_anonymous false" in conf and f"acl_file {files.folder.resolve()}/acl" in conf
     container = BrokerFiles.write(files.folder.parent / "c", SLOTS, "sled", root="/mosquitto/config")
