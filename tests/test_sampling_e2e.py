@@ -58,10 +58,11 @@ async def sample_pairs(server, drafter_factory, prompt, n: int, concurrency: int
     return await asyncio.gather(*(one(seed) for seed in range(n)))
 
 
-@pytest.mark.parametrize("drafter", ["hf-sparse-q", "greedy-deterministic", "cacheback-shared",
-                                     "hier"])
+@pytest.mark.parametrize("drafter,engine", [
+    ("hf-sparse-q", "paged"), ("greedy-deterministic", "paged"), ("cacheback-shared", "paged"),
+    ("hier", "paged"), ("hf-sparse-q", "flex")])
 async def test_emitted_tokens_converge_to_target_distribution(serve, models, drafter_models,
-                                                              tokenizer, prompts, drafter):
+                                                              tokenizer, prompts, drafter, engine):
     model = models["llama"]
     prompt = prompts[0]
     p1, p2 = exact_distributions(model, prompt, SAMPLING)
@@ -75,7 +76,9 @@ async def test_emitted_tokens_converge_to_target_distribution(serve, models, dra
         factory = lambda: shared  # noqa: E731
     else:
         factory = lambda: GreedyDrafter(drafter_models["llama"], tokenizer)  # noqa: E731
-    server = await serve(model, max_batch_sessions=64)
+    # the flex engine on CPU is flex's dense reference: a small pool keeps it quick
+    server = await serve(model, max_batch_sessions=64, engine=engine,
+                         kv_budget=(4 << 20) if engine == "paged" else (3 << 19))
     pairs = await sample_pairs(server, factory, prompt, COUNTS[-1])
     assert server.metrics.value("sled_accepted_tokens_total") > 0  # drafts were really accepted
     assert server.metrics.value("sled_accepted_tokens_total") < server.metrics.value("sled_draft_tokens_total")

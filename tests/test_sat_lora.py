@@ -59,7 +59,7 @@ def gemma_f32(models):
     return copy.deepcopy(models["gemma3"]).to(torch.float32)
 
 
-@pytest.mark.parametrize("kind", ["paged", "padded"])
+@pytest.mark.parametrize("kind", ["paged", "flex", "padded"])
 def test_real_token_logits_are_bit_identical_with_and_without_the_deltas(gemma_f32, prompts, kind):
     """float32, one packed forward mixing three sessions' real tokens and SAT slots: every
     real token's logits are equal bit for bit; the SAT slots' are not (the deltas act there)."""
@@ -74,7 +74,7 @@ def test_real_token_logits_are_bit_identical_with_and_without_the_deltas(gemma_f
         assert not torch.allclose(got[real:], want[real:], atol=1e-3)
 
 
-@pytest.mark.parametrize("kind", ["paged", "padded"])
+@pytest.mark.parametrize("kind", ["paged", "flex", "padded"])
 def test_engine_sat_outputs_equal_pefts_reference_forward(gemma_f32, prompts, kind):
     """The engine's SAT-slot logits (three sessions in one pass) equal peft's: the prompt through
     the LoRA model with the adapter disabled, then the slots with it enabled."""

@@ -100,14 +100,15 @@ def test_greedy_tree_with_a_chain_decides_as_a_chain_does():
 # --- the engine -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_each_tree_token_sees_only_its_ancestors(models, arch):
+@pytest.mark.parametrize("kind", ["paged", "flex"])
+def test_each_tree_token_sees_only_its_ancestors(models, arch, kind):
     """A tree row's logits at every token equal those of the chain from the root to it; gemma3's
     sliding window (16) is applied by position, with a context longer than it."""
     model = models[arch]
     torch.manual_seed(5)
     context = torch.randint(3, 300, (40,)).tolist()
     tokens, parents = [11, 12, 13, 21, 22, 31], [0, 1, 2, 0, 4, 1]
-    engine = make_engine(model, kv_budget_bytes=32 << 20, block_tokens=8, kind="paged")
+    engine = make_engine(model, kv_budget_bytes=4 << 20, block_tokens=8, kind=kind)
 
     def prefilled():
         kv = engine.new_kv()
@@ -125,13 +126,14 @@ def test_each_tree_token_sees_only_its_ancestors(models, arch):
     torch.testing.assert_close(tree_logits[0], chain_logits[0])
 
 
-def test_the_accepted_branch_moves_into_place_and_decoding_goes_on_exactly(models):
+@pytest.mark.parametrize("kind", ["paged", "flex"])
+def test_the_accepted_branch_moves_into_place_and_decoding_goes_on_exactly(models, kind):
     """The target's own tokens sit in the second branch: after the verify, the session's KV
     holds the root and that branch in order, so the next tokens are generate()'s."""
     model = models["llama"]
     prompt = [3, 17, 42, 9, 77]
     reference = greedy_reference(model, prompt, 6)
-    engine = make_engine(model, kv_budget_bytes=32 << 20, block_tokens=4, kind="paged")
+    engine = make_engine(model, kv_budget_bytes=4 << 20, block_tokens=4, kind=kind)
     kv = engine.new_kv()
     kv.admit(prompt[:-1], 20, b"")
     engine.forward([Row(kv, prompt[:-1], False)])

@@ -164,6 +164,17 @@ class Engine:
         return torch.tensor(index or [offset - 1], dtype=torch.long), spans
 
 
+def sat_inputs(rows: Sequence[Row]) -> list[tuple[int, int]]:
+    """(packed index, slot number) of every SAT slot of a step's rows, packed as the engines
+    pack them: each row's tokens, then its SAT blocks."""
+    at, offset = [], 0
+    for row in rows:
+        n = len(row.tokens)
+        at.extend((offset + i, (i - n) % row.sat_slots) for i in range(n, row.width))
+        offset += row.width
+    return at
+
+
 # --- the paged fast path -------------------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -258,7 +269,7 @@ AttentionInterface.register(ATTENTION_NAME, paged_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)   # for use outside an engine step
 # Passed as the attention mask inside a step: transformers returns a 4D mask as-is, so no
 # [tokens, tokens] mask is built; paged_attention builds its own per-row masks.
-_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
 class PagedEngine(Engine):
@@ -280,21 +291,19 @@ class PagedEngine(Engine):
         with self._sat_deltas([i for i, _ in sat_at]):
             out = self.model(**self._inputs(input_ids[None], [((0, i), slot) for i, slot in sat_at]),
                              position_ids=position_ids[None].to(self.device),
-                             attention_mask=_NO_MASK.to(self.device),
+                             attention_mask=NO_MASK.to(self.device),
                              use_cache=False, logits_to_keep=index.to(self.device), sled_step=step)
         logits = out.logits[0]
         self.bytes_copied += step.tokens * self.pool.shape.bytes_per_token
         return [None if span is None else logits[span].float() for span in spans]
 
     def _plan(self, rows: Sequence[Row]):
-        ids, positions, writes, offsets, sat_at = [], [], [], [], []
+        ids, positions, writes, offsets = [], [], [], []
         offset = 0
         for row in rows:
             start, n = row.kv.length, row.width
             ids.extend(row.tokens)
             ids.extend([0] * (n - len(row.tokens)))  # placeholders: their embeddings are the SATs'
-            sat_at.extend((offset + i, (i - len(row.tokens)) % row.sat_slots)
-                          for i in range(len(row.tokens), n))
             positions.append(row.positions(start))
             writes.append(row.kv.slots(start, start + n))
             offsets.append(offset)
@@ -306,7 +315,7 @@ class PagedEngine(Engine):
                   for members in ([short] if short else []) + long]
         dev = self.device
         step = _Step(self.pool, torch.cat(writes).to(dev), groups, offset)
-        return step, torch.tensor(ids, dtype=torch.long), torch.cat(positions), sat_at
+        return step, torch.tensor(ids, dtype=torch.long), torch.cat(positions), sat_inputs(rows)
 
     def _group(self, rows: Sequence[Row], offsets: Sequence[int],
                positions: Sequence[torch.Tensor]) -> _Group:
@@ -436,11 +445,23 @@ def make_engine(model: torch.nn.Module, *, kv_budget_bytes: int | None = None,
     if blocks < 2:
         raise ValueError(f"KV budget {budget} bytes holds less than one block of {block_tokens} tokens "
                          f"({block_tokens * shape.bytes_per_token} bytes)")
+    if kind not in ENGINES:
+        raise ValueError(f"unknown engine kind {kind!r}: use {', '.join(ENGINES)}")
     pool = BlockPool(shape, blocks, block_tokens, device)
     if kind == "auto":
-        kind = "paged" if PagedEngine.supports(model) else "padded"
-    if kind == "paged":
-        return PagedEngine(model, pool, sat)
-    if kind == "padded":
-        return PaddedEngine(model, pool, sat)
-    raise ValueError(f"unknown engine kind {kind!r}: use auto, paged or padded")
+        kind = auto_kind(model, device)
+    if kind == "flex":
+        from verify_server.flex import FlexEngine
+
+        return FlexEngine(model, pool, sat)
+    return {"paged": PagedEngine, "padded": PaddedEngine}[kind](model, pool, sat)
+
+
+ENGINES = ("auto", "paged", "flex", "padded")
+
+
+def auto_kind(model: torch.nn.Module, device: torch.device) -> str:
+    """flex on CUDA, paged on CPU, padded for a model without transformers' attention interface."""
+    if not PagedEngine.supports(model):
+        return "padded"
+    return "flex" if device.type == "cuda" else "paged"

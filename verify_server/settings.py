@@ -131,9 +131,11 @@ class ServerSettings(BaseSettings):
     kv_share: float | None = Field(None, gt=0.0, le=1.0, description="fraction of the KV cache one "
                                    "device's sessions may reserve (default: an equal part per "
                                    "device of --auth-tokens, all of it without tokens)")
-    engine: Literal["auto", "paged", "padded"] = Field(
-        "auto", description="paged KV fast path, or the generic padded fallback (auto: paged if "
-                            "the model supports transformers' attention interface)")
+    engine: Literal["auto", "paged", "flex", "padded"] = Field(
+        "auto", description="paged: SDPA over each row's gathered KV; flex: FlexAttention over "
+                            "the KV pool in place, in static step shapes (for CUDA); padded: the "
+                            "generic fallback (auto: flex on CUDA, paged on CPU, padded for a "
+                            "model without transformers' attention interface)")
     # --- MQTT announcements (off without mqtt_host) ---
     mqtt_host: str = _announce("", "broker host")
     mqtt_port: int | None = _announce(None, "broker port (default 1883, 8883 with TLS)",

@@ -1,0 +1,301 @@
+"""The flex engine (FlexAttention over the block pool in place, static step shapes) against the
+paged engine and the target's own generate(): on fragmented block tables, holes a freed session
+left, shared prefix blocks, chains, prefill chunks, trees, decode rows and SAT blocks, with a
+sliding window and with softcap; no host sync inside its forward; the planner's buckets."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import types
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import greedy_reference
+from verify_server.blocks import BlockPool, KVShape
+from verify_server.engine import PagedEngine, Row, make_engine, paged_attention
+from verify_server.flex import FlexEngine, FlexStep, flex_attention_forward
+from verify_server.flex_plan import StepShape, step_shape
+
+BT = 8
+
+
+def f32(model):
+    return copy.deepcopy(model).to(torch.float32).eval()
+
+
+def pools_for(model, blocks: int = 96):
+    """One pool, and a paged and a flex engine over it, each on its own copy of the model."""
+    pool = BlockPool(KVShape.of(model), blocks, BT)
+    flex = FlexEngine(copy.deepcopy(model), pool)        # zeroes the pool first
+    paged = PagedEngine(copy.deepcopy(model), pool)
+    return pool, paged, flex
+
+
+def prefill(engine, kv, tokens) -> None:
+    engine.forward([Row(kv, tokens, False)])
+    kv.commit(len(tokens))
+
+
+def fragmented_sessions(engine, contexts, prompt):
+    """Sessions whose tables interleave (grown a chunk at a time in turn), a freed session's
+    holes taken by a later one, and a session on another's published prefix blocks."""
+    torch.manual_seed(11)
+    kvs = [engine.new_kv() for _ in contexts]
+    junk = engine.new_kv()
+    for kv, n in zip(kvs, contexts):
+        kv.admit([], n + 40, b"t")
+    junk.admit([], 40, b"t")
+    texts = [torch.randint(3, 300, (n,)).tolist() for n in contexts]
+    texts[0] = prompt
+    done = [0] * len(kvs)
+    while any(d < len(t) for d, t in zip(done, texts)):
+        for i, (kv, text) in enumerate(zip(kvs, texts)):
+            if done[i] < len(text):
+                chunk = text[done[i]:done[i] + 5]
+                prefill(engine, kv, chunk)
+                done[i] += len(chunk)
+        if junk.length == 0:
+            prefill(engine, junk, list(range(3, 27)))
+    junk.free()                                           # holes in the middle of the pool
+    kvs[0].publish(prompt)
+    sharer = engine.new_kv()
+    found = sharer.admit(prompt[:2 * BT] + [9, 8, 7], 60, b"t")
+    assert found == 2 * BT and sharer.table[:2] == kvs[0].table[:2]
+    prefill(engine, sharer, [9, 8, 7])
+    return kvs + [sharer]
+
+
+def step_rows(kvs):
+    return [
+        Row(kvs[0], [11, 12, 13, 14, 15], True),                              # verify, k=4
+        Row(kvs[1], list(range(100, 140)), True),                             # prefill chunk: long
+        Row(kvs[2], [21, 22, 23, 24, 25, 26, 27], True, parents=(0, 1, 0, 3, 3, 5)),   # a tree
+        Row(kvs[3], [31], True),                                              # decode
+        Row(kvs[4], [51, 52, 53, 54], True),                                  # on shared blocks
+    ]
+
+
+def assert_logits_agree(got, want) -> None:
+    for mine, theirs in zip(got, want):
+        assert (mine is None) == (theirs is None)
+        if mine is not None:
+            assert float((mine - theirs).abs().max()) <= 1e-5
+            assert torch.equal(mine.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_flex_logits_equal_the_paged_engines_on_a_fragmented_pool(models, prompts, arch):
+    """fp32; gemma3's 16-token sliding window is passed by every context here."""
+    model = f32(models[arch])
+    pool, paged, flex = pools_for(model)
+    kvs = fragmented_sessions(paged, [37, 20, 45, 18, 0][:4], (prompts[0] * 4)[:33])
+    rows = step_rows(kvs)
+    before = [t.clone() for t in (*pool.keys, *pool.values)]
+    want = paged.forward(rows)
+    written = [t.clone() for t in (*pool.keys, *pool.values)]
+    for tensor, kept in zip((*pool.keys, *pool.values), before):
+        tensor.copy_(kept)
+    got = flex.forward(rows)
+    assert_logits_agree(got, want)
+    for tensor, paged_wrote in zip((*pool.keys, *pool.values), written):   # the same KV writes
+        # (block 0 aside: flex writes its padding there, the paged engine reads it as padding)
+        torch.testing.assert_close(tensor[BT:], paged_wrote[BT:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (24, None), (None, 30.0), (24, 30.0)])
+def test_sat_blocks_window_and_softcap_at_the_attention_level(window, softcap):
+    """Random queries and keys through the two attention functions, on one step of every row
+    kind, SAT blocks after every cut among them."""
+    torch.manual_seed(2)
+    shape = KVShape(layers=1, kv_heads=2, head_dim=16, dtype=torch.float32)
+    pool = BlockPool(shape, 48, BT)
+    for tensor in (*pool.keys, *pool.values):
+        tensor[BT:] = torch.randn(tensor[BT:].shape)
+    kvs = []
+    for n in (29, 40, 17, 9):
+        kv = _Session(pool, n)
+        kvs.append(kv)
+    rows = [Row(kvs[0], [1, 2, 3], True, sat_slots=2, sat_anchors=(1, 2, 3)),
+            Row(kvs[1], [4, 5, 6, 7], True, parents=(0, 1, 1)),
+            Row(kvs[2], list(range(40)), False),
+            Row(kvs[3], [8, 9], True, sat_slots=3)]
+    tokens = sum(row.width for row in rows)
+    q = torch.randn(1, 8, tokens, 16)
+    k, v = torch.randn(1, 2, tokens, 16), torch.randn(1, 2, tokens, 16)
+    module = types.SimpleNamespace(layer_idx=0)
+    engine = PagedEngine.__new__(PagedEngine)
+    engine.pool, engine.device, engine.sat = pool, torch.device("cpu"), None
+    before = [t.clone() for t in (*pool.keys, *pool.values)]
+    step = engine._plan(rows)[0]
+    want, _ = paged_attention(module, q, k, v, None, scaling=0.25, sliding_window=window,
+                              softcap=softcap, sled_step=step)
+    for tensor, kept in zip((*pool.keys, *pool.values), before):
+        tensor.copy_(kept)
+    flex = FlexEngine.__new__(FlexEngine)
+    flex.pool, flex.device, flex.flex, flex.kv_width, flex.steps = (
+        pool, torch.device("cpu"), torch.nn.attention.flex_attention.flex_attention,
+        pool.num_blocks, {})
+    plan = flex.step(rows)
+    padded = [torch.cat([x, x.new_zeros(1, x.shape[1], plan.tokens - tokens, 16)], 2)
+              for x in (q, k, v)]
+    got, _ = flex_attention_forward(module, *padded, None, scaling=0.25, sliding_window=window,
+                                    softcap=softcap, sled_flex=plan)
+    assert float((got[0, :tokens] - want[0]).abs().max()) <= 1e-5
+    assert not got.isnan().any()
+
+
+class _Session:
+    """A session's KV with a committed context of n tokens, without a model."""
+
+    def __new__(cls, pool, n):
+        from verify_server.kv import SessionKV
+
+        kv = SessionKV(pool)
+        kv.admit([], n + 48, b"")
+        kv.slots(0, n)
+        kv.commit(n)
+        return kv
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_flex_engine_matches_generate_with_ragged_contexts_and_long_prefill(models, arch):
+    """Prompts of 1..90 tokens in one batch, prefilled whole (a long group beside short rows),
+    then decoded together: generate()'s tokens."""
+    from tests.test_engine import run_greedy
+
+    model = models[arch]
+    torch.manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,)).tolist() for n in (1, 7, 90, 33, 2)]
+    engine = make_engine(model, kv_budget_bytes=BT * 160 * KVShape.of(model).bytes_per_token,
+                         block_tokens=BT, kind="flex")
+    assert engine.kind == "flex"
+    outputs, _ = run_greedy(engine, prompts, 12)
+    for prompt, out in zip(prompts, outputs):
+        assert out == greedy_reference(model, prompt, 12)
+
+
+async def test_eight_sessions_over_grpc_match_generate_on_the_flex_engine(serve, models,
+                                                                         drafter_models, tokenizer,
+                                                                         prompts):
+    """The greedy oracle through the server, with a noisy drafter that is sometimes rejected."""
+    from drafters.hf import HFDrafter
+    from edge_client.session import RoundSettings, generate
+    from tests.test_lossless import server_stub
+
+    model = models["llama"]
+    server = await serve(model, engine="flex", kv_budget=2 << 20)
+    assert server.scheduler.engine.kind == "flex"
+    results = await asyncio.gather(*(
+        generate(server_stub(server), HFDrafter(drafter_models["llama"], tokenizer, name="hf:noisy"),
+                 prompt, max_new_tokens=16, settings=RoundSettings(draft_len=4))
+        for prompt in prompts))
+    for result, prompt in zip(results, prompts):
+        assert result.token_ids == greedy_reference(model, prompt, 16)
+    assert 0 < sum(r.accepted_tokens for r in results) < sum(r.draft_tokens for r in results)
+
+
+# --- no host sync inside the forward ----------------------------------------------------------
+
+SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+         torch.ops.aten.masked_select.default, torch.ops.aten.is_nonzero.default}
+
+
+class SyncCensus(TorchDispatchMode):
+    """Counts the ops that make a host wait for the device: a scalar read (.item(), .tolist()),
+    nonzero, and boolean-mask indexing."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if func in SYNCS:
+            self.count += 1
+        elif func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default):
+            indices = args[1] if len(args) > 1 else ()
+            self.count += any(i is not None and i.dtype == torch.bool for i in indices)
+        return func(*args, **kwargs)
+
+
+def test_the_flex_forward_makes_no_host_sync_where_the_paged_one_makes_several(models):
+    model = f32(models["llama"])
+    pool, paged, flex = pools_for(model)
+    kvs = fragmented_sessions(paged, [20, 12, 30, 9], list(range(3, 40)))
+    rows = [row for row in step_rows(kvs) if row.width <= 32]
+    step = flex.step(rows)
+    inputs = dict(input_ids=step.fields["ids"].long()[None],
+                  position_ids=step.fields["positions"].long()[None],
+                  attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool), use_cache=False)
+    torch.nn.attention.flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    try:
+        with torch.inference_mode(), SyncCensus() as census:
+            flex.model(**inputs, sled_flex=step)
+    finally:
+        torch.nn.attention.flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = False
+    assert census.count == 0
+    with torch.inference_mode(), SyncCensus() as census:
+        paged.forward(rows)
+    assert census.count > 0          # the census sees the paged engine's boolean indexing
+
+
+# --- buckets ----------------------------------------------------------------------------------
+
+def test_steps_of_one_bucket_share_shapes_and_buffers(models):
+    a, b = step_shape([5, 1, 7]), step_shape([2, 3])
+    assert (a.tokens, [(g.rows, g.width) for g in a.groups]) == (32, [(4, 8)])
+    assert (b.tokens, [(g.rows, g.width) for g in b.groups]) == (32, [(2, 8)])
+    mixed = step_shape([5, 40, 300])
+    assert [(g.rows, g.width) for g in mixed.groups] == [(1, 8), (2, 512)]
+    assert mixed.tokens == 352 and not mixed.graphable and a.graphable
+    model = f32(models["llama"])
+    pool, paged, flex = pools_for(model)
+    kvs = fragmented_sessions(paged, [20, 12, 30, 9], list(range(3, 40)))
+    first = flex.step([Row(kvs[0], [1, 2, 3], True), Row(kvs[1], [4], True)])
+    second = flex.step([Row(kvs[2], [5, 6], True), Row(kvs[3], [7, 8, 9, 10, 11], True,
+                                                        parents=(0, 1, 1, 2))])
+    assert first is second and isinstance(first, FlexStep) and len(flex.steps) == 1
+    assert first.fields["ids"].data_ptr() == second.fields["ids"].data_ptr()
+
+
+def test_a_second_step_of_the_bucket_compiles_nothing_new(models):
+    """The compiled flex function (one per bucket and window) serves a later step of other
+    rows, lengths and trees in the same bucket without a recompile."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    model = f32(models["llama"])
+    pool = BlockPool(KVShape.of(model), 64, BT)
+    compiled = torch.compile(torch.nn.attention.flex_attention.flex_attention, dynamic=False)
+    flex = FlexEngine(copy.deepcopy(model), pool, flex=compiled)
+    paged = PagedEngine(copy.deepcopy(model), pool)
+    kvs = fragmented_sessions(paged, [20, 12, 30, 9], list(range(3, 40)))
+    want = paged.forward([Row(kvs[0], [1, 2, 3], True), Row(kvs[1], [4], True)])
+    got = flex.forward([Row(kvs[0], [1, 2, 3], True), Row(kvs[1], [4], True)])
+    assert_logits_agree(got, want)
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    flex.forward([Row(kvs[2], [5, 6], True), Row(kvs[3], [7, 8, 9, 10, 11], True,
+                                                 parents=(0, 1, 1, 2))])
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_the_planner_fills_what_the_paged_engine_plans(models):
+    """Write slots and positions of a mixed step, against PagedEngine._plan's."""
+    model = f32(models["llama"])
+    pool, paged, flex = pools_for(model)
+    kvs = fragmented_sessions(paged, [37, 20, 45, 18], (list(range(3, 40))))
+    rows = step_rows(kvs)
+    step, ids, positions, _ = paged._plan(rows)
+    plan = flex.step(rows)
+    tokens = step.tokens
+    assert np.array_equal(plan.fields["write_slots"][:tokens].numpy(), step.write_slots.numpy())
+    assert np.array_equal(plan.fields["positions"][:tokens].numpy(), positions.numpy())
+    assert np.array_equal(plan.fields["ids"][:tokens].numpy(), ids.numpy())
+    assert (plan.fields["write_slots"][tokens:] == 0).all()      # padding: the trash slot

@@ -1,0 +1,183 @@
+"""The flex engine's step plan, made in numpy: shapes from buckets, one flat host buffer.
+
+A step packs its rows like the paged engine (`verify_server.engine`): one sequence [1, T] of
+every row's new tokens, each with its own position. For the flex engine the step then takes the
+shape of a bucket, so that steps of one bucket have the same tensor shapes (one compiled
+function and one CUDA graph each):
+
+    tokens   T padded to a multiple of TOKEN_QUANTUM (padding writes to the trash slot)
+    groups   the rows attended together, each padded to (rows B, width W):
+               short  rows of up to SHORT_WIDTHS[-1] new entries (verify, decode, SAT, trees),
+                      B a power of two, W the smallest of SHORT_WIDTHS that holds the widest
+               long   rows with more (prefill chunks), B a power of two, W a power of two
+    kv width every row's block table padded to the same number of blocks (kv_width)
+
+Everything a step's attention reads lives in one flat int32 buffer (`StepLayout` names each
+field's place), so a step is one host-to-device copy into the bucket's static device buffer:
+
+    ids, positions, write_slots      [T]      the packed input and where its KV goes
+    per group: q_index [B, W]        packed index of each query (T: padding, a zero query)
+               table   [B, kv_width] logical block -> physical block (-1 past the row's blocks)
+               blocks  [B]           blocks the row reads (context and its new entries)
+               starts  [B]           committed length (the new entries' first place)
+               widths  [B]           new entries (0: a padding row)
+               qpos    [B, W]        position id of each new entry
+               seen    [B, W, W]     new entry i sees new entry j (1/0)
+    block_pos                [blocks] logical index of each physical block in its row's table
+
+Rows are planned with numpy and their Python lists, no torch call per row: a chain row's
+positions and visibility are computed for all rows at once; only branched rows (trees, SAT
+blocks) ask the row for its own (`Row.positions`, `Row.visible`).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+SHORT_WIDTHS = (8, 16, 32)
+TOKEN_QUANTUM = 32
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True, slots=True)
+class GroupShape:
+    rows: int       # B
+    width: int      # W
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """A bucket: the static shape of every step planned into it."""
+    tokens: int                       # T
+    groups: tuple[GroupShape, ...]    # (short, long), each present only when it has rows
+    short: bool                       # whether the first group is the short rows'
+
+    @property
+    def graphable(self) -> bool:
+        """Verify/decode steps (no long row): the steps worth a compiled function and a graph."""
+        return self.short and len(self.groups) == 1
+
+
+def step_shape(widths: Sequence[int]) -> StepShape:
+    """The bucket of a step whose rows have these widths (new entries, SAT slots included)."""
+    short = [w for w in widths if w <= SHORT_WIDTHS[-1]]
+    long = [w for w in widths if w > SHORT_WIDTHS[-1]]
+    groups = []
+    if short:
+        width = next(w for w in SHORT_WIDTHS if w >= max(short))
+        groups.append(GroupShape(next_pow2(len(short)), width))
+    if long:
+        groups.append(GroupShape(next_pow2(len(long)), next_pow2(max(long))))
+    total = sum(widths)
+    tokens = -(-total // TOKEN_QUANTUM) * TOKEN_QUANTUM
+    return StepShape(tokens, tuple(groups), bool(short))
+
+
+class StepLayout:
+    """Where each field of a bucket's steps sits in the flat int32 buffer."""
+
+    def __init__(self, shape: StepShape, kv_width: int, num_blocks: int) -> None:
+        self.shape, self.kv_width, self.num_blocks = shape, kv_width, num_blocks
+        self.fields: dict[str, tuple[int, tuple[int, ...]]] = {}
+        size = 0
+
+        def add(name: str, dims: tuple[int, ...]) -> None:
+            nonlocal size
+            self.fields[name] = (size, dims)
+            size += int(np.prod(dims))
+
+        T = shape.tokens
+        for name in ("ids", "positions", "write_slots"):
+            add(name, (T,))
+        add("block_pos", (num_blocks,))
+        for g, group in enumerate(shape.groups):
+            B, W = group.rows, group.width
+            add(f"q_index{g}", (B, W))
+            add(f"table{g}", (B, kv_width))
+            for name in ("blocks", "starts", "widths"):
+                add(f"{name}{g}", (B,))
+            add(f"qpos{g}", (B, W))
+            add(f"seen{g}", (B, W, W))
+        self.size = size
+
+    def views(self, flat):
+        """Each field as a view of `flat` (a numpy array or a torch tensor of self.size)."""
+        return {name: flat[start:start + int(np.prod(dims))].reshape(dims)
+                for name, (start, dims) in self.fields.items()}
+
+
+def plan_step(rows, layout: StepLayout, host: dict[str, np.ndarray], block_tokens: int,
+              trash_slot: int) -> None:
+    """Fill the host views of `layout` (StepLayout.views of a numpy buffer) for these rows.
+    Grows each row's block table for its new entries (SessionKV.slots) first."""
+    bt, T = block_tokens, layout.shape.tokens
+    widths = np.fromiter((row.width for row in rows), dtype=np.int64, count=len(rows))
+    starts = np.fromiter((row.kv.length for row in rows), dtype=np.int64, count=len(rows))
+    for row, start, width in zip(rows, starts, widths):
+        row.kv.slots(int(start), int(start + width))          # allocate the blocks it will write
+    offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64)
+    total = int(widths.sum())
+    if total > T:
+        raise ValueError(f"{total} tokens do not fit the bucket's {T}")
+
+    ids, positions, write_slots = host["ids"], host["positions"], host["write_slots"]
+    ids[:] = 0
+    positions[:] = 0
+    write_slots[:] = trash_slot
+    block_pos = host["block_pos"]
+
+    short = widths <= SHORT_WIDTHS[-1]
+    members = [np.flatnonzero(short), np.flatnonzero(~short)]
+    members = [m for m in members if len(m)]
+    for g, (group, index) in enumerate(zip(layout.shape.groups, members)):
+        _plan_group(g, group, [rows[i] for i in index], starts[index], widths[index],
+                    offsets[index], layout.kv_width, bt, T, host)
+    for row, offset in zip(rows, offsets):
+        ids[offset:offset + len(row.tokens)] = row.tokens    # SAT slots stay 0: embeddings later
+        block_pos[row.kv.table] = np.arange(len(row.kv.table), dtype=np.int32)
+    for g in range(len(members)):
+        q = host[f"q_index{g}"]
+        live = q < T
+        rows_of = np.broadcast_to(np.arange(q.shape[0])[:, None], q.shape)[live]
+        entry = np.broadcast_to(np.arange(q.shape[1])[None, :], q.shape)[live]
+        logical = host[f"starts{g}"][rows_of] + entry            # where the entry's KV goes
+        positions[q[live]] = host[f"qpos{g}"][live]
+        write_slots[q[live]] = host[f"table{g}"][rows_of, logical // bt] * bt + logical % bt
+
+
+def _plan_group(g: int, group: GroupShape, rows, starts, widths, offsets, kv_width: int,
+                bt: int, T: int, host: dict[str, np.ndarray]) -> None:
+    B, W = group.rows, group.width
+    n = len(rows)
+    q_index, table = host[f"q_index{g}"], host[f"table{g}"]
+    blocks, starts_out, widths_out = host[f"blocks{g}"], host[f"starts{g}"], host[f"widths{g}"]
+    qpos, seen = host[f"qpos{g}"], host[f"seen{g}"]
+    cols = np.arange(W)
+    inside = cols[None, :] < widths[:, None]                              # [n, W]
+    q_index[:] = T
+    q_index[:n] = np.where(inside, offsets[:, None] + cols[None, :], T)
+    table[:] = -1
+    for b, row in enumerate(rows):
+        table[b, :len(row.kv.table)] = row.kv.table
+    blocks[:] = 0
+    blocks[:n] = -(-(starts + widths) // bt)
+    starts_out[:] = 0
+    starts_out[:n] = starts
+    widths_out[:] = 0
+    widths_out[:n] = widths
+    # chains: entry i at start + i, seeing entries 0..i; branched rows replace theirs below
+    qpos[:] = 0
+    qpos[:n] = np.where(inside, starts[:, None] + cols[None, :], 0)
+    tril = np.tril(np.ones((W, W), dtype=np.int32))
+    seen[:] = 0
+    seen[:n] = tril[None] * inside[:, None, :] * inside[:, :, None]
+    for b, row in enumerate(rows):
+        if row.branched:
+            w = row.width
+            qpos[b, :w] = row.positions(int(starts[b])).numpy()
+            seen[b, :w, :w] = row.visible().numpy()
