@@ -25,6 +25,7 @@ BAD_VALUES = [
     ("device", "--min-confidence", "1.5"),
     ("engine", "--reps", "0"), ("engine", "-k", "0"), ("engine", "--block-tokens", "0"),
     ("engine", "--contexts", "128,0"), ("engine", "--sessions", "nan"),
+    ("engine", "--engines", "paged,vllm"), ("engine", "--shape", "llama-70b"),
     ("drafter", "--reps", "0"), ("drafter", "--tokens", "0"), ("drafter", "--draft-len", "0"),
     ("drafter", "--threads", "0"), ("drafter", "--accept", "-1"),
     ("drafting", "--k", "0"), ("drafting", "--tree", "0"), ("drafting", "--max-new-tokens", "0"),

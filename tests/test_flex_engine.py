@@ -17,7 +17,7 @@ from conftest import greedy_reference
 from verify_server.blocks import BlockPool, KVShape
 from verify_server.engine import PagedEngine, Row, make_engine, paged_attention
 from verify_server.flex import FlexEngine, FlexStep, flex_attention_forward
-from verify_server.flex_plan import StepShape, step_shape
+from verify_server.flex_plan import step_shape
 
 BT = 8
 
@@ -299,3 +299,71 @@ def test_the_planner_fills_what_the_paged_engine_plans(models):
     assert np.array_equal(plan.fields["positions"][:tokens].numpy(), positions.numpy())
     assert np.array_equal(plan.fields["ids"][:tokens].numpy(), ids.numpy())
     assert (plan.fields["write_slots"][tokens:] == 0).all()      # padding: the trash slot
+
+
+# --- the whole step, graphs, and engines sharing a model -------------------------------------
+
+def test_greedy_gives_each_rows_argmax_and_graphs_need_cuda(models):
+    model = f32(models["llama"])
+    pool, paged, flex = pools_for(model)
+    kvs = fragmented_sessions(paged, [20, 12, 30, 9], list(range(3, 40)))
+    rows = [Row(kvs[0], [1, 2, 3], True), Row(kvs[1], [4], False), Row(kvs[2], [5, 6], True)]
+    want = [[] if logits is None else logits.argmax(-1).tolist() for logits in paged.forward(rows)]
+    assert flex.greedy(rows) == want and want[1] == [] and len(want[0]) == 3
+    assert not flex.replayable(rows)                  # no CUDA here: no graph to replay
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        FlexEngine(copy.deepcopy(model), pool, graphs=True)
+
+
+def test_an_empty_plan_writes_only_the_trash_slot():
+    from verify_server.flex_plan import common_shapes
+
+    shapes = common_shapes(64)
+    assert [(s.groups[0].rows, s.tokens) for s in shapes] == [
+        (1, 32), (2, 32), (4, 32), (8, 64), (16, 96), (32, 160), (64, 320)]
+    assert all(s.graphable and s.groups[0].width == 8 for s in shapes)
+    pool = BlockPool(KVShape(1, 2, 16, torch.float32), 16, BT)
+    step = FlexStep(pool, shapes[3], pool.num_blocks, torch.device("cpu"))
+    step.clear(0)
+    assert (step.fields["write_slots"] == 0).all() and (step.fields["q_index0"] == 64).all()
+    assert (step.fields["table0"] == -1).all() and (step.fields["widths0"] == 0).all()
+
+
+def test_engines_sharing_one_model_take_turns(models):
+    """A benchmark's engines share one model object: each routes its attention there before
+    its step, and both give the same logits."""
+    model = f32(models["llama"])
+    pool = BlockPool(KVShape.of(model), 96, BT)
+    flex = FlexEngine(model, pool)
+    paged = make_engine(model, kv_budget_bytes=96 * BT * KVShape.of(model).bytes_per_token,
+                        block_tokens=BT, kind="paged")
+    results = []
+    for engine in (paged, flex, paged):
+        engine.activate()
+        kv = engine.new_kv()
+        kv.admit([], 40, b"")
+        results.append(engine.forward([Row(kv, list(range(3, 30)), True)])[0])
+        kv.free()
+    assert_logits_agree(results[1], results[0])
+    assert torch.equal(results[2], results[0])
+
+
+def test_the_engine_bench_runs_every_engine_on_cpu(tmp_path, capsys):
+    """The GPU measurement's command, dry-run on tiny shapes: every engine, agreement, floor."""
+    import json
+
+    from sled_cli.main import main
+
+    out = tmp_path / "engine.json"
+    assert main(["bench", "engine", "--shape", "tiny-llama,tiny-gemma3", "--engines",
+                 "paged,flex,flex-graph", "--sessions", "1,3", "--contexts", "40", "--reps", "1",
+                 "--bandwidth", "1e10", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [m["model"] for m in results["models"]] == ["tiny-llama", "tiny-gemma3"]
+    for entry in results["models"]:
+        assert len(entry["cells"]) == 2
+        for cell in entry["cells"]:
+            total = cell["sessions"] * 5
+            assert cell["flex_argmax_agree"] == cell["flex-graph_argmax_agree"] == f"{total}/{total}"
+            assert cell["flex_ms_p50"] > 0 and cell["floor_ms"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -144,6 +144,10 @@ class Engine:
     def new_kv(self) -> SessionKV:
         return SessionKV(self.pool)
 
+    def activate(self) -> None:
+        """Route the model's attention to this engine (engines that share one model object, as
+        a benchmark's do, take turns)."""
+
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor | None]:
         """One pass over all rows; returns logits [row.width, vocab] for rows that want them.
         Each row's KV is written after kv.length; no row's length changes."""
@@ -278,7 +282,10 @@ class PagedEngine(Engine):
 
     def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None) -> None:
         super().__init__(model, pool, sat)
-        model.set_attn_implementation(ATTENTION_NAME)
+        self.activate()
+
+    def activate(self) -> None:
+        self.model.set_attn_implementation(ATTENTION_NAME)
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:

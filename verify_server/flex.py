@@ -59,6 +59,14 @@ class FlexStep:
         self.write_slots = self.fields["write_slots"]
         self.groups = [FlexGroup(self, g, group.width) for g, group in enumerate(shape.groups)]
 
+    def clear(self, trash_slot: int) -> None:
+        """An empty plan: every row padding, every token's KV to the trash slot."""
+        for name, view in self.host.items():
+            view[...] = -1 if name.startswith("table") else 0
+            if name.startswith("q_index"):
+                view[...] = self.tokens
+        self.host["write_slots"][...] = trash_slot
+
     def upload(self) -> None:
         if self.device_buffer is not self.host_buffer:
             self.device_buffer.copy_(self.host_buffer, non_blocking=True)
@@ -162,36 +170,115 @@ AttentionInterface.register(ATTENTION_NAME, flex_attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)     # for use outside an engine step
 
 
+class CapturedStep:
+    """One bucket's whole forward captured in a CUDA graph: the model over the step's static
+    buffers, then the argmax of every packed position. A replay reads the plan the last
+    `FlexEngine.step` uploaded and leaves its logits and token ids in `logits` and `argmax`."""
+
+    def __init__(self, engine: "FlexEngine", step: FlexStep, warmups: int = 2) -> None:
+        self.step, self.graph = step, torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):     # compiles flex, builds the BlockMasks, outside capture
+            for _ in range(warmups):
+                engine.whole_step(step)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(self.graph, pool=engine.graph_pool):
+            self.logits, self.argmax = engine.whole_step(step)
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
 class FlexEngine(Engine):
+    """On CUDA: flex compiled (one kernel per bucket and window) and verify/decode steps (no
+    prefill chunk, no SAT slot) replayed from a CUDA graph per bucket, captured the first time a
+    bucket is met (or at start: `prewarm`). On CPU: eager flex, no graphs."""
+
     kind = "flex"
     branches = True
 
     def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None,
-                 flex=flex_attention) -> None:
+                 flex=None, graphs: bool | None = None, kv_width: int | None = None) -> None:
         super().__init__(model, pool, sat)
-        model.set_attn_implementation(ATTENTION_NAME)
+        self.activate()
         # Every slot holds finite values: a row's last block is read whole (its unwritten slots
         # masked), and a masked weight of 0 times a NaN is still NaN.
         for tensor in (*pool.keys, *pool.values):
             tensor.zero_()
-        self.flex = flex
-        self.kv_width = pool.num_blocks       # the CPU template needs the whole pool listed
+        cuda = self.device.type == "cuda"
+        self.flex = flex or (torch.compile(flex_attention, dynamic=False) if cuda
+                             else flex_attention)
+        self.graphs = cuda if graphs is None else graphs
+        if self.graphs and not cuda:
+            raise ValueError("CUDA graphs need a CUDA device: the flex engine on "
+                             f"{self.device} runs without them")
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.kv_width = kv_width or (_row_blocks(model, pool) if cuda else pool.num_blocks)
         self.steps: dict[StepShape, FlexStep] = {}
+        self.captured: dict[StepShape, CapturedStep] = {}
+        self.mask = NO_MASK.to(self.device)
+
+    def activate(self) -> None:
+        self.model.set_attn_implementation(ATTENTION_NAME)
 
     def step(self, rows: Sequence[Row]) -> FlexStep:
         """The bucket's buffers holding this step's plan, uploaded."""
-        shape = step_shape([row.width for row in rows])
+        step = self._buffers(step_shape([row.width for row in rows]))
+        plan_step(rows, step.layout, step.host, self.pool.block_tokens, TRASH_SLOT)
+        self._upload(step)
+        return step
+
+    def _buffers(self, shape: StepShape) -> FlexStep:
         if shape not in self.steps:
             self.steps[shape] = FlexStep(self.pool, shape, self.kv_width, self.device, self.flex)
-        step = self.steps[shape]
-        plan_step(rows, step.layout, step.host, self.pool.block_tokens, TRASH_SLOT)
+        return self.steps[shape]
+
+    @staticmethod
+    def _upload(step: FlexStep) -> None:
         step.upload()
         for group in step.groups:
             group.refresh()
-        return step
+
+    def whole_step(self, step: FlexStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of a planned step without SAT slots: logits [T, vocab] of every packed
+        position, and their argmax [T]. What a captured step replays."""
+        out = self.model(input_ids=step.fields["ids"].long()[None],
+                         position_ids=step.fields["positions"].long()[None],
+                         attention_mask=self.mask, use_cache=False, sled_flex=step)
+        logits = out.logits[0]
+        return logits, logits.argmax(-1)
+
+    @torch.inference_mode()
+    def prewarm(self, shapes: Sequence[StepShape]) -> None:
+        """Capture these buckets now, over an empty plan (every row padding)."""
+        for shape in shapes:
+            if self.graphs and shape.graphable and shape not in self.captured:
+                step = self._buffers(shape)
+                step.clear(TRASH_SLOT)
+                self._upload(step)
+                self.captured[shape] = CapturedStep(self, step)
+
+    def replayable(self, rows: Sequence[Row]) -> bool:
+        """Whether a step of these rows replays a captured graph: graphs on, no SAT slot, no
+        prefill chunk."""
+        return (self.graphs and not any(row.sat_slots for row in rows)
+                and step_shape([row.width for row in rows]).graphable)
+
+    def _replay(self, rows: Sequence[Row]) -> CapturedStep:
+        """Plan the rows into their bucket, capture it the first time, replay it."""
+        step = self.step(rows)
+        if step.shape not in self.captured:
+            self.captured[step.shape] = CapturedStep(self, step)
+        captured = self.captured[step.shape]
+        captured.replay()
+        return captured
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor | None]:
+        self.bytes_copied += sum(row.width for row in rows) * self.pool.shape.bytes_per_token
+        if self.replayable(rows):
+            return _per_row(rows, self._replay(rows).logits)
         step = self.step(rows)
         index, spans = self._logit_index(rows)
         sat_at = sat_inputs(rows)
@@ -199,8 +286,41 @@ class FlexEngine(Engine):
         with self._sat_deltas([i for i, _ in sat_at]):
             out = self.model(**self._inputs(ids, [((0, i), slot) for i, slot in sat_at]),
                              position_ids=step.fields["positions"].long()[None],
-                             attention_mask=NO_MASK.to(self.device), use_cache=False,
+                             attention_mask=self.mask, use_cache=False,
                              logits_to_keep=index.to(self.device), sled_flex=step)
         logits = out.logits[0]
-        self.bytes_copied += sum(row.width for row in rows) * self.pool.shape.bytes_per_token
         return [None if span is None else logits[span].float() for span in spans]
+
+    @torch.inference_mode()
+    def greedy(self, rows: Sequence[Row]) -> list[list[int]]:
+        """Each row's argmax token at every entry (none for a row without logits): one step,
+        then, when it replays a graph, one device-to-host copy of every position's argmax."""
+        if not self.replayable(rows):
+            return [[] if logits is None else logits.argmax(-1).tolist()
+                    for logits in self.forward(rows)]
+        self.bytes_copied += sum(row.width for row in rows) * self.pool.shape.bytes_per_token
+        ids = self._replay(rows).argmax[:sum(row.width for row in rows)].tolist()
+        out, offset = [], 0
+        for row in rows:
+            out.append(ids[offset:offset + row.width] if row.want_logits else [])
+            offset += row.width
+        return out
+
+
+def _row_blocks(model: torch.nn.Module, pool: BlockPool) -> int:
+    """The most blocks one row can list: its context limit in blocks (the CPU template instead
+    needs the whole pool listed)."""
+    config = model.config.get_text_config(decoder=True)
+    limit = getattr(config, "max_position_embeddings", None) or pool.capacity_tokens
+    return min(pool.num_blocks, -(-limit // pool.block_tokens))
+
+
+def _per_row(rows: Sequence[Row], logits: torch.Tensor) -> list[torch.Tensor | None]:
+    """Each row's slice of the logits of every packed position, copied (the next replay
+    overwrites them)."""
+    out, offset = [], 0
+    for row in rows:
+        out.append(logits[offset:offset + row.width].float().clone() if row.want_logits
+                   else None)
+        offset += row.width
+    return out

@@ -78,6 +78,16 @@ def step_shape(widths: Sequence[int]) -> StepShape:
     return StepShape(tokens, tuple(groups), bool(short))
 
 
+def common_shapes(max_rows: int, width: int = 5) -> list[StepShape]:
+    """The buckets of verify steps of 1, 2, 4, ... rows of `width` entries (k = 4 drafts), up
+    to max_rows: what a server captures at start."""
+    rows, shapes = 1, []
+    while rows <= max_rows:
+        shapes.append(step_shape([width] * rows))
+        rows *= 2
+    return shapes
+
+
 class StepLayout:
     """Where each field of a bucket's steps sits in the flat int32 buffer."""
 
@@ -139,8 +149,10 @@ def plan_step(rows, layout: StepLayout, host: dict[str, np.ndarray], block_token
                     offsets[index], layout.kv_width, bt, T, host)
     for row, offset in zip(rows, offsets):
         ids[offset:offset + len(row.tokens)] = row.tokens    # SAT slots stay 0: embeddings later
-        block_pos[row.kv.table] = np.arange(len(row.kv.table), dtype=np.int32)
     for g in range(len(members)):
+        table = host[f"table{g}"]
+        listed = table >= 0
+        block_pos[table[listed]] = np.broadcast_to(np.arange(table.shape[1]), table.shape)[listed]
         q = host[f"q_index{g}"]
         live = q < T
         rows_of = np.broadcast_to(np.arange(q.shape[0])[:, None], q.shape)[live]
@@ -163,6 +175,9 @@ def _plan_group(g: int, group: GroupShape, rows, starts, widths, offsets, kv_wid
     q_index[:n] = np.where(inside, offsets[:, None] + cols[None, :], T)
     table[:] = -1
     for b, row in enumerate(rows):
+        if len(row.kv.table) > kv_width:
+            raise ValueError(f"a row of {len(row.kv.table)} blocks passes the step's "
+                             f"{kv_width} (the engine's kv_width)")
         table[b, :len(row.kv.table)] = row.kv.table
     blocks[:] = 0
     blocks[:n] = -(-(starts + widths) // bt)

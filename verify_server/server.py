@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from sled.v1 import verifier_pb2 as pb
 from verify_server.auth import access_of
 from verify_server.engine import make_engine
+from verify_server.flex_plan import common_shapes
 from verify_server.metrics import Metrics
 from verify_server.scheduler import Scheduler
 from verify_server.service import Undecodable, VerifierService
@@ -72,6 +73,10 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     metrics.watch_pool(engine.pool)
     log.info("%s engine, KV pool %d tokens (%.0f MiB)", engine.kind, engine.pool.capacity_tokens,
              engine.pool.nbytes / (1 << 20))
+    if getattr(engine, "graphs", False):       # the flex engine on CUDA: capture common steps now
+        shapes = common_shapes(settings.max_batch_sessions)
+        log.info("capturing %d verify step shapes", len(shapes))
+        engine.prewarm(shapes)
     scheduler = Scheduler(engine, metrics, settings.max_batch_sessions, settings.max_step_tokens)
     scheduler.start()
     service = VerifierService(target, scheduler, settings, metrics, gate)

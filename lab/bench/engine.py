@@ -1,10 +1,19 @@
-"""`sled bench engine`: one verify step of the paged engine vs the padded fallback, as the
-sessions' contexts grow.
+"""`sled bench engine`: one verify step of each engine, as sessions and their contexts grow.
 
-Both engines run the same model over the same block pool layout; for each (sessions, context)
-cell every session verifies a k-token draft in one step, the engines alternate repetition by
-repetition, and the table gives the median step time of each and their ratio. The bytes of KV
-each step writes or copies outside attention come from the engines' own counters.
+The engines (`--engines`: paged, padded, flex, and flex-graph: the flex engine's whole step,
+planning, graph replay, argmax and one copy of the token ids back, as `FlexEngine.greedy` does
+it) run the same model, each over a block pool of its own; for each (sessions, context) cell
+every session verifies a k-token draft in one step, the engines alternate repetition by
+repetition, and the table gives the median step time of each, its ratio to the paged engine's,
+how often its argmax agrees with the paged engine's (bf16 ties are reported, not hidden), and the
+seconds its first step took (compiling, capturing). The KV bytes each step writes or copies
+outside attention come from the engines' own counters. `--shape` builds a real model shape with
+random weights where it runs (speed does not depend on the values); `--bandwidth` adds the
+memory-bandwidth floor (weights plus the KV read, over the bandwidth). The results file is
+written after every cell, so a run cut short keeps what it measured.
+
+    sled bench engine --device cuda --dtype bfloat16 --shape llama-8b,gemma3-4b \
+        --sessions 1,16,64 --contexts 512,2048 --engines paged,flex,flex-graph --bandwidth 3.35e12
 """
 from __future__ import annotations
 
@@ -12,7 +21,7 @@ import statistics
 import time
 
 from lab.bench import harness
-from lab.bench.report import percentile, save_figure, subplots
+from lab.bench.report import percentile, save_figure, subplots, write_json
 
 
 def add_arguments(parser) -> None:
@@ -31,18 +40,73 @@ def add_arguments(parser) -> None:
     parser.add_argument("--block-tokens", type=positive_int, default=16, help="tokens per KV block")
     parser.add_argument("--reps", type=positive_int, default=5,
                         help="timed steps per engine and cell, interleaved")
+    parser.add_argument("--engines", default="paged,padded",
+                        type=harness.listed(_unknown("engine"), *ENGINE_KINDS),
+                        help=f"engines to compare, the first is the reference ({', '.join(ENGINE_KINDS)})")
+    parser.add_argument("--shape", default=None, type=harness.listed(_unknown("shape"), *SHAPES),
+                        help=f"real model shapes with random weights ({', '.join(SHAPES)}); "
+                             "instead of --model")
+    parser.add_argument("--bandwidth", type=float, default=None, metavar="BYTES_PER_S",
+                        help="device memory bandwidth, for the floor column (H100: 3.35e12)")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="time only the flex engine's planner (host side, no model): "
+                             "64 rows of 2048 tokens should plan in 1 ms")
     harness.add_out_flag(parser, "engine")
+
+
+def _unknown(what: str):
+    """An item type that takes nothing: only the listed words pass."""
+    import argparse
+
+    def refuse(text: str):
+        raise argparse.ArgumentTypeError(f"unknown {what} {text!r}")
+    return refuse
+
+
+ENGINE_KINDS = ("paged", "padded", "flex", "flex-graph")
+# Real shapes (the configs of Llama 3.1 8B and Gemma 3 4B), built with random weights.
+SHAPES = {
+    "llama-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                               max_position_embeddings=8192, rope_theta=500000.0)),
+    "gemma3-4b": ("gemma3_text", dict(hidden_size=2560, intermediate_size=10240,
+                                      num_hidden_layers=34, num_attention_heads=8,
+                                      num_key_value_heads=4, head_dim=256, vocab_size=262208,
+                                      sliding_window=1024, query_pre_attn_scalar=256,
+                                      max_position_embeddings=32768)),
+    "tiny-llama": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                 num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
+                                 max_position_embeddings=4096)),
+    "tiny-gemma3": ("gemma3_text", dict(hidden_size=128, intermediate_size=256,
+                                        num_hidden_layers=3, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=64, vocab_size=1024,
+                                        sliding_window=24, query_pre_attn_scalar=64,
+                                        layer_types=["sliding_attention", "sliding_attention",
+                                                     "full_attention"],
+                                        max_position_embeddings=4096)),
+}
 
 
 def run(args) -> int:
     return harness.run_bench("engine", bench, args)
 
 
-def _engines(model, budget_bytes: int, block_tokens: int):
+def _engines(model, budget_bytes: int, block_tokens: int, kinds) -> dict:
     from verify_server.engine import make_engine
+    from verify_server.flex import FlexEngine
 
-    return {kind: make_engine(model, kv_budget_bytes=budget_bytes, block_tokens=block_tokens, kind=kind)
-            for kind in ("paged", "padded")}
+    engines = {}
+    for kind in kinds:
+        if kind.startswith("flex"):
+            engine = make_engine(model, kv_budget_bytes=budget_bytes, block_tokens=block_tokens,
+                                 kind="paged")        # its pool; the flex engine takes it over
+            # flex-graph: CUDA graphs where there is CUDA (a CPU dry run times the same call)
+            engines[kind] = FlexEngine(model, engine.pool,
+                                       graphs=kind == "flex-graph" and engine.device.type == "cuda")
+        else:
+            engines[kind] = make_engine(model, kv_budget_bytes=budget_bytes,
+                                        block_tokens=block_tokens, kind=kind)
+    return engines
 
 
 def _fill(engine, sessions: int, context: int, draft_len: int):
@@ -62,42 +126,149 @@ def _fill(engine, sessions: int, context: int, draft_len: int):
     return kvs
 
 
-def _step(engine, kvs, draft_len: int) -> tuple[float, int]:
+def _rows(kvs, draft_len: int):
     from verify_server.engine import Row
 
     draft = list(range(5, 5 + draft_len + 1))
+    return [Row(kv, draft, True) for kv in kvs]       # nothing committed: all rejected
+
+
+def _step(engine, kvs, draft_len: int, whole: bool) -> tuple[float, int, list[list[int]]]:
+    """One timed verify step: seconds, KV bytes moved, and each row's argmax tokens (read back
+    after the clock stops, except for a whole step, flex-graph's, which ends with that copy)."""
+    import torch
+
+    rows = _rows(kvs, draft_len)
+    engine.activate()
     copied = engine.bytes_copied
+    _sync(engine)
     started = time.perf_counter()
-    engine.forward([Row(kv, draft, True) for kv in kvs])   # nothing committed: all rejected
-    elapsed = time.perf_counter() - started
-    return elapsed, engine.bytes_copied - copied
+    if whole:
+        ids = engine.greedy(rows)                       # its own device-to-host copy
+        elapsed = time.perf_counter() - started
+    else:
+        logits = engine.forward(rows)
+        _sync(engine)
+        elapsed = time.perf_counter() - started
+        with torch.inference_mode():
+            ids = [row.argmax(-1).tolist() for row in logits]
+    return elapsed, engine.bytes_copied - copied, ids
+
+
+def _sync(engine) -> None:
+    import torch
+
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
 
 
 def bench(args) -> int:
     from rich.progress import Progress
 
-    from lab.tiny import cached_pair
-    from sled.models import resolve_model
-    from verify_server.target import Target
-
     console = harness.bench_console()
-    target = Target.load(resolve_model(args.model) if args.model else cached_pair()[0],
-                         dtype=args.dtype, device=args.device)
+    if args.plan_only:
+        return plan_bench(args, console)
     contexts = harness.split_list(args.contexts, int)
     sessions = harness.split_list(args.sessions, int)
-    cells = []
+    kinds = harness.split_list(args.engines, str)
+    targets = harness.split_list(args.shape, str) if args.shape else [None]
+    results = {"device": args.device, "dtype": args.dtype, "engines": kinds, "reps": args.reps,
+               "k": args.draft_len, "block_tokens": args.block_tokens, "models": []}
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("engine steps", total=len(contexts) * len(sessions))
-        for n in sessions:
-            for context in contexts:
-                cells.append(_cell(target.model, n, context, args))
-                progress.update(task, advance=1)
-    console.print(_table(cells, target, args.draft_len))
-    harness.write_results(console, args.out, {
-        "model": target.model_id, "device": target.device, "dtype": target.dtype,
-        "bytes_per_token": _bytes_per_token(target.model), "reps": args.reps, "cells": cells},
-        lambda png: _plot(cells, png, target.model_id))
+        task = progress.add_task("engine steps", total=len(targets) * len(contexts) * len(sessions))
+        for shape in targets:
+            model, model_id, device_name = _model(args, shape)
+            entry = {"model": model_id, "device_name": device_name,
+                     "bytes_per_token": _bytes_per_token(model),
+                     "weight_bytes": _weight_bytes(model), "cells": []}
+            results["models"].append(entry)
+            for n in sessions:
+                for context in contexts:
+                    entry["cells"].append(_cell(model, n, context, args, kinds))
+                    write_json(args.out, results)      # what is measured so far
+                    progress.update(task, advance=1)
+            console.print(_table(entry, kinds, args))
+            del model
+    harness.write_results(console, args.out, results, lambda png: _plot(results, png))
     return harness.DONE
+
+
+def plan_bench(args, console) -> int:
+    """The flex planner alone: sessions with block tables of `context` tokens (no KV written),
+    one verify row each, planned into their bucket's host buffer; median ms over --reps."""
+    import numpy as np
+    import torch
+    from rich.table import Table
+
+    from verify_server.blocks import BlockPool, KVShape
+    from verify_server.engine import Row
+    from verify_server.flex_plan import StepLayout, plan_step, step_shape
+    from verify_server.kv import SessionKV
+
+    cells = []
+    table = Table(title=f"flex planner, one core (k={args.draft_len}, "
+                        f"{args.block_tokens}-token blocks)")
+    for column in ("sessions", "context", "plan ms p50", "plan ms p90"):
+        table.add_column(column, justify="right")
+    for n in harness.split_list(args.sessions, int):
+        for context in harness.split_list(args.contexts, int):
+            bt = args.block_tokens
+            blocks = n * (-(-(context + args.draft_len + 1) // bt) + 1) + 2
+            pool = BlockPool(KVShape(1, 1, 1, torch.float32), blocks, bt)
+            kvs = []
+            for _ in range(n):
+                kv = SessionKV(pool)
+                kv.admit([], context + args.draft_len + 1, b"")
+                kv.slots(0, context)
+                kv.commit(context)
+                kvs.append(kv)
+            rows = [Row(kv, list(range(5, 6 + args.draft_len)), True) for kv in kvs]
+            # each row lists its own blocks (the CUDA engine's kv width: a row's context limit)
+            layout = StepLayout(step_shape([row.width for row in rows]),
+                                -(-(context + args.draft_len + 1) // bt), pool.num_blocks)
+            host = layout.views(np.zeros(layout.size, dtype=np.int32))
+            times = []
+            for _ in range(args.reps + 1):
+                started = time.perf_counter()
+                plan_step(rows, layout, host, bt, 0)
+                times.append((time.perf_counter() - started) * 1e3)
+            times = times[1:]
+            cells.append({"sessions": n, "context": context, "plan_ms_p50": statistics.median(times),
+                          "plan_ms_p90": percentile(times, 90)})
+            table.add_row(str(n), str(context), f"{cells[-1]['plan_ms_p50']:.3f}",
+                          f"{cells[-1]['plan_ms_p90']:.3f}")
+    console.print(table)
+    harness.write_results(console, args.out, {"planner": cells, "block_tokens": args.block_tokens,
+                                               "k": args.draft_len, "reps": args.reps})
+    return harness.DONE
+
+
+def _model(args, shape: str | None):
+    """(model, its name, the device's name): a real shape with random weights, or a target."""
+    import torch
+
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if shape is None:
+        from lab.tiny import cached_pair
+        from sled.models import resolve_model
+        from verify_server.target import Target
+
+        target = Target.load(resolve_model(args.model) if args.model else cached_pair()[0],
+                             dtype=args.dtype, device=args.device)
+        return target.model, target.model_id, name
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kind, fields = SHAPES[shape]
+    config = AutoConfig.for_model(kind, **fields)
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+    return model.eval(), shape, name
+
+
+def _weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _bytes_per_token(model) -> int:
@@ -106,42 +277,68 @@ def _bytes_per_token(model) -> int:
     return KVShape.of(model).bytes_per_token
 
 
-def _cell(model, n: int, context: int, args) -> dict:
-    """Both engines on n sessions of `context` tokens: step times and bytes moved."""
+def _cell(model, n: int, context: int, args, kinds) -> dict:
+    """Every engine on n sessions of `context` tokens: step times, agreement, bytes moved."""
     per_token = _bytes_per_token(model)
     tokens = n * (context + args.draft_len + 1 + args.block_tokens) + args.block_tokens
-    need = tokens * per_token
-    engines = _engines(model, need, args.block_tokens)
-    kvs = {kind: _fill(engine, n, context, args.draft_len) for kind, engine in engines.items()}
+    engines = _engines(model, tokens * per_token, args.block_tokens, kinds)
+    kvs = {}
+    for kind, engine in engines.items():
+        engine.activate()
+        kvs[kind] = _fill(engine, n, context, args.draft_len)
     times = {kind: [] for kind in engines}
-    copied = {}
+    first_s, copied, ids = {}, {}, {}
     for rep in range(args.reps + 1):
         for kind, engine in engines.items():
-            elapsed, moved = _step(engine, kvs[kind], args.draft_len)
-            if rep:                     # the first pass warms up
+            elapsed, moved, ids[kind] = _step(engine, kvs[kind], args.draft_len,
+                                              whole=kind == "flex-graph")
+            if rep:                     # the first pass warms up (compiles, captures)
                 times[kind].append(elapsed * 1e3)
+            else:
+                first_s[kind] = round(elapsed, 2)
             copied[kind] = moved
-    return {
+    reference = kinds[0]
+    medians = {kind: statistics.median(t) for kind, t in times.items()}
+    cell = {
         "sessions": n, "context": context, "k": args.draft_len,
-        **{f"{kind}_ms_p50": statistics.median(t) for kind, t in times.items()},
+        **{f"{kind}_ms_p50": medians[kind] for kind in engines},
         **{f"{kind}_ms_p90": percentile(t, 90) for kind, t in times.items()},
         **{f"{kind}_bytes_copied": copied[kind] for kind in engines},
-        "padded_over_paged": statistics.median(times["padded"]) / statistics.median(times["paged"]),
+        **{f"{kind}_first_step_s": first_s[kind] for kind in engines},
+        **{f"{kind}_over_{reference}": medians[kind] / medians[reference] for kind in engines},
+        **{f"{kind}_argmax_agree": _agreement(ids[kind], ids[reference]) for kind in engines},
     }
+    if args.bandwidth:
+        read = _weight_bytes(model) + n * (context + args.draft_len + 1) * per_token
+        cell["floor_ms"] = read / args.bandwidth * 1e3
+    del engines
+    return cell
 
 
-def _table(cells: list[dict], target, draft_len: int):
+def _agreement(mine: list[list[int]], reference: list[list[int]]) -> str:
+    same = sum(a == b for row, ref in zip(mine, reference) for a, b in zip(row, ref))
+    return f"{same}/{sum(len(row) for row in reference)}"
+
+
+def _table(entry: dict, kinds, args):
     from rich.table import Table
 
-    table = Table(title=f"verify step (k={draft_len}): paged vs padded engine, "
-                        f"{target.model_id} on {target.device}")
-    for column in ("sessions", "context", "paged ms", "padded ms", "ratio", "paged copied",
-                   "padded copied"):
+    reference = kinds[0]
+    table = Table(title=f"verify step (k={args.draft_len}): {', '.join(kinds)}; "
+                        f"{entry['model']} on {entry['device_name']} ({args.dtype})")
+    for column in ("sessions", "context", *(f"{kind} ms" for kind in kinds),
+                   *(f"{kind} / {reference}" for kind in kinds[1:]),
+                   *(f"{kind} agrees" for kind in kinds[1:]),
+                   *(f"{kind} copied" for kind in kinds),
+                   *(["floor ms"] if args.bandwidth else [])):
         table.add_column(column, justify="right")
-    for c in cells:
-        table.add_row(str(c["sessions"]), str(c["context"]), f"{c['paged_ms_p50']:.2f}",
-                      f"{c['padded_ms_p50']:.2f}", f"{c['padded_over_paged']:.2f}x",
-                      _size(c["paged_bytes_copied"]), _size(c["padded_bytes_copied"]))
+    for c in entry["cells"]:
+        table.add_row(str(c["sessions"]), str(c["context"]),
+                      *(f"{c[f'{kind}_ms_p50']:.2f}" for kind in kinds),
+                      *(f"{c[f'{kind}_over_{reference}']:.2f}x" for kind in kinds[1:]),
+                      *(c[f"{kind}_argmax_agree"] for kind in kinds[1:]),
+                      *(_size(c[f"{kind}_bytes_copied"]) for kind in kinds),
+                      *([f"{c['floor_ms']:.2f}"] if args.bandwidth else []))
     return table
 
 
@@ -153,15 +350,20 @@ def _size(n: int) -> str:
     return f"{n:.0f} TiB"
 
 
-def _plot(cells, path, model_id):
-    fig, axes = subplots(1, figsize=(6, 4))
-    axes = [axes]
-    for n in sorted({c["sessions"] for c in cells}):
-        row = [c for c in cells if c["sessions"] == n]
-        for kind, style in (("paged", "-o"), ("padded", "--s")):
-            axes[0].plot([c["context"] for c in row], [c[f"{kind}_ms_p50"] for c in row], style,
-                         label=f"{kind}, {n} sessions")
-    axes[0].set_xscale("log", base=2)
-    axes[0].set_xlabel("context tokens per session")
-    axes[0].set_ylabel("verify step ms (p50)")
-    return save_figure(fig, axes, path, f"engine step time, {model_id}")
+def _plot(results: dict, path):
+    models = results["models"]
+    fig, axes = subplots(len(models), figsize=(6, 4 * len(models)))
+    axes = list(axes) if len(models) > 1 else [axes]
+    styles = ("-o", "--s", "-.^", ":v")
+    for ax, entry in zip(axes, models):
+        cells = entry["cells"]
+        for n in sorted({c["sessions"] for c in cells}):
+            row = [c for c in cells if c["sessions"] == n]
+            for kind, style in zip(results["engines"], styles):
+                ax.plot([c["context"] for c in row], [c[f"{kind}_ms_p50"] for c in row], style,
+                        label=f"{kind}, {n} sessions")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens per session")
+        ax.set_ylabel("verify step ms (p50)")
+        ax.set_title(f"{entry['model']} on {entry['device_name']}")
+    return save_figure(fig, axes, path, "engine step time")
