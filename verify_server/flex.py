@@ -207,8 +207,10 @@ class FlexEngine(Engine):
         for tensor in (*pool.keys, *pool.values):
             tensor.zero_()
         cuda = self.device.type == "cuda"
-        self.flex = flex or (torch.compile(flex_attention, dynamic=False) if cuda
-                             else flex_attention)
+        if flex is None and cuda:
+            flex = torch.compile(flex_attention, dynamic=False)
+            _allow_recompiles(RECOMPILES)
+        self.flex = flex or flex_attention
         self.graphs = cuda if graphs is None else graphs
         if self.graphs and not cuda:
             raise ValueError("CUDA graphs need a CUDA device: the flex engine on "
@@ -305,6 +307,19 @@ class FlexEngine(Engine):
             out.append(ids[offset:offset + row.width] if row.want_logits else [])
             offset += row.width
         return out
+
+
+# The compiled flex function is specialised per bucket shape and window (rows up to 64 in
+# powers of two, three short widths, long groups, with and without a window): more than
+# dynamo's default of 8 recompiles, after which it would run flex's dense path unannounced.
+RECOMPILES = 256
+
+
+def _allow_recompiles(count: int) -> None:
+    import torch._dynamo.config as dynamo
+
+    dynamo.recompile_limit = max(dynamo.recompile_limit, count)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, count)
 
 
 def _row_blocks(model: torch.nn.Module, pool: BlockPool) -> int:

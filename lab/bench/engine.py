@@ -2,7 +2,7 @@
 
 The engines (`--engines`: paged, padded, flex, and flex-graph: the flex engine's whole step,
 planning, graph replay, argmax and one copy of the token ids back, as `FlexEngine.greedy` does
-it) run the same model, each over a block pool of its own; for each (sessions, context) cell
+it) run the same model over one block pool and verify the very same sessions; for each (sessions, context) cell
 every session verifies a k-token draft in one step, the engines alternate repetition by
 repetition, and the table gives the median step time of each, its ratio to the paged engine's,
 how often its argmax agrees with the paged engine's (bf16 ties are reported, not hidden), and the
@@ -92,21 +92,19 @@ def run(args) -> int:
 
 
 def _engines(model, budget_bytes: int, block_tokens: int, kinds) -> dict:
-    from verify_server.engine import make_engine
+    """Every engine over one pool (made before any KV is written: the flex engine zeroes it),
+    so they verify the very same sessions."""
+    from verify_server.engine import PaddedEngine, PagedEngine, make_engine
     from verify_server.flex import FlexEngine
 
-    engines = {}
-    for kind in kinds:
-        if kind.startswith("flex"):
-            engine = make_engine(model, kv_budget_bytes=budget_bytes, block_tokens=block_tokens,
-                                 kind="paged")        # its pool; the flex engine takes it over
-            # flex-graph: CUDA graphs where there is CUDA (a CPU dry run times the same call)
-            engines[kind] = FlexEngine(model, engine.pool,
-                                       graphs=kind == "flex-graph" and engine.device.type == "cuda")
-        else:
-            engines[kind] = make_engine(model, kv_budget_bytes=budget_bytes,
-                                        block_tokens=block_tokens, kind=kind)
-    return engines
+    pool = make_engine(model, kv_budget_bytes=budget_bytes, block_tokens=block_tokens,
+                       kind="padded").pool
+    cuda = pool.keys[0].device.type == "cuda"
+    made = {"paged": lambda: PagedEngine(model, pool), "padded": lambda: PaddedEngine(model, pool),
+            "flex": lambda: FlexEngine(model, pool, graphs=False),
+            # CUDA graphs where there is CUDA (a CPU dry run times the same call)
+            "flex-graph": lambda: FlexEngine(model, pool, graphs=cuda)}
+    return {kind: made[kind]() for kind in kinds}
 
 
 def _fill(engine, sessions: int, context: int, draft_len: int):
@@ -282,10 +280,10 @@ def _cell(model, n: int, context: int, args, kinds) -> dict:
     per_token = _bytes_per_token(model)
     tokens = n * (context + args.draft_len + 1 + args.block_tokens) + args.block_tokens
     engines = _engines(model, tokens * per_token, args.block_tokens, kinds)
-    kvs = {}
-    for kind, engine in engines.items():
-        engine.activate()
-        kvs[kind] = _fill(engine, n, context, args.draft_len)
+    reference = kinds[0]
+    engines[reference].activate()
+    sessions = _fill(engines[reference], n, context, args.draft_len)
+    kvs = {kind: sessions for kind in engines}
     times = {kind: [] for kind in engines}
     first_s, copied, ids = {}, {}, {}
     for rep in range(args.reps + 1):
@@ -297,7 +295,6 @@ def _cell(model, n: int, context: int, args, kinds) -> dict:
             else:
                 first_s[kind] = round(elapsed, 2)
             copied[kind] = moved
-    reference = kinds[0]
     medians = {kind: statistics.median(t) for kind, t in times.items()}
     cell = {
         "sessions": n, "context": context, "k": args.draft_len,
