@@ -1,7 +1,7 @@
 """The lab's container images, built without a registry: a base image, a wheelhouse, the images.
 
     base_image(build=True)  -> "sled-base:bookworm"  (debootstrap + docker import, cached by tag)
-    wheelhouse()            -> ~/.cache/sled/wheelhouse/<key>/  (every dependency the images install)
+    wheelhouse()            -> ~/.cache/sled/wheelhouse/<key>/  (every dependency of the images)
     project_wheel(out)      -> the project's own wheel, built from this tree
     build_images(base, house, wheel) -> {"server": "sled-lab-server:<key>", "device": ...,
                                          "broker": ..., "server-deps": ..., "device-deps": ...}
@@ -167,10 +167,11 @@ def prune_wheelhouses(root: Path, keep: Path, count: int = 2) -> None:
 
 
 def wheelhouse_key(torch: str = TORCH) -> str:
-    """What the dependencies depend on: pyproject.toml, this CPU's llama.cpp build and torch
-    (never the project's code)."""
+    """What the dependencies depend on: pyproject.toml, each image's requirements, this CPU's
+    llama.cpp build and torch (never the project's code)."""
     digest = hashlib.sha256(b"dependencies only\n")
     digest.update((ROOT / "pyproject.toml").read_bytes())
+    digest.update(repr(image_requirements(torch)).encode())      # the extras each image takes
     digest.update(llama_build.wheel_key(llama_build.current_flags()).encode())
     digest.update(torch.encode())
     return digest.hexdigest()[:16]

@@ -215,6 +215,15 @@ def test_each_image_requires_its_extras_and_the_device_no_torch(tmp_path):
     assert images.TORCH in wanted["server"]
 
 
+def test_the_wheelhouse_key_follows_what_each_image_requires(monkeypatch):
+    from lab import images
+
+    before = images.wheelhouse_key()
+    assert images.wheelhouse_key() == before
+    monkeypatch.setattr(images, "SERVER_EXTRA_PACKAGES", ("openai>=1.50,<4",))
+    assert images.wheelhouse_key() != before
+
+
 def test_a_change_to_the_project_rebuilds_only_its_own_layer(tmp_path):
     """The dependencies images are keyed by the wheelhouse and the base alone: a new project
     wheel gives new server and device tags over the same dependencies images."""

@@ -189,8 +189,9 @@ async def test_eight_sessions_over_grpc_match_generate_on_the_flex_engine(serve,
     server = await serve(model, engine="flex", kv_budget=2 << 20)
     assert server.scheduler.engine.kind == "flex"
     results = await asyncio.gather(*(
-        generate(server_stub(server), HFDrafter(drafter_models["llama"], tokenizer, name="hf:noisy"),
-                 prompt, max_new_tokens=16, settings=RoundSettings(draft_len=4))
+        generate(server_stub(server),
+                 HFDrafter(drafter_models["llama"], tokenizer, name="hf:noisy"), prompt,
+                 max_new_tokens=16, settings=RoundSettings(draft_len=4))
         for prompt in prompts))
     for result, prompt in zip(results, prompts):
         assert result.token_ids == greedy_reference(model, prompt, 16)
@@ -364,6 +365,7 @@ def test_the_engine_bench_runs_every_engine_on_cpu(tmp_path, capsys):
         assert len(entry["cells"]) == 2
         for cell in entry["cells"]:
             total = cell["sessions"] * 5
-            assert cell["flex_argmax_agree"] == cell["flex-graph_argmax_agree"] == f"{total}/{total}"
+            agree = f"{total}/{total}"
+            assert cell["flex_argmax_agree"] == cell["flex-graph_argmax_agree"] == agree
             assert cell["flex_ms_p50"] > 0 and cell["floor_ms"] > 0
     assert out.with_suffix(".png").stat().st_size > 0

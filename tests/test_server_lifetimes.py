@@ -267,7 +267,11 @@ async def test_get_tokenizer_does_no_work_per_call(serve, models, tokenizer, pro
         get = channel.unary_stream("/sled.v1.Verifier/GetTokenizer",
                                    request_serializer=pb.GetTokenizerRequest.SerializeToString,
                                    response_deserializer=pb.TokenizerChunk.FromString)
-        replies = await asyncio.gather(*[chunks_of(get(pb.GetTokenizerRequest())) for _ in range(12)])
+        # as many at once as the server sends (more would be refused, RESOURCE_EXHAUSTED,
+        # whenever the first ones are not yet over)
+        calls = server.service.settings.max_tokenizer_calls
+        replies = await asyncio.gather(*[chunks_of(get(pb.GetTokenizerRequest()))
+                                         for _ in range(calls)])
     assert all(files_of(r) == expected for r in replies)
     await wait_until(lambda: service.tokenizer_calls == 0, "the calls to be counted done")
 

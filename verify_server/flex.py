@@ -48,6 +48,11 @@ class FlexStep:
     def __init__(self, pool: BlockPool, shape: StepShape, kv_width: int, device: torch.device,
                  flex=flex_attention) -> None:
         self.pool, self.shape, self.flex = pool, shape, flex
+        # The KV block of the BlockMask is the pool's block: the kernels' key tile must fit in
+        # it (flex's main kernel, for groups wider than its decode kernel takes, does not
+        # shrink its tile by itself)
+        self.kernel_options = ({"BLOCK_N": min(pool.block_tokens, 64)} if device.type == "cuda"
+                               else None)
         self.layout = StepLayout(shape, kv_width, pool.num_blocks)
         pinned = device.type == "cuda"
         self.host_buffer = torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=pinned)
@@ -56,6 +61,7 @@ class FlexStep:
                               else self.host_buffer)
         self.fields = self.layout.views(self.device_buffer)
         self.tokens = shape.tokens
+        self.uploaded = None          # the event of an upload still in flight (CUDA)
         self.write_slots = self.fields["write_slots"]
         self.groups = [FlexGroup(self, g, group.width) for g, group in enumerate(shape.groups)]
 
@@ -70,6 +76,14 @@ class FlexStep:
     def upload(self) -> None:
         if self.device_buffer is not self.host_buffer:
             self.device_buffer.copy_(self.host_buffer, non_blocking=True)
+            self.uploaded = torch.cuda.Event()
+            self.uploaded.record()
+
+    def writable(self) -> None:
+        """Wait until the last upload has read the pinned buffer: the next plan rewrites it."""
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+            self.uploaded = None
 
 
 class FlexGroup:
@@ -135,7 +149,8 @@ class FlexGroup:
 def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                            sliding_window=None, softcap=None, sled_flex: FlexStep | None = None,
                            **kwargs):
-    """query [1, H, T, D], key/value [1, KVH, T, D] of the packed new tokens -> ([1, T, H, D], None).
+    """query [1, H, T, D], key/value [1, KVH, T, D] of the packed new tokens
+    -> ([1, T, H, D], None).
     Outside an engine step this is plain SDPA."""
     if sled_flex is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -155,7 +170,8 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling=No
         q = padded[:, index].transpose(0, 1)                              # [B, H, W, D]
         attn = step.flex(q, keys.to(q.dtype), values.to(q.dtype), score_mod=score_mod,
                          block_mask=group.block_mask(sliding_window, heads // keys.shape[1]),
-                         scale=scaling, enable_gqa=keys.shape[1] != heads)
+                         scale=scaling, enable_gqa=keys.shape[1] != heads,
+                         kernel_options=step.kernel_options)
         out.index_copy_(0, index.reshape(-1), attn.transpose(1, 2).reshape(-1, heads, dim))
     return out[:tokens][None], None
 
@@ -183,7 +199,8 @@ class CapturedStep:
             for _ in range(warmups):
                 engine.whole_step(step)
         torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(self.graph, pool=engine.graph_pool):
+        with torch.cuda.graph(self.graph, pool=engine.graph_pool,
+                              capture_error_mode="thread_local"):
             self.logits, self.argmax = engine.whole_step(step)
 
     def replay(self) -> None:
@@ -227,6 +244,7 @@ class FlexEngine(Engine):
     def step(self, rows: Sequence[Row]) -> FlexStep:
         """The bucket's buffers holding this step's plan, uploaded."""
         step = self._buffers(step_shape([row.width for row in rows]))
+        step.writable()
         plan_step(rows, step.layout, step.host, self.pool.block_tokens, TRASH_SLOT)
         self._upload(step)
         return step
@@ -257,6 +275,7 @@ class FlexEngine(Engine):
         for shape in shapes:
             if self.graphs and shape.graphable and shape not in self.captured:
                 step = self._buffers(shape)
+                step.writable()
                 step.clear(TRASH_SLOT)
                 self._upload(step)
                 self.captured[shape] = CapturedStep(self, step)
@@ -309,6 +328,9 @@ class FlexEngine(Engine):
         return out
 
 
+# Entries a row may have past the context limit (a draft and SAT blocks after every cut).
+OVERHANG = 512
+
 # The compiled flex function is specialised per bucket shape and window (rows up to 64 in
 # powers of two, three short widths, long groups, with and without a window): more than
 # dynamo's default of 8 recompiles, after which it would run flex's dense path unannounced.
@@ -323,11 +345,12 @@ def _allow_recompiles(count: int) -> None:
 
 
 def _row_blocks(model: torch.nn.Module, pool: BlockPool) -> int:
-    """The most blocks one row can list: its context limit in blocks (the CPU template instead
-    needs the whole pool listed)."""
+    """The most blocks one row can list: its context limit and an overhang, in blocks (the CPU
+    template instead needs the whole pool listed)."""
     config = model.config.get_text_config(decoder=True)
     limit = getattr(config, "max_position_embeddings", None) or pool.capacity_tokens
-    return min(pool.num_blocks, -(-limit // pool.block_tokens))
+    # a session reserves past the limit by its draft and SAT slots: room for them too
+    return min(pool.num_blocks, -(-(limit + OVERHANG) // pool.block_tokens))
 
 
 def _per_row(rows: Sequence[Row], logits: torch.Tensor) -> list[torch.Tensor | None]:

@@ -2,15 +2,16 @@
 
 The engines (`--engines`: paged, padded, flex, and flex-graph: the flex engine's whole step,
 planning, graph replay, argmax and one copy of the token ids back, as `FlexEngine.greedy` does
-it) run the same model over one block pool and verify the very same sessions; for each (sessions, context) cell
-every session verifies a k-token draft in one step, the engines alternate repetition by
-repetition, and the table gives the median step time of each, its ratio to the paged engine's,
-how often its argmax agrees with the paged engine's (bf16 ties are reported, not hidden), and the
-seconds its first step took (compiling, capturing). The KV bytes each step writes or copies
-outside attention come from the engines' own counters. `--shape` builds a real model shape with
-random weights where it runs (speed does not depend on the values); `--bandwidth` adds the
-memory-bandwidth floor (weights plus the KV read, over the bandwidth). The results file is
-written after every cell, so a run cut short keeps what it measured.
+it) run the same model over one block pool and verify the very same sessions. For each
+(sessions, context) cell every session verifies a k-token draft in one step, the engines
+alternate repetition by repetition, and the table gives the median step time of each, its ratio
+to the first engine's, how often its argmax agrees with the first engine's (bf16 ties are
+reported, not hidden), and the seconds its first step took (compiling, capturing). The KV
+bytes each step writes or copies outside attention come from the engines' own counters.
+`--shape` builds a real model shape with random weights where it runs (speed does not depend on
+the values); `--bandwidth` adds the memory-bandwidth floor (weights plus the KV read, over the
+bandwidth). The results file is written after every cell, so a run cut short keeps what it
+measured.
 
     sled bench engine --device cuda --dtype bfloat16 --shape llama-8b,gemma3-4b \
         --sessions 1,16,64 --contexts 512,2048 --engines paged,flex,flex-graph --bandwidth 3.35e12
@@ -42,7 +43,8 @@ def add_arguments(parser) -> None:
                         help="timed steps per engine and cell, interleaved")
     parser.add_argument("--engines", default="paged,padded",
                         type=harness.listed(_unknown("engine"), *ENGINE_KINDS),
-                        help=f"engines to compare, the first is the reference ({', '.join(ENGINE_KINDS)})")
+                        help="engines to compare, the first is the reference "
+                             f"({', '.join(ENGINE_KINDS)})")
     parser.add_argument("--shape", default=None, type=harness.listed(_unknown("shape"), *SHAPES),
                         help=f"real model shapes with random weights ({', '.join(SHAPES)}); "
                              "instead of --model")
@@ -231,7 +233,8 @@ def plan_bench(args, console) -> int:
                 plan_step(rows, layout, host, bt, 0)
                 times.append((time.perf_counter() - started) * 1e3)
             times = times[1:]
-            cells.append({"sessions": n, "context": context, "plan_ms_p50": statistics.median(times),
+            cells.append({"sessions": n, "context": context,
+                          "plan_ms_p50": statistics.median(times),
                           "plan_ms_p90": percentile(times, 90)})
             table.add_row(str(n), str(context), f"{cells[-1]['plan_ms_p50']:.3f}",
                           f"{cells[-1]['plan_ms_p90']:.3f}")
