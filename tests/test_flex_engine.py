@@ -369,3 +369,15 @@ def test_the_engine_bench_runs_every_engine_on_cpu(tmp_path, capsys):
             assert cell["flex_argmax_agree"] == cell["flex-graph_argmax_agree"] == agree
             assert cell["flex_ms_p50"] > 0 and cell["floor_ms"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_an_unknown_engine_kind_and_a_row_past_the_kv_width_are_refused(models):
+    model = f32(models["llama"])
+    with pytest.raises(ValueError, match="unknown engine kind 'vllm': use auto, paged, flex, padded"):
+        make_engine(model, kv_budget_bytes=1 << 20, kind="vllm")
+    pool = BlockPool(KVShape.of(model), 32, BT)
+    flex = FlexEngine(copy.deepcopy(model), pool, kv_width=2)      # rows may list 2 blocks
+    kv = flex.new_kv()
+    kv.admit([], 40, b"")
+    with pytest.raises(ValueError, match="a row of 3 blocks passes the step's 2"):
+        flex.forward([Row(kv, list(range(3, 23)), False)])
