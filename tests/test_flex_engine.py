@@ -135,9 +135,9 @@ def test_sat_blocks_window_and_softcap_at_the_attention_level(window, softcap):
     for tensor, kept in zip((*pool.keys, *pool.values), before):
         tensor.copy_(kept)
     flex = FlexEngine.__new__(FlexEngine)
-    flex.pool, flex.device, flex.flex, flex.kv_width, flex.steps = (
+    flex.pool, flex.device, flex.flex, flex.kv_width, flex.steps, flex.bytes_copied = (
         pool, torch.device("cpu"), torch.nn.attention.flex_attention.flex_attention,
-        pool.num_blocks, {})
+        pool.num_blocks, {}, 0)
     plan = flex.step(rows)
     padded = [torch.cat([x, x.new_zeros(1, x.shape[1], plan.tokens - tokens, 16)], 2)
               for x in (q, k, v)]
@@ -316,6 +316,31 @@ def test_greedy_gives_each_rows_argmax_and_graphs_need_cuda(models):
         FlexEngine(copy.deepcopy(model), pool, graphs=True)
 
 
+def test_a_step_captured_by_compile_matches_and_its_bucket_compiles_once(models):
+    """capture="compile" (the whole step through torch.compile; on CPU without a graph) gives
+    the paged engine's argmax and logits, and a later step of other rows in the same bucket
+    runs the same compiled step."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    model = f32(models["llama"])
+    pool, paged, _ = pools_for(model)
+    compiled = FlexEngine(copy.deepcopy(model), pool, graphs=True, capture="compile")
+    kvs = fragmented_sessions(paged, [20, 12, 30, 9], list(range(3, 40)))
+    first = [Row(kvs[0], [1, 2, 3], True), Row(kvs[1], [4], True), Row(kvs[2], [5, 6], False)]
+    want = [[] if logits is None else logits.argmax(-1).tolist() for logits in paged.forward(first)]
+    assert compiled.replayable(first) and compiled.greedy(first) == want
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    second = [Row(kvs[3], [7, 8, 9, 10, 11], True, parents=(0, 1, 1, 2)), Row(kvs[4], [9], True),
+              Row(kvs[1], [4, 5], True)]
+    assert step_shape([r.width for r in second]) == step_shape([r.width for r in first])
+    assert_logits_agree(compiled.forward(second), paged.forward(second))
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    assert len(compiled.captured) == 1
+    with pytest.raises(ValueError, match="unknown capture 'trees': use graph or compile"):
+        FlexEngine(copy.deepcopy(model), pool, capture="trees")
+
+
 def test_an_empty_plan_writes_only_the_trash_slot():
     from verify_server.flex_plan import common_shapes
 
@@ -350,14 +375,16 @@ def test_engines_sharing_one_model_take_turns(models):
 
 
 def test_the_engine_bench_runs_every_engine_on_cpu(tmp_path, capsys):
-    """The GPU measurement's command, dry-run on tiny shapes: every engine, agreement, floor."""
+    """The GPU measurement's command, dry-run on tiny shapes: the engines and transformers'
+    static-cache baseline, agreement, floor."""
     import json
 
     from sled_cli.main import main
 
     out = tmp_path / "engine.json"
     assert main(["bench", "engine", "--shape", "tiny-llama,tiny-gemma3", "--engines",
-                 "paged,flex,flex-graph", "--sessions", "1,3", "--contexts", "40", "--reps", "1",
+                 "paged,flex,flex-graph,transformers-graph", "--sessions", "1,3", "--contexts",
+                 "40", "--reps", "1",
                  "--bandwidth", "1e10", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     assert [m["model"] for m in results["models"]] == ["tiny-llama", "tiny-gemma3"]
@@ -367,8 +394,30 @@ def test_the_engine_bench_runs_every_engine_on_cpu(tmp_path, capsys):
             total = cell["sessions"] * 5
             agree = f"{total}/{total}"
             assert cell["flex_argmax_agree"] == cell["flex-graph_argmax_agree"] == agree
+            # the baseline's static cache holds the same contexts (gemma3's window shifted)
+            assert cell["transformers-graph_argmax_agree"] == agree
             assert cell["flex_ms_p50"] > 0 and cell["floor_ms"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_the_engine_bench_runs_without_the_rest_of_the_install(tmp_path):
+    """`python -m lab.bench.engine` is the GPU box's command: its Python has torch and
+    transformers but not the daemon's and the CLI's dependencies, so the bench imports none."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom lab.bench import engine\n"
+              f"code = engine.main(['--plan-only', '--sessions', '2', '--contexts', '64', "
+              f"'--reps', '1', '--out', {str(tmp_path / 'plan.json')!r}])\n"
+              "print(sorted({m.split('.')[0] for m in sys.modules} & "
+              "{'pydantic', 'pydantic_settings', 'dotenv', 'aiomqtt', 'paho', "
+              "'cryptography', 'llama_cpp'}))\n"
+              "raise SystemExit(code)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "plan.json").stat().st_size > 0
 
 
 def test_an_unknown_engine_kind_and_a_row_past_the_kv_width_are_refused(models):

@@ -181,7 +181,8 @@ class BlockPool:
         """keys/values: [tokens, kv_heads, head_dim] into `slots` [tokens]."""
         self.keys[layer].index_copy_(0, slots, keys.to(self.shape.dtype))
         self.values[layer].index_copy_(0, slots, values.to(self.shape.dtype))
-        self.bytes_written += keys.nbytes + values.nbytes
+        if not torch.compiler.is_compiling():   # a compiled step would guard on the count
+            self.bytes_written += keys.nbytes + values.nbytes
 
     def copy(self, source: torch.Tensor, dest: torch.Tensor) -> None:
         """Every layer's keys and values at slots `source` [n] written to slots `dest` [n]

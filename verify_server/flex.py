@@ -207,16 +207,46 @@ class CapturedStep:
         self.graph.replay()
 
 
+class CompiledStep:
+    """One bucket's whole forward through `torch.compile(mode="reduce-overhead")`, the other way
+    to capture a step (`FlexEngine(capture="compile")`): inductor compiles the whole forward and
+    records it in its own CUDA graph trees (on a CPU: compiled, no graph). Same interface as
+    `CapturedStep`; `sled bench engine` weighs the two (flex-graph, flex-compile)."""
+
+    def __init__(self, engine: "FlexEngine", step: FlexStep) -> None:
+        self.step, self.run = step, engine.compiled_step
+        engine.whole_step(step)         # eagerly once: builds the bucket's BlockMasks
+        if step.device_buffer.is_cuda:
+            # inputs the graph must read in place, not copy in: the pool and the plan
+            for tensor in (*step.pool.keys, *step.pool.values, step.device_buffer,
+                           *(t for g in step.groups for m in g.masks.values()
+                             for t in (m.kv_indices, m.kv_num_blocks))):
+                torch._dynamo.mark_static_address(tensor)
+        self.replay()
+
+    def replay(self) -> None:
+        torch.compiler.cudagraph_mark_step_begin()     # the last step's outputs may be reused
+        self.logits, self.argmax = self.run(self.step)
+
+
+CAPTURES = {"graph": CapturedStep, "compile": CompiledStep}
+
+
 class FlexEngine(Engine):
     """On CUDA: flex compiled (one kernel per bucket and window) and verify/decode steps (no
     prefill chunk, no SAT slot) replayed from a CUDA graph per bucket, captured the first time a
-    bucket is met (or at start: `prewarm`). On CPU: eager flex, no graphs."""
+    bucket is met (or at start: `prewarm`). On CPU: eager flex, no graphs.
+
+    `capture` says how a whole step is captured: "graph" (a `torch.cuda.CUDAGraph` around the
+    forward with flex compiled) or "compile" (the whole forward through torch.compile's
+    reduce-overhead mode, which on a CPU compiles without a graph)."""
 
     kind = "flex"
     branches = True
 
     def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None,
-                 flex=None, graphs: bool | None = None, kv_width: int | None = None) -> None:
+                 flex=None, graphs: bool | None = None, kv_width: int | None = None,
+                 capture: str = "graph") -> None:
         super().__init__(model, pool, sat)
         self.activate()
         # Every slot holds finite values: a row's last block is read whole (its unwritten slots
@@ -228,14 +258,22 @@ class FlexEngine(Engine):
             flex = torch.compile(flex_attention, dynamic=False)
             _allow_recompiles(RECOMPILES)
         self.flex = flex or flex_attention
-        self.graphs = cuda if graphs is None else graphs
-        if self.graphs and not cuda:
+        if capture not in CAPTURES:
+            raise ValueError(f"unknown capture {capture!r}: use {' or '.join(CAPTURES)}")
+        self.graphs, self.capture = (cuda if graphs is None else graphs), CAPTURES[capture]
+        if self.graphs and not cuda and capture == "graph":
             raise ValueError("CUDA graphs need a CUDA device: the flex engine on "
                              f"{self.device} runs without them")
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs and cuda else None
+        self.compiled_step = None
+        if self.graphs and capture == "compile":
+            _allow_recompiles(RECOMPILES)       # one graph per bucket
+            self.compiled_step = torch.compile(   # static: one specialisation per bucket
+                self.whole_step, fullgraph=True, dynamic=False,
+                mode="reduce-overhead" if cuda else None)
         self.kv_width = kv_width or (_row_blocks(model, pool) if cuda else pool.num_blocks)
         self.steps: dict[StepShape, FlexStep] = {}
-        self.captured: dict[StepShape, CapturedStep] = {}
+        self.captured: dict[StepShape, CapturedStep | CompiledStep] = {}
         self.mask = NO_MASK.to(self.device)
 
     def activate(self) -> None:
@@ -247,6 +285,7 @@ class FlexEngine(Engine):
         step.writable()
         plan_step(rows, step.layout, step.host, self.pool.block_tokens, TRASH_SLOT)
         self._upload(step)
+        self.bytes_copied += sum(row.width for row in rows) * self.pool.shape.bytes_per_token
         return step
 
     def _buffers(self, shape: StepShape) -> FlexStep:
@@ -278,7 +317,7 @@ class FlexEngine(Engine):
                 step.writable()
                 step.clear(TRASH_SLOT)
                 self._upload(step)
-                self.captured[shape] = CapturedStep(self, step)
+                self.captured[shape] = self.capture(self, step)
 
     def replayable(self, rows: Sequence[Row]) -> bool:
         """Whether a step of these rows replays a captured graph: graphs on, no SAT slot, no
@@ -286,20 +325,19 @@ class FlexEngine(Engine):
         return (self.graphs and not any(row.sat_slots for row in rows)
                 and step_shape([row.width for row in rows]).graphable)
 
-    def _replay(self, rows: Sequence[Row]) -> CapturedStep:
+    def _replay(self, rows: Sequence[Row]) -> CapturedStep | CompiledStep:
         """Plan the rows into their bucket, capture it the first time, replay it."""
         step = self.step(rows)
         if step.shape not in self.captured:
-            self.captured[step.shape] = CapturedStep(self, step)
+            self.captured[step.shape] = self.capture(self, step)
         captured = self.captured[step.shape]
         captured.replay()
         return captured
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor | None]:
-        self.bytes_copied += sum(row.width for row in rows) * self.pool.shape.bytes_per_token
-        if self.replayable(rows):
-            return _per_row(rows, self._replay(rows).logits)
+        if self.replayable(rows):   # copied: the next replay overwrites them
+            return _per_row(rows, self._replay(rows).logits, lambda l: l.float().clone())
         step = self.step(rows)
         index, spans = self._logit_index(rows)
         sat_at = sat_inputs(rows)
@@ -319,13 +357,8 @@ class FlexEngine(Engine):
         if not self.replayable(rows):
             return [[] if logits is None else logits.argmax(-1).tolist()
                     for logits in self.forward(rows)]
-        self.bytes_copied += sum(row.width for row in rows) * self.pool.shape.bytes_per_token
         ids = self._replay(rows).argmax[:sum(row.width for row in rows)].tolist()
-        out, offset = [], 0
-        for row in rows:
-            out.append(ids[offset:offset + row.width] if row.want_logits else [])
-            offset += row.width
-        return out
+        return [[] if row_ids is None else row_ids for row_ids in _per_row(rows, ids, list)]
 
 
 # Entries a row may have past the context limit (a draft and SAT blocks after every cut).
@@ -353,12 +386,11 @@ def _row_blocks(model: torch.nn.Module, pool: BlockPool) -> int:
     return min(pool.num_blocks, -(-(limit + OVERHANG) // pool.block_tokens))
 
 
-def _per_row(rows: Sequence[Row], logits: torch.Tensor) -> list[torch.Tensor | None]:
-    """Each row's slice of the logits of every packed position, copied (the next replay
-    overwrites them)."""
+def _per_row(rows: Sequence[Row], packed, take) -> list:
+    """Each row's slice of a value per packed position (logits, token ids), through `take`;
+    None for a row that wants no logits."""
     out, offset = [], 0
     for row in rows:
-        out.append(logits[offset:offset + row.width].float().clone() if row.want_logits
-                   else None)
+        out.append(take(packed[offset:offset + row.width]) if row.want_logits else None)
         offset += row.width
     return out

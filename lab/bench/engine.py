@@ -2,7 +2,11 @@
 
 The engines (`--engines`: paged, padded, flex, and flex-graph: the flex engine's whole step,
 planning, graph replay, argmax and one copy of the token ids back, as `FlexEngine.greedy` does
-it) run the same model over one block pool and verify the very same sessions. For each
+it; flex-compile: the same step captured by torch.compile's reduce-overhead mode instead, the
+`capture="compile"` the flex engine weighs against its own graphs) run the same model over one
+block pool and verify the very same sessions. transformers-graph
+is the centralized baseline: transformers' forward over its own static cache holding the same
+contexts, its whole step captured in a CUDA graph (lab/bench/static_step.py). For each
 (sessions, context) cell every session verifies a k-token draft in one step, the engines
 alternate repetition by repetition, and the table gives the median step time of each, its ratio
 to the first engine's, how often its argmax agrees with the first engine's (bf16 ties are
@@ -14,7 +18,8 @@ bandwidth). The results file is written after every cell, so a run cut short kee
 measured.
 
     sled bench engine --device cuda --dtype bfloat16 --shape llama-8b,gemma3-4b \
-        --sessions 1,16,64 --contexts 512,2048 --engines paged,flex,flex-graph --bandwidth 3.35e12
+        --sessions 1,16,64 --contexts 512,2048 --bandwidth 3.35e12 \
+        --engines paged,flex,flex-graph,transformers-graph
 """
 from __future__ import annotations
 
@@ -65,7 +70,10 @@ def _unknown(what: str):
     return refuse
 
 
-ENGINE_KINDS = ("paged", "padded", "flex", "flex-graph")
+ENGINE_KINDS = ("paged", "padded", "flex", "flex-graph", "flex-compile", "transformers-graph")
+BASELINE = "transformers-graph"
+# Engines timed over their whole step, argmax and the copy of the token ids back included.
+WHOLE_STEPS = ("flex-graph", "flex-compile", BASELINE)
 # Real shapes (the configs of Llama 3.1 8B and Gemma 3 4B), built with random weights.
 SHAPES = {
     "llama-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -94,8 +102,8 @@ def run(args) -> int:
 
 
 def _engines(model, budget_bytes: int, block_tokens: int, kinds) -> dict:
-    """Every engine over one pool (made before any KV is written: the flex engine zeroes it),
-    so they verify the very same sessions."""
+    """Every sled engine over one pool (made before any KV is written: the flex engine zeroes
+    it), so they verify the very same sessions."""
     from verify_server.engine import PaddedEngine, PagedEngine, make_engine
     from verify_server.flex import FlexEngine
 
@@ -105,8 +113,15 @@ def _engines(model, budget_bytes: int, block_tokens: int, kinds) -> dict:
     made = {"paged": lambda: PagedEngine(model, pool), "padded": lambda: PaddedEngine(model, pool),
             "flex": lambda: FlexEngine(model, pool, graphs=False),
             # CUDA graphs where there is CUDA (a CPU dry run times the same call)
-            "flex-graph": lambda: FlexEngine(model, pool, graphs=cuda)}
-    return {kind: made[kind]() for kind in kinds}
+            "flex-graph": lambda: FlexEngine(model, pool, graphs=cuda),
+            # the whole step through torch.compile's reduce-overhead mode (CPU: compiled only)
+            "flex-compile": lambda: FlexEngine(model, pool, graphs=True, capture="compile")}
+    return {kind: made[kind]() for kind in kinds if kind != BASELINE}
+
+
+def _context(session: int, context: int) -> list[int]:
+    """The tokens of one session's context, the same for every engine and the baseline."""
+    return [(7 * session + 13 * i) % 250 + 3 for i in range(context)]
 
 
 def _fill(engine, sessions: int, context: int, draft_len: int):
@@ -117,7 +132,7 @@ def _fill(engine, sessions: int, context: int, draft_len: int):
     for s in range(sessions):
         kv = engine.new_kv()
         kv.admit([], context + draft_len + 1, tenant=b"")
-        tokens = [(7 * s + 13 * i) % 250 + 3 for i in range(context)]
+        tokens = _context(s, context)
         for start in range(0, context, 512):
             chunk = tokens[start:start + 512]
             engine.forward([Row(kv, chunk, False)])
@@ -135,7 +150,7 @@ def _rows(kvs, draft_len: int):
 
 def _step(engine, kvs, draft_len: int, whole: bool) -> tuple[float, int, list[list[int]]]:
     """One timed verify step: seconds, KV bytes moved, and each row's argmax tokens (read back
-    after the clock stops, except for a whole step, flex-graph's, which ends with that copy)."""
+    after the clock stops, except for a whole step, which ends with that copy)."""
     import torch
 
     rows = _rows(kvs, draft_len)
@@ -152,6 +167,8 @@ def _step(engine, kvs, draft_len: int, whole: bool) -> tuple[float, int, list[li
         elapsed = time.perf_counter() - started
         with torch.inference_mode():
             ids = [row.argmax(-1).tolist() for row in logits]
+    if hasattr(engine, "rewind"):       # the baseline's cache: back to the contexts alone
+        engine.rewind()
     return elapsed, engine.bytes_copied - copied, ids
 
 
@@ -282,17 +299,22 @@ def _cell(model, n: int, context: int, args, kinds) -> dict:
     """Every engine on n sessions of `context` tokens: step times, agreement, bytes moved."""
     per_token = _bytes_per_token(model)
     tokens = n * (context + args.draft_len + 1 + args.block_tokens) + args.block_tokens
-    engines = _engines(model, tokens * per_token, args.block_tokens, kinds)
+    made = _engines(model, tokens * per_token, args.block_tokens, kinds)
+    kvs = [None] * n                    # the baseline alone needs no sled session
+    if made:
+        filler = next(iter(made.values()))
+        filler.activate()
+        kvs = _fill(filler, n, context, args.draft_len)
+    if BASELINE in kinds:
+        made[BASELINE] = _baseline(model, n, context, args.draft_len + 1, per_token)
+    engines = {kind: made[kind] for kind in kinds}
     reference = kinds[0]
-    engines[reference].activate()
-    sessions = _fill(engines[reference], n, context, args.draft_len)
-    kvs = {kind: sessions for kind in engines}
     times = {kind: [] for kind in engines}
     first_s, copied, ids = {}, {}, {}
     for rep in range(args.reps + 1):
         for kind, engine in engines.items():
-            elapsed, moved, ids[kind] = _step(engine, kvs[kind], args.draft_len,
-                                              whole=kind == "flex-graph")
+            elapsed, moved, ids[kind] = _step(engine, kvs, args.draft_len,
+                                              whole=kind in WHOLE_STEPS)
             if rep:                     # the first pass warms up (compiles, captures)
                 times[kind].append(elapsed * 1e3)
             else:
@@ -308,11 +330,34 @@ def _cell(model, n: int, context: int, args, kinds) -> dict:
         **{f"{kind}_over_{reference}": medians[kind] / medians[reference] for kind in engines},
         **{f"{kind}_argmax_agree": _agreement(ids[kind], ids[reference]) for kind in engines},
     }
+    if "flex-compile" in kinds:         # steps inductor ran without its CUDA graphs, so far
+        from torch._dynamo.utils import counters
+
+        cell["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
     if args.bandwidth:
         read = _weight_bytes(model) + n * (context + args.draft_len + 1) * per_token
         cell["floor_ms"] = read / args.bandwidth * 1e3
-    del engines
+    del engines, made
+    _release(model)
     return cell
+
+
+def _baseline(model, sessions: int, context: int, width: int, per_token: int):
+    from lab.bench.static_step import StaticCacheStep
+
+    return StaticCacheStep(model, sessions, context, width, _context, per_token,
+                           graphs=model.device.type == "cuda")
+
+
+def _release(model) -> None:
+    """Give the cell's pool, cache and graphs back before the next cell's are made."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _agreement(mine: list[list[int]], reference: list[list[int]]) -> str:
@@ -321,24 +366,24 @@ def _agreement(mine: list[list[int]], reference: list[list[int]]) -> str:
 
 
 def _table(entry: dict, kinds, args):
+    """A line per cell and engine (any number of engines fits the width)."""
     from rich.table import Table
 
     reference = kinds[0]
-    table = Table(title=f"verify step (k={args.draft_len}): {', '.join(kinds)}; "
+    table = Table(title=f"verify step (k={args.draft_len}) against {reference}: "
                         f"{entry['model']} on {entry['device_name']} ({args.dtype})")
-    for column in ("sessions", "context", *(f"{kind} ms" for kind in kinds),
-                   *(f"{kind} / {reference}" for kind in kinds[1:]),
-                   *(f"{kind} agrees" for kind in kinds[1:]),
-                   *(f"{kind} copied" for kind in kinds),
-                   *(["floor ms"] if args.bandwidth else [])):
-        table.add_column(column, justify="right")
+    for column in ("sessions", "context", "engine", "ms p50", f"/ {reference}", "argmax agrees",
+                   "KV copied", "first step s", *(["floor ms"] if args.bandwidth else [])):
+        table.add_column(column, justify="left" if column == "engine" else "right")
     for c in entry["cells"]:
-        table.add_row(str(c["sessions"]), str(c["context"]),
-                      *(f"{c[f'{kind}_ms_p50']:.2f}" for kind in kinds),
-                      *(f"{c[f'{kind}_over_{reference}']:.2f}x" for kind in kinds[1:]),
-                      *(c[f"{kind}_argmax_agree"] for kind in kinds[1:]),
-                      *(_size(c[f"{kind}_bytes_copied"]) for kind in kinds),
-                      *([f"{c['floor_ms']:.2f}"] if args.bandwidth else []))
+        for kind in kinds:
+            first = kind == kinds[0]
+            table.add_row(str(c["sessions"]) if first else "", str(c["context"]) if first else "",
+                          kind, f"{c[f'{kind}_ms_p50']:.2f}", f"{c[f'{kind}_over_{reference}']:.2f}x",
+                          c[f"{kind}_argmax_agree"], _size(c[f"{kind}_bytes_copied"]),
+                          f"{c[f'{kind}_first_step_s']:.2f}",
+                          *([f"{c['floor_ms']:.2f}" if first else ""] if args.bandwidth else []),
+                          end_section=kind == kinds[-1])
     return table
 
 
@@ -367,3 +412,19 @@ def _plot(results: dict, path):
         ax.set_ylabel("verify step ms (p50)")
         ax.set_title(f"{entry['model']} on {entry['device_name']}")
     return save_figure(fig, axes, path, "engine step time")
+
+
+def main(argv=None) -> int:
+    """`python -m lab.bench.engine FLAGS`: the same bench outside the `sled` command, whose
+    other commands need the whole install: here torch, transformers, numpy, rich and
+    matplotlib are enough (a GPU box's own Python, with `protos` on PYTHONPATH for `sled`)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lab.bench.engine",
+                                     description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
