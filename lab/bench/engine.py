@@ -11,7 +11,8 @@ contexts, its whole step captured in a CUDA graph (lab/bench/static_step.py). Fo
 alternate repetition by repetition, and the table gives the median step time of each, its ratio
 to the first engine's, how often its argmax agrees with the first engine's (bf16 ties are
 reported, not hidden), and the seconds its first step took (compiling, capturing). The KV
-bytes each step writes or copies outside attention come from the engines' own counters.
+bytes each step writes or copies outside attention come from the engines' own counters; on CUDA
+each cell also records the allocations a warm step makes (`KIND_allocations`: 0 when captured).
 `--shape` builds a real model shape with random weights where it runs (speed does not depend on
 the values); `--bandwidth` adds the memory-bandwidth floor (weights plus the KV read, over the
 bandwidth). The results file is written after every cell, so a run cut short keeps what it
@@ -148,28 +149,42 @@ def _rows(kvs, draft_len: int):
     return [Row(kv, draft, True) for kv in kvs]       # nothing committed: all rejected
 
 
-def _step(engine, kvs, draft_len: int, whole: bool) -> tuple[float, int, list[list[int]]]:
-    """One timed verify step: seconds, KV bytes moved, and each row's argmax tokens (read back
-    after the clock stops, except for a whole step, which ends with that copy)."""
+def _step(engine, kvs, draft_len: int, whole: bool) -> tuple[float, int, int | None, list]:
+    """One timed verify step: seconds, KV bytes moved, the device allocations it made (CUDA's
+    allocator count; None elsewhere), and each row's argmax tokens (read back after the clock
+    stops, except for a whole step, which ends with that copy)."""
     import torch
 
     rows = _rows(kvs, draft_len)
     engine.activate()
     copied = engine.bytes_copied
     _sync(engine)
+    allocations = _allocations(engine)
     started = time.perf_counter()
     if whole:
         ids = engine.greedy(rows)                       # its own device-to-host copy
         elapsed = time.perf_counter() - started
+        made = _allocations(engine)
     else:
         logits = engine.forward(rows)
         _sync(engine)
         elapsed = time.perf_counter() - started
+        made = _allocations(engine)
         with torch.inference_mode():
             ids = [row.argmax(-1).tolist() for row in logits]
     if hasattr(engine, "rewind"):       # the baseline's cache: back to the contexts alone
         engine.rewind()
-    return elapsed, engine.bytes_copied - copied, ids
+    made = None if made is None else made - allocations
+    return elapsed, engine.bytes_copied - copied, made, ids
+
+
+def _allocations(engine) -> int | None:
+    """Device memory allocations made so far (CUDA), None where the allocator keeps no count."""
+    import torch
+
+    if engine.device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(engine.device).get("allocation.all.allocated", 0)
 
 
 def _sync(engine) -> None:
@@ -310,11 +325,11 @@ def _cell(model, n: int, context: int, args, kinds) -> dict:
     engines = {kind: made[kind] for kind in kinds}
     reference = kinds[0]
     times = {kind: [] for kind in engines}
-    first_s, copied, ids = {}, {}, {}
+    first_s, copied, allocations, ids = {}, {}, {}, {}
     for rep in range(args.reps + 1):
         for kind, engine in engines.items():
-            elapsed, moved, ids[kind] = _step(engine, kvs, args.draft_len,
-                                              whole=kind in WHOLE_STEPS)
+            elapsed, moved, allocations[kind], ids[kind] = _step(
+                engine, kvs, args.draft_len, whole=kind in WHOLE_STEPS)
             if rep:                     # the first pass warms up (compiles, captures)
                 times[kind].append(elapsed * 1e3)
             else:
@@ -327,6 +342,8 @@ def _cell(model, n: int, context: int, args, kinds) -> dict:
         **{f"{kind}_ms_p90": percentile(t, 90) for kind, t in times.items()},
         **{f"{kind}_bytes_copied": copied[kind] for kind in engines},
         **{f"{kind}_first_step_s": first_s[kind] for kind in engines},
+        # once warm, a captured step should allocate nothing (the last repetition's count)
+        **{f"{kind}_allocations": allocations[kind] for kind in engines},
         **{f"{kind}_over_{reference}": medians[kind] / medians[reference] for kind in engines},
         **{f"{kind}_argmax_agree": _agreement(ids[kind], ids[reference]) for kind in engines},
     }
