@@ -331,7 +331,7 @@ def override_text(lab: ComposeLab) -> str:
                   + ["--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400",
                      "--mqtt-host", "broker", "--mqtt-username", "server",
                      "--server-id", "lab-server", "--announce-endpoint", "server:50051"]
-                  + list(lab.scenario.server.args))
+                  + list(lab.scenario.server.flags))
     labels = {"sled.lab.run": lab.run_name, "sled.lab.scenario": lab.scenario.name}
     services = {name: {"labels": labels} for name in ("broker", "server", "device", "lab")}
     services["server"]["command"] = server_cmd

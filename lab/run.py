@@ -123,7 +123,7 @@ def make_fleet(kind: str, scenario: Scenario, folder: Path) -> Fleet:
         return ComposeFleet(scenario, folder)
     from lab.fleet_local import LocalFleet
 
-    return LocalFleet(scenario.target, folder, server_args=scenario.server.args, prefix=PREFIX)
+    return LocalFleet(scenario.target, folder, server_args=scenario.server.flags, prefix=PREFIX)
 
 
 async def run_scenario(scenario: Scenario, prompts: list[str], folder: Path, kind: str) -> int:
@@ -161,11 +161,11 @@ async def greedy_references(scenario: Scenario, prompts: list[str]) -> list[list
         return None
     from lab.oracle import greedy_references as references, served_settings
 
-    served = served_settings(scenario.target, scenario.server.args)   # what the server verifies with
+    served = served_settings(scenario.target, scenario.server.flags)   # what the server verifies with
     phase_line(f"greedy references: {len(prompts)} prompts on {scenario.target} "
                f"({served.dtype}, {served.device})")
     return await asyncio.to_thread(references, scenario.target, prompts, scenario.max_tokens,
-                                   scenario.server.args)
+                                   scenario.server.flags)
 
 
 async def run_phases(fleet: Fleet, scenario: Scenario, prompts, references, results: Results) -> None:

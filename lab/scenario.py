@@ -96,6 +96,23 @@ class Fault(_Strict):
 
 class ServerSection(_Strict):
     args: list[str] = []
+    # a step-cost profile (verify_server.step_costs) the server holds its steps to: the fleet
+    # as the profiled GPU would serve it (`sled serve --emulate`)
+    emulate: str | None = None
+
+    @field_validator("emulate")
+    @classmethod
+    def _known_profile(cls, value: str | None) -> str | None:
+        from verify_server.step_costs import load_profile
+
+        if value:
+            load_profile(value)
+        return value or None
+
+    @property
+    def flags(self) -> list[str]:
+        """The `sled serve` flags of this section."""
+        return [*self.args, *(["--emulate", self.emulate] if self.emulate else [])]
 
 
 class Scenario(_Strict):

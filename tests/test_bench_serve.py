@@ -43,12 +43,32 @@ def test_trace_record_then_bench_serve_compares_both_modes(pair, tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
     assert "capacity" in done.stdout and "lossless" in done.stdout
 
+    # the same fleet against a server held to a 60 ms step: centralized serving makes one token
+    # per device per step, so its devices get at most 1 / 60 ms each
+    from tests.test_step_profiles import profile_file
+
+    profile = profile_file(tmp_path, {"base_ms": 60.0, "per_token_ms": 0.0,
+                                      "per_kv_token_ms": 0.0}, name="slow-gpu")
+    done = sled("bench", "serve", "--traces", str(traces_file), "--devices", "2",
+                "--max-new-tokens", "8", "--device-profile", "orin-nano", "--link", "ethernet",
+                "--emulate", profile, "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    emulated = result["emulated"]
+    assert emulated["profile"] == "slow-gpu" and emulated["provenance"]["device"] == "a test GPU"
+    assert emulated["steps"] > 0 and emulated["overruns"] == 0 and emulated["valid"]
+    central = next(r for r in result["results"] if r["mode"] == "centralized")
+    assert central["mismatches"] == 0 and central["device_tps_p95"] <= 1 / 0.060
+    assert "emulating slow-gpu" in done.stdout and "overruns: 0 of" in done.stdout
+
 
 def test_bench_serve_refuses_bad_arguments(tmp_path):
     done = sled("bench", "serve", "--devices", "0", "--traces", str(tmp_path / "none.jsonl"))
     assert done.returncode == 2 and "--devices" in done.stderr
     done = sled("bench", "serve", "--modes", "sled,magic")
     assert done.returncode == 2 and "--modes" in done.stderr
+    done = sled("bench", "serve", "--emulate", "tpu-v9")
+    assert done.returncode == 2 and "unknown step profile 'tpu-v9'" in done.stderr
 
 
 def test_tpot_splits_a_verdicts_gap_over_its_tokens():

@@ -42,6 +42,14 @@ class Metrics:
                                     buckets=BATCH_BUCKETS, registry=r)
         self.forward_seconds = Histogram("sled_forward_seconds", "Forward pass + acceptance time",
                                          registry=r)
+        # an emulated server (sled serve --emulate): steps held to a profile's time, and those
+        # whose real compute took longer than the profile allows
+        self.emulated_steps = Counter("sled_emulated_steps", "Steps held to the step-cost "
+                                      "profile's time (sled serve --emulate)", registry=r)
+        self.emulated_overruns = Counter("sled_emulated_overruns", "Emulated steps whose real "
+                                         "compute took longer than the profile's time", registry=r)
+        self.emulated_overrun_seconds = Counter("sled_emulated_overrun_seconds", "Time emulated "
+                                                "steps ran past the profile's time", registry=r)
         # per device (its token's or certificate's name; "anonymous" without either)
         self.device_sessions = Counter("sled_device_sessions", "Sessions opened per device",
                                        ["device"], registry=r)

@@ -20,6 +20,7 @@ from verify_server.acceptance import DraftQ, Outcome
 from verify_server.engine import Engine, Row
 from verify_server.errors import Reason
 from verify_server.metrics import Metrics
+from verify_server.pacing import StepPacer
 from verify_server.session import Session
 from verify_server.work import Prefill, Verify, Work
 
@@ -37,8 +38,9 @@ def _priority(work: Work) -> tuple[float, float]:
 
 class Scheduler:
     def __init__(self, engine: Engine, metrics: Metrics, max_batch_sessions: int = 64,
-                 max_step_tokens: int = 2048) -> None:
+                 max_step_tokens: int = 2048, pacer: StepPacer | None = None) -> None:
         self.engine = engine
+        self.pacer = pacer        # emulating another device: each step held to its time
         self.metrics = metrics
         self.max_batch_sessions = max_batch_sessions
         self.max_step_tokens = max_step_tokens
@@ -156,7 +158,8 @@ class Scheduler:
         self._in_flight = sessions
         tokens = sum(n for _, n in plan)
         try:
-            results = await loop.run_in_executor(self._executor, _run_step, self.engine, plan)
+            results = await loop.run_in_executor(self._executor, _run_step, self.engine, plan,
+                                                 self.pacer)
         except Exception as exc:  # the forward itself failed: every session in it hears why
             results = [(None, exc)] * len(plan)
         finally:
@@ -181,9 +184,13 @@ class Scheduler:
                 work.future.set_result((result, info))
 
 
-def _run_step(engine: Engine, plan: list[tuple[Work, int]]) -> list[tuple[object, Exception | None]]:
-    """Engine thread: one forward over the planned rows, then each work item's acceptance."""
+def _run_step(engine: Engine, plan: list[tuple[Work, int]],
+              pacer: StepPacer | None = None) -> list[tuple[object, Exception | None]]:
+    """Engine thread: one forward over the planned rows, then each work item's acceptance
+    (then, emulating a device, the wait until the step is due there)."""
+    started = time.perf_counter()
     rows: list[Row] = [work.row(share) for work, share in plan]
+    due = pacer.due(rows, started) if pacer is not None else None
     logits = engine.forward(rows)
     results: list[tuple[object, Exception | None]] = []
     for (work, _), row, row_logits in zip(plan, rows, logits):
@@ -191,4 +198,6 @@ def _run_step(engine: Engine, plan: list[tuple[Work, int]]) -> list[tuple[object
             results.append((work.complete(row, row_logits), None))
         except Exception as exc:
             results.append((None, exc))
+    if due is not None:
+        pacer.hold(due)
     return results

@@ -19,9 +19,11 @@ from verify_server.auth import access_of
 from verify_server.engine import make_engine
 from verify_server.flex_plan import common_shapes
 from verify_server.metrics import Metrics
+from verify_server.pacing import StepPacer
 from verify_server.scheduler import Scheduler
 from verify_server.service import Undecodable, VerifierService
 from verify_server.settings import ServerSettings
+from verify_server.step_costs import load_profile
 from verify_server.target import Target
 
 if TYPE_CHECKING:
@@ -54,6 +56,16 @@ class RunningServer:
         await self.scheduler.stop()
 
 
+def _pacer(settings: ServerSettings, metrics: Metrics) -> StepPacer | None:
+    """Emulating a profiled GPU (--emulate): the pacer that holds each step to its time."""
+    if not settings.emulate:
+        return None
+    profile = load_profile(settings.emulate)
+    log.info("emulating %s: every step held to the profile's time, overruns counted in "
+             "sled_emulated_overruns", profile.describe())
+    return StepPacer(profile, metrics)
+
+
 async def start_server(target: Target, settings: ServerSettings | None = None,
                        host: str = "127.0.0.1", port: int = 0,
                        metrics: Metrics | None = None) -> RunningServer:
@@ -77,7 +89,8 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
         shapes = common_shapes(settings.max_batch_sessions)
         log.info("capturing %d verify step shapes", len(shapes))
         engine.prewarm(shapes)
-    scheduler = Scheduler(engine, metrics, settings.max_batch_sessions, settings.max_step_tokens)
+    scheduler = Scheduler(engine, metrics, settings.max_batch_sessions, settings.max_step_tokens,
+                          _pacer(settings, metrics))
     scheduler.start()
     service = VerifierService(target, scheduler, settings, metrics, gate)
     server = grpc.aio.server(options=[

@@ -25,6 +25,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDic
 
 from sled.endpoint import parse_endpoint
 from sled.settings_files import SettingsError, file_source, settings_file
+from verify_server.step_costs import load_profile
 
 ENV_PREFIX = "SLED_SERVE_"
 VARINT_BYTES, FLOAT_BYTES = 5, 4     # the most a uint32 id takes on the wire; a float prob
@@ -136,6 +137,12 @@ class ServerSettings(BaseSettings):
                             "the KV pool in place, in static step shapes (for CUDA); padded: the "
                             "generic fallback (auto: flex on CUDA, paged on CPU, padded for a "
                             "model without transformers' attention interface)")
+    emulate: str | None = Field(
+        None, description="hold every step to a step-cost profile's time, so this server paces "
+                          "itself like the GPU the profile was measured on (the target still "
+                          "computes every token): a shipped profile (h100-llama8b-hf-graph) or "
+                          "a profile file (sled bench engine --write-profile)",
+        json_schema_extra={"metavar": "PROFILE"})
     # --- MQTT announcements (off without mqtt_host) ---
     mqtt_host: str = _announce("", "broker host")
     mqtt_port: int | None = _announce(None, "broker port (default 1883, 8883 with TLS)",
@@ -182,6 +189,13 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"max_step_tokens ({value}) must hold a full draft + 1 "
                              f"({max_draft_len + 1})")
         return value
+
+    @field_validator("emulate")
+    @classmethod
+    def _profile(cls, value: str | None) -> str | None:
+        if value:
+            load_profile(value)         # refused here, before the target loads
+        return value or None
 
     @field_validator("announce_endpoint")
     @classmethod

@@ -59,6 +59,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--plan-only", action="store_true",
                         help="time only the flex engine's planner (host side, no model): "
                              "64 rows of 2048 tokens should plan in 1 ms")
+    parser.add_argument("--write-profile", default=None, metavar="FILE",
+                        help="also write a step-cost profile of the first engine's steps (one "
+                             "model): what `sled serve --emulate FILE` holds a server to")
     harness.add_out_flag(parser, "engine")
 
 
@@ -204,6 +207,9 @@ def bench(args) -> int:
     sessions = harness.split_list(args.sessions, int)
     kinds = harness.split_list(args.engines, str)
     targets = harness.split_list(args.shape, str) if args.shape else [None]
+    if args.write_profile and len(targets) > 1:
+        raise harness.Stop("--write-profile: a profile is one model's: give one --shape",
+                           harness.BAD_FLAGS)
     results = {"device": args.device, "dtype": args.dtype, "engines": kinds, "reps": args.reps,
                "k": args.draft_len, "block_tokens": args.block_tokens, "models": []}
     with Progress(console=console, transient=True) as progress:
@@ -222,7 +228,49 @@ def bench(args) -> int:
             console.print(_table(entry, kinds, args))
             del model
     harness.write_results(console, args.out, results, lambda png: _plot(results, png))
+    if args.write_profile:
+        try:
+            profile = step_profile(results, args)
+        except ValueError as exc:       # e.g. noise made a larger step faster: more --reps
+            raise harness.Stop(f"--write-profile: no profile written: {exc}", harness.LOSSY)
+        console.print(f"wrote the step-cost profile of {kinds[0]} to "
+                      f"{profile.save(args.write_profile)} (rule within "
+                      f"{profile.worst_fit():.0%} of every cell)")
     return harness.DONE
+
+
+def step_profile(results: dict, args):
+    """The first engine's median steps as a step-cost profile, with where they were measured."""
+    import datetime
+
+    import torch
+    import transformers
+
+    from verify_server.step_costs import StepCell, make_profile
+
+    entry, kind = results["models"][0], results["engines"][0]
+    cells = [StepCell(c["sessions"], c["k"] + 1, c["context"], round(c[f"{kind}_ms_p50"], 3))
+             for c in entry["cells"]]
+    name = f"{entry['device_name']}-{entry['model']}-{kind}".lower().replace(" ", "-")
+    return make_profile(name, {
+        "device": entry["device_name"], "model": entry["model"], "dtype": args.dtype,
+        "engine": f"sled's {kind} engine" if kind != BASELINE else
+                  "transformers forward over its static KV cache, captured in a CUDA graph",
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "date": datetime.date.today().isoformat(),
+        "command": _command(args)}, cells)
+
+
+def _command(args) -> str:
+    """The command that measures these cells again."""
+    import shlex
+
+    what = ["--shape", args.shape] if args.shape else (["--model", args.model] if args.model
+                                                         else [])
+    return shlex.join(["sled", "bench", "engine", *what, "--device", args.device, "--dtype",
+                       args.dtype, "--sessions", args.sessions, "--contexts", args.contexts,
+                       "-k", str(args.draft_len), "--block-tokens", str(args.block_tokens),
+                       "--engines", args.engines, "--reps", str(args.reps)])
 
 
 def plan_bench(args, console) -> int:
@@ -396,7 +444,8 @@ def _table(entry: dict, kinds, args):
         for kind in kinds:
             first = kind == kinds[0]
             table.add_row(str(c["sessions"]) if first else "", str(c["context"]) if first else "",
-                          kind, f"{c[f'{kind}_ms_p50']:.2f}", f"{c[f'{kind}_over_{reference}']:.2f}x",
+                          kind, f"{c[f'{kind}_ms_p50']:.2f}",
+                          f"{c[f'{kind}_over_{reference}']:.2f}x",
                           c[f"{kind}_argmax_agree"], _size(c[f"{kind}_bytes_copied"]),
                           f"{c[f'{kind}_first_step_s']:.2f}",
                           *([f"{c['floor_ms']:.2f}" if first else ""] if args.bandwidth else []),

@@ -10,10 +10,16 @@ Per (mode, N): system throughput (tokens / makespan), per-device tokens/s (p5, p
 the rate 95% of devices reach or beat), time per output token (p50, p95; a verdict's tokens
 share its gap), time to first token, target forward passes per output token. Capacity: the
 largest N whose p5 per-device rate is at least --target-rate.
+
+With --emulate PROFILE the server holds each step to a step-cost profile's time
+(verify_server.step_costs): the sweep is the fleet as the profiled GPU would serve it, while the
+target here still computes every token (so every output is still checked). Each row counts the
+steps that overran the profile; past 1% of them the run does not stand for that GPU.
 """
 from __future__ import annotations
 
 import asyncio
+import shlex
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,6 +28,7 @@ from lab.bench import harness
 from lab.bench.report import percentile, save_figure, short_name, subplots
 
 MODES = ("sled", "centralized")
+OVERRUNS = "sled_emulated_overruns_total"
 
 
 def add_arguments(parser) -> None:
@@ -42,6 +49,10 @@ def add_arguments(parser) -> None:
                         "NAME:rtt_ms=X,jitter_ms=Y,bandwidth_mbps=Z overrides")
     parser.add_argument("--target-rate", type=positive_float, default=10.0,
                         help="tokens/s that 95%% of devices must reach for a fleet size to count")
+    parser.add_argument("--emulate", default=None, metavar="PROFILE",
+                        help="hold the server's steps to a step-cost profile's time (e.g. "
+                             "h100-llama8b-hf-graph): the fleet as that GPU would serve it, the "
+                             "target here still computing every token")
     harness.add_out_flag(parser, "serve")
 
 
@@ -51,35 +62,45 @@ def run(args) -> int:
 
 async def bench(args) -> int:
     console = harness.bench_console()
-    (fleet_sizes, modes, device, link), model, traces = harness.replay_inputs(args, console, _settings)
+    (fleet_sizes, modes, device, link, emulated), model, traces = harness.replay_inputs(
+        args, console, _settings)
     if isinstance(args.draft_len, int) and args.draft_len > traces.max_k:
         console.print(f"[yellow]--draft-len {args.draft_len} is past the traces' max_k "
                       f"{traces.max_k}: drafts stop at {traces.max_k} tokens[/]")
+    if args.emulate:
+        args.server_args = f"{args.server_args} --emulate {shlex.quote(args.emulate)}"
     async with harness.serving_target(model, args, console) as served:
         with harness.server_errors():
             rows = await sweep(served, traces, fleet_sizes, modes, args, device, link, console)
     info = served.info
     capacities = {mode: capacity(rows, mode, args.target_rate) for mode in modes}
-    setup = (f"{short_name(model)} on {info.device}, drafter {short_name(traces.drafter)}, device "
+    server = (f"{info.device}" if not args.emulate else
+              f"{info.device} emulating {emulated.name}")
+    setup = (f"{short_name(model)} on {server}, drafter {short_name(traces.drafter)}, device "
              f"{args.device_profile}, link {args.link}, draft length {args.draft_len}")
     console.print(_table(rows, setup))
     ratio = _print_capacity(console, capacities, args.target_rate, fleet_sizes[-1])
+    if emulated is not None:
+        _print_emulation(console, emulated, rows)
     harness.write_results(console, args.out, {
         "model": model, "server_device": info.device, "dtype": info.dtype, "drafter": traces.drafter,
         "traces": args.traces or "recorded", "prompts": len(traces.traces), "max_k": traces.max_k,
         "device_profile": args.device_profile, "link": args.link, "draft_len": args.draft_len,
         "max_new_tokens": args.max_new_tokens, "target_rate": args.target_rate,
         "capacity": {**capacities, "ratio": ratio, "largest_fleet": fleet_sizes[-1]},
+        "emulated": None if emulated is None else emulation_summary(emulated, rows),
         "results": rows}, lambda png: _plot(rows, png, setup))
     return harness.lossless_exit(console, [
         f"{r['mode']} with {r['devices']} device(s): {r['mismatches']} output(s)"
         for r in rows if r["mismatches"]])
 
 
-def _settings(args) -> tuple[list[int], list[str], object, object]:
-    """(fleet sizes, modes, device profile, link profile) from the flags; --draft-len becomes
-    a number unless it is auto. ValueError names the bad flag."""
+def _settings(args) -> tuple[list[int], list[str], object, object, object]:
+    """(fleet sizes, modes, device profile, link profile, the step profile the server emulates
+    or None) from the flags; --draft-len becomes a number unless it is auto. ValueError names
+    the bad flag."""
     from lab.profiles import device_profile, link_profile
+    from verify_server.step_costs import load_profile
 
     fleet_sizes = sorted({int(n) for n in args.devices.split(",")})
     if not fleet_sizes or fleet_sizes[0] < 1:
@@ -91,7 +112,8 @@ def _settings(args) -> tuple[list[int], list[str], object, object]:
         raise ValueError(f"--draft-len takes a number >= 1 or auto, not {args.draft_len!r}")
     args.draft_len = args.draft_len if args.draft_len == "auto" else int(args.draft_len)
     device = None if args.device_profile == "recorded" else device_profile(args.device_profile)
-    return fleet_sizes, modes, device, link_profile(args.link)
+    emulated = load_profile(args.emulate) if args.emulate else None
+    return fleet_sizes, modes, device, link_profile(args.link), emulated
 
 
 @dataclass(slots=True)
@@ -202,15 +224,46 @@ async def sweep(served, traces, fleet_sizes: list[int], modes: list[str], args, 
         for index, n in enumerate(fleet_sizes):
             for mode in modes if index % 2 == 0 else modes[::-1]:
                 progress.update(task, description=f"{mode}, {n} device(s)")
-                before = served.forward_passes()
+                before = served.forward_passes(), _overruns(served, args)
                 results, expected, makespan = await run_fleet(
                     served.stub, mode, n, traces.traces, max_new_tokens=cap, **common,
                     on_tokens=lambda tokens: progress.advance(task, len(tokens)))
-                passes = served.forward_passes() - before
+                passes = served.forward_passes() - before[0]
                 rows.append(summarize(FleetRun(mode, n, results, expected, makespan, passes)))
+                if args.emulate:
+                    rows[-1]["overruns"] = _overruns(served, args) - before[1]
     rows.sort(key=lambda r: (r["devices"], MODES.index(r["mode"])))
     add_ratios(rows)
     return rows
+
+
+def _overruns(served, args) -> float:
+    """Emulated steps so far that overran the profile's time (0 without --emulate)."""
+    return served.server.metric(OVERRUNS) if args.emulate else 0.0
+
+
+def emulation_summary(profile, rows: list[dict]) -> dict:
+    """What a reader of the results must know of an emulated server: the profile, where it
+    comes from, and whether the run stands for it (overruns at most MAX_OVERRUN_SHARE)."""
+    from verify_server.pacing import MAX_OVERRUN_SHARE
+
+    steps = sum(r["forward_passes"] for r in rows)
+    overruns = sum(r.get("overruns", 0) for r in rows)
+    share = overruns / steps if steps else 0.0
+    return {"profile": profile.name, "provenance": profile.provenance,
+            "rule": profile.to_json()["rule"], "steps": steps, "overruns": overruns,
+            "overrun_share": share, "valid": share <= MAX_OVERRUN_SHARE}
+
+
+def _print_emulation(console, profile, rows: list[dict]) -> None:
+    summary = emulation_summary(profile, rows)
+    console.print(f"server emulated from a step-cost profile: {profile.describe()}",
+                  highlight=False)
+    verdict = ("[green]valid[/]" if summary["valid"] else
+               "[red]not valid: past 1% of steps ran longer than the profile allows (a cheaper "
+               "target or fewer devices)[/]")
+    console.print(f"overruns: {summary['overruns']:.0f} of {summary['steps']:.0f} steps "
+                  f"({summary['overrun_share']:.1%}): {verdict}", highlight=False)
 
 
 def _print_capacity(console, capacities: dict[str, int], target_rate: float,

@@ -1,0 +1,176 @@
+"""Step-cost profiles and the emulated server (`sled serve --emulate PROFILE`): the shipped
+profile and its rule, the refusals, steps held to the profile's time, overruns counted, and the
+output still the target's own."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import types
+
+import pytest
+
+from conftest import greedy_reference, run_main
+from verify_server.metrics import Metrics
+from verify_server.pacing import StepPacer
+from verify_server.step_costs import (StepCell, StepRule, load_profile, make_profile,
+                                      parse_profile, shipped_profiles)
+
+PROVENANCE = {"device": "a test GPU", "model": "tiny", "engine": "paged", "torch": "2.13",
+              "transformers": "5.24", "date": "2026-11-27", "command": "made by the test"}
+
+
+def profile_file(tmp_path, rule: dict, cells=None, provenance=PROVENANCE, name="test") -> str:
+    cells = cells or [{"rows": 1, "tokens": 1, "context": 8, "ms": 1.0}]
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"sled_step_profile": 1, "name": name, "provenance": provenance,
+                                "cells": cells, "rule": rule}))
+    return str(path)
+
+
+def rows(*shape):
+    """Rows of (context, new tokens) as the pacer reads them."""
+    return [types.SimpleNamespace(kv=types.SimpleNamespace(length=c), width=w) for c, w in shape]
+
+
+def test_the_shipped_h100_profile_fits_its_measured_steps():
+    assert "h100-llama8b-hf-graph" in shipped_profiles()
+    profile = load_profile("h100-llama8b-hf-graph")
+    assert len(profile.cells) == 10 and profile.worst_fit() < 0.06
+    assert "H100" in profile.describe() and "not sled's engine" in profile.describe()
+    # the rule of the module's example: 16 rows x 5 tokens at 512
+    assert profile.step_seconds([(512, 5)] * 16) == pytest.approx(0.0175, abs=2e-4)
+    # fitted from the cells again, the rule is the one the file holds
+    assert StepRule.fit(profile.cells) == profile.rule
+
+
+def test_a_fit_leaves_no_negative_term():
+    """Steps that cost less with more KV would fit a negative per-KV term: it is left at 0."""
+    cells = [StepCell(1, 1, 0, 10.0), StepCell(1, 1, 100, 10.0), StepCell(4, 1, 0, 12.0)]
+    rule = StepRule.fit(cells)
+    assert min(rule.base_ms, rule.per_token_ms, rule.per_kv_token_ms) >= 0
+    assert rule.base_ms > 0
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.pop("provenance"), "its provenance lacks device, model, engine"),
+    (lambda d: d["provenance"].pop("command"), "its provenance lacks command"),
+    (lambda d: d["cells"][0].update(ms=-2.0), "times must be positive"),
+    (lambda d: d["cells"].append({"rows": 4, "tokens": 1, "context": 8, "ms": 0.5}),
+     "not monotonic: 4 rows x 1 tokens at 8 (0.5 ms) is faster than the smaller 1 rows"),
+    (lambda d: d["rule"].update(per_token_ms=-0.1), "its rule has a negative term"),
+    (lambda d: d.pop("sled_step_profile"), "not a sled step profile"),
+    (lambda d: d.pop("rule"), "needs name, cells (rows, tokens, context, ms) and rule"),
+])
+def test_a_profile_that_cannot_stand_for_a_gpu_is_refused(tmp_path, change, message):
+    data = json.loads(open(profile_file(tmp_path, {"base_ms": 1.0, "per_token_ms": 0.0,
+                                                   "per_kv_token_ms": 0.0})).read())
+    change(data)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_profile(data, "test")
+
+
+def test_an_unknown_profile_is_one_line_and_exit_2(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main(capsys, "serve", "--model", "m", "--emulate", "a100-nope")
+    assert code == 2, err
+    assert "unknown step profile 'a100-nope'" in err and "h100-llama8b-hf-graph" in err
+    assert "Traceback" not in err
+    bad = profile_file(tmp_path, {"base_ms": 1.0, "per_token_ms": 0.0, "per_kv_token_ms": 0.0},
+                       provenance={"device": "x"})
+    code, _, err = run_main(capsys, "serve", "--model", "m", "--emulate", bad)
+    assert code == 2 and "its provenance lacks model" in err, err
+
+
+def test_the_pacer_holds_a_step_to_the_profiles_time(tmp_path):
+    profile = load_profile(profile_file(tmp_path, {"base_ms": 30.0, "per_token_ms": 1.0,
+                                                   "per_kv_token_ms": 0.1}))
+    metrics = Metrics()
+    pacer = StepPacer(profile, metrics)
+    step = rows((100, 5), (40, 1))          # new 6, read 146: 30 + 6 + 14.6 = 50.6 ms
+    started = time.perf_counter()
+    pacer.hold(pacer.due(step, started))
+    assert 0.0506 <= time.perf_counter() - started < 0.0506 + 0.01
+    assert metrics.emulated_steps._value.get() == 1
+    assert metrics.emulated_overruns._value.get() == 0
+    # a step whose compute took longer than the profile allows is an overrun, not a wait
+    started = time.perf_counter() - 0.2
+    before = time.perf_counter()
+    pacer.hold(pacer.due(step, started))
+    assert time.perf_counter() - before < 0.005
+    assert metrics.emulated_overruns._value.get() == 1
+    assert metrics.emulated_overrun_seconds._value.get() == pytest.approx(0.149, abs=0.01)
+
+
+async def test_an_emulated_server_paces_its_steps_and_keeps_the_targets_output(
+        serve, models, drafter_models, tokenizer, prompts, tmp_path):
+    """Through the server: the greedy oracle holds, every step lasts the profile's time for
+    its shape (this target computes faster), no step overruns."""
+    from drafters.hf import HFDrafter
+    from edge_client.session import RoundSettings, generate
+    from tests.test_lossless import server_stub
+
+    model = models["llama"]
+    spec = profile_file(tmp_path, {"base_ms": 40.0, "per_token_ms": 0.5,
+                                   "per_kv_token_ms": 0.01})
+    server = await serve(model, emulate=spec)
+    results = await asyncio.gather(*(
+        generate(server_stub(server), HFDrafter(drafter_models["llama"], tokenizer,
+                                                name="hf:noisy"), prompt,
+                 max_new_tokens=12, settings=RoundSettings(draft_len=4))
+        for prompt in prompts[:3]))
+    for result, prompt in zip(results, prompts):
+        assert result.token_ids == greedy_reference(model, prompt, 12)
+    metrics = server.metrics
+    steps = metrics.emulated_steps._value.get()
+    assert steps == metrics.forward_passes._value.get() > 0
+    assert metrics.emulated_overruns._value.get() == 0
+    # every step took at least the profile's base, and not much more than its rule allows
+    # (the largest step here: 3 prompts' prefill, under 200 tokens, under 150 ms)
+    forward = metrics.forward_seconds.collect()[0].samples
+    total = next(s.value for s in forward if s.name.endswith("_sum"))
+    assert total / steps >= 0.040
+    assert all(s.value == steps for s in forward
+               if s.name.endswith("_bucket") and s.labels["le"] in ("0.25", "+Inf"))
+
+
+def test_the_engine_bench_writes_a_profile_a_server_can_emulate(tmp_path, capsys):
+    from sled_cli.main import main
+
+    path = tmp_path / "cpu.json"
+    assert main(["bench", "engine", "--shape", "tiny-llama", "--engines", "paged,flex",
+                 "--sessions", "2", "--contexts", "32", "--reps", "1", "--out",
+                 str(tmp_path / "engine.json"), "--write-profile", str(path)]) == 0
+    profile = load_profile(str(path))
+    assert profile.name == "cpu-tiny-llama-paged"
+    assert [(c.rows, c.tokens, c.context) for c in profile.cells] == [(2, 5, 32)]
+    assert profile.provenance["engine"] == "sled's paged engine"
+    assert profile.provenance["command"].startswith("sled bench engine --shape tiny-llama")
+    assert profile.worst_fit() < 1e-6
+    code = main(["bench", "engine", "--shape", "tiny-llama,tiny-gemma3", "--write-profile",
+                 str(path)])
+    assert code == 2 and "a profile is one model's" in capsys.readouterr().err
+
+
+def test_a_profile_from_measured_cells_is_checked_like_a_shipped_one():
+    cells = [StepCell(1, 5, 512, 10.0), StepCell(16, 5, 512, 9.0)]
+    with pytest.raises(ValueError, match="not monotonic"):
+        make_profile("noisy", PROVENANCE, cells)
+    profile = make_profile("fine", PROVENANCE, [StepCell(1, 5, 512, 10.0),
+                                                StepCell(16, 5, 512, 17.0),
+                                                StepCell(16, 5, 2048, 35.0)])
+    assert profile.worst_fit() < 0.01 and profile.rule.per_kv_token_ms > 0
+
+
+def test_a_lab_scenario_names_the_profile_its_server_emulates():
+    from pydantic import ValidationError
+
+    from lab.scenario import Scenario
+
+    fleet = [{"count": 1, "device": "pi5", "link": "wifi", "drafter": "ngram"}]
+    base = {"name": "x", "target": "tiny", "requests": 1, "fleet": fleet}
+    scenario = Scenario(**base, server={"args": ["--engine", "paged"],
+                                        "emulate": "h100-llama8b-hf-graph"})
+    assert scenario.server.flags == ["--engine", "paged", "--emulate", "h100-llama8b-hf-graph"]
+    with pytest.raises(ValidationError, match="unknown step profile 'h200-dream'"):
+        Scenario(**base, server={"emulate": "h200-dream"})

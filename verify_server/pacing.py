@@ -1,0 +1,39 @@
+"""Holding each server step to a step-cost profile's time: the server on this machine paces
+itself like the GPU the profile was measured on (`sled serve --emulate PROFILE`).
+
+The target still computes every token, so every output is still the target's own; only the
+wall time of a step changes. A step whose real compute already took longer than the profile's
+time cannot be slowed down to it: it is an overrun, counted, and past 1% of steps the emulation
+no longer stands for that GPU (a cheaper target, or fewer devices, brings it back).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from verify_server.engine import Row
+from verify_server.metrics import Metrics
+from verify_server.step_costs import StepProfile
+
+# Past this share of overrun steps an emulated run is not valid for its profile.
+MAX_OVERRUN_SHARE = 0.01
+
+
+class StepPacer:
+    def __init__(self, profile: StepProfile, metrics: Metrics) -> None:
+        self.profile, self.metrics = profile, metrics
+
+    def due(self, rows: Sequence[Row], started: float) -> float:
+        """When a step of these rows, started at `started` (perf_counter), ends on the profile's
+        device (read before the step: its rows' lengths change once it is done)."""
+        return started + self.profile.step_seconds([(row.kv.length, row.width) for row in rows])
+
+    def hold(self, due: float) -> None:
+        """Engine thread, after the step: wait until it is due, or count an overrun."""
+        self.metrics.emulated_steps.inc()
+        late = time.perf_counter() - due
+        if late > 0:
+            self.metrics.emulated_overruns.inc()
+            self.metrics.emulated_overrun_seconds.inc(late)
+        else:
+            time.sleep(-late)
