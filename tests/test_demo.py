@@ -1,4 +1,5 @@
-"""`make demo`'s command end to end (shortened): server, three device processes, the report."""
+"""`make demo`'s command end to end (shortened): server, three device processes, the report,
+and the emulated H100 table."""
 from __future__ import annotations
 
 import subprocess
@@ -19,3 +20,8 @@ def test_demo_runs_three_devices_losslessly():
         assert any(line.startswith(device) and line.rstrip().endswith("identical")
                    for line in done.stdout.splitlines()), done.stdout[-2000:]
     assert "centralized" in done.stdout
+    # then the same kind of fleet against the emulated H100, labelled, every output checked
+    assert "EMULATED" in done.stdout and "emulated server: h100-llama8b-hf-graph" in done.stdout
+    assert "steps over the profile's time" in done.stdout
+    emulated = done.stdout[done.stdout.index("EMULATED"):]
+    assert emulated.count("identical") == 4 and "DIFFERENT" not in emulated

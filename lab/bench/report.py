@@ -3,6 +3,7 @@ percentiles and short model names for its tables."""
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 
@@ -47,7 +48,7 @@ def save_figure(fig, axes, path: str | Path, title: str) -> Path:
     for axis in axes:
         axis.grid(alpha=0.3)
         axis.legend()
-    fig.suptitle(title)
+    fig.suptitle(textwrap.fill(title, 110))      # a long setup line wraps, never clips
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,0 +1,115 @@
+"""The demo's last table: the same kind of fleet against an emulated H100 serving an 8B model.
+
+The demo's real run puts a CPU target beside its drafters on one small machine, where serving
+centrally wins. What the design is for is a GPU whose batched step costs about the same for one
+device or many. This part asks what that GPU would do, without one:
+
+- the server is the tiny random target held to the step times of a step-cost profile
+  (`sled serve --emulate h100-llama8b-hf-graph`): it still computes every token, so every output
+  is still checked against the server's own;
+- each emulated device replays a synthetic trace (lab.traces.synthetic) whose acceptance is the
+  one its drafter reached in the real run, at a Pi 5's drafting pace (an assumption,
+  lab.profiles), over the wifi link profile;
+- centralized serving runs the same requests through the same emulated server.
+
+The fleets are the demo's three devices and 512 devices like them (a fleet that loads the GPU).
+The result is labelled as emulated everywhere, with the profile's provenance and the steps that
+overran it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROFILE = "h100-llama8b-hf-graph"
+FLEETS = (3, 512)
+DEVICE, LINK = "pi5", "wifi"
+DRAFT_LEN, MAX_K = 4, 8
+# a server configured for the fleet: every device's session in one step, as a GPU server would be
+SERVER_ARGS = ("--max-batch-sessions", "512", "--max-step-tokens", "4096",
+               "--max-streams-per-device", "1024", "--max-sessions", "1024")
+
+
+@dataclass
+class EmulatedRun:
+    rows: list[dict]           # lab.bench.serve.summarize() per (fleet size, mode)
+    profile: str               # the profile's one-line description
+    steps: float
+    overruns: float
+
+
+async def run_emulated(acceptance: dict[str, float], prompts: list[str],
+                       max_new_tokens: int, console=None) -> EmulatedRun:
+    """Both modes at every fleet size; acceptance: drafter name -> its accepted share."""
+    from lab.bench.harness import serving
+    from lab.bench.serve import OVERRUNS, FleetRun, add_ratios, run_fleet, summarize
+    from lab.profiles import device_profile, link_profile
+    from lab.tiny import cached_pair
+    from verify_server.step_costs import load_profile
+
+    async with serving(cached_pair()[0], ["--emulate", PROFILE, *SERVER_ARGS], console,
+                       status=f"starting a server emulating {PROFILE}") as served:
+        traces = await _traces(served, acceptance, prompts, max_new_tokens)
+        common = dict(max_new_tokens=max_new_tokens, draft_len=DRAFT_LEN,
+                      device=device_profile(DEVICE), link=link_profile(LINK),
+                      fingerprint=served.fingerprint)
+        rows, first = [], (served.forward_passes(), served.server.metric(OVERRUNS))
+        for n in FLEETS:
+            for mode in ("sled", "centralized"):
+                before = served.forward_passes()
+                results, expected, makespan = await run_fleet(served.stub, mode, n, traces,
+                                                              **common)
+                rows.append(summarize(FleetRun(mode, n, results, expected, makespan,
+                                               served.forward_passes() - before)))
+        steps = served.forward_passes() - first[0]
+        overruns = served.server.metric(OVERRUNS) - first[1]
+    add_ratios(rows)
+    return EmulatedRun(rows, load_profile(PROFILE).describe(), steps, overruns)
+
+
+async def _traces(served, acceptance: dict[str, float], prompts: list[str], max_new: int):
+    """One synthetic trace per prompt and drafter, interleaved so that device j of a fleet
+    drafts like drafter j mod len(acceptance), along the server's own output."""
+    import numpy as np
+
+    from edge_client.server_side import generate_server_side
+    from lab.traces.synthetic import synthetic_trace
+
+    rng = np.random.default_rng(0)
+    traces = []
+    for prompt in await served.prompt_ids(prompts):
+        output = (await generate_server_side(served.stub, prompt, max_new_tokens=max_new)).token_ids
+        for name, accepted in acceptance.items():
+            traces.append(synthetic_trace(prompt, output, [accepted], MAX_K,
+                                          served.info.vocab_size, rng, drafter=name))
+    return traces
+
+
+def emulated_table(run: EmulatedRun):
+    from rich.table import Table
+
+    table = Table(title=f"EMULATED: the same kind of fleet against an H100 serving an 8B model "
+                        f"({PROFILE}); devices at a Pi 5's pace over wifi")
+    for column in ("", "devices", "tok/s, all", "tok/s per device (p50)", "passes/token",
+                   "outputs"):
+        table.add_column(column, justify="right" if column else "left")
+    for row in run.rows:
+        ratio = row.get("throughput_vs_centralized")
+        table.add_row(row["mode"] + (f" ({ratio:.2f}x)" if ratio else ""), str(row["devices"]),
+                      f"{row['throughput']:.1f}", f"{row['device_tps_p50']:.1f}",
+                      f"{row['passes_per_token']:.3f}",
+                      "identical" if not row["mismatches"] else f"{row['mismatches']} DIFFERENT")
+    return table
+
+
+def emulated_notes(run: EmulatedRun) -> list[str]:
+    from verify_server.pacing import MAX_OVERRUN_SHARE
+
+    share = run.overruns / run.steps if run.steps else 0.0
+    return [f"emulated server: {run.profile}",
+            f"steps over the profile's time: {run.overruns:.0f} of {run.steps:.0f} ({share:.1%}"
+            + ("; within the 1% the emulation stands for)" if share <= MAX_OVERRUN_SHARE else
+               "; past the 1% the emulation stands for: this machine's cores could not keep the "
+               "H100's pace, so both modes' figures fall short of it)"),
+            "each emulated device drafts with the acceptance its drafter reached above; the "
+            "server is a tiny random target held to the H100's step times, so these outputs "
+            "are checked against that target's own"]
