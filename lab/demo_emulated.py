@@ -33,54 +33,52 @@ SERVER_ARGS = ("--max-batch-sessions", "512", "--max-step-tokens", "4096",
 class EmulatedRun:
     rows: list[dict]           # lab.bench.serve.summarize() per (fleet size, mode)
     profile: str               # the profile's one-line description
-    steps: float
-    overruns: float
+    summary: dict              # lab.bench.serve.emulation_summary(): steps, overruns, valid
 
 
 async def run_emulated(acceptance: dict[str, float], prompts: list[str],
                        max_new_tokens: int, console=None) -> EmulatedRun:
-    """Both modes at every fleet size; acceptance: drafter name -> its accepted share."""
+    """Both modes at every fleet size, through `sled bench serve`'s sweep; acceptance: drafter
+    name -> the share of its drafted tokens the target accepted."""
+    from types import SimpleNamespace
+
     from lab.bench.harness import serving
-    from lab.bench.serve import OVERRUNS, FleetRun, add_ratios, run_fleet, summarize
+    from lab.bench.serve import emulation_summary, sweep
     from lab.profiles import device_profile, link_profile
     from lab.tiny import cached_pair
+    from lab.traces.format import TraceSet
     from verify_server.step_costs import load_profile
 
     async with serving(cached_pair()[0], ["--emulate", PROFILE, *SERVER_ARGS], console,
                        status=f"starting a server emulating {PROFILE}") as served:
-        traces = await _traces(served, acceptance, prompts, max_new_tokens)
-        common = dict(max_new_tokens=max_new_tokens, draft_len=DRAFT_LEN,
-                      device=device_profile(DEVICE), link=link_profile(LINK),
-                      fingerprint=served.fingerprint)
-        rows, first = [], (served.forward_passes(), served.server.metric(OVERRUNS))
-        for n in FLEETS:
-            for mode in ("sled", "centralized"):
-                before = served.forward_passes()
-                results, expected, makespan = await run_fleet(served.stub, mode, n, traces,
-                                                              **common)
-                rows.append(summarize(FleetRun(mode, n, results, expected, makespan,
-                                               served.forward_passes() - before)))
-        steps = served.forward_passes() - first[0]
-        overruns = served.server.metric(OVERRUNS) - first[1]
-    add_ratios(rows)
-    return EmulatedRun(rows, load_profile(PROFILE).describe(), steps, overruns)
+        traces = TraceSet(served.info.model_id, "demo drafters", MAX_K,
+                          await _traces(served, acceptance, prompts, max_new_tokens),
+                          served.fingerprint)
+        args = SimpleNamespace(max_new_tokens=max_new_tokens, draft_len=DRAFT_LEN,
+                               emulate=PROFILE)
+        rows = await sweep(served, traces, list(FLEETS), ["sled", "centralized"], args,
+                           device_profile(DEVICE), link_profile(LINK), console)
+    profile = load_profile(PROFILE)
+    return EmulatedRun(rows, profile.describe(), emulation_summary(profile, rows))
 
 
 async def _traces(served, acceptance: dict[str, float], prompts: list[str], max_new: int):
     """One synthetic trace per prompt and drafter, interleaved so that device j of a fleet
-    drafts like drafter j mod len(acceptance), along the server's own output."""
+    drafts like drafter j mod len(acceptance), along the server's own output. A drafter's
+    accepted share becomes the per-position acceptance that keeps that share of a k-token
+    draft (lab.traces.synthetic.profile_for_share)."""
     import numpy as np
 
     from edge_client.server_side import generate_server_side
-    from lab.traces.synthetic import synthetic_trace
+    from lab.traces.synthetic import profile_for_share, synthetic_trace
 
     rng = np.random.default_rng(0)
     traces = []
     for prompt in await served.prompt_ids(prompts):
         output = (await generate_server_side(served.stub, prompt, max_new_tokens=max_new)).token_ids
-        for name, accepted in acceptance.items():
-            traces.append(synthetic_trace(prompt, output, [accepted], MAX_K,
-                                          served.info.vocab_size, rng, drafter=name))
+        for name, share in acceptance.items():
+            traces.append(synthetic_trace(prompt, output, profile_for_share(share, DRAFT_LEN),
+                                          MAX_K, served.info.vocab_size, rng, drafter=name))
     return traces
 
 
@@ -102,14 +100,13 @@ def emulated_table(run: EmulatedRun):
 
 
 def emulated_notes(run: EmulatedRun) -> list[str]:
-    from verify_server.pacing import MAX_OVERRUN_SHARE
-
-    share = run.overruns / run.steps if run.steps else 0.0
+    summary = run.summary
     return [f"emulated server: {run.profile}",
-            f"steps over the profile's time: {run.overruns:.0f} of {run.steps:.0f} ({share:.1%}"
-            + ("; within the 1% the emulation stands for)" if share <= MAX_OVERRUN_SHARE else
+            f"steps over the profile's time: {summary['overruns']:.0f} of "
+            f"{summary['steps']:.0f} ({summary['overrun_share']:.1%}"
+            + ("; within the 1% the emulation stands for)" if summary["valid"] else
                "; past the 1% the emulation stands for: this machine's cores could not keep the "
                "H100's pace, so both modes' figures fall short of it)"),
-            "each emulated device drafts with the acceptance its drafter reached above; the "
+            "each emulated device keeps the share of its drafts its drafter kept above; the "
             "server is a tiny random target held to the H100's step times, so these outputs "
             "are checked against that target's own"]

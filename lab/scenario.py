@@ -103,10 +103,16 @@ class ServerSection(_Strict):
     @field_validator("emulate")
     @classmethod
     def _known_profile(cls, value: str | None) -> str | None:
-        from verify_server.step_costs import load_profile
+        """A shipped profile by name: the server may run in a container, which sees no file
+        of the host's (a profile file goes to `sled serve --emulate FILE` or `sled bench
+        serve --emulate FILE`)."""
+        from verify_server.step_costs import load_profile, shipped_profiles
 
-        if value:
-            load_profile(value)
+        if value and value not in shipped_profiles():
+            load_profile(value)             # an unknown name: the error lists the shipped ones
+            raise ValueError(f"server.emulate names a shipped profile "
+                             f"({', '.join(shipped_profiles())}), not a file ({value}): a "
+                             "containerized server could not read it")
         return value or None
 
     @property

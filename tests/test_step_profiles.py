@@ -56,6 +56,8 @@ def test_a_fit_leaves_no_negative_term():
     (lambda d: d.pop("provenance"), "its provenance lacks device, model, engine"),
     (lambda d: d["provenance"].pop("command"), "its provenance lacks command"),
     (lambda d: d["cells"][0].update(ms=-2.0), "times must be positive"),
+    (lambda d: d["cells"][0].update(ms=float("nan")), "times must be positive"),
+    (lambda d: d.update(provenance="an H100"), "provenance must be a mapping"),
     (lambda d: d["cells"].append({"rows": 4, "tokens": 1, "context": 8, "ms": 0.5}),
      "not monotonic: 4 rows x 1 tokens at 8 (0.5 ms) is faster than the smaller 1 rows"),
     (lambda d: d["rule"].update(per_token_ms=-0.1), "its rule has a negative term"),
@@ -162,7 +164,7 @@ def test_a_profile_from_measured_cells_is_checked_like_a_shipped_one():
     assert profile.worst_fit() < 0.01 and profile.rule.per_kv_token_ms > 0
 
 
-def test_a_lab_scenario_names_the_profile_its_server_emulates():
+def test_a_lab_scenario_names_the_profile_its_server_emulates(tmp_path):
     from pydantic import ValidationError
 
     from lab.scenario import Scenario
@@ -174,3 +176,19 @@ def test_a_lab_scenario_names_the_profile_its_server_emulates():
     assert scenario.server.flags == ["--engine", "paged", "--emulate", "h100-llama8b-hf-graph"]
     with pytest.raises(ValidationError, match="unknown step profile 'h200-dream'"):
         Scenario(**base, server={"emulate": "h200-dream"})
+    copied = str(load_profile("h100-llama8b-hf-graph").save(tmp_path / "copy.json"))
+    with pytest.raises(ValidationError, match="names a shipped profile"):   # not a host file
+        Scenario(**base, server={"emulate": copied})
+
+
+def test_an_accepted_share_becomes_the_per_position_acceptance_that_keeps_it():
+    """The demo's emulated devices keep the share of their drafts the real drafters kept: a
+    share of 0.6 of 4-token drafts needs each position accepted with about 0.81."""
+    from lab.traces.synthetic import profile_for_share
+
+    [a] = profile_for_share(0.6, 4)
+    assert a == pytest.approx(0.806, abs=1e-3)
+    assert sum(a ** j for j in range(1, 5)) / 4 == pytest.approx(0.6, abs=1e-3)
+    assert profile_for_share(0.0, 4) == [0.0] and profile_for_share(1.0, 4) == [1.0]
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        profile_for_share(1.5, 4)

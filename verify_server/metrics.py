@@ -40,7 +40,8 @@ class Metrics:
         self.kv_tokens = Gauge("sled_kv_tokens", "Tokens held in session KV caches", registry=r)
         self.batch_size = Histogram("sled_batch_size", "Sessions per forward pass",
                                     buckets=BATCH_BUCKETS, registry=r)
-        self.forward_seconds = Histogram("sled_forward_seconds", "Forward pass + acceptance time",
+        self.forward_seconds = Histogram("sled_forward_seconds", "Forward pass + acceptance "
+                                         "time (emulating a device: the profile's step time)",
                                          registry=r)
         # an emulated server (sled serve --emulate): steps held to a profile's time, and those
         # whose real compute took longer than the profile allows

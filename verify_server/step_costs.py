@@ -23,6 +23,7 @@ The rule is fitted by least squares with no negative term, so a larger step neve
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +33,9 @@ import numpy as np
 FORMAT_VERSION = 1
 SHIPPED = Path(__file__).with_name("step_profiles")
 PROVENANCE = ("device", "model", "engine", "torch", "transformers", "date", "command")
+# A larger step measured faster than a smaller one by up to this share is noise, not a profile
+# that cannot stand for a device.
+NOISE = 0.03
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,13 +160,16 @@ def parse_profile(data, where: str) -> StepProfile:
         cells = tuple(StepCell(int(c["rows"]), int(c["tokens"]), int(c["context"]), float(c["ms"]))
                       for c in data["cells"])
         rule = StepRule(**{k: float(v) for k, v in data["rule"].items()})
-        profile = StepProfile(str(data["name"]), data.get("provenance") or {}, cells, rule)
+        provenance = data.get("provenance") or {}
+        if not isinstance(provenance, dict):
+            raise TypeError("provenance must be a mapping of device, model, engine, ...")
+        profile = StepProfile(str(data["name"]), provenance, cells, rule)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"step profile {where}: needs name, cells (rows, tokens, context, ms) "
                          f"and rule (base_ms, per_token_ms, per_kv_token_ms): {exc}") from None
     _check_cells(where, cells)
     _check_provenance(profile)
-    if min(asdict(rule).values()) < 0:
+    if not all(math.isfinite(term) and term >= 0 for term in asdict(rule).values()):
         raise ValueError(f"step profile {where}: its rule has a negative term ({rule}): a larger "
                          "step would cost less")
     return profile
@@ -172,12 +179,13 @@ def _check_cells(where: str, cells: tuple[StepCell, ...]) -> None:
     if not cells:
         raise ValueError(f"step profile {where}: no measured cells")
     for cell in cells:
-        if cell.ms <= 0 or min(cell.rows, cell.tokens) < 1 or cell.context < 0:
+        if not (math.isfinite(cell.ms) and cell.ms > 0) or min(cell.rows, cell.tokens) < 1 \
+                or cell.context < 0:
             raise ValueError(f"step profile {where}: a cell of {cell} is not a step: times must "
                              "be positive, rows and tokens at least 1, context at least 0")
     for small in cells:
         for large in cells:
-            if small.dominated_by(large) and large.ms < small.ms:
+            if small.dominated_by(large) and large.ms < small.ms * (1 - NOISE):
                 raise ValueError(f"step profile {where}: times are not monotonic: {large} is "
                                  f"faster than the smaller {small}")
 

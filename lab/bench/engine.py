@@ -231,8 +231,9 @@ def bench(args) -> int:
     if args.write_profile:
         try:
             profile = step_profile(results, args)
-        except ValueError as exc:       # e.g. noise made a larger step faster: more --reps
-            raise harness.Stop(f"--write-profile: no profile written: {exc}", harness.LOSSY)
+        except ValueError as exc:       # e.g. noise made a larger step faster
+            raise harness.Stop(f"--write-profile: no profile written: {exc}; rerun with more "
+                               "--reps", harness.LOSSY)
         console.print(f"wrote the step-cost profile of {kinds[0]} to "
                       f"{profile.save(args.write_profile)} (rule within "
                       f"{profile.worst_fit():.0%} of every cell)")
@@ -372,6 +373,7 @@ def _cell(model, n: int, context: int, args, kinds) -> dict:
         made[BASELINE] = _baseline(model, n, context, args.draft_len + 1, per_token)
     engines = {kind: made[kind] for kind in kinds}
     reference = kinds[0]
+    skips = _cudagraph_skips()
     times = {kind: [] for kind in engines}
     first_s, copied, allocations, ids = {}, {}, {}, {}
     for rep in range(args.reps + 1):
@@ -395,16 +397,20 @@ def _cell(model, n: int, context: int, args, kinds) -> dict:
         **{f"{kind}_over_{reference}": medians[kind] / medians[reference] for kind in engines},
         **{f"{kind}_argmax_agree": _agreement(ids[kind], ids[reference]) for kind in engines},
     }
-    if "flex-compile" in kinds:         # steps inductor ran without its CUDA graphs, so far
-        from torch._dynamo.utils import counters
-
-        cell["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+    if "flex-compile" in kinds:         # steps inductor ran without its CUDA graphs, this cell
+        cell["cudagraph_skips"] = _cudagraph_skips() - skips
     if args.bandwidth:
         read = _weight_bytes(model) + n * (context + args.draft_len + 1) * per_token
         cell["floor_ms"] = read / args.bandwidth * 1e3
     del engines, made
     _release(model)
     return cell
+
+
+def _cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
 
 
 def _baseline(model, sessions: int, context: int, width: int, per_token: int):
@@ -462,6 +468,8 @@ def _size(n: int) -> str:
 
 
 def _plot(results: dict, path):
+    import itertools
+
     models = results["models"]
     fig, axes = subplots(len(models), figsize=(6, 4 * len(models)))
     axes = list(axes) if len(models) > 1 else [axes]
@@ -470,7 +478,7 @@ def _plot(results: dict, path):
         cells = entry["cells"]
         for n in sorted({c["sessions"] for c in cells}):
             row = [c for c in cells if c["sessions"] == n]
-            for kind, style in zip(results["engines"], styles):
+            for kind, style in zip(results["engines"], itertools.cycle(styles)):
                 ax.plot([c["context"] for c in row], [c[f"{kind}_ms_p50"] for c in row], style,
                         label=f"{kind}, {n} sessions")
         ax.set_xscale("log", base=2)

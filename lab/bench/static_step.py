@@ -79,12 +79,17 @@ class StaticCacheStep:
 
     @torch.inference_mode()
     def _capture(self, warmups: int = 2) -> torch.cuda.CUDAGraph:
+        """Every warm-up and the capture start from the contexts alone: a step writes at the
+        cache's length counters, and a sliding layer's Python-side length picks its branch and
+        mask offsets, which the graph keeps."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(warmups):
+                self.rewind()
                 self._forward()
         torch.cuda.current_stream().wait_stream(stream)
+        self.rewind()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.argmax = self._forward()

@@ -46,6 +46,22 @@ def acceptance_profile(traces: TraceSet, max_k: int) -> list[float]:
     return measured
 
 
+def profile_for_share(share: float, k: int) -> list[float]:
+    """The one acceptance a, at every draft position, whose drafts of k tokens keep `share` of
+    their tokens on average: share = (a + a^2 + ... + a^k) / k, since a token is kept only
+    after every one before it. A share of 0.6 at k = 4 gives a = 0.81 (not 0.6)."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"an accepted share is in [0, 1], got {share}")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        a = (low + high) / 2
+        if sum(a ** j for j in range(1, k + 1)) / k < share:
+            low = a
+        else:
+            high = a
+    return [round((low + high) / 2, 4)]
+
+
 def check_profile(profile: Sequence[float]) -> list[float]:
     """A usable acceptance profile: 1 to 64 probabilities in [0, 1] (ValueError otherwise)."""
     values = [float(a) for a in profile]
