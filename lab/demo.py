@@ -59,9 +59,9 @@ async def _device(row: DeviceRow, server: str, workload: str, max_new: int) -> N
         raise RuntimeError(f"{row.name} ({row.drafter}) failed: {row.state.get('error') or err}")
 
 
-async def run_demo(prompts: int, max_new_tokens: int) -> int:
-    """The demo on `prompts` HumanEval prompts per device; 1 if any output differs from the
-    target alone."""
+async def run_demo(prompts: int, max_new_tokens: int, emulated_devices: int = 512) -> int:
+    """The demo on `prompts` HumanEval prompts per device, then the emulated H100 with 3 and
+    `emulated_devices` devices; 1 if any output differs from the target alone."""
     from rich.console import Console
 
     from lab.bench.harness import serving
@@ -79,7 +79,7 @@ async def run_demo(prompts: int, max_new_tokens: int) -> int:
         baseline = _centralized(TARGET, load_workload(workload), len(rows), max_new_tokens)
     _report(console, rows, passes, baseline)
     emulated = await run_emulated(_acceptance(rows), load_workload(workload), max_new_tokens,
-                                  console)
+                                  (len(rows), emulated_devices), console)
     console.print(emulated_table(emulated))
     for line in emulated_notes(emulated):
         console.print(line, highlight=False)

@@ -12,7 +12,8 @@ device or many. This part asks what that GPU would do, without one:
   lab.profiles), over the wifi link profile;
 - centralized serving runs the same requests through the same emulated server.
 
-The fleets are the demo's three devices and 512 devices like them (a fleet that loads the GPU).
+The fleets are the demo's three devices and 512 devices like them (a fleet that loads the GPU;
+`sled demo --emulated-devices N` sets it).
 The result is labelled as emulated everywhere, with the profile's provenance and the steps that
 overran it.
 """
@@ -37,7 +38,7 @@ class EmulatedRun:
 
 
 async def run_emulated(acceptance: dict[str, float], prompts: list[str],
-                       max_new_tokens: int, console=None) -> EmulatedRun:
+                       max_new_tokens: int, fleets=FLEETS, console=None) -> EmulatedRun:
     """Both modes at every fleet size, through `sled bench serve`'s sweep; acceptance: drafter
     name -> the share of its drafted tokens the target accepted."""
     from types import SimpleNamespace
@@ -56,7 +57,7 @@ async def run_emulated(acceptance: dict[str, float], prompts: list[str],
                           served.fingerprint)
         args = SimpleNamespace(max_new_tokens=max_new_tokens, draft_len=DRAFT_LEN,
                                emulate=PROFILE)
-        rows = await sweep(served, traces, list(FLEETS), ["sled", "centralized"], args,
+        rows = await sweep(served, traces, sorted(set(fleets)), ["sled", "centralized"], args,
                            device_profile(DEVICE), link_profile(LINK), console)
     profile = load_profile(PROFILE)
     return EmulatedRun(rows, profile.describe(), emulation_summary(profile, rows))

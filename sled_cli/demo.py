@@ -9,9 +9,12 @@ def add_arguments(parser) -> None:
                         help="new tokens per prompt")
     parser.add_argument("--prompts", type=positive_int, default=3,
                         help="HumanEval prompts per device")
+    parser.add_argument("--emulated-devices", type=positive_int, default=512,
+                        help="the larger fleet of the closing table, against an emulated H100 "
+                             "(the smaller is the demo's three devices)")
 
 
 async def run(args) -> int:
     from lab.demo import run_demo
 
-    return await run_demo(args.prompts, args.max_new_tokens)
+    return await run_demo(args.prompts, args.max_new_tokens, args.emulated_devices)

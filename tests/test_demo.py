@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 def test_demo_runs_three_devices_losslessly():
     done = subprocess.run([sys.executable, "-m", "sled_cli.main", "demo", "--prompts", "1",
-                           "--max-new-tokens", "12"], capture_output=True, text=True, timeout=900,
+                           "--max-new-tokens", "12", "--emulated-devices", "16"], capture_output=True, text=True, timeout=900,
                           env={**__import__("os").environ, "COLUMNS": "160"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for device in ("pi-gguf", "jetson-onnx", "thin-ngram"):
