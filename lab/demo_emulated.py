@@ -33,7 +33,7 @@ SERVER_ARGS = ("--max-batch-sessions", "512", "--max-step-tokens", "4096",
 @dataclass
 class EmulatedRun:
     rows: list[dict]           # lab.bench.serve.summarize() per (fleet size, mode)
-    profile: str               # the profile's one-line description
+    profile: object            # the verify_server.step_costs.StepProfile held to
     summary: dict              # lab.bench.serve.emulation_summary(): steps, overruns, valid
 
 
@@ -60,7 +60,7 @@ async def run_emulated(acceptance: dict[str, float], prompts: list[str],
         rows = await sweep(served, traces, sorted(set(fleets)), ["sled", "centralized"], args,
                            device_profile(DEVICE), link_profile(LINK), console)
     profile = load_profile(PROFILE)
-    return EmulatedRun(rows, profile.describe(), emulation_summary(profile, rows))
+    return EmulatedRun(rows, profile, emulation_summary(profile, rows))
 
 
 async def _traces(served, acceptance: dict[str, float], prompts: list[str], max_new: int):
@@ -101,13 +101,9 @@ def emulated_table(run: EmulatedRun):
 
 
 def emulated_notes(run: EmulatedRun) -> list[str]:
-    summary = run.summary
-    return [f"emulated server: {run.profile}",
-            f"steps over the profile's time: {summary['overruns']:.0f} of "
-            f"{summary['steps']:.0f} ({summary['overrun_share']:.1%}"
-            + ("; within the 1% the emulation stands for)" if summary["valid"] else
-               "; past the 1% the emulation stands for: this machine's cores could not keep the "
-               "H100's pace, so both modes' figures fall short of it)"),
+    from lab.bench.serve import emulation_lines
+
+    return [*emulation_lines(run.profile, run.summary),
             "each emulated device keeps the share of its drafts its drafter kept above; the "
             "server is a tiny random target held to the H100's step times, so these outputs "
             "are checked against that target's own"]

@@ -106,13 +106,12 @@ class ServerSection(_Strict):
         """A shipped profile by name: the server may run in a container, which sees no file
         of the host's (a profile file goes to `sled serve --emulate FILE` or `sled bench
         serve --emulate FILE`)."""
-        from verify_server.step_costs import load_profile, shipped_profiles
+        from verify_server.step_costs import shipped_profiles
 
         if value and value not in shipped_profiles():
-            load_profile(value)             # an unknown name: the error lists the shipped ones
-            raise ValueError(f"server.emulate names a shipped profile "
-                             f"({', '.join(shipped_profiles())}), not a file ({value}): a "
-                             "containerized server could not read it")
+            raise ValueError(f"unknown step profile {value!r}: server.emulate names a shipped "
+                             f"profile ({', '.join(shipped_profiles())}), not a file, which a "
+                             "containerized server could not read")
         return value or None
 
     @property

@@ -113,7 +113,8 @@ async def test_an_emulated_server_paces_its_steps_and_keeps_the_targets_output(
     from tests.test_lossless import server_stub
 
     model = models["llama"]
-    spec = profile_file(tmp_path, {"base_ms": 40.0, "per_token_ms": 0.5,
+    # an 80 ms floor: a tiny step on a loaded 2-core machine stays well under it
+    spec = profile_file(tmp_path, {"base_ms": 80.0, "per_token_ms": 0.5,
                                    "per_kv_token_ms": 0.01})
     server = await serve(model, emulate=spec)
     results = await asyncio.gather(*(
@@ -128,10 +129,10 @@ async def test_an_emulated_server_paces_its_steps_and_keeps_the_targets_output(
     assert steps == metrics.forward_passes._value.get() > 0
     assert metrics.emulated_overruns._value.get() == 0
     # every step took at least the profile's base, and not much more than its rule allows
-    # (the largest step here: 3 prompts' prefill, under 200 tokens, under 150 ms)
+    # (the largest step here: 3 prompts' prefill, under 200 tokens, under 190 ms)
     forward = metrics.forward_seconds.collect()[0].samples
     total = next(s.value for s in forward if s.name.endswith("_sum"))
-    assert total / steps >= 0.040
+    assert total / steps >= 0.080
     assert all(s.value == steps for s in forward
                if s.name.endswith("_bucket") and s.labels["le"] in ("0.25", "+Inf"))
 
