@@ -7,6 +7,10 @@ model drafter MODEL in one evaluation), "xtok:MODEL" (the model drafter MODEL wi
 other than the target's, re-tokenized at the text boundary), "hf:PATH_OR_ID" (transformers),
 "onnx:DIR" or "onnx:ALIAS[-PRECISION]" (an onnxruntime-genai export: sled export-onnx),
 "gguf:FILE" or "gguf:ALIAS" (llama.cpp). ALIAS names a built-in model (sled.models).
+Any other KIND:ARG is looked up among the installed `sled.drafters` entry points: a package
+registers a loader (ARG, q_support) -> Drafter under the kind's name. The lab registers
+`trace:FILE` that way (emulated devices replaying a trace file), so the daemon drafts from a
+trace without importing the lab.
 load_drafter is the one place a spec becomes a drafter: every caller accepts every spec.
 """
 from __future__ import annotations
@@ -19,6 +23,7 @@ from sled.extras import require_extra
 SPECS = ("ngram, ngram:N, cacheback[:NAME=N...], hier:CHEAP>MODEL, xtok:MODEL, hf:PATH_OR_ID, "
          "onnx:ALIAS_OR_DIR or gguf:ALIAS_OR_FILE")
 RUNTIMES = ("hf", "onnx", "gguf")   # the model drafters; each kind is also the extra it needs
+PLUGINS = "sled.drafters"           # the entry point group of drafter kinds other packages add
 
 
 def resolve_spec(spec: str) -> str:
@@ -135,7 +140,25 @@ def _load_resolved(spec: str, resolved: str, q_support: int) -> Drafter:
     if kind == "gguf" and arg:
         from drafters.gguf import GGUFDrafter
         return GGUFDrafter(arg, q_support=q_support)
-    raise ValueError(f"unknown drafter spec {spec!r}: use {SPECS}")
+    plugin = _plugin(kind)
+    if plugin is not None:
+        return plugin.load()(arg, q_support)
+    raise ValueError(f"unknown drafter spec {spec!r}: use {SPECS}{_plugin_hint()}")
+
+
+def _plugin(kind: str):
+    """The `sled.drafters` entry point named KIND, or None."""
+    from importlib.metadata import entry_points
+
+    found = entry_points(group=PLUGINS, name=kind)
+    return next(iter(found), None)
+
+
+def _plugin_hint() -> str:
+    from importlib.metadata import entry_points
+
+    kinds = sorted({point.name for point in entry_points(group=PLUGINS)})
+    return f", or one of the installed kinds {', '.join(k + ':ARG' for k in kinds)}" if kinds else ""
 
 
 def _loading(spec: str, resolved: str):

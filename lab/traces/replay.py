@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from drafters.base import Proposal, stop_index
-from lab.traces.format import Trace
+from lab.traces.format import Trace, TraceSet
 from sled.sampling import Sampling
 
 
@@ -124,3 +124,60 @@ class TraceDrafter:
             f"context of {len(context)} tokens is not the trace's prompt ({len(self.trace.prompt_ids)} "
             f"tokens) followed by the target's greedy output and the drafter's own proposal after "
             f"it: a trace replays only the greedy path")
+
+
+class TraceSetDrafter:
+    """A device's drafter that replays a whole TraceSet: each proposal comes from the trace whose
+    prompt starts the context (the longest such prompt), so one device serves every prompt the
+    traces were made for. Deterministic and greedy only, like TraceDrafter; a context no trace
+    starts raises TraceDivergence naming how many prompts the set holds.
+
+    It drafts in no time: the daemon's board emulation (edge_client.emulation.PacedDrafter) paces
+    it to the board's drafting speed, as it paces any drafter.
+    """
+
+    def __init__(self, traces: TraceSet, source: str = "") -> None:
+        self.traces = traces
+        self.name = f"trace:{source or traces.drafter}"
+        self.tokenizer_fingerprint = traces.tokenizer_fingerprint
+        self._replays = [TraceDrafter(trace) for trace in traces.traces]
+        self._by_prompt = sorted(range(len(traces.traces)),
+                                 key=lambda i: -len(traces.traces[i].prompt_ids))
+
+    @property
+    def reports_confidence(self) -> bool:
+        return all(replay.reports_confidence for replay in self._replays)
+
+    def propose(self, context: Sequence[int], k: int, sampling: Sampling,
+                generator: np.random.Generator | None = None, **options) -> Proposal:
+        return self._replay(context).propose(context, k, sampling, generator, **options)
+
+    async def apropose(self, context: Sequence[int], k: int, sampling: Sampling,
+                       generator: np.random.Generator | None = None, **options) -> Proposal:
+        return await self._replay(context).apropose(context, k, sampling, generator, **options)
+
+    def rollback(self, length: int) -> None:
+        """Stateless: the trace and the position come from the context."""
+
+    def _replay(self, context: Sequence[int]) -> TraceDrafter:
+        for i in self._by_prompt:
+            prompt = self.traces.traces[i].prompt_ids
+            if len(context) >= len(prompt) and list(context[:len(prompt)]) == prompt:
+                return self._replays[i]
+        raise TraceDivergence(f"no trace of the set's {len(self._replays)} starts with this "
+                              f"context of {len(context)} tokens: a trace set replays only the "
+                              "prompts it was made for")
+
+
+def load_trace_drafter(path: str, q_support: int = 32) -> TraceSetDrafter:
+    """The `trace:FILE` drafter spec (registered for drafters.load_drafter as a `sled.drafters`
+    entry point): the trace file's set, replayed. q_support is unused (q is one-hot)."""
+    if not path:
+        raise ValueError("bad drafter spec 'trace:': use trace:FILE, a sled trace file (.jsonl)")
+    try:
+        traces = TraceSet.load(path)
+    except FileNotFoundError:
+        raise ValueError(f"drafter trace:{path}: no such trace file") from None
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"drafter trace:{path}: {exc}") from None
+    return TraceSetDrafter(traces, source=path)
