@@ -141,7 +141,13 @@ def target_ready(scenario) -> None:
     """The server container sees only the sled cache: a target given as a path is refused."""
     from sled.models import BUILTIN
 
+    from lab.scenario import TINY_TARGET
+
     target = scenario.target
+    if target == TINY_TARGET:
+        raise BuildError("models", "target: tiny (the tiny random target an emulated server "
+                         "computes with) runs with `sled lab run` on this machine's processes, "
+                         "not in containers; give a built-in target (sled models list) here")
     if target not in BUILTIN and (target.startswith(("/", ".", "~"))
                                   or Path(target).expanduser().exists()):
         raise BuildError("models", f"the target {target!r} is a path, which the server container "

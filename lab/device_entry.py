@@ -11,7 +11,9 @@ Every replica of the compose service `device` runs this. It
   4. waits for its own broker password: `sled lab compose` reads the slot file and writes that
      slot's password into PASSWORD_FILE inside this container (docker exec); the container
      mounts only state/ and scenario.yaml, never the broker's credentials.json;
-  5. execs `sled device` with the slot's id, drafter and device profile and the broker login.
+  5. for a calibrated:NAME drafter, waits for the trace file `sled lab run` writes into
+     state/traces once it has the target's references, and drafts trace:FILE from it;
+  6. execs `sled device` with the slot's id, drafter and device profile and the broker login.
 
 Only light modules are imported: the device image has no torch.
 """
@@ -26,12 +28,16 @@ import sys
 import time
 from pathlib import Path
 
+from lab.traces.calibrated import is_calibrated, trace_file, trace_spec
+
 API_PORT = 8000
 SERVER = "server:50051"
 BROKER_HOST = "broker"
 # Inside the container only (not a mount): this device's broker password, from sled lab compose.
 PASSWORD_FILE = "/tmp/sled-mqtt-password"
 PASSWORD_WAIT_S = 300.0
+TRACES = "traces"           # under the state folder: calibrated traces from sled lab run
+TRACES_WAIT_S = 900.0       # the runner computes the target's references first
 # Built-in GGUF drafters by the file the host's sled cache holds (the device image has no models
 # extra, so gguf:ALIAS is passed to the daemon as the file's path).
 GGUF_FILES = {"gemma3-270m": "gguf/gemma-3-270m-q4_k_m.gguf"}
@@ -71,7 +77,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"sled lab device: no broker password for {slot.id} arrived in "
               f"{args.password_file} within {PASSWORD_WAIT_S:.0f} s", file=sys.stderr)
         return 3
-    env = daemon_env(slot, emulation, password)
+    if is_calibrated(slot.drafter) and not args.dry_run:
+        if wait_file(trace_file(Path(args.state) / TRACES, slot.drafter), TRACES_WAIT_S) is None:
+            print(f"sled lab device: the traces of {slot.drafter} did not arrive in "
+                  f"{Path(args.state) / TRACES} within {TRACES_WAIT_S:.0f} s", file=sys.stderr)
+            return 3
+    env = daemon_env(slot, emulation, password, Path(args.state) / TRACES)
     if args.dry_run:
         print(json.dumps({k: v for k, v in env.items() if k.startswith("SLED_DEVICE_")
                           and "PASSWORD" not in k}, indent=2))
@@ -99,10 +110,16 @@ def claim_slot(folder: Path, slots: list, host: str):
 
 def wait_password(path: Path, timeout_s: float = PASSWORD_WAIT_S) -> str | None:
     """This device's password once sled lab compose has written it (renamed into place whole)."""
+    found = wait_file(path, timeout_s)
+    return None if found is None else found.read_text().strip()
+
+
+def wait_file(path: Path, timeout_s: float) -> Path | None:
+    """PATH once it exists (its writer renames it into place whole), or None after timeout_s."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if path.is_file():
-            return path.read_text().strip()
+            return path
         time.sleep(0.5)
     return None
 
@@ -166,20 +183,21 @@ def apply_link(link_spec: str, interface: str) -> str:
     return "netem" if done.returncode == 0 else "user-space"
 
 
-def drafter_spec(spec: str, cache: Path) -> str:
-    """gguf:ALIAS becomes the GGUF file in the mounted cache; everything else is unchanged."""
+def drafter_spec(spec: str, cache: Path, traces: Path) -> str:
+    """gguf:ALIAS becomes the GGUF file in the mounted cache, calibrated:NAME its trace file in
+    the state folder; everything else is unchanged."""
     kind, _, arg = spec.partition(":")
     if kind == "gguf" and arg in GGUF_FILES and (cache / GGUF_FILES[arg]).is_file():
         return f"gguf:{cache / GGUF_FILES[arg]}"
-    return spec
+    return trace_spec(spec, traces)
 
 
-def daemon_env(slot, emulation: str, password: str) -> dict[str, str]:
+def daemon_env(slot, emulation: str, password: str, traces: Path) -> dict[str, str]:
     from sled.cache import cache_dir
 
     env = {
         "SLED_DEVICE_ID": slot.id,
-        "SLED_DEVICE_DRAFTER": drafter_spec(slot.drafter, cache_dir()),
+        "SLED_DEVICE_DRAFTER": drafter_spec(slot.drafter, cache_dir(), traces),
         "SLED_DEVICE_SERVERS": json.dumps([SERVER]),
         # The runner reaches each device's API over the compose network, so it listens beyond
         # loopback; the lab is a testbed on a private network with no published device ports,

@@ -132,7 +132,7 @@ def make_sender(via: str, fleet, scenario, references, clock, tokenizer):
                           first_chunk_s=FIRST_CHUNK_TIMEOUT_S, stall_s=STALL_TIMEOUT_S)
     if via == "openai":
         if tokenizer is None:              # the API sends text: ids come from the target's tokenizer
-            tokenizer = target_tokenizer(scenario.target)
+            tokenizer = target_tokenizer(scenario.served_target())
         return OpenAISender(clock, sampling_fields(scenario), tokenizer, timeout_s=STALL_TIMEOUT_S)
     raise ValueError(f"via must be mqtt or openai, got {via!r}")
 

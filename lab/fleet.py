@@ -7,6 +7,7 @@ and the scraper only use what is declared here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from lab.scenario import DeviceSlot
@@ -33,6 +34,7 @@ class Fleet(Protocol):
     server_metrics_url: str
     broker: Broker                # how the lab logs in (user "lab")
     config_broker: Broker         # how it changes devices' settings (user "lab-config")
+    traces_dir: Path              # where the runner writes calibrated traces the devices read
 
     async def start(self, slots: list[DeviceSlot]) -> None:
         """Bring up broker, server and one device per slot; return when every device is ready."""

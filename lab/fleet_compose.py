@@ -19,7 +19,7 @@ from pathlib import Path
 import aiohttp
 
 from lab.broker import CONFIG_USER, LAB_USER
-from lab.device_entry import wait_slot_files
+from lab.device_entry import TRACES, wait_slot_files
 from lab.fleet import DeviceHandle, FleetStartError
 from lab.scenario import DeviceSlot
 from sled.mqtt import Broker
@@ -38,6 +38,7 @@ class ComposeFleet:
                  state: str | Path | None = None,
                  broker_files: str | Path | None = None, project: str | None = None) -> None:
         self.state = Path(state or os.environ.get("SLED_LAB_STATE", "/lab/state"))
+        self.traces_dir = self.state / TRACES
         folder = Path(broker_files or os.environ.get("SLED_LAB_BROKER", "/lab/broker"))
         self.project = project or os.environ.get("COMPOSE_PROJECT_NAME", "sled")
         credentials = json.loads((folder / "credentials.json").read_text())

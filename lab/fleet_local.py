@@ -27,6 +27,7 @@ from lab.broker import CONFIG_USER, LAB_USER, SERVER_USER, BrokerFiles
 from lab.fleet import DeviceHandle, FleetStartError
 from lab.scenario import DeviceSlot
 from lab.server_process import free_port
+from lab.traces.calibrated import trace_spec
 from sled.mqtt import Broker
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
@@ -45,14 +46,19 @@ def mosquitto_binary() -> str:
 class Child:
     """One child process with its log file; start() again reuses the same command line."""
 
-    def __init__(self, name: str, args: list[str], log: Path, env: dict[str, str] | None = None):
-        self.name, self.args, self.log, self.env = name, args, log, env
+    def __init__(self, name: str, args: list[str], log: Path, env: dict[str, str] | None = None,
+                 nice: int = 0):
+        self.name, self.args, self.log, self.env, self.nice = name, args, log, env, nice
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=self.env)
+                                         stdin=subprocess.DEVNULL, env=self.env,
+                                         preexec_fn=self._lower_priority if self.nice else None)
+
+    def _lower_priority(self) -> None:
+        os.nice(self.nice)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -80,12 +86,15 @@ class LocalFleet:
     mode = "local"
 
     def __init__(self, target: str, folder: Path, *, server_args: list[str] = (),
-                 prefix: str = "sled", startup_timeout_s: float = 300.0) -> None:
+                 prefix: str = "sled", startup_timeout_s: float = 300.0,
+                 device_nice: int = 0) -> None:
         self.target, self.folder, self.prefix = target, Path(folder), prefix
+        self.device_nice = device_nice
         self.server_args = list(server_args)
         self.startup_timeout_s = startup_timeout_s
         self.broker_port, self.server_port, self.metrics_port = free_port(), free_port(), free_port()
         self.server_metrics_url = f"http://{HOST}:{self.metrics_port}/metrics"
+        self.traces_dir = self.folder / "traces"
         self.devices: list[DeviceHandle] = []
         self.files: BrokerFiles | None = None
         self.broker: Broker | None = None
@@ -197,10 +206,11 @@ class LocalFleet:
                                          f"http://{HOST}:{port}/metrics"))
         env = {**os.environ, **self._device_env(slot, port)}
         return Child(slot.id, [sys.executable, "-m", "sled_cli.main", "device"],
-                     self.folder / "logs" / f"{slot.id}.log", env)
+                     self.folder / "logs" / f"{slot.id}.log", env, self.device_nice)
 
     def _device_env(self, slot: DeviceSlot, port: int) -> dict[str, str]:
-        return {"SLED_DEVICE_ID": slot.id, "SLED_DEVICE_DRAFTER": slot.drafter,
+        return {"SLED_DEVICE_ID": slot.id,
+                "SLED_DEVICE_DRAFTER": trace_spec(slot.drafter, self.traces_dir),
                 "SLED_DEVICE_HOST": HOST, "SLED_DEVICE_PORT": str(port),
                 "SLED_DEVICE_SERVERS": json.dumps([f"{HOST}:{self.server_port}"]),
                 "SLED_DEVICE_MQTT__HOST": HOST, "SLED_DEVICE_MQTT__PORT": str(self.broker_port),

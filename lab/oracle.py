@@ -51,13 +51,30 @@ def load_target(target: str, dtype: str = "float32", settings=None):
     return served
 
 
-def greedy_references(target: str, prompts: list[str], max_tokens: int,
-                      server_args: list[str] | None = None) -> list[list[int]]:
+@dataclass(frozen=True)
+class References:
+    """The target's greedy outputs for a list of prompts, with the prompts as a device encodes
+    them and the target's vocabulary size (what synthetic traces along the outputs need)."""
+    prompt_ids: list[list[int]]
+    outputs: list[list[int]]
+    vocab_size: int
+
+
+def target_references(target: str, prompts: list[str], max_tokens: int,
+                      server_args: list[str] | None = None) -> References:
     """generate(do_sample=False) of the target as the server with SERVER_ARGS computes it (same
     dtype, torch device and context length) for every prompt (index = prompt index)."""
     settings = served_settings(target, server_args)
     served = load_target(target, settings=settings)
-    return [greedy_ids(served, served.tokenizer(prompt).input_ids, max_tokens) for prompt in prompts]
+    prompt_ids = [served.tokenizer(prompt).input_ids for prompt in prompts]
+    return References(prompt_ids, [greedy_ids(served, ids, max_tokens) for ids in prompt_ids],
+                      served.vocab_size)
+
+
+def greedy_references(target: str, prompts: list[str], max_tokens: int,
+                      server_args: list[str] | None = None) -> list[list[int]]:
+    """The outputs of target_references."""
+    return target_references(target, prompts, max_tokens, server_args).outputs
 
 
 def greedy_ids(served, prompt_ids: list[int], max_tokens: int) -> list[int]:

@@ -26,6 +26,7 @@ from lab.results import Results, greedy_mismatches, phase_totals
 from lab.scenario import Scenario, ScenarioError, load_scenario
 
 PREFIX = "sled"
+EMULATED_DEVICE_NICE = 10   # the devices' priority beside an emulated server (os.nice)
 # "chat": short questions a phone or a kiosk would ask (the workload's built-in chat set).
 class PhaseProgress:
     """The live line of a phase: requests done, tokens, errors, elapsed. drive() reports each
@@ -87,19 +88,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes on this machine, or Docker Compose (default: local)")
     parser.add_argument("--run", default=None, metavar="NAME",
                         help="the run's folder name under --out (default: scenario-time)")
+    parser.add_argument("--beside", default=None, metavar="RUN_DIR",
+                        help="a finished run's folder: the report draws its sled vs centralized "
+                             "next to this run's (e.g. this machine's own server beside an "
+                             "emulated GPU)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from lab.report import load_report
+
     try:
         scenario = load_scenario(args.scenario)
         prompts = scenario_prompts(scenario)
+        beside = load_report(Path(args.beside)) if args.beside else None
     except (ScenarioError, ValueError, OSError) as exc:
         return _fail(str(exc), 2)
     name = args.run or f"{scenario.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     folder = Path(args.out) / name
     folder.mkdir(parents=True, exist_ok=True)
     logging.getLogger("mqtt").setLevel(logging.ERROR)   # paho's "N pending publish calls" per burst
-    return asyncio.run(run_scenario(scenario, prompts, folder, args.fleet))
+    return asyncio.run(run_scenario(scenario, prompts, folder, args.fleet, beside))
 
 
 def _fail(message: str, code: int) -> int:
@@ -123,10 +131,27 @@ def make_fleet(kind: str, scenario: Scenario, folder: Path) -> Fleet:
         return ComposeFleet(scenario, folder)
     from lab.fleet_local import LocalFleet
 
-    return LocalFleet(scenario.target, folder, server_args=scenario.server.flags, prefix=PREFIX)
+    # An emulated server stands for a machine of its own: its steps must keep the profile's pace,
+    # so the devices sharing this machine's cores yield to it.
+    return LocalFleet(scenario.served_target(), folder, server_args=scenario.server.flags,
+                      prefix=PREFIX, device_nice=EMULATED_DEVICE_NICE if scenario.server.emulate else 0)
 
 
-async def run_scenario(scenario: Scenario, prompts: list[str], folder: Path, kind: str) -> int:
+def write_calibrated_traces(scenario: Scenario, references, traces_dir: Path) -> None:
+    """Each calibrated pair's traces, along the target's references, into the fleet's traces
+    folder, where its devices' daemons read them (lab.traces.calibrated)."""
+    from lab.traces.calibrated import write_traces
+
+    if references is None:
+        return
+    for path in write_traces([slot.drafter for slot in scenario.slots()], references.prompt_ids,
+                             references.outputs, references.vocab_size, traces_dir,
+                             scenario.target):
+        phase_line(f"calibrated traces: {path}")
+
+
+async def run_scenario(scenario: Scenario, prompts: list[str], folder: Path, kind: str,
+                       beside: dict | None = None) -> int:
     """References, fleet up, every phase, fleet down, results and report; the exit status."""
     try:
         references = await greedy_references(scenario, prompts)
@@ -140,10 +165,11 @@ async def run_scenario(scenario: Scenario, prompts: list[str], folder: Path, kin
         return _fail(f"cannot set up the fleet: {exc}{hint}", 2)
     results = Results(folder.name, fleet.mode, scenario)
     try:
+        write_calibrated_traces(scenario, references, fleet.traces_dir)
         phase_line(f"starting the fleet: {len(scenario.slots())} devices, target {scenario.target}")
         await fleet.start(scenario.slots())
         results.link_emulation = fleet.link_emulation()
-        await run_phases(fleet, scenario, prompts, references, results)
+        await run_phases(fleet, scenario, prompts, outputs(references), results)
     except (FleetStartError, TimeoutError, asyncio.TimeoutError, aiomqtt.MqttError) as exc:
         return _fail(f"{exc} (logs in {folder / 'logs'})", 3)
     except Exception as exc:      # anything else a component did: one line, not a traceback
@@ -152,20 +178,27 @@ async def run_scenario(scenario: Scenario, prompts: list[str], folder: Path, kin
         await fleet.stop()
     results.server_power = server_power(scenario)
     results.write(folder)
-    return finish(results, folder)
+    return finish(results, folder, beside)
 
 
-async def greedy_references(scenario: Scenario, prompts: list[str]) -> list[list[int]] | None:
-    """The target's own greedy outputs (None when the scenario samples)."""
+async def greedy_references(scenario: Scenario, prompts: list[str]):
+    """The target's own greedy outputs, with the prompts' ids (lab.oracle.References; None
+    when the scenario samples)."""
     if not scenario.sampling.greedy:
         return None
-    from lab.oracle import greedy_references as references, served_settings
+    from lab.oracle import served_settings, target_references
 
-    served = served_settings(scenario.target, scenario.server.flags)   # what the server verifies with
+    target = scenario.served_target()
+    served = served_settings(target, scenario.server.flags)   # what the server verifies with
     phase_line(f"greedy references: {len(prompts)} prompts on {scenario.target} "
                f"({served.dtype}, {served.device})")
-    return await asyncio.to_thread(references, scenario.target, prompts, scenario.max_tokens,
+    return await asyncio.to_thread(target_references, target, prompts, scenario.max_tokens,
                                    scenario.server.flags)
+
+
+def outputs(references) -> list[list[int]] | None:
+    """The reference outputs the driver checks against (None when the scenario samples)."""
+    return None if references is None else references.outputs
 
 
 async def run_phases(fleet: Fleet, scenario: Scenario, prompts, references, results: Results) -> None:
@@ -228,13 +261,13 @@ def server_power(scenario: Scenario) -> dict:
     return measured(scenario.costs)
 
 
-def finish(results: Results, folder: Path) -> int:
+def finish(results: Results, folder: Path, beside: dict | None = None) -> int:
     """Write the report; 1 when any greedy output differed from the target's, 3 when a fault
     step or a request failed."""
     from lab.report import build_report
 
     document = results.document()
-    report = build_report(document, folder)
+    report = build_report(document, folder, beside)
     mismatches = greedy_mismatches(document)
     failed = [f for f in results.faults if not f["ok"]]
     phase_line(f"report: {report}")

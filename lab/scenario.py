@@ -17,6 +17,11 @@ from lab.profiles import device_profile, link_profile
 SCENARIOS = Path(__file__).with_name("scenarios")
 
 
+# `target: tiny` serves the tiny random target in sled's cache (lab.tiny): a target whose text
+# means nothing, cheap enough for an emulated GPU server (server.emulate) on a small machine.
+TINY_TARGET = "tiny"
+
+
 class ScenarioError(ValueError):
     """A scenario that cannot run: the message names the key and the file."""
 
@@ -52,6 +57,16 @@ class FleetGroup(_Strict):
     @classmethod
     def _link(cls, spec: str) -> str:
         link_profile(spec)
+        return spec
+
+    @field_validator("drafter")
+    @classmethod
+    def _calibrated(cls, spec: str) -> str:
+        """calibrated:NAME names a shipped pair (other specs are checked by the daemon)."""
+        from lab.traces.calibrated import is_calibrated, load_calibration
+
+        if is_calibrated(spec):
+            load_calibration(spec)
         return spec
 
 
@@ -133,6 +148,9 @@ class Scenario(_Strict):
     slo: Slo = Slo()
     centralized: bool = False
     fleet_sizes: list[int] | None = None
+    # the fleet's slots taken one group after another (false) or in turn from each group (true),
+    # so that every fleet size of fleet_sizes holds every kind of device
+    interleave: bool = False
     faults: list[Fault] = []
     via: Literal["mqtt", "openai"] = "mqtt"
     costs: dict[str, Any] = {}
@@ -154,6 +172,9 @@ class Scenario(_Strict):
         for n in self.fleet_sizes or []:
             if not 1 <= n <= total:
                 raise ValueError(f"fleet_sizes: {n} is not within 1..{total} (the fleet's size)")
+        if not self.sampling.greedy and any(g.drafter.startswith("calibrated:") for g in self.fleet):
+            raise ValueError("fleet: calibrated: drafters replay the target's greedy output; "
+                             "set sampling.temperature to 0")
         ids = {slot.id for slot in self.slots()}
         for i, fault in enumerate(self.faults):
             if fault.kind == "link_cut" and fault.device not in ids:
@@ -162,14 +183,30 @@ class Scenario(_Strict):
         return self
 
     def slots(self) -> list[DeviceSlot]:
-        """The fleet expanded in order."""
+        """The fleet expanded in order: groups [a x2, b x1] give a, a, b, or a, b, a when
+        interleaved."""
         slots: list[DeviceSlot] = []
-        for group_index, group in enumerate(self.fleet):
-            for _ in range(group.count):
-                i = len(slots)
-                slots.append(DeviceSlot(i, f"dev-{i:02d}", group.device, group.link,
-                                        group.drafter, group_index))
+        for group_index in self._slot_groups():
+            group, i = self.fleet[group_index], len(slots)
+            slots.append(DeviceSlot(i, f"dev-{i:02d}", group.device, group.link,
+                                    group.drafter, group_index))
         return slots
+
+    def _slot_groups(self) -> list[int]:
+        """The group of each slot, in slot order."""
+        if not self.interleave:
+            return [g for g, group in enumerate(self.fleet) for _ in range(group.count)]
+        rounds = max(group.count for group in self.fleet)
+        return [g for r in range(rounds) for g, group in enumerate(self.fleet) if r < group.count]
+
+    def served_target(self) -> str:
+        """What `sled serve --model` loads: the target; `tiny` is the tiny random target in
+        sled's cache (written on first use), for emulated servers whose text means nothing."""
+        if self.target != TINY_TARGET:
+            return self.target
+        from lab.tiny import cached_pair
+
+        return cached_pair()[0]
 
     def sizes(self) -> list[int]:
         """The fleet sizes to run: the first n devices for each n."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import itertools
 import math
 import time
 import urllib.request
@@ -29,11 +30,15 @@ log = logging.getLogger("sled.lab.scrape")
 Snapshot = dict[str, list[tuple[dict[str, str], float]]]
 
 # Counters the sampler sums over a phase: the server's, then each device's.
-SERVER_COUNTERS = ("sled_forward_passes_total", "sled_forward_seconds_sum")
+SERVER_COUNTERS = ("sled_forward_passes_total", "sled_forward_seconds_sum",
+                   "sled_emulated_steps_total", "sled_emulated_overruns_total")
 DEVICE_COUNTERS = ("sled_device_draft_tokens_total", "sled_device_accepted_tokens_total")
 # When the process made its counters: a new value means a restarted process.
 SERVER_CREATED = "sled_forward_passes_created"
 DEVICE_CREATED = "sled_device_draft_tokens_created"
+# Devices scraped per interval at most: a fleet of 64 is read every 4th interval (its counters
+# are summed between reads, so only restarts between two reads would go unseen for longer).
+DEVICES_PER_POLL = 16
 POSITION_DRAFTED = "sled_device_position_drafted_total"
 POSITION_ACCEPTED = "sled_device_position_accepted_total"
 
@@ -181,19 +186,23 @@ class Sampler:
                         "their numbers are unknown", ", ".join(never), self.polls[never[0]]["failed"])
 
     async def _run(self) -> None:
-        while True:
+        """The server every interval; the devices every device_every-th one, so a large fleet's
+        scrapes do not take the cores its devices and server share."""
+        device_every = max(1, math.ceil(len(self.handles) / DEVICES_PER_POLL))
+        for tick in itertools.count(1):
             await asyncio.sleep(self.interval_s)
-            await self.poll()
+            await self.poll(devices=tick % device_every == 0)
 
-    async def poll(self) -> None:
-        """One scrape of every component; one that fails is skipped."""
+    async def poll(self, devices: bool = True) -> None:
+        """One scrape of the server and (DEVICES) every device; one that fails is skipped."""
+        handles = self.handles if devices else []
         pages = await asyncio.gather(_fetch(self.server_url),
-                                     *(_fetch(h.metrics_url) for h in self.handles))
+                                     *(_fetch(h.metrics_url) for h in handles))
         at = round(time.monotonic() - self.started, 3)
         self._count("server", pages[0])
         if pages[0] is not None:
             self._take_server(at, pages[0])
-        for handle, page in zip(self.handles, pages[1:]):
+        for handle, page in zip(handles, pages[1:]):
             self._count(handle.slot.id, page)
             if page is not None:
                 self.device_totals[handle.slot.id].add(device_counters(page), created_at(page, DEVICE_CREATED))
@@ -217,6 +226,9 @@ class Sampler:
         known = self.reached("server")              # else every number is unknown (None)
         return {"forward_passes": int(round(totals.get("sled_forward_passes_total", 0.0))) if known else None,
                 "forward_seconds": totals.get("sled_forward_seconds_sum", 0.0) if known else None,
+                # an emulated server's steps and those whose real compute overran the profile
+                "emulated_steps": int(round(totals.get("sled_emulated_steps_total", 0.0))) if known else None,
+                "emulated_overruns": int(round(totals.get("sled_emulated_overruns_total", 0.0))) if known else None,
                 "batch_sizes": per_bucket(batches), "kv_blocks_used": self.kv_used,
                 "kv_blocks_total": self.kv_total if known else None, "active_sessions": self.sessions,
                 "polls": dict(self.polls["server"])}

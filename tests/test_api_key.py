@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -154,7 +155,7 @@ async def test_start_api_refuses_an_open_bind_and_warns_when_opened(drafter_mode
 
 def test_the_lab_devices_serve_their_api_open(monkeypatch):
     """The compose lab binds 0.0.0.0 for its runner: its environment says api_open, and loads."""
-    env = device_entry.daemon_env(slots()[0], "user-space", "pw")
+    env = device_entry.daemon_env(slots()[0], "user-space", "pw", Path("traces"))
     assert env["SLED_DEVICE_HOST"] == "0.0.0.0" and env["SLED_DEVICE_API_OPEN"] == "true"
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -20,7 +20,7 @@ import pytest
 
 from lab import compose as lab_compose
 from lab import device_entry
-from lab.scenario import load_scenario, parse_scenario
+from lab.scenario import DeviceSlot, load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = {
@@ -322,14 +322,21 @@ def test_device_environment_uses_the_slot_and_user_space_link(tmp_path, monkeypa
     (tmp_path / "gguf").mkdir()
     (tmp_path / "gguf" / "gemma-3-270m-q4_k_m.gguf").write_bytes(b"GGUF")
     slot = slots()[2]
-    env = device_entry.daemon_env(slot, "user-space", "pw")
+    env = device_entry.daemon_env(slot, "user-space", "pw", Path("traces"))
     assert env["SLED_DEVICE_ID"] == "dev-02"
     assert env["SLED_DEVICE_DRAFTER"] == f"gguf:{tmp_path}/gguf/gemma-3-270m-q4_k_m.gguf"
     assert env["SLED_DEVICE_EMULATION__DEVICE"] == "orin-nano"
     assert env["SLED_DEVICE_EMULATION__LINK"] == "ethernet"
     assert env["SLED_DEVICE_MQTT__USERNAME"] == "dev-02"
     assert json.loads(env["SLED_DEVICE_SERVERS"]) == ["server:50051"]
-    assert "SLED_DEVICE_EMULATION__LINK" not in device_entry.daemon_env(slot, "netem", "pw")
+    assert "SLED_DEVICE_EMULATION__LINK" not in device_entry.daemon_env(slot, "netem", "pw", Path("traces"))
+
+
+def test_a_calibrated_device_drafts_from_the_runs_trace_file(tmp_path):
+    slot = DeviceSlot(0, "dev-00", "pi5", "wifi", "calibrated:smollm2-xtok", 0)
+    env = device_entry.daemon_env(slot, "user-space", "pw", tmp_path / "traces")
+    assert env["SLED_DEVICE_DRAFTER"] == f"trace:{tmp_path}/traces/smollm2-xtok.jsonl"
+    assert device_entry.wait_file(tmp_path / "traces" / "smollm2-xtok.jsonl", 0.2) is None
 
 
 def test_slot_file_says_which_link_emulation_ran(tmp_path):

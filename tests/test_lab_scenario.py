@@ -43,6 +43,18 @@ def test_slots_expand_the_fleet_in_order():
     assert parse_scenario(changed(fleet_sizes=[1, 3])).sizes() == [1, 3]
 
 
+def test_an_interleaved_fleet_takes_each_group_in_turn():
+    slots = parse_scenario(changed(interleave=True)).slots()
+    assert [(s.id, s.device, s.group) for s in slots] == [
+        ("dev-00", "pi5", 0), ("dev-01", "orin-nano", 1), ("dev-02", "pi5", 0)]
+    fleet = load_scenario("fleet-h100")
+    first = fleet.slots()[:4]
+    assert {(s.device, s.link) for s in first} == {("pi5", "wifi"), ("orin-nano", "lte"),
+                                                   ("pi5", "lte"), ("orin-nano", "wifi")}
+    assert fleet.sizes() == [1, 4, 16, 64, 128] and len(fleet.slots()) == 128
+    assert fleet.server.emulate == "h100-llama8b-hf-graph" and fleet.target == "tiny"
+
+
 @pytest.mark.parametrize("data, key", [
     (changed(fleet=[]), "fleet"),
     (changed(fleet=[{"count": 0, "device": "pi5", "link": "wifi", "drafter": "ngram"}]), "fleet.0.count"),
@@ -58,6 +70,11 @@ def test_slots_expand_the_fleet_in_order():
     (changed(sampling={"temprature": 0.5}), "sampling.temprature"),
     (changed(arrivals={"mode": "poisson"}), "rate_per_s"),
     (changed(surprise=1), "surprise"),
+    (changed(fleet=[{"count": 1, "device": "pi5", "link": "wifi", "drafter": "calibrated:nope"}]),
+     "fleet.0.drafter"),
+    (changed(fleet=[{"count": 1, "device": "pi5", "link": "wifi",
+                     "drafter": "calibrated:smollm2-xtok"}], sampling={"temperature": 0.7}),
+     "temperature to 0"),
 ])
 def test_a_bad_scenario_names_the_key(tmp_path, data, key):
     assert key in error_of(tmp_path, data)

@@ -163,12 +163,13 @@ async def soak(scenario, prompts: list[str], folder: Path, watch: Watch) -> tupl
     fleet = run.make_fleet("local", scenario, folder)
     results = Results(folder.name, fleet.mode, scenario)
     try:
+        run.write_calibrated_traces(scenario, references, fleet.traces_dir)
         run.phase_line(f"starting the fleet: {len(scenario.slots())} devices, target {scenario.target}")
         await fleet.start(scenario.slots())
         results.link_emulation = fleet.link_emulation()
         async with watch.beside(fleet.devices):
-            await run.run_phase(fleet, scenario, "sled", len(fleet.devices), prompts, references,
-                                results, scenario.faults)
+            await run.run_phase(fleet, scenario, "sled", len(fleet.devices), prompts,
+                                run.outputs(references), results, scenario.faults)
     except (FleetStartError, TimeoutError, asyncio.TimeoutError, aiomqtt.MqttError) as exc:
         raise harness.Stop(f"{exc} (logs in {folder / 'logs'})", harness.SERVER_FAILED) from None
     finally:
