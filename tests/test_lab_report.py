@@ -320,3 +320,55 @@ def test_a_failing_plot_and_dollar_labels_do_not_stop_the_report(tmp_path, monke
     assert "device_tokens_per_s.png" not in skipped and "latency.png" not in skipped
     assert b"matplotlib.org" not in (tmp_path / "throughput.png").read_bytes()
     assert "a broken plot" in (tmp_path / "report.html").read_text()
+
+
+def emulated_document() -> dict:
+    """document() as a run against a server emulating the shipped H100 profile, its devices
+    drafting like the cross-family pair: 1 of every 50 steps of each phase overran."""
+    doc = document()
+    doc["scenario"]["server"] = {"emulate": "h100-llama8b-hf-graph", "args": []}
+    doc["scenario"]["fleet"] = [{"count": 3, "device": "pi5", "link": "wifi",
+                                 "drafter": "calibrated:smollm2-xtok"}]
+    for p in doc["phases"]:
+        p["server"].update(emulated_steps=50, emulated_overruns=1)
+    return doc
+
+
+def test_capacity_and_its_ratio_open_the_page(built):
+    out, page, report = built
+    # sled kept the SLO at 3 devices (the largest run: a lower bound), centralized at 2
+    assert report["capacity_ratio"] == {"ratio": 1.5, "sled_lower_bound": True,
+                                        "centralized_lower_bound": False}
+    html = page.read_text()
+    assert "<b>1.50x or more</b>" in html
+    assert html.index("Capacity at the SLO") < html.index("<h2>Headline")
+    assert report["server_emulation"] is None and "EMULATED" not in html
+
+
+def test_an_emulated_run_names_its_profile_and_overruns_first(tmp_path):
+    report = summarise(emulated_document())
+    emulated = report["server_emulation"]
+    assert (emulated["profile"], emulated["steps"], emulated["overruns"]) == \
+        ("h100-llama8b-hf-graph", 200, 4)
+    assert emulated["valid"] is False                   # 2% of steps overran: past the 1%
+    assert emulated["provenance"]["device"].startswith("NVIDIA H100")
+    assert len(emulated["pairs"]) == 1 and emulated["pairs"][0].startswith("smollm2-xtok: ")
+    html = build_report(emulated_document(), tmp_path).read_text()
+    first = html[:html.index("<h2>Headline")]
+    assert "EMULATED SERVER" in first and "h100-llama8b-hf-graph" in first
+    assert "4 of 200 steps" in first and "(2.0%)" in first and "past the 1%" in first
+    assert "transformers" in first                       # the provenance is on the page
+    doc = emulated_document()
+    for p in doc["phases"]:
+        p["server"].update(emulated_steps=500)
+    assert "within the 1%" in build_report(doc, tmp_path).read_text()
+
+
+def test_another_run_is_drawn_beside_this_one(tmp_path):
+    cpu = summarise(document())
+    page = build_report(emulated_document(), tmp_path, beside=cpu)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["beside"]["run"] == cpu["run"] and report["beside"]["server_emulation"] is None
+    png = (tmp_path / "sled_vs_centralized.png").read_bytes()
+    assert int.from_bytes(png[16:20], "big") == 1200     # two 6-inch panels, not the bar chart
+    assert "sled_vs_centralized.png" in page.read_text()

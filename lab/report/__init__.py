@@ -17,23 +17,29 @@ def summarise(results: dict) -> dict:
     detail = summary.lossless_detail(results)
     rows = summary.headline(results)
     slo = (results.get("scenario") or {}).get("slo") or {}
-    emulation = results.get("link_emulation") or {}
+    links = results.get("link_emulation") or {}
+    capacity = summary.capacity(rows, slo)
     return {"lossless": summary.lossless(detail), "run": results["run"], "mode": results["mode"],
             "started_at": results.get("started_at"), "machine": results.get("machine"),
-            "link_emulation": {"kinds": sorted(set(emulation.values())), "per_device": emulation},
-            "slo": slo, "headline": rows, "capacity": summary.capacity(rows, slo),
+            "link_emulation": {"kinds": sorted(set(links.values())), "per_device": links},
+            "server_emulation": summary.emulation(results),
+            "slo": slo, "headline": rows, "capacity": capacity,
+            "capacity_ratio": summary.capacity_ratio(capacity, rows) if rows else None,
             "acceptance": summary.acceptance(results), "server": summary.server(results),
             "costs": costs(results), "faults": summary.faults(results), "lossless_detail": detail,
             "errors": {"count": detail["errored"], "first": [e["error"] for e in detail["errors"][:5]]}}
 
 
-def build_report(results: dict, out_dir: Path) -> Path:
-    """Write report.json, the PNGs and report.html into out_dir; the page's path."""
+def build_report(results: dict, out_dir: Path, beside: dict | None = None) -> Path:
+    """Write report.json, the PNGs and report.html into out_dir; the page's path. BESIDE:
+    another run's report.json (a run on this machine's own server, for an emulated one), drawn
+    next to this run in the sled-vs-centralized plot."""
     from lab.report import html, plots
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = summarise(results)
+    report["beside"] = _beside(beside)
     report["plots"], report["skipped_plots"] = [], []
     # report.json first: a failing plot must not cost the numbers
     (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -42,3 +48,20 @@ def build_report(results: dict, out_dir: Path) -> Path:
     page = out_dir / "report.html"
     page.write_text(html.page(report, out_dir), encoding="utf-8")
     return page
+
+
+def _beside(report: dict | None) -> dict | None:
+    """What this report keeps of another run's report: its name, server and headline."""
+    if report is None:
+        return None
+    return {"run": report["run"], "server_emulation": report.get("server_emulation"),
+            "headline": report["headline"], "capacity": report.get("capacity")}
+
+
+def load_report(folder: Path) -> dict:
+    """A finished run's report.json (ValueError naming the folder when it has none)."""
+    path = Path(folder) / "report.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{folder} holds no lab report ({path}: {exc})") from None

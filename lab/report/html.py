@@ -9,7 +9,8 @@ from pathlib import Path
 CSS = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
 th{background:#f3f3f3}td.l,th.l{text-align:left}.ok{color:#176f2c}.bad{color:#b00020}
-figure{margin:1.5em 0}img{max-width:100%}figcaption{color:#555}"""
+figure{margin:1.5em 0}img{max-width:100%}figcaption{color:#555}
+.emulated{border:2px solid #b36b00;background:#fff8ec;padding:0 1em;margin:1em 0}"""
 
 
 DEFINITIONS = ("<p>System tok/s: every token received / the phase's wall time. Device tok/s: a device's "
@@ -76,10 +77,39 @@ def headline_table(report: dict) -> str:
 
 
 def capacity_line(report: dict) -> str:
-    slo = report["slo"]
+    """Capacity at the SLO per system, and sled's over centralized's ("2.0x or more" when
+    sled kept the SLO at the largest fleet run)."""
+    slo, ratio = report["slo"], report.get("capacity_ratio")
     parts = [f"{escape(system)}: {_e(c['fleet_size'])} devices" for system, c in report["capacity"].items()]
+    said = ""
+    if ratio:
+        bound = ratio["sled_lower_bound"] and not ratio["centralized_lower_bound"]
+        said = (f" sled carries <b>{ratio['ratio']:.2f}x{' or more' if bound else ''}</b> the "
+                f"devices centralized serving does{' (sled kept it at the largest fleet run)' if bound else ''}.")
     return (f"<p>Capacity at the SLO ({_e(slo.get('tokens_per_s'))} tokens/s per device at p5, "
-            f"TTFT p95 &le; {_e(slo.get('ttft_s'))} s): {'; '.join(parts) or 'no phase ran'}.</p>")
+            f"TTFT p95 &le; {_e(slo.get('ttft_s'))} s): {'; '.join(parts) or 'no phase ran'}.{said}</p>")
+
+
+def emulation_block(report: dict) -> str:
+    """The first thing an emulated run says: the server is emulated, from which measurement,
+    the pairs its devices draft like, and whether the run stands for that GPU."""
+    emulated = report.get("server_emulation")
+    if not emulated:
+        return ""
+    verdict = ('<span class="ok">within the 1% the emulation stands for</span>'
+               if emulated["valid"] else
+               '<span class="bad">past the 1% the emulation stands for: this machine could '
+               "not keep the profile's pace, so these figures fall short of that GPU's</span>")
+    provenance = "; ".join(f"{escape(k)}: {escape(str(v))}" for k, v in emulated["provenance"].items())
+    pairs = "".join(f"<li>{escape(line)}</li>" for line in emulated["pairs"])
+    return (f'<div class="emulated"><p><b>EMULATED SERVER.</b> Every step was held to the time the '
+            f"step-cost profile <b>{escape(emulated['profile'])}</b> gives for its shape; a tiny "
+            f"target on this machine computed every token, so every output is still checked "
+            f"against its own. Profile: {escape(emulated['description'])}.</p>"
+            f"<p>Provenance: {provenance}.</p>"
+            + (f"<p>Devices draft like these pairs, recorded for real:</p><ul>{pairs}</ul>" if pairs else "")
+            + f"<p>Overruns: {emulated['overruns']} of {emulated['steps']} steps ran past the "
+            f"profile's time ({emulated['overrun_share']:.1%}): {verdict}.</p></div>")
 
 
 def figures(report: dict, out_dir: Path) -> str:
@@ -129,7 +159,8 @@ def page(report: dict, out_dir: Path) -> str:
         f"<p>Mode {_e(report['mode'])}, started {_e(report.get('started_at'))}; machine: "
         f"{_e(machine.get('cpus'))} CPUs, {_e(machine.get('memory_gb'))} GB, "
         f"{_e(machine.get('platform'))}, GPU {_e(machine.get('gpu'))}.</p>",
-        lossless_line(report), errors_line(report), "<h2>Headline</h2>", headline_table(report), DEFINITIONS, capacity_line(report),
+        emulation_block(report), capacity_line(report),
+        lossless_line(report), errors_line(report), "<h2>Headline</h2>", headline_table(report), DEFINITIONS,
         "<h2>Plots</h2>", figures(report, out_dir), "<h2>Fault steps</h2>", faults_table(report), "<h2>Cost and energy</h2>", cost_tables(report),
         "<h2>Link emulation</h2>", links_table(report)]
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'

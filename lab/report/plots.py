@@ -119,6 +119,8 @@ def server(plt, report: dict, results: dict):
 
 
 def side_by_side(plt, report: dict, results: dict):
+    if report.get("beside"):
+        return runs_side_by_side(plt, [report["beside"], report])
     systems = {r["system"] for r in report["headline"]}
     if not {"sled", "centralized"} <= systems:
         raise Skip("the centralized baseline did not run")
@@ -133,6 +135,25 @@ def side_by_side(plt, report: dict, results: dict):
         ax.bar(names, [get(rows[s]) or 0.0 for s in names], color=[_colour(s) for s in names])
         ax.set_title(name)
     fig.suptitle(f"sled vs centralized, {size} devices")
+    return fig
+
+
+def runs_side_by_side(plt, runs: list[dict]):
+    """System tokens/s per fleet size for sled and centralized, one panel per run, each titled
+    by the server it ran against (this machine's own, or an emulated GPU's profile)."""
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        for system in ("sled", "centralized"):
+            mine = sorted((r["fleet_size"], r["system_tokens_per_s"]) for r in run["headline"]
+                          if r["system"] == system and r["system_tokens_per_s"] is not None)
+            if mine:
+                ax.plot(*zip(*mine), marker="o", label=system, color=_colour(system))
+        emulated = run.get("server_emulation")
+        server = f"EMULATED {emulated['profile']}" if emulated else "this machine's own server"
+        ax.set(xlabel="fleet size (devices)", ylabel="system tokens/s", xscale="log",
+               title=f"{run['run']}\n{server}")
+        ax.legend()
+    fig.suptitle("sled vs centralized: this machine's server and the emulated GPU")
     return fig
 
 
@@ -198,7 +219,9 @@ PLOTS = (
     ("capacity.png", "Largest fleet size meeting the SLO (p5 device tokens/s and TTFT p95).", capacity),
     ("acceptance.png", "Acceptance rate per drafter and per draft position (sled phases).", acceptance),
     ("server.png", "Server batch sizes per phase, and utilisation (forward seconds / wall seconds).", server),
-    ("sled_vs_centralized.png", "sled and centralized side by side at the largest fleet size.", side_by_side),
+    ("sled_vs_centralized.png", "sled and centralized side by side at the largest fleet size; with "
+     "sled lab run --beside RUN, their throughput in that run and in this one, side by side.",
+     side_by_side),
     ("costs.png", "Cost per million tokens and energy per token per device profile (assumed figures).", costs),
     ("faults.png", "Tokens lost and duplicated in requests open during each fault step.", faults),
     ("kv_blocks.png", "KV blocks used over each phase.", kv_blocks),

@@ -77,6 +77,39 @@ def capacity(rows: list[dict], slo: dict) -> dict:
     return out
 
 
+def capacity_ratio(capacity: dict, rows: list[dict]) -> dict | None:
+    """sled's capacity over centralized's, when both kept the SLO at some fleet size; a capacity
+    at the largest fleet size run is only a lower bound (the run stopped there)."""
+    sled, central = (capacity.get(s, {}).get("fleet_size") for s in ("sled", "centralized"))
+    if not sled or not central:
+        return None
+    largest = max(r["fleet_size"] for r in rows)
+    return {"ratio": round(sled / central, 6), "sled_lower_bound": sled == largest,
+            "centralized_lower_bound": central == largest}
+
+
+def emulation(results: dict) -> dict | None:
+    """An emulated server's step-cost profile with its provenance, the calibrated pairs the
+    devices drafted like, and whether the run stands for that GPU (overruns of every phase,
+    lab.bench.serve.emulation_summary); None for a server that ran at its own pace."""
+    name = ((results.get("scenario") or {}).get("server") or {}).get("emulate")
+    if not name:
+        return None
+    from lab.bench.serve import emulation_summary
+    from lab.traces.calibrated import is_calibrated, load_calibration
+    from verify_server.step_costs import load_profile
+
+    profile = load_profile(name)
+    phases = [{"system": p["system"], "fleet_size": p["fleet_size"],
+               "forward_passes": (p.get("server") or {}).get("emulated_steps") or 0,
+               "overruns": (p.get("server") or {}).get("emulated_overruns") or 0}
+              for p in results["phases"]]
+    drafters = {g["drafter"] for g in (results.get("scenario") or {}).get("fleet") or []}
+    return {**emulation_summary(profile, phases), "description": profile.describe(),
+            "phases": phases, "pairs": [load_calibration(d).line() for d in sorted(drafters)
+                                        if is_calibrated(d)]}
+
+
 def _meets(row: dict, slo: dict) -> bool:
     p5, ttft = row["device_tokens_per_s"]["p5"], row["ttft_s"]["p95"]
     return (not row.get("errors") and p5 is not None and ttft is not None
