@@ -15,6 +15,7 @@ from pathlib import Path
 
 import aiomqtt
 import pytest
+import yaml
 
 from lab.broker import BrokerFiles
 from lab.scenario import DeviceSlot
@@ -203,3 +204,31 @@ def test_the_exit_status_tells_a_mismatch_from_a_failure(tmp_path):
     failed = {"kind": "server_kill", "at_s": 1.0, "device": None, "down_s": 1.0,
               "done_at_s": None, "ok": False, "note": "did not come back"}
     assert _finished_run(tmp_path, {}, [failed]) == 3
+
+
+@pytest.mark.serial    # an emulated server's pace is what it measures: run alone
+@pytest.mark.slow
+def test_an_emulated_fleet_of_calibrated_devices_runs_end_to_end(tmp_path):
+    """fleet-h100 in small: devices drafting like the cross-family pair from traces the run
+    writes, against the tiny target held to the H100 profile; every output is the target's."""
+    scenario = yaml.safe_load((ROOT / "lab" / "scenarios" / "fleet-h100.yaml").read_text())
+    scenario.update(name="h100-small", fleet_sizes=[1, 2], requests=1, max_tokens=16,
+                    workload={"source": "humaneval", "limit": 2})
+    scenario["fleet"] = scenario["fleet"][:2]
+    for group in scenario["fleet"]:
+        group["count"] = 1
+    path = tmp_path / "h100-small.yaml"
+    path.write_text(yaml.safe_dump(scenario))
+    done = sled("lab", "run", str(path), "--out", str(tmp_path), "--run", "small", timeout=300)
+    folder = tmp_path / "small"
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (folder / "traces" / "smollm2-xtok.jsonl").is_file()
+    report = json.loads((folder / "report.json").read_text())
+    assert report["lossless"] is True
+    emulated = report["server_emulation"]
+    assert emulated["profile"] == "h100-llama8b-hf-graph" and emulated["steps"] > 0
+    assert [(p["system"], p["fleet_size"]) for p in emulated["phases"]] == \
+        [("sled", 1), ("centralized", 1), ("sled", 2), ("centralized", 2)]
+    accepted = report["acceptance"]["calibrated:smollm2-xtok"]
+    assert 0.3 < accepted["rate"] < 0.95, accepted      # drafted like the pair, not perfectly
+    assert "EMULATED SERVER" in (folder / "report.html").read_text()
