@@ -33,6 +33,10 @@ from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 
 HOST = "127.0.0.1"
+# A free port is closed again before its device binds it; in a large fleet another process's
+# outgoing connection sometimes takes it first. That device starts again on another port.
+PORT_TAKEN = "address already in use"
+REBINDS = 3
 MOSQUITTO = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
 
 
@@ -123,10 +127,12 @@ class LocalFleet:
         await self.start_broker()
         await self.start_server()
         for slot in slots:
-            self._devices.append(self._device_child(slot))
+            handle, child = self._device_child(slot)
+            self.devices.append(handle)
+            self._devices.append(child)
         for child in self._devices:
             child.start()
-        await asyncio.gather(*(self._wait_device(h, c) for h, c in zip(self.devices, self._devices)))
+        await asyncio.gather(*(self._wait_device(i) for i in range(len(slots))))
 
     async def stop(self) -> None:
         """Devices first (a clean MQTT goodbye), then the server and the broker."""
@@ -200,13 +206,12 @@ class LocalFleet:
 
     # -- the devices --------------------------------------------------------------------------
 
-    def _device_child(self, slot: DeviceSlot) -> Child:
+    def _device_child(self, slot: DeviceSlot) -> tuple[DeviceHandle, Child]:
         port = free_port()
-        self.devices.append(DeviceHandle(slot, f"http://{HOST}:{port}",
-                                         f"http://{HOST}:{port}/metrics"))
+        handle = DeviceHandle(slot, f"http://{HOST}:{port}", f"http://{HOST}:{port}/metrics")
         env = {**os.environ, **self._device_env(slot, port)}
-        return Child(slot.id, [sys.executable, "-m", "sled_cli.main", "device"],
-                     self.folder / "logs" / f"{slot.id}.log", env, self.device_nice)
+        return handle, Child(slot.id, [sys.executable, "-m", "sled_cli.main", "device"],
+                             self.folder / "logs" / f"{slot.id}.log", env, self.device_nice)
 
     def _device_env(self, slot: DeviceSlot, port: int) -> dict[str, str]:
         return {"SLED_DEVICE_ID": slot.id,
@@ -221,11 +226,18 @@ class LocalFleet:
                 "SLED_DEVICE_EMULATION__DEVICE": slot.device,
                 "SLED_DEVICE_EMULATION__LINK": slot.link}
 
-    async def _wait_device(self, handle: DeviceHandle, child: Child) -> None:
-        """Until /health says ready (200) and its MQTT link is up."""
-        give_up = time.monotonic() + self.startup_timeout_s
+    async def _wait_device(self, index: int) -> None:
+        """Until device INDEX's /health says ready (200) and its MQTT link is up. A device whose
+        free port another process took before it could bind it starts again on another one."""
+        handle, child = self.devices[index], self._devices[index]
+        give_up, rebinds = time.monotonic() + self.startup_timeout_s, 0
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
             while time.monotonic() < give_up:
+                if not child.alive() and PORT_TAKEN in child.tail() and rebinds < REBINDS:
+                    handle, child = self._device_child(handle.slot)
+                    self.devices[index], self._devices[index] = handle, child
+                    child.start()
+                    rebinds += 1
                 if not child.alive():
                     raise FleetStartError(f"device {handle.id} exited at start: {child.tail()}")
                 if await _ready(http, handle.api_url + "/health"):

@@ -132,3 +132,20 @@ async def test_a_server_never_reached_reports_unknown_numbers():
     server = sampler.server()
     assert server["forward_passes"] is None and server["forward_seconds"] is None
     assert server["polls"]["ok"] == 0 and server["polls"]["failed"] >= 2
+
+
+async def test_a_large_fleet_is_read_less_often_than_its_server():
+    """40 devices (none there): the server every interval, the devices every third one (16 a
+    read), plus the first and the last read of the phase."""
+    from lab.scrape import DEVICES_PER_POLL
+
+    slots = [SimpleNamespace(id=f"dev-{i:02d}", device="pi5", link="wifi", drafter="ngram")
+             for i in range(40)]
+    nobody = f"http://127.0.0.1:{free_port()}/metrics"
+    handles = [SimpleNamespace(slot=slot, api_url="", metrics_url=nobody) for slot in slots]
+    sampler = Sampler(nobody, handles, interval_s=0.05)
+    async with sampler:
+        await asyncio.sleep(1.5)
+    ticks = sampler.polls["server"]["failed"] - 2
+    assert DEVICES_PER_POLL == 16 and ticks >= 3
+    assert all(sampler.polls[slot.id]["failed"] == 2 + ticks // 3 for slot in slots)
