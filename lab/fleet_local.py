@@ -47,22 +47,29 @@ def mosquitto_binary() -> str:
     raise FleetStartError("Mosquitto is not installed (Debian: apt-get install mosquitto)")
 
 
+def background_priority() -> None:
+    """This process runs only when nothing else wants a core (Linux SCHED_IDLE; elsewhere the
+    lowest nice)."""
+    if hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    else:
+        os.nice(19)
+
+
 class Child:
     """One child process with its log file; start() again reuses the same command line."""
 
     def __init__(self, name: str, args: list[str], log: Path, env: dict[str, str] | None = None,
-                 nice: int = 0):
-        self.name, self.args, self.log, self.env, self.nice = name, args, log, env, nice
+                 background: bool = False):
+        self.name, self.args, self.log, self.env = name, args, log, env
+        self.background = background
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=self.env,
-                                         preexec_fn=self._lower_priority if self.nice else None)
-
-    def _lower_priority(self) -> None:
-        os.nice(self.nice)
+                                         preexec_fn=background_priority if self.background else None)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -91,9 +98,9 @@ class LocalFleet:
 
     def __init__(self, target: str, folder: Path, *, server_args: list[str] = (),
                  prefix: str = "sled", startup_timeout_s: float = 300.0,
-                 device_nice: int = 0) -> None:
+                 devices_in_background: bool = False) -> None:
         self.target, self.folder, self.prefix = target, Path(folder), prefix
-        self.device_nice = device_nice
+        self.devices_in_background = devices_in_background
         self.server_args = list(server_args)
         self.startup_timeout_s = startup_timeout_s
         self.broker_port, self.server_port, self.metrics_port = free_port(), free_port(), free_port()
@@ -211,7 +218,8 @@ class LocalFleet:
         handle = DeviceHandle(slot, f"http://{HOST}:{port}", f"http://{HOST}:{port}/metrics")
         env = {**os.environ, **self._device_env(slot, port)}
         return handle, Child(slot.id, [sys.executable, "-m", "sled_cli.main", "device"],
-                             self.folder / "logs" / f"{slot.id}.log", env, self.device_nice)
+                             self.folder / "logs" / f"{slot.id}.log", env,
+                             self.devices_in_background)
 
     def _device_env(self, slot: DeviceSlot, port: int) -> dict[str, str]:
         return {"SLED_DEVICE_ID": slot.id,

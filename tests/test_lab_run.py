@@ -232,3 +232,20 @@ def test_an_emulated_fleet_of_calibrated_devices_runs_end_to_end(tmp_path):
     accepted = report["acceptance"]["calibrated:smollm2-xtok"]
     assert 0.3 < accepted["rate"] < 0.95, accepted      # drafted like the pair, not perfectly
     assert "EMULATED SERVER" in (folder / "report.html").read_text()
+
+
+def test_devices_beside_an_emulated_server_run_in_the_background(tmp_path):
+    """A device child of an emulated run takes a core only when nothing else wants it, so the
+    server keeps the profile's pace; other children keep the normal priority."""
+    from lab.fleet_local import Child
+    from lab.run import make_fleet
+    from lab.scenario import load_scenario
+
+    probe = [sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"]
+    for background, policy in ((True, os.SCHED_IDLE), (False, os.SCHED_OTHER)):
+        child = Child("probe", probe, tmp_path / f"{background}.log", background=background)
+        child.start()
+        child.proc.wait(30)
+        assert child.log.read_text().strip() == str(policy)
+    assert make_fleet("local", load_scenario("fleet-h100"), tmp_path).devices_in_background
+    assert not make_fleet("local", load_scenario("smoke"), tmp_path).devices_in_background
