@@ -134,6 +134,15 @@ def test_a_bad_scenario_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_a_beside_run_without_a_report_is_one_line_and_exit_2(tmp_path):
+    done = sled("lab", "run", "smoke", "--out", str(tmp_path), "--beside", str(tmp_path / "none"),
+                timeout=60)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "holds no lab report" in lines[0], done.stderr
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.serial    # a fleet on both cores, with fault steps at set times: run alone
 @pytest.mark.slow
 def test_smoke_runs_end_to_end_with_its_fault_steps(tmp_path):
