@@ -358,6 +358,7 @@ def test_an_emulated_run_names_its_profile_and_overruns_first(tmp_path):
     assert "EMULATED SERVER" in first and "h100-llama8b-hf-graph" in first
     assert "4 of 200 steps" in first and "(2.0%)" in first and "past the 1%" in first
     assert "transformers" in first                       # the provenance is on the page
+    assert "<td>1</td><td>2.0%</td>" in first           # each phase: 1 of 50 steps
     doc = emulated_document()
     for p in doc["phases"]:
         p["server"].update(emulated_steps=500)

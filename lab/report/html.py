@@ -109,7 +109,11 @@ def emulation_block(report: dict) -> str:
             f"<p>Provenance: {provenance}.</p>"
             + (f"<p>Devices draft like these pairs, recorded for real:</p><ul>{pairs}</ul>" if pairs else "")
             + f"<p>Overruns: {emulated['overruns']} of {emulated['steps']} steps ran past the "
-            f"profile's time ({emulated['overrun_share']:.1%}): {verdict}.</p></div>")
+            f"profile's time ({emulated['overrun_share']:.1%}): {verdict}.</p>"
+            + _table(["system", "devices", "steps", "overruns", "share"],
+                     [[p["system"], p["fleet_size"], p["forward_passes"], p["overruns"],
+                       f"{p['overruns'] / p['forward_passes']:.1%}" if p["forward_passes"] else None]
+                      for p in emulated["phases"]]) + "</div>")
 
 
 def figures(report: dict, out_dir: Path) -> str:

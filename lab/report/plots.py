@@ -150,8 +150,11 @@ def runs_side_by_side(plt, runs: list[dict]):
                 ax.plot(*zip(*mine), marker="o", label=system, color=_colour(system))
         emulated = run.get("server_emulation")
         server = f"EMULATED {emulated['profile']}" if emulated else "this machine's own server"
+        sizes = sorted({r["fleet_size"] for r in run["headline"]})
         ax.set(xlabel="fleet size (devices)", ylabel="system tokens/s", xscale="log",
                title=f"{run['run']}\n{server}")
+        ax.set_xticks(sizes, [str(n) for n in sizes])   # plain numbers (labels are not mathtext)
+        ax.minorticks_off()
         ax.legend()
     fig.suptitle("sled vs centralized: this machine's server and the emulated GPU")
     return fig
