@@ -117,6 +117,12 @@ class DeviceMetrics:
                                     registry=r)
         self.draft_seconds = Histogram("sled_device_draft_seconds", "Drafting time per round",
                                        registry=r)
+        # an emulated board (emulation.device): its paced drafts, and those this machine made late
+        self.paced_drafts = Counter("sled_device_paced_drafts", "Drafts paced to the emulated "
+                                    "board's speed", registry=r)
+        self.late_drafts = Counter("sled_device_late_drafts", "Paced drafts that came more than "
+                                   "10% past the board's time (the host could not keep its pace)",
+                                   registry=r)
         # per draft position (1..k): how often a draft reached it, and how often it was accepted
         self.position_drafted = Counter("sled_device_position_drafted", "Draft tokens verified at "
                                         "each draft position", ["position"], registry=r)
@@ -448,7 +454,13 @@ class Device:
         """The shared drafter, paced to the emulated board's speed when there is one."""
         if not settings.emulation.device:
             return self.drafter
-        return PacedDrafter(self.drafter, device_profile(settings.emulation.device))
+        return PacedDrafter(self.drafter, device_profile(settings.emulation.device),
+                            on_paced=self._count_paced)
+
+    def _count_paced(self, late: bool) -> None:
+        self.metrics.paced_drafts.inc()
+        if late:
+            self.metrics.late_drafts.inc()
 
     def _count_round(self, stat: RoundStat) -> None:
         """One round of any session, in the metrics and the telemetry window."""

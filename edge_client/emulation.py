@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import numpy as np
@@ -27,6 +27,9 @@ from sled.tree import depths
 from sled.sampling import Sampling
 
 LINK_DOWN = "the emulated link is down"
+# A paced draft is late when it returned more than this past the board's time (a share of that
+# time, and at least LATE_AFTER_S): this machine could not give the emulated board its pace.
+LATE_SHARE, LATE_AFTER_S = 0.10, 0.005
 USER_SPACE, NONE = "user-space", "none"
 
 
@@ -41,10 +44,12 @@ class PacedDrafter:
     there. The tokens are the inner drafter's own. host_s and board_s add up the time each
     proposal took here and on the board; drafted counts the tokens."""
 
-    def __init__(self, drafter: Drafter, profile: DeviceProfile, measured: bool = False) -> None:
+    def __init__(self, drafter: Drafter, profile: DeviceProfile, measured: bool = False,
+                 on_paced: Callable[[bool], None] | None = None) -> None:
         self.inner = drafter
         self.profile = profile
         self.measured = measured
+        self.on_paced = on_paced      # called after every proposal: late (True) or on time
         self.name = drafter.name
         self.alias = getattr(drafter, "alias", None)
         self.tokenizer_fingerprint = drafter.tokenizer_fingerprint
@@ -82,6 +87,8 @@ class PacedDrafter:
         self.host_s, self.board_s = self.host_s + took, self.board_s + max(board, took)
         self.drafted += len(proposal.token_ids)
         await asyncio.sleep(max(0.0, board - took))
+        if self.on_paced is not None:
+            self.on_paced(late(time.perf_counter() - started, board))
         return proposal
 
     def _inner_proposal(self, context, draft_len, sampling, generator, options) -> Awaitable[Proposal]:
@@ -103,6 +110,11 @@ class PacedDrafter:
 
     def rollback(self, length: int) -> None:
         self.inner.rollback(length)
+
+
+def late(elapsed_s: float, board_s: float) -> bool:
+    """Whether a draft that took elapsed_s came later than the board's board_s allows."""
+    return elapsed_s > board_s + max(LATE_AFTER_S, LATE_SHARE * board_s)
 
 
 class LinkEmulation:

@@ -32,7 +32,8 @@ Snapshot = dict[str, list[tuple[dict[str, str], float]]]
 # Counters the sampler sums over a phase: the server's, then each device's.
 SERVER_COUNTERS = ("sled_forward_passes_total", "sled_forward_seconds_sum",
                    "sled_emulated_steps_total", "sled_emulated_overruns_total")
-DEVICE_COUNTERS = ("sled_device_draft_tokens_total", "sled_device_accepted_tokens_total")
+DEVICE_COUNTERS = ("sled_device_draft_tokens_total", "sled_device_accepted_tokens_total",
+                   "sled_device_paced_drafts_total", "sled_device_late_drafts_total")
 # When the process made its counters: a new value means a restarted process.
 SERVER_CREATED = "sled_forward_passes_created"
 DEVICE_CREATED = "sled_device_draft_tokens_created"
@@ -244,6 +245,9 @@ class Sampler:
                 "position_accepted": _by_position(totals, POSITION_ACCEPTED),
                 "drafted": int(round(totals.get("sled_device_draft_tokens_total", 0.0))) if known else None,
                 "accepted": int(round(totals.get("sled_device_accepted_tokens_total", 0.0))) if known else None,
+                # drafts paced to the emulated board, and those this host made late
+                "paced_drafts": int(round(totals.get("sled_device_paced_drafts_total", 0.0))) if known else None,
+                "late_drafts": int(round(totals.get("sled_device_late_drafts_total", 0.0))) if known else None,
                 "polls": dict(self.polls[handle.slot.id])}
 
 

@@ -39,6 +39,9 @@ def test_trace_record_then_bench_serve_compares_both_modes(pair, tmp_path):
     assert all(r["device_tps_p5"] <= r["device_tps_p50"] <= r["device_tps_p95"] for r in rows)
     assert all(r["passes_per_token"] > 0 for r in rows)
     assert all(r["throughput_vs_centralized"] > 0 for r in rows if r["mode"] == "sled")
+    # every sled draft was paced to the board (late or not); centralized devices draft nothing
+    assert all(0 <= r["late_drafts"] <= r["paced_drafts"] for r in rows)
+    assert all((r["paced_drafts"] > 0) == (r["mode"] == "sled") for r in rows)
     assert set(result["capacity"]) >= {"sled", "centralized", "ratio"}
     assert out.with_suffix(".png").stat().st_size > 0
     assert "capacity" in done.stdout and "lossless" in done.stdout

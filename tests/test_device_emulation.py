@@ -139,6 +139,41 @@ async def test_a_board_profile_pads_drafting_and_changes_no_token(device, models
     assert stats
     for stat in stats:      # each round's drafting took at least the board's time for its draft
         assert stat.draft_ms >= board.draft_seconds(stat.verified) * 1e3 - 1.0, stat
+    # every paced draft is counted; on this board (25 ms a token) the host keeps the pace
+    assert dev.metrics.value("sled_device_paced_drafts_total") >= len(stats)
+    assert dev.metrics.value("sled_device_late_drafts_total") <= \
+        dev.metrics.value("sled_device_paced_drafts_total") / 2
+
+
+class SlowDrafter:
+    """A drafter whose every proposal takes `seconds` of this host's time."""
+    name, tokenizer_fingerprint = "slow", None
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def propose(self, context, k, sampling, generator=None, **options):
+        import time
+
+        from drafters.base import Proposal
+        time.sleep(self.seconds)
+        return Proposal([1] * k, None)
+
+    def rollback(self, length: int) -> None:
+        pass
+
+
+async def test_a_draft_the_host_cannot_give_the_boards_pace_is_counted_late():
+    from edge_client.emulation import late
+
+    assert late(0.0885, 0.080) and not late(0.0875, 0.080)    # 10% past the board's time
+    assert late(0.0151, 0.010) and not late(0.0149, 0.010)    # at least 5 ms past it
+    board = device_profile(SLOW_BOARD)                         # 4 tokens: 105 ms
+    said: list[bool] = []
+    for seconds in (0.0, 0.2):
+        paced = PacedDrafter(SlowDrafter(seconds), board, on_paced=said.append)
+        await paced.apropose([1, 2], 4, Sampling())
+    assert said == [False, True]
 
 
 async def test_paced_drafter_proposes_the_inner_drafters_tokens(drafter_models, tokenizer, prompts):

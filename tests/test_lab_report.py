@@ -365,6 +365,20 @@ def test_an_emulated_run_names_its_profile_and_overruns_first(tmp_path):
     assert "within the 1%" in build_report(doc, tmp_path).read_text()
 
 
+def test_devices_behind_their_boards_are_said_on_the_first_screen(tmp_path):
+    doc = document()
+    for p in doc["phases"]:
+        for device in p["devices"].values():
+            device.update(paced_drafts=50, late_drafts=5 if p["fleet_size"] == 3 else 0)
+    report = summarise(doc)
+    assert [(p["system"], p["fleet_size"], p["late_share"]) for p in report["board_pace"]] == \
+        [("sled", 2, 0.0), ("sled", 3, 0.1), ("centralized", 2, 0.0), ("centralized", 3, 0.1)]
+    html = build_report(doc, tmp_path).read_text()
+    first = html[:html.index("<h2>Headline")]
+    assert "fell behind their emulated boards" in first and "sled &times;3: 15 of 150 (10.0%)" in first
+    assert "fell behind" not in build_report(document(), tmp_path).read_text()
+
+
 def test_another_run_is_drawn_beside_this_one(tmp_path):
     cpu = summarise(document())
     page = build_report(emulated_document(), tmp_path, beside=cpu)

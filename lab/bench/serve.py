@@ -145,9 +145,10 @@ def tpot_samples(token_times: list[float]) -> list[float]:
 
 
 async def run_fleet(stub, mode: str, n: int, traces, *, max_new_tokens: int, draft_len,
-                    device, link, fingerprint: str, on_tokens=None) -> tuple[list, list[list[int]], float]:
+                    device, link, fingerprint: str, on_tokens=None,
+                    on_paced=None) -> tuple[list, list[list[int]], float]:
     """N devices at once; device j serves trace j mod len(traces). Returns results, expected
-    outputs and the makespan in seconds."""
+    outputs and the makespan in seconds. on_paced(late) follows every paced draft."""
     from lab.traces import TraceDrafter
     from edge_client.server_side import generate_server_side
     from edge_client.session import RoundSettings, generate
@@ -160,7 +161,7 @@ async def run_fleet(stub, mode: str, n: int, traces, *, max_new_tokens: int, dra
     async def one(j: int):
         trace, limit, wire = picked[j], len(expected[j]), link_transport(Link(link, seed=j))
         if mode == "sled":
-            return await generate(stub, TraceDrafter(trace, device), trace.prompt_ids,
+            return await generate(stub, TraceDrafter(trace, device, on_paced), trace.prompt_ids,
                                   max_new_tokens=limit, settings=RoundSettings(draft_len=draft_len),
                                   transport=wire, target_fingerprint=fingerprint, on_tokens=on_tokens)
         return await generate_server_side(stub, trace.prompt_ids, max_new_tokens=limit,
@@ -225,12 +226,15 @@ async def sweep(served, traces, fleet_sizes: list[int], modes: list[str], args, 
         for index, n in enumerate(fleet_sizes):
             for mode in modes if index % 2 == 0 else modes[::-1]:
                 progress.update(task, description=f"{mode}, {n} device(s)")
-                before = served.forward_passes(), _overruns(served, args)
+                before, paced = (served.forward_passes(), _overruns(served, args)), []
                 results, expected, makespan = await run_fleet(
                     served.stub, mode, n, traces.traces, max_new_tokens=cap, **common,
-                    on_tokens=lambda tokens: progress.advance(task, len(tokens)))
+                    on_tokens=lambda tokens: progress.advance(task, len(tokens)),
+                    on_paced=paced.append)
                 passes = served.forward_passes() - before[0]
                 rows.append(summarize(FleetRun(mode, n, results, expected, makespan, passes)))
+                # the emulated devices' drafts that this host's loop gave back late
+                rows[-1].update(paced_drafts=len(paced), late_drafts=sum(paced))
                 if args.emulate:
                     rows[-1]["overruns"] = _overruns(served, args) - before[1]
     rows.sort(key=lambda r: (r["devices"], MODES.index(r["mode"])))
@@ -284,9 +288,10 @@ def _table(rows: list[dict], setup: str):
 
     table = Table(title=f"sled vs centralized serving: {setup}", caption=(
         "sys: tokens/s of all devices; dev p5/p50/p95: per-device tokens/s; TPOT: ms per output "
-        "token; passes: target forward passes per output token"))
+        "token; passes: target forward passes per output token; late: drafts this host gave back "
+        "more than 10% past the board's time"))
     columns = ("mode", "N", "sys", "vs central", "dev p5", "p50", "p95", "TPOT p95", "passes",
-               "accept", "lossless")
+               "accept", "late", "lossless")
     for column in columns:
         table.add_column(column, justify="left" if column == "mode" else "right")
     for r in rows:
@@ -296,9 +301,15 @@ def _table(rows: list[dict], setup: str):
                       f"{ratio:.2f}x" if ratio else "", f"{r['device_tps_p5']:.1f}",
                       f"{r['device_tps_p50']:.1f}", f"{r['device_tps_p95']:.1f}",
                       f"{r['tpot_ms_p95']:.1f}", f"{r['passes_per_token']:.3f}",
-                      f"{accept:.0%}" if accept is not None else "-",
+                      f"{accept:.0%}" if accept is not None else "-", _late(r),
                       "yes" if not r["mismatches"] else f"[red]{r['mismatches']} differ[/]")
     return table
+
+
+def _late(row: dict) -> str:
+    """The share of a row's paced drafts this host gave back late ("-" without drafts)."""
+    paced = row.get("paced_drafts")
+    return f"{row['late_drafts'] / paced:.0%}" if paced else "-"
 
 
 def _plot(rows: list[dict], path, title: str) -> None:

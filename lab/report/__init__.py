@@ -23,6 +23,7 @@ def summarise(results: dict) -> dict:
             "started_at": results.get("started_at"), "machine": results.get("machine"),
             "link_emulation": {"kinds": sorted(set(links.values())), "per_device": links},
             "server_emulation": summary.emulation(results),
+            "board_pace": summary.board_pace(results),
             "slo": slo, "headline": rows, "capacity": capacity,
             "capacity_ratio": summary.capacity_ratio(capacity, rows) if rows else None,
             "acceptance": summary.acceptance(results), "server": summary.server(results),

@@ -90,6 +90,19 @@ def capacity_line(report: dict) -> str:
             f"TTFT p95 &le; {_e(slo.get('ttft_s'))} s): {'; '.join(parts) or 'no phase ran'}.{said}</p>")
 
 
+def board_line(report: dict) -> str:
+    """Whether the devices kept their emulated boards' pace: said when a phase's drafts came
+    late more than 1% of the time (this machine, not the fleet, set those devices' speed)."""
+    behind = [p for p in report.get("board_pace") or [] if (p["late_share"] or 0) > 0.01]
+    if not behind:
+        return ""
+    phases = "; ".join(f"{escape(p['system'])} &times;{p['fleet_size']}: {p['late_drafts']} of "
+                       f"{p['paced_drafts']} ({p['late_share']:.1%})" for p in behind)
+    return (f'<p class="bad">The devices fell behind their emulated boards: drafts came more '
+            f"than 10% past the board's time in {phases}. This machine's cores, not the boards, "
+            f"set those devices' pace there.</p>")
+
+
 def emulation_block(report: dict) -> str:
     """The first thing an emulated run says: the server is emulated, from which measurement,
     the pairs its devices draft like, and whether the run stands for that GPU."""
@@ -163,7 +176,7 @@ def page(report: dict, out_dir: Path) -> str:
         f"<p>Mode {_e(report['mode'])}, started {_e(report.get('started_at'))}; machine: "
         f"{_e(machine.get('cpus'))} CPUs, {_e(machine.get('memory_gb'))} GB, "
         f"{_e(machine.get('platform'))}, GPU {_e(machine.get('gpu'))}.</p>",
-        emulation_block(report), capacity_line(report),
+        emulation_block(report), board_line(report), capacity_line(report),
         lossless_line(report), errors_line(report), "<h2>Headline</h2>", headline_table(report), DEFINITIONS,
         "<h2>Plots</h2>", figures(report, out_dir), "<h2>Fault steps</h2>", faults_table(report), "<h2>Cost and energy</h2>", cost_tables(report),
         "<h2>Link emulation</h2>", links_table(report)]

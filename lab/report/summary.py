@@ -88,6 +88,20 @@ def capacity_ratio(capacity: dict, rows: list[dict]) -> dict | None:
             "centralized_lower_bound": central == largest}
 
 
+def board_pace(results: dict) -> list[dict]:
+    """Per phase: the drafts the devices paced to their emulated boards, and those that came late
+    because this machine could not give the boards their pace (the devices' own overruns)."""
+    rows = []
+    for phase in results["phases"]:
+        devices = (phase.get("devices") or {}).values()
+        paced = sum(d.get("paced_drafts") or 0 for d in devices)
+        late = sum(d.get("late_drafts") or 0 for d in devices)
+        rows.append({"system": phase["system"], "fleet_size": phase["fleet_size"],
+                     "paced_drafts": paced, "late_drafts": late,
+                     "late_share": round(late / paced, 6) if paced else None})
+    return rows
+
+
 def emulation(results: dict) -> dict | None:
     """An emulated server's step-cost profile with its provenance, the calibrated pairs the
     devices drafted like, and whether the run stands for that GPU (overruns of every phase,

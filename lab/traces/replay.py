@@ -7,11 +7,13 @@ proposals[1][:1] returns proposals[1][1:1 + k], the drafter's own greedy continu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from drafters.base import Proposal, stop_index
+from edge_client.emulation import late
 from lab.traces.format import Trace, TraceSet
 from sled.sampling import Sampling
 
@@ -29,9 +31,11 @@ class TraceDrafter:
     A trace recorded with confidences stops drafts early like its drafter (min_confidence).
     """
 
-    def __init__(self, trace: Trace, device_profile=None) -> None:
+    def __init__(self, trace: Trace, device_profile=None,
+                 on_paced: Callable[[bool], None] | None = None) -> None:
         self.trace = trace
         self.device_profile = device_profile
+        self.on_paced = on_paced      # after every paced proposal: late (True) or on time
         self.name = f"trace:{trace.drafter}" if trace.drafter else "trace"
         self.tokenizer_fingerprint = trace.tokenizer_fingerprint
         self._drafted_to: list[int] | None = None   # context + proposal of the last proposal
@@ -83,8 +87,15 @@ class TraceDrafter:
             raise
         confidence = proposal.confidence
         stopped_early = bool(confidence) and confidence[-1] < options.get("min_confidence", 0.0)
-        await asyncio.sleep(self.draft_seconds(len(proposal.token_ids) if stopped_early else k, warm))
+        await self._pace(self.draft_seconds(len(proposal.token_ids) if stopped_early else k, warm))
         return proposal
+
+    async def _pace(self, seconds: float) -> None:
+        """Sleep the drafting time, and say whether this host's loop gave it back late."""
+        started = time.perf_counter()
+        await asyncio.sleep(seconds)
+        if self.on_paced is not None:
+            self.on_paced(late(time.perf_counter() - started, seconds))
 
     def draft_seconds(self, draft_len: int, warm: bool = False) -> float:
         """Emulated time to draft draft_len tokens; warm: without the per-round overhead."""
