@@ -104,6 +104,17 @@ def test_the_pacer_holds_a_step_to_the_profiles_time(tmp_path):
     assert metrics.emulated_overrun_seconds._value.get() == pytest.approx(0.149, abs=0.01)
 
 
+def test_a_step_wider_than_the_measured_cells_is_said_once(tmp_path, caplog):
+    profile = load_profile(profile_file(tmp_path, {"base_ms": 1.0, "per_token_ms": 0.0,
+                                                   "per_kv_token_ms": 0.0}))   # cells: 1 row
+    pacer = StepPacer(profile, Metrics())
+    pacer.due(rows((8, 1)), 0.0)
+    assert "past the" not in caplog.text
+    for _ in range(3):
+        pacer.due(rows((8, 1), (8, 1), (8, 1)), 0.0)
+    assert caplog.text.count("a step of 3 sessions is past the 1 the profile test measured") == 1
+
+
 async def test_an_emulated_server_paces_its_steps_and_keeps_the_targets_output(
         serve, models, drafter_models, tokenizer, prompts, tmp_path):
     """Through the server: the greedy oracle holds, every step lasts the profile's time for

@@ -8,6 +8,7 @@ no longer stands for that GPU (a cheaper target, or fewer devices, brings it bac
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -15,6 +16,7 @@ from verify_server.engine import Row
 from verify_server.metrics import Metrics
 from verify_server.step_costs import StepProfile
 
+log = logging.getLogger("sled.server")
 # Past this share of overrun steps an emulated run is not valid for its profile.
 MAX_OVERRUN_SHARE = 0.01
 
@@ -22,10 +24,17 @@ MAX_OVERRUN_SHARE = 0.01
 class StepPacer:
     def __init__(self, profile: StepProfile, metrics: Metrics) -> None:
         self.profile, self.metrics = profile, metrics
+        self.measured_rows = max(cell.rows for cell in profile.cells)
+        self._said_beyond = False
 
     def due(self, rows: Sequence[Row], started: float) -> float:
         """When a step of these rows, started at `started` (perf_counter), ends on the profile's
         device (read before the step: its rows' lengths change once it is done)."""
+        if len(rows) > self.measured_rows and not self._said_beyond:
+            self._said_beyond = True
+            log.warning("a step of %d sessions is past the %d the profile %s measured: its time, "
+                        "and every such step's, comes from the rule fitted through the cells",
+                        len(rows), self.measured_rows, self.profile.name)
         return started + self.profile.step_seconds([(row.kv.length, row.width) for row in rows])
 
     def hold(self, due: float) -> None:
