@@ -47,7 +47,8 @@ def handle(slot_id: str, api_url: str = "", index: int = 0):
 def scenario(target: str, via: str = "mqtt", requests: int | None = 2, mode: str = "closed",
              rate: float = 0.0, temperature: float = 0.0, duration_s: float | None = None):
     return SimpleNamespace(
-        target=target, via=via, requests=requests, duration_s=duration_s, max_tokens=MAX_TOKENS,
+        target=target, served_target=lambda: target, via=via, requests=requests,
+        duration_s=duration_s, max_tokens=MAX_TOKENS,
         arrivals=SimpleNamespace(mode=mode, rate_per_s=rate),
         sampling=SimpleNamespace(temperature=temperature, top_p=1.0, top_k=0, seed=7,
                                  greedy=temperature == 0.0))
