@@ -1,10 +1,12 @@
-"""Regenerate the committed Python stubs from protos/sled/v1/*.proto."""
+"""Regenerate the committed Python stubs (sled/v1/) from protos/sled/v1/*.proto."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-PROTO_ROOT = Path(__file__).resolve().parent.parent / "protos"
+REPO = Path(__file__).resolve().parent.parent
+PROTO_ROOT = REPO / "protos"       # the contract: .proto files only
+STUB_ROOT = REPO                   # the stubs land in the sled package: sled/v1/*_pb2*.py
 
 
 def generate(out_dir: Path, proto_root: Path = PROTO_ROOT) -> list[Path]:
@@ -25,13 +27,13 @@ def generate(out_dir: Path, proto_root: Path = PROTO_ROOT) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
-    return sorted(p for p in Path(out_dir).rglob("*_pb2*.py*"))
+    return sorted(p for p in (Path(out_dir) / "sled").rglob("*_pb2*.py*"))
 
 
 def main() -> None:
-    written = generate(PROTO_ROOT)
+    written = generate(STUB_ROOT)
     for path in written:
-        print(path.relative_to(PROTO_ROOT.parent))
+        print(path.relative_to(REPO))
 
 
 if __name__ == "__main__":

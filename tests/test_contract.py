@@ -17,7 +17,7 @@ from conftest import PROMPT_TEXTS
 from sled.fingerprint import fingerprint_tokenizer
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
-from sled_cli.protos import PROTO_ROOT, generate
+from sled_cli.protos import PROTO_ROOT, STUB_ROOT, generate
 
 STUBS = ("verifier_pb2.py", "verifier_pb2.pyi", "verifier_pb2_grpc.py")
 SERVICE = "sled.v1.Verifier"
@@ -32,8 +32,8 @@ def test_committed_stubs_match_protoc_output(tmp_path):
         sorted(f"sled/v1/{name}" for name in STUBS)
     for name in STUBS:
         fresh = (tmp_path / "sled" / "v1" / name).read_bytes()
-        committed = (PROTO_ROOT / "sled" / "v1" / name).read_bytes()
-        assert fresh == committed, f"protos/sled/v1/{name} is stale: run python -m sled_cli.protos"
+        committed = (STUB_ROOT / "sled" / "v1" / name).read_bytes()
+        assert fresh == committed, f"sled/v1/{name} is stale: run python -m sled_cli.protos"
 
 
 def test_stub_check_would_catch_an_edited_proto(tmp_path):
@@ -53,7 +53,7 @@ def test_stub_check_would_catch_an_edited_proto(tmp_path):
     generate(out, proto_root=root)
     changed = [name for name in STUBS
                if (out / "sled" / "v1" / name).read_bytes()
-               != (PROTO_ROOT / "sled" / "v1" / name).read_bytes()]
+               != (STUB_ROOT / "sled" / "v1" / name).read_bytes()]
     assert "verifier_pb2.py" in changed and "verifier_pb2.pyi" in changed
 
 

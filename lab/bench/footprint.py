@@ -57,7 +57,7 @@ def _no_extra(text: str) -> str:
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import positive_int
+    from sled.flags import positive_int
 
     parser.add_argument("--target", default="gemma3-270m", help="the server's target alias or path")
     parser.add_argument("--drafters", default=DRAFTERS, help="drafter specs, comma-separated")
@@ -219,7 +219,7 @@ class Daemon:
         # an environment runs its own installed copy, or --source's.
         environ = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
         if env.source:
-            environ["PYTHONPATH"] = os.pathsep.join([env.source, str(Path(env.source) / "protos")])
+            environ["PYTHONPATH"] = env.source
         self.lines: list[str] = []
         self.model = ""
         self.started = time.monotonic()
