@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sled.mqtt import check_topic_level, check_topic_prefix, device_topic, server_topic
+from sled.pki import write_secret
 from sled.printable import printable
 
 if TYPE_CHECKING:
@@ -229,11 +230,3 @@ def passwords_owner(folder: Path) -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return str(uid)
-
-
-def write_secret(path: Path, text: str) -> None:
-    """Created 0600 from the start, so a secret is never readable by others."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)

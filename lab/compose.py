@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from lab.broker import write_secret
+from sled.pki import write_secret
 from lab.device_entry import PASSWORD_FILE, wait_slot_files
 from lab.images import DOCKER, ROOT, TORCH, BuildError, run_step
 from lab.workload import is_prompt_file

@@ -7,7 +7,7 @@ is from one.
 
 The target is loaded the way `sled serve --model TARGET ARGS` loads it: its settings come from
 the same flags, --config file and SLED_SERVE_* variables (served_settings), and
-sled_cli.serve.load_target loads it (the same alias resolution, SATs, tokenizer, dtype and torch
+verify_server.target.load_target loads it (the same alias resolution, SATs, tokenizer, dtype and torch
 device), capped at the same context length. A prompt is encoded the way a device encodes a text
 prompt (the tokenizer's default encoding, BOS included), and generation stops where a device's
 output stops: at max_tokens or at the first EOS id, which is kept in the output.
@@ -25,7 +25,7 @@ def served_settings(target: str, server_args: list[str] | None = None):
     """The ServerSettings `sled serve --model TARGET SERVER_ARGS` runs with: the flags read by
     sled serve's own parser, then its loader (--config file, SLED_SERVE_* variables, flags).
     ValueError (one line) for flags sled serve would refuse."""
-    from sled_cli.serve import add_arguments
+    from verify_server.flags import add_arguments
     from verify_server.settings import ServerSettings, load_settings
 
     parser = argparse.ArgumentParser(prog="sled serve", add_help=False)
@@ -42,7 +42,7 @@ def served_settings(target: str, server_args: list[str] | None = None):
 def load_target(target: str, dtype: str = "float32", settings=None):
     """The verify server's Target for a `sled serve --model` value (SETTINGS: the server's own,
     from served_settings; else the defaults with DTYPE)."""
-    from sled_cli.serve import load_target as load_served
+    from verify_server.target import load_target as load_served
     from verify_server.settings import ServerSettings
 
     settings = settings if settings is not None else ServerSettings(model=target, dtype=dtype)

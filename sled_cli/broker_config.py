@@ -15,8 +15,9 @@ from pathlib import Path
 
 from lab.broker import BrokerFiles, BrokerTls, Fleet, Listener, passwords_owner
 from sled.mqtt import DEFAULT_PREFIX
-from sled_cli.certs import Pki, id_list
-from sled_cli.flags import one_line, positive_int
+from sled.pki import Pki
+from sled_cli.certs import id_list
+from sled.flags import one_line, positive_int
 
 PLAIN_PORT, TLS_PORT = 1883, 8883
 # Prints one user's password from credentials.json: python3 -c READ_PASSWORD FILE USER

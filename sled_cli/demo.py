@@ -1,7 +1,7 @@
 """`sled demo`: a server and three devices on this machine (lab.demo)."""
 from __future__ import annotations
 
-from sled_cli.flags import positive_int
+from sled.flags import positive_int
 
 
 def add_arguments(parser) -> None:

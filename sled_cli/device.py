@@ -22,7 +22,7 @@ log = logging.getLogger("sled.device")
 
 def run_device_daemon(argv: list[str]) -> int:
     from edge_client.settings import SettingsError, cli_help, load_settings
-    from sled_cli.flags import one_line
+    from sled.flags import one_line
     from sled_cli.logs import configure_logging
 
     if "-h" in argv or "--help" in argv:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from sled_cli.flags import builtin_aliases
+from sled.flags import builtin_aliases
 
 log = logging.getLogger("sled.export_onnx")
 

@@ -9,7 +9,7 @@ import sys
 
 import grpc
 
-from sled_cli.flags import (builtin_aliases, loose_flag, non_negative_float, non_negative_int,
+from sled.flags import (builtin_aliases, loose_flag, non_negative_float, non_negative_int,
                             open_probability, positive_int)
 
 

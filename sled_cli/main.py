@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from sled import progress
 from sled.extras import MissingExtra, require_extra
-from sled_cli.flags import HelpFormatter, checked_numbers
+from sled.flags import HelpFormatter, checked_numbers
 from sled_cli.logs import configure_logging
 
 # OpenMP's default busy-waiting threads starve the server's event loop when the forward runs on

@@ -1,7 +1,7 @@
 """`sled run-device`: run a workload as one device; JSON lines of progress (lab.device_runner)."""
 from __future__ import annotations
 
-from sled_cli.flags import builtin_aliases, positive_int
+from sled.flags import builtin_aliases, positive_int
 
 
 def add_arguments(parser) -> None:

@@ -6,7 +6,7 @@ import math
 import shutil
 from pathlib import Path
 
-from sled_cli.flags import (builtin_aliases, fraction, non_negative_float, non_negative_int,
+from sled.flags import (builtin_aliases, fraction, non_negative_float, non_negative_int,
                             positive_float, positive_int)
 
 

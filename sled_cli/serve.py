@@ -1,7 +1,8 @@
 """`sled serve`: load the target and serve it until interrupted.
 
 Its flags are the keys of the server's settings (verify_server.settings.ServerSettings), made
-here from the fields: each key is also a line of --config FILE and a SLED_SERVE_* variable.
+from the fields in verify_server.flags: each key is also a line of --config FILE and a
+SLED_SERVE_* variable.
 """
 from __future__ import annotations
 
@@ -10,64 +11,10 @@ import asyncio
 import os
 import socket
 import sys
-import typing
 
-from sled_cli.flags import builtin_aliases, one_line
-from verify_server.settings import (ACCESS, ANNOUNCE, ENV_PREFIX, ServerSettings, SettingsError,
-                                    flag_spellings, load_settings)
-
-EPILOG = f"""\
-Every flag is also a key of a --config file (TOML or YAML, e.g. max_sessions = 64) and a
-{ENV_PREFIX}* variable ({ENV_PREFIX}MAX_SESSIONS=64); flags win over variables, variables over
-the file."""
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
-    parser.add_argument("--config", metavar="FILE",
-                        help="settings file (.toml, .yaml or .yml) (default: none)")
-    groups = {ACCESS: parser.add_argument_group(
-        ACCESS, "who may use this server: TLS (mutual with --tls-client-ca), device tokens,\n"
-        "per-device quotas (RESOURCE_EXHAUSTED past them)"),
-        ANNOUNCE: parser.add_argument_group(
-        ANNOUNCE, "announce this server to devices over MQTT (retained on PREFIX/servers/SERVER_ID;\n"
-        "off without --mqtt-host)")}
-    for name, field in ServerSettings.model_fields.items():
-        extra = field.json_schema_extra or {}
-        group = groups.get(extra.get("group"), parser)
-        group.add_argument(*flag_spellings(name), dest=name, default=argparse.SUPPRESS,
-                           help=_help(field) + _aliases(name), **_kind(field, extra))
-
-
-def _aliases(name: str) -> str:
-    """--model's help lists the built-in aliases."""
-    return f"; built-in aliases: {builtin_aliases()}" if name == "model" else ""
-
-
-def _kind(field, extra: dict) -> dict:
-    """How a key reads from the command line: a switch, a choice or a value pydantic checks."""
-    if field.annotation is bool:
-        return {"action": argparse.BooleanOptionalAction}
-    choices = typing.get_args(field.annotation)
-    if typing.get_origin(field.annotation) is typing.Literal:
-        return {"choices": choices}
-    number = {int, float} & {field.annotation, *choices}
-    return {"metavar": extra.get("metavar") or ("N" if number else "TEXT")}
-
-
-def _shown(default) -> str:
-    """A default as --help shows it: none and empty spelled out."""
-    return "none" if default is None else "empty" if default == "" else str(default)
-
-
-def _help(field) -> str:
-    default = field.get_default(call_default_factory=False)
-    if field.is_required() or field.default_factory is not None or "default" in field.description:
-        shown = ""
-    else:
-        shown = f" (default: {_shown(default)})"
-    return (field.description + shown).replace("%", "%%")
-
+from sled.flags import one_line
+from verify_server.flags import add_arguments  # noqa: F401 (sled's main builds the parser from it)
+from verify_server.settings import ServerSettings, SettingsError, load_settings
 
 def run(args: argparse.Namespace) -> int:
     from sled.extras import require_extra
@@ -92,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     with phase("target", f"loading {settings.model}{first_use_note(settings.model)}"):
         from verify_server.server import serve_forever
+        from verify_server.target import load_target
         target = load_target(settings)
     steady_emulation(settings, target)
     try:
@@ -127,19 +75,6 @@ def check_synthetic(model: str) -> None:
 
     if is_synthetic(model):
         shape_of(model)
-
-
-def load_target(settings: ServerSettings):
-    """The target the settings name, with its SATs (the built-in adapter for a built-in alias)."""
-    from sled.models import builtin_sat_adapter, resolve_model
-    from verify_server.target import Target
-
-    adapter = settings.sat_adapter
-    if adapter is None and settings.sat:
-        adapter = builtin_sat_adapter(settings.model)
-    return Target.load(resolve_model(settings.model), dtype=settings.dtype, device=settings.device,
-                       trust_remote_code=settings.trust_remote_code, name=settings.model,
-                       sat_adapter=adapter, sat=settings.sat)
 
 
 def announce_config(settings: ServerSettings):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 def add_arguments(parser) -> None:
     from lab.bench.harness import add_recording_flags
-    from sled_cli.flags import builtin_aliases
+    from sled.flags import builtin_aliases
 
     parser.add_argument("--model", default=None,
                         help=f"target: a built-in alias ({builtin_aliases()}) or a checkpoint path "

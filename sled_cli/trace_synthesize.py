@@ -10,7 +10,7 @@ from pathlib import Path
 
 def add_arguments(parser) -> None:
     from lab.bench.harness import add_workload_flags
-    from sled_cli.flags import non_negative_float, non_negative_int, positive_int
+    from sled.flags import non_negative_float, non_negative_int, positive_int
 
     parser.add_argument("--server", required=True, help="HOST:PORT of the sled server whose "
                         "target the traces are for (plaintext)")

@@ -19,7 +19,7 @@ import pytest
 from lab.broker import BrokerFiles
 from lab.server_process import free_port
 from sled.mqtt import Broker
-from sled_cli.certs import make_certs
+from sled.pki import make_certs
 from sled_cli.main import main
 from tests.mqtt_broker import Mosquitto, _wait_listening, mosquitto_binary
 from tests.test_lab_run import collect

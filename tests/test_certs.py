@@ -16,7 +16,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
-from sled_cli.certs import DeviceFiles, Pki, make_certs
+from sled.pki import DeviceFiles, Pki, make_certs
 from sled_cli.main import main
 from tests.test_extras import assert_said, run_without
 from verify_server.auth import digest, read_token_file

@@ -23,7 +23,7 @@ from lab.server_process import free_port
 from sled.chat_templates import GEMMA3, builtin_chat_template, turn_end_ids, with_chat_template
 from sled.fingerprint import fingerprint_tokenizer
 from sled.models import BUILTIN, hf_checkpoint
-from sled_cli.serve import load_target
+from verify_server.target import load_target
 from test_device_cli import wait_health
 from verify_server.server import start_server
 from verify_server.settings import ServerSettings

@@ -17,7 +17,7 @@ import torch
 from drafters import resolve_spec
 from lab import slim_env
 from lab.server_process import free_port
-from sled_cli.serve import load_target
+from verify_server.target import load_target
 from test_device_cli import wait_health
 from test_openai_chat import CONVERSATION, reference_reply
 from verify_server.server import start_server

@@ -19,7 +19,7 @@ from edge_client.session import generate
 from lab.server_process import ServerProcess
 from lab.tiny import cached_pair
 from sled.v1 import verifier_pb2 as pb
-from sled_cli.certs import make_certs
+from sled.pki import make_certs
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
@@ -202,7 +202,7 @@ async def test_an_expired_or_not_yet_valid_server_certificate_is_named_as_such(
     """Not the impostor wording: a board without a clock sees 'not yet valid' until NTP."""
     import datetime
 
-    import sled_cli.certs as certs
+    import sled.pki as certs
 
     now = certs._now()
     for shift, says in ((-30, "has expired"), (30, "not yet valid: check this device's clock")):

@@ -181,3 +181,15 @@ def eos_ids_of(model) -> tuple[int, ...]:
         if eos is not None:
             return tuple(sorted({int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}))
     return ()
+
+
+def load_target(settings):
+    """The target the settings name, with its SATs (the built-in adapter for a built-in alias)."""
+    from sled.models import builtin_sat_adapter, resolve_model
+
+    adapter = settings.sat_adapter
+    if adapter is None and settings.sat:
+        adapter = builtin_sat_adapter(settings.model)
+    return Target.load(resolve_model(settings.model), dtype=settings.dtype, device=settings.device,
+                       trust_remote_code=settings.trust_remote_code, name=settings.model,
+                       sat_adapter=adapter, sat=settings.sat)

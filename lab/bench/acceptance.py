@@ -14,7 +14,7 @@ from lab.bench.report import save_figure, subplots
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import positive_int
+    from sled.flags import positive_int
 
     parser.add_argument("--target", default="gemma3-270m", help="alias or checkpoint path")
     parser.add_argument("--drafters", default="gguf:gemma3-270m,onnx:gemma3-270m,ngram",

@@ -27,7 +27,7 @@ PARTS = ("adaptive", "pipeline")
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import fraction, non_negative_float, positive_int
+    from sled.flags import fraction, non_negative_float, positive_int
 
     harness.add_replay_flags(parser)
     parser.add_argument("--device-profile", default="pi5", help="pi4, pi5, orin-nano, instant; "

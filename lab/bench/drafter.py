@@ -25,7 +25,7 @@ PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import non_negative_int, positive_int
+    from sled.flags import non_negative_int, positive_int
 
     parser.add_argument("--model", required=True,
                         help="gguf:ALIAS, gguf:FILE, onnx:ALIAS or onnx:DIR")

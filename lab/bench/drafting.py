@@ -28,7 +28,7 @@ DRAFTERS = "ngram,cacheback,hier:cacheback>gguf:gemma3-270m,gguf:gemma3-270m"
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import positive_int
+    from sled.flags import positive_int
 
     harness.add_server_flags(parser, model_default="gemma3-270m",
                              model_help="the target: alias or checkpoint path")

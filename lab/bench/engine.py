@@ -32,7 +32,7 @@ from lab.bench.report import percentile, save_figure, subplots, write_json
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import positive_int
+    from sled.flags import positive_int
 
     parser.add_argument("--model", default=None,
                         help="target alias or path (default: a tiny random model)")

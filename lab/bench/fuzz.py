@@ -36,7 +36,7 @@ UNCLEAR_KEPT = 10               # unclear endings quoted in the results
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import non_negative_int, positive_int
+    from sled.flags import non_negative_int, positive_int
 
     parser.add_argument("--messages", type=positive_int, default=10_000,
                         help="DeviceMessages to send in fuzzed streams")

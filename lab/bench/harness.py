@@ -108,7 +108,7 @@ def add_recording_flags(parser, *, max_new_tokens: int = 48) -> None:
     parser.add_argument("--drafter", default=None, help="ngram, hf:PATH, gguf:ALIAS, onnx:ALIAS "
                         "(default: the tiny pair's drafter, or ngram with --model)")
     add_workload_flags(parser, default="humaneval:8", max_new_tokens=max_new_tokens)
-    from sled_cli.flags import positive_int
+    from sled.flags import positive_int
 
     parser.add_argument("--prompts", type=positive_int, default=None,
                         help="use at most this many prompts")
@@ -119,7 +119,7 @@ def add_recording_flags(parser, *, max_new_tokens: int = 48) -> None:
 def add_workload_flags(parser, *, default: str, max_new_tokens: int) -> None:
     parser.add_argument("--workload", default=default,
                         help="humaneval[:N], a prompt file or tiny")
-    from sled_cli.flags import positive_int
+    from sled.flags import positive_int
 
     parser.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
                         help="new tokens per prompt")
@@ -135,7 +135,7 @@ def server_flags(args) -> list[str]:
 
 
 def listed(item, *words: str):
-    """A type= for a comma-separated flag: every item passes ITEM (a sled_cli.flags type) or is
+    """A type= for a comma-separated flag: every item passes ITEM (a sled.flags type) or is
     one of WORDS, or the parser stops with one line (exit 2); the text is kept as given."""
     import argparse
 

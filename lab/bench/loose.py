@@ -19,7 +19,7 @@ LOSSLESS = "lossless"
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import loose_flag, positive_float, positive_int
+    from sled.flags import loose_flag, positive_float, positive_int
 
     harness.add_server_flags(parser, model_default="gemma3-270m",
                              model_help="the target: alias or checkpoint path")

@@ -20,7 +20,7 @@ from lab.bench.report import percentile
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import positive_int
+    from sled.flags import positive_int
 
     parser.add_argument("--model", default=None, help="target path (default: a tiny random model)")
     parser.add_argument("--drafter", default="ngram", help="drafter spec (as sled generate)")
@@ -83,7 +83,7 @@ def _access(mode: str, folder) -> tuple[list[str], object]:
 
     if mode == "plain":
         return [], None
-    from sled_cli.certs import make_certs
+    from sled.pki import make_certs
 
     pki = make_certs(folder, ["bench-device"])
     flags = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)]

@@ -22,7 +22,7 @@ CONTEXT_LENGTH = 256                       # the server's: a refused prompt is l
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import positive_float, positive_int
+    from sled.flags import positive_float, positive_int
 
     parser.add_argument("--model", default=None, help="target path or alias (default: a tiny "
                                                       "random model)")

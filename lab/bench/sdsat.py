@@ -37,7 +37,7 @@ LOOKAHEAD_SETTINGS = {"none": None, "measured": "measured", "always": "always"}
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import non_negative_float, non_negative_int, positive_int
+    from sled.flags import non_negative_float, non_negative_int, positive_int
 
     harness.add_server_flags(parser, model_default="gemma3-270m",
                              model_help="target alias or checkpoint path")

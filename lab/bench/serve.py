@@ -32,7 +32,7 @@ OVERRUNS = "sled_emulated_overruns_total"
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import positive_float, positive_int
+    from sled.flags import positive_float, positive_int
 
     harness.add_replay_flags(parser)
     parser.add_argument("--devices", default="1,4,16,64", type=harness.listed(positive_int),

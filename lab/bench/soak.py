@@ -36,7 +36,7 @@ LINK_CUT_S = 10.0
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import non_negative_float, positive_float, positive_int
+    from sled.flags import non_negative_float, positive_float, positive_int
 
     parser.add_argument("--devices", type=positive_int, default=64, help="device daemons")
     parser.add_argument("--minutes", type=positive_float, default=30.0, help="how long requests "

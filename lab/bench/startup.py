@@ -31,7 +31,7 @@ DEVICE_PHASES = ["imports", "device.tokenizer", "total"]
 
 
 def add_arguments(parser) -> None:
-    from sled_cli.flags import positive_int
+    from sled.flags import positive_int
 
     parser.add_argument("--target", default="gemma3-270m", help="the server's target alias or path")
     parser.add_argument("--drafter", default="gguf:gemma3-270m", help="drafter spec")
@@ -100,7 +100,7 @@ def child(kind: str, spec: str) -> None:
     from sled import progress
 
     if kind == "server":
-        from sled_cli.serve import load_target
+        from verify_server.target import load_target
         from verify_server.server import serve_forever  # noqa: F401  (serve's imports)
         from verify_server.settings import ServerSettings
 
