@@ -30,7 +30,7 @@ from drafters import bind_target_tokenizer
 from drafters.base import Drafter
 from edge_client.connection import kept_tokenizer
 from edge_client.drafting import SharedDrafter
-from edge_client.emulation import LinkEmulation, PacedDrafter
+from edge_client.emulation import LinkEmulation, PacedDrafter, board
 from edge_client.proposer import Proposer
 from edge_client.result import LOST, RoundStat, ServerEvent
 from edge_client.salt import device_salt
@@ -41,7 +41,6 @@ from edge_client.session import RoundSettings, generate
 from edge_client.settings import DeviceSettings, SettingsError
 from edge_client.tokenizer import tokenizer_fingerprint
 from edge_client.transport import ServerLost, VerifyError
-from lab.profiles import device_profile
 from sled.cache import CacheError
 from sled.fingerprint import short
 from sled.loose import Loose
@@ -454,7 +453,7 @@ class Device:
         """The shared drafter, paced to the emulated board's speed when there is one."""
         if not settings.emulation.device:
             return self.drafter
-        return PacedDrafter(self.drafter, device_profile(settings.emulation.device),
+        return PacedDrafter(self.drafter, board(settings.emulation.device),
                             on_paced=self._count_paced)
 
     def _count_paced(self, late: bool) -> None:

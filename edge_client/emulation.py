@@ -5,24 +5,25 @@ already survives without losing or repeating a committed token.
 
     emulation = LinkEmulation(seed=7)
     emulation.configure(settings.emulation)        # link "wifi", link_down False
-    await generate(stub, PacedDrafter(drafter, device_profile("pi5")), prompt_ids,
+    await generate(stub, PacedDrafter(drafter, board("pi5")), prompt_ids,
                    max_new_tokens=32, transport=emulation.transport())
     emulation.configure(settings.emulation)        # link_down True: every open stream fails
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
+from importlib.metadata import entry_points
+from typing import Protocol
 
 import grpc
 import numpy as np
 
 from drafters.base import Drafter, Proposal, drafts_trees, observes_context, reports_confidence
 from edge_client.transport import Stream, Transport, VerifyError
-from lab.link import link_transport
-from lab.profiles import DeviceProfile, Link, link_profile
 from sled.tree import depths
 from sled.sampling import Sampling
 
@@ -31,6 +32,40 @@ LINK_DOWN = "the emulated link is down"
 # time, and at least LATE_AFTER_S): this machine could not give the emulated board its pace.
 LATE_SHARE, LATE_AFTER_S = 0.10, 0.005
 USER_SPACE, NONE = "user-space", "none"
+# The boards and links themselves come from the lab, injected through these entry points:
+# board(spec) -> Board, link_profile(spec) (checks a spec), link(spec, seed) -> Transport.
+PLUGINS = "sled.emulation"
+
+
+class Board(Protocol):
+    """An emulated board's drafting speed (the lab's device profiles)."""
+    core_speed: float
+
+    def draft_seconds(self, draft_len: int) -> float: ...
+
+
+@functools.cache
+def _plugin(name: str):
+    found = next(iter(entry_points(group=PLUGINS, name=name)), None)
+    if found is None:
+        raise ValueError(f"no {name} emulation is installed: the lab provides it (an entry point "
+                         f"{name!r} in the group {PLUGINS})")
+    return found.load()
+
+
+def board(spec: str) -> Board:
+    """The emulated board SPEC names, e.g. "pi5" (ValueError naming the known ones)."""
+    return _plugin("board")(spec)
+
+
+def check_link(spec: str) -> None:
+    """ValueError when SPEC, e.g. "wifi:rtt_ms=20", names no emulated link."""
+    _plugin("link_profile")(spec)
+
+
+def link_opener(spec: str, seed: int) -> Transport:
+    """How a session opens its streams over the emulated link SPEC (its jitter seeded)."""
+    return _plugin("link")(spec, seed)
 
 
 class PacedDrafter:
@@ -44,7 +79,7 @@ class PacedDrafter:
     there. The tokens are the inner drafter's own. host_s and board_s add up the time each
     proposal took here and on the board; drafted counts the tokens."""
 
-    def __init__(self, drafter: Drafter, profile: DeviceProfile, measured: bool = False,
+    def __init__(self, drafter: Drafter, profile: Board, measured: bool = False,
                  on_paced: Callable[[bool], None] | None = None) -> None:
         self.inner = drafter
         self.profile = profile
@@ -118,7 +153,7 @@ def late(elapsed_s: float, board_s: float) -> bool:
 
 
 class LinkEmulation:
-    """One device's emulated network: its Link (profile and seeded jitter; a zero-delay loopback
+    """One device's emulated network: its link (profile and seeded jitter; a zero-delay loopback
     when only a cut is asked for) and whether it is cut. It owns the open streams so a cut can
     fail them all; new streams wait until the link is back (as gRPC's wait_for_ready does) or,
     when they do not wait, fail as a lost connection at once."""
@@ -127,7 +162,7 @@ class LinkEmulation:
         self.seed = seed
         self.spec = ""
         self.down = False
-        self.link: Link | None = None
+        self.opener: Transport | None = None       # streams over the link; None: no link
         self._up = asyncio.Event()
         self._up.set()
         self._streams: weakref.WeakSet[CutStream] = weakref.WeakSet()
@@ -135,7 +170,7 @@ class LinkEmulation:
     @property
     def kind(self) -> str:
         """How the link is emulated here: "user-space", or "none" (no link profile, no cut)."""
-        return USER_SPACE if self.link is not None else NONE
+        return USER_SPACE if self.opener is not None else NONE
 
     def configure(self, emulation) -> None:
         """Take emulation.link and emulation.link_down (the device's EmulationSettings): a new
@@ -143,7 +178,7 @@ class LinkEmulation:
         wanted = emulation.link or ("loopback" if emulation.link_down else "")
         if wanted != self.spec:
             self.spec = wanted
-            self.link = Link(link_profile(wanted), seed=self.seed) if wanted else None
+            self.opener = link_opener(wanted, self.seed) if wanted else None
         self.set_down(emulation.link_down)
 
     def set_down(self, down: bool) -> None:
@@ -170,7 +205,7 @@ class LinkEmulation:
     def transport(self) -> Transport:
         """The Transport a session opens its streams with: over the link when one is emulated,
         and always cuttable, so a cut also fails the streams opened before it."""
-        opener = link_transport(self.link) if self.link is not None else Stream.open
+        opener = self.opener or Stream.open
 
         def open_stream(stub, *, timeout: float | None = None, wait_for_ready: bool = False):
             stream = CutStream(self, opener, stub, timeout, wait_for_ready)

@@ -24,7 +24,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from lab.profiles import device_profile, link_profile
+from edge_client.emulation import board, check_link
 from sled.endpoint import parse_endpoint
 from sled.mqtt import DEFAULT_PREFIX, check_topic_level, check_topic_prefix
 from sled.settings_files import SettingsError, file_source, settings_file
@@ -103,14 +103,14 @@ class EmulationSettings(Section):
     @classmethod
     def _device_profile(cls, value: str) -> str:
         if value:
-            device_profile(value)       # a ValueError names the bad profile
+            board(value)                # a ValueError names the bad profile
         return value
 
     @field_validator("link")
     @classmethod
     def _link_profile(cls, value: str) -> str:
         if value:
-            link_profile(value)
+            check_link(value)
         return value
 
 

@@ -15,7 +15,7 @@ import asyncio
 import time
 
 from edge_client.transport import Stream, Transport
-from lab.profiles import Link
+from lab.profiles import Link, link_profile
 from sled.v1 import verifier_pb2 as pb
 
 
@@ -70,3 +70,9 @@ def link_transport(link: Link) -> Transport:
     def open_stream(stub, *, timeout: float | None = None, wait_for_ready: bool = False) -> LinkStream:
         return LinkStream(Stream.open(stub, timeout=timeout, wait_for_ready=wait_for_ready), link)
     return open_stream
+
+
+def seeded_transport(spec: str, seed: int) -> Transport:
+    """The transport of one emulated device's link SPEC with its jitter seeded (what the daemon's
+    user-space link emulation opens its streams with: the `link` entry point of sled.emulation)."""
+    return link_transport(Link(link_profile(spec), seed=seed))
