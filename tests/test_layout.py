@@ -1,0 +1,57 @@
+"""Where things live, and which way the dependencies point: the commands (sled_cli) on top, the
+lab below them, the product (edge_client, verify_server, drafters) below the lab, the shared
+runtime (sled) at the bottom; protos/ holds the contract and nothing that runs. Every import in
+the source, a function's own included, is read with ast."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("sled", "drafters", "edge_client", "verify_server", "lab", "sled_cli")
+# package -> the project packages it must never import
+FORBIDDEN = {
+    "sled": {"drafters", "edge_client", "verify_server", "lab", "sled_cli"},
+    "drafters": {"edge_client", "verify_server", "lab", "sled_cli"},
+    "edge_client": {"verify_server", "lab", "sled_cli"},
+    "verify_server": {"drafters", "edge_client", "lab", "sled_cli"},
+    "lab": {"sled_cli"},
+    "sled_cli": set(),
+}
+
+
+def imported_packages(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level package) of every import in a file; relative imports are the file's own."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module.split(".")[0]))
+    return found
+
+
+def back_imports(package: str) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{line} imports {name}"
+            for path in sorted((ROOT / package).rglob("*.py"))
+            for line, name in imported_packages(path) if name in FORBIDDEN[package]]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_dependencies_point_one_way(package):
+    assert back_imports(package) == []
+
+
+def test_the_check_sees_an_import_inside_a_function(tmp_path):
+    source = tmp_path / "x.py"
+    source.write_text("def f():\n    from lab.profiles import device_profile\n    import sled_cli.main\n")
+    assert imported_packages(source) == [(2, "lab"), (3, "sled_cli")]
+
+
+def test_protos_holds_the_contract_and_nothing_that_runs():
+    files = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "protos").rglob("*")
+                   if p.is_file() and "__pycache__" not in p.parts)
+    assert files == ["protos/sled/v1/verifier.proto"]
+    assert (ROOT / "sled" / "v1" / "verifier_pb2.py").is_file()
