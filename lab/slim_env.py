@@ -22,7 +22,7 @@ from sled import llama_build
 
 REPO = Path(__file__).resolve().parents[1]
 # What a sled wheel is built from (pyproject.toml's packages and the files it names).
-SOURCE_PARTS = ["pyproject.toml", "README.md", "sled", "verify_server", "edge_client",
+SOURCE_PARTS = ["pyproject.toml", "README.md", "sled", "verify_server", "sdsat", "edge_client",
                 "drafters", "lab", "sled_cli"]
 LLAMA_CPP = ("llama_cpp",)     # site-packages entries of llama-cpp-python start with this
 MB = 1e6

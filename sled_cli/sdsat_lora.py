@@ -1,5 +1,5 @@
 """`sled sdsat train --mode lora`: generate the target's greedy continuations of corpus prompts,
-train the SAT LoRA adapter on them (verify_server.sdsat_lora), write the run's folder and plot."""
+train the SAT LoRA adapter on them (sdsat.lora), write the run's folder and plot."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,9 +10,9 @@ DEFAULT_LORA_LR = 2e-3
 def train_lora(args, console) -> int:
     from sled.fingerprint import fingerprint_tokenizer
     from sled_cli.sdsat_train import finish, load, on_step, plot_log, progress_bar
-    from verify_server.sdsat_corpus import load_documents
-    from verify_server.sdsat_lora import LoraTrainConfig, train_sat_lora
-    from verify_server.sdsat_train import LOG_FILE, PLOT_FILE, TrainingFolder
+    from sdsat.corpus import load_documents
+    from sdsat.lora import LoraTrainConfig, train_sat_lora
+    from sdsat.train import LOG_FILE, PLOT_FILE, TrainingFolder
 
     config = LoraTrainConfig(
         slots=args.slots, rank=args.rank, alpha=args.alpha, steps=args.steps, batch=args.batch,
@@ -58,7 +58,7 @@ def _distill(args, console, model, tokenizer, documents, checkpoint_dir: Path):
     """The greedy continuations, generated (or continued from the checkpoint folder's copy)."""
     from sled.progress import plain_line
     from sled_cli.sdsat_train import progress_bar
-    from verify_server.sdsat_distill import build_distill_set
+    from sdsat.distill import build_distill_set
 
     with progress_bar("greedy continuations") as progress:
         task = progress.add_task("distill", total=args.prompts, status="")
@@ -80,7 +80,7 @@ def _start(path: str | None, config):
     """The adapter --init-adapter names, loaded and checked against the run (None without the
     flag)."""
     from verify_server.sdsat import load_adapter
-    from verify_server.sdsat_lora import check_start
+    from sdsat.lora import check_start
 
     if path is None:
         return None

@@ -1,4 +1,4 @@
-"""`sled sdsat train`: train SATs into a causal LM (verify_server.sdsat_train), then write the
+"""`sled sdsat train`: train SATs into a causal LM (sdsat.train), then write the
 adapter, log, plot and summary."""
 from __future__ import annotations
 
@@ -84,8 +84,8 @@ def _train(args, console) -> int:
 
         return train_lora(args, console)
     from sled.fingerprint import fingerprint_tokenizer
-    from verify_server.sdsat_corpus import load_documents, split_heldout, tokenize_documents
-    from verify_server.sdsat_train import LOG_FILE, PLOT_FILE, TrainingFolder, train_sat
+    from sdsat.corpus import load_documents, split_heldout, tokenize_documents
+    from sdsat.train import LOG_FILE, PLOT_FILE, TrainingFolder, train_sat
 
     config = _config(args)
     documents = load_documents(args.corpus)
@@ -125,7 +125,7 @@ def finish(args, console, checkpoint_dir: Path, log: list[dict], slots: int, wri
 
 def _config(args):
     """The training settings from the flags (ValueError names the bad one)."""
-    from verify_server.sdsat_train import SatTrainConfig
+    from sdsat.train import SatTrainConfig
     from verify_server.target import DTYPES
 
     config = SatTrainConfig(slots=args.slots, mode=args.mode, steps=args.steps, batch=args.batch,

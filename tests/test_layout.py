@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("sled", "drafters", "edge_client", "verify_server", "lab", "sled_cli")
+PACKAGES = ("sled", "drafters", "edge_client", "verify_server", "sdsat", "lab", "sled_cli")
 # package -> the project packages it must never import
 FORBIDDEN = {
-    "sled": {"drafters", "edge_client", "verify_server", "lab", "sled_cli"},
-    "drafters": {"edge_client", "verify_server", "lab", "sled_cli"},
-    "edge_client": {"verify_server", "lab", "sled_cli"},
-    "verify_server": {"drafters", "edge_client", "lab", "sled_cli"},
+    "sled": {"drafters", "edge_client", "verify_server", "sdsat", "lab", "sled_cli"},
+    "drafters": {"edge_client", "verify_server", "sdsat", "lab", "sled_cli"},
+    "edge_client": {"verify_server", "sdsat", "lab", "sled_cli"},
+    "verify_server": {"drafters", "edge_client", "sdsat", "lab", "sled_cli"},
+    "sdsat": {"drafters", "edge_client", "lab", "sled_cli"},
     "lab": {"sled_cli"},
     "sled_cli": set(),
 }

@@ -13,9 +13,9 @@ from lab.tiny import save_pair
 from sled_cli.main import main
 from verify_server.sat_lora import peft_config
 from verify_server.sdsat import ADAPTER_FILE, adapter_metadata, load_adapter
-from verify_server.sdsat_distill import (DistillSet, body_offsets, build_distill_set,
+from sdsat.distill import (DistillSet, body_offsets, build_distill_set,
                                          draw_prompts)
-from verify_server.sdsat_lora import (LoraRun, LoraTrainConfig, cut_labels, cut_mask, draw_cuts,
+from sdsat.lora import (LoraRun, LoraTrainConfig, cut_labels, cut_mask, draw_cuts,
                                       packed_sat_logits, train_sat_lora)
 
 

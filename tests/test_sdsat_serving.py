@@ -227,7 +227,7 @@ def counting_sequences(n: int, generator: torch.Generator) -> list[list[int]]:
 def counting_target(tokenizer):
     """A tiny Llama taught to count (plain LM loss), then SAT-tuned in full mode with the KL
     term that keeps its real-token behaviour: (float64 model, SatSpec, sequences)."""
-    from verify_server.sdsat_train import SatTrainConfig, train_sat
+    from sdsat.train import SatTrainConfig, train_sat
     from lab.tiny import make_model
 
     torch.manual_seed(0)

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lab.tiny import CORPUS, make_model, save_pair
 from sled.fingerprint import fingerprint_tokenizer
 from sled_cli.main import main
-from verify_server.sdsat_corpus import load_documents, split_heldout, tokenize_documents
-from verify_server.sdsat_train import (SatTrainConfig, draw_batch, initial_adapter, sat_acceptance,
+from sdsat.corpus import load_documents, split_heldout, tokenize_documents
+from sdsat.train import (SatTrainConfig, draw_batch, initial_adapter, sat_acceptance,
                                        sat_logits, train_sat)
 from verify_server.sdsat import (ADAPTER_FILE, SatSpec, adapter_metadata, load_adapter, sat_inputs,
                                  sat_spec_of)
@@ -138,7 +138,7 @@ def test_resume_continues_exactly(corpus, tmp_path, mode):
 
 
 def test_lora_is_not_a_mode_of_the_embedding_trainer():
-    with pytest.raises(ValueError, match="sdsat_lora"):
+    with pytest.raises(ValueError, match="sdsat.lora"):
         SatTrainConfig(mode="lora")
 
 

@@ -19,7 +19,7 @@ Modes:
   distribution. Real positions cannot see the SATs, so their outputs in the joint forward are
   exactly those of a forward on the real tokens alone; the KL reads them from there.
 - lora: slot embeddings plus LoRA deltas that act only at SAT slots, trained by
-  self-distillation on the target's own greedy continuations: `sdsat_lora.py`.
+  self-distillation on the target's own greedy continuations: `lora.py`.
 
 Each batch shares one cut c (no padding): a (sequence, cut) pair is drawn uniformly among all
 valid pairs, and the rest of the batch is drawn from the sequences long enough for that cut.
@@ -64,7 +64,7 @@ class SatTrainConfig:
 
     def __post_init__(self) -> None:
         if self.mode == "lora":
-            raise ValueError("mode lora trains with sdsat_lora.train_sat_lora (LoraTrainConfig)")
+            raise ValueError("mode lora trains with sdsat.lora.train_sat_lora (LoraTrainConfig)")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose embeddings, full or lora")
         for name in ("slots", "steps", "batch", "eval_every", "eval_samples"):

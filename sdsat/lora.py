@@ -2,7 +2,7 @@
 
 The adapter is the SAT slot embeddings plus peft LoRA deltas on the attention and MLP
 projections that act only at SAT slots (`sat_lora.py`). Labels come from the target itself
-(`sdsat_distill.py`): at a cut c inside a generated sequence, slot j must predict x[c + j], the
+(`distill.py`): at a cut c inside a generated sequence, slot j must predict x[c + j], the
 target's own greedy token there.
 
 What keeps it affordable on two CPU cores:
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from verify_server.sat_lora import from_peft, load_deltas, peft_config
 from verify_server.sdsat import SatSpec
-from verify_server.sdsat_distill import DistillSet
-from verify_server.sdsat_train import (check_checkpoint, initial_adapter, restore_progress,
+from sdsat.distill import DistillSet
+from sdsat.train import (check_checkpoint, initial_adapter, restore_progress,
                                       resumed, save_checkpoint)
 
 
