@@ -1,25 +1,35 @@
 """Acceptance math: which draft tokens the target keeps, and the one token it adds.
 
-p is the target's distribution at each position, q the drafter's. Both functions take the target
-output at draft_len + 1 positions: position j scores the token that follows context + draft[:j],
-so the last position (after the whole draft) gives the bonus token.
+p is the target's distribution at each position, q the drafter's. Every function takes the
+target output at len(draft) + 1 positions. For a chain, position j scores the token that follows
+context + draft[:j], so the last position (after the whole draft) gives the bonus token. For a
+tree (sled.tree: one parent per draft token, 0 the root), position 0 follows the root and
+position i follows node i, each node seeing its ancestors only.
 
 Terms, used with these meanings everywhere in verify_server/:
 
     draft       the tokens a drafter proposes for one round (draft_len of them, at most
-                max_draft_len), each drawn from q
-    verified    how many draft tokens the target checked in a round: a count, draft_len or fewer
-                when the session's length limit leaves less room
-    accepted    how many draft tokens the target keeps: always a prefix of the draft
-    correction  the target's own token at the first rejected position, in its place
-    bonus       the target's token after a fully accepted draft (one position further)
-    emitted     the tokens a round adds to the output: draft[:accepted] + [correction or bonus],
-                so one more than accepted (fewer when an end id or the length limit cuts them)
+                max_draft_len), each drawn from q: a chain, or the nodes of a tree
+    verified    how many draft tokens the target checked in a round: a count, len(draft) or
+                fewer when the session's length limit leaves less room
+    path        the accepted nodes of a tree, from the root down: the chain of children whose
+                every token the target keeps (a chain's path is 1, 2, ..., accepted)
+    accepted    how many draft tokens the target keeps: the length of the path, so for a chain
+                always a prefix of the draft, for a tree one root-to-node branch of it
+    correction  the target's own token after the path's last node, in place of every child
+                it rejected there
+    bonus       the target's token after a path that ends at a leaf (a fully accepted chain)
+    emitted     the tokens a round adds to the output: the path's tokens + [correction or
+                bonus], so one more than accepted (fewer when an end id or the length limit
+                cuts them)
 
-Example (greedy): draft = [5, 9, 4], argmax p = [5, 9, 7, 2]
+Example (greedy chain): draft = [5, 9, 4], argmax p = [5, 9, 7, 2]
   -> verified = 3; draft[0], draft[1] match, draft[2] = 4 != 7: accepted = 2,
      emitted = [5, 9, 7] (7 is the correction). Had draft[2] been 7: accepted = 3,
      emitted = [5, 9, 7, 2] (2 is the bonus).
+Example (greedy tree): draft = [5, 9, 7, 4], parents = [0, 1, 0, 3] (root -> 5 -> 9,
+  root -> 7 -> 4), argmax p after the root 7, after node 3 (the 7) 4, after node 4 2
+  -> path (3, 4), accepted = 2, emitted = [7, 4, 2] (2 is the bonus: node 4 is a leaf).
 
 Loose verification (opt-in per session, NOT lossless: sled.loose) is the one exception to "the
 output is the target's": verify_greedy may then keep a mismatching draft token (loose_accepted).
@@ -37,7 +47,7 @@ from sled.tree import children
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    accepted: int            # draft tokens kept: always a prefix of the draft
+    accepted: int            # draft tokens kept: the path's length (a chain: a prefix of the draft)
     emitted: list[int]       # draft[:accepted] + [correction or bonus]
     hints: list[int] = field(default_factory=list)   # SAT guesses of the tokens after `emitted`
     # A tree draft: the accepted nodes, root's child first (node i = draft[i - 1]); () for a chain,
