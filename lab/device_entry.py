@@ -25,10 +25,10 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from lab.traces.calibrated import is_calibrated, trace_file, trace_spec
+from lab.waiting import wait_until_sync
 
 API_PORT = 8000
 SERVER = "server:50051"
@@ -116,26 +116,20 @@ def wait_password(path: Path, timeout_s: float = PASSWORD_WAIT_S) -> str | None:
 
 def wait_file(path: Path, timeout_s: float) -> Path | None:
     """PATH once it exists (its writer renames it into place whole), or None after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.is_file():
-            return path
-        time.sleep(0.5)
-    return None
+    return wait_until_sync(lambda: path if path.is_file() else None, timeout_s)
 
 
 def wait_slot_files(folder: Path, count: int, timeout_s: float) -> list[dict]:
     """The first `count` slot files the replicas write, waiting for all of them (the one reader
     of slot files: sled lab compose and the lab's ComposeFleet both use it); TimeoutError."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = sorted(folder.glob("*.json"), key=lambda p: int(p.stem))
-        if len(found) >= count:
-            return [json.loads(p.read_text()) for p in found[:count]]
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(found)} of {count} device containers took a slot "
-                               f"within {timeout_s:.0f} s")
-        time.sleep(0.5)
+    def slot_files() -> list[Path]:
+        return sorted(folder.glob("*.json"), key=lambda p: int(p.stem))
+
+    found = wait_until_sync(lambda: slot_files() if len(slot_files()) >= count else None, timeout_s)
+    if found is None:
+        raise TimeoutError(f"only {len(slot_files())} of {count} device containers took a slot "
+                           f"within {timeout_s:.0f} s")
+    return [json.loads(p.read_text()) for p in found[:count]]
 
 
 def write_slot_file(folder: Path, slot, emulation: str) -> Path:

@@ -19,6 +19,7 @@ import aiohttp
 from lab.broker import CONFIG_USER
 from lab.fleet import DeviceHandle, Fleet
 from lab.scenario import Fault
+from lab.waiting import wait_until
 from sled.mqtt import device_topic, encode
 
 
@@ -108,16 +109,12 @@ def _config_turn() -> asyncio.Lock:
 
 async def wait_status(handle: DeviceHandle, holds, what: str, timeout_s: float = 10.0) -> dict:
     """Poll the device's /health until `holds(status)`; the status, or TimeoutError naming `what`."""
-    give_up = time.monotonic() + timeout_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
-        while True:
+        async def held() -> dict | None:
             try:
                 async with http.get(handle.api_url + "/health") as response:
                     status = await response.json()
-                if holds(status):
-                    return status
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                pass
-            if time.monotonic() > give_up:
-                raise TimeoutError(f"{what} within {timeout_s:g} s")
-            await asyncio.sleep(0.1)
+                return None
+            return status if holds(status) else None
+        return await wait_until(held, timeout_s, what, interval_s=0.1)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from pathlib import Path
 
 import aiohttp
@@ -22,6 +21,7 @@ from lab.broker import CONFIG_USER, LAB_USER
 from lab.device_entry import TRACES, wait_slot_files
 from lab.fleet import DeviceHandle, FleetStartError
 from lab.scenario import DeviceSlot
+from lab.waiting import wait_until
 from sled.mqtt import Broker
 
 SOCKET = "/var/run/docker.sock"
@@ -91,18 +91,17 @@ class ComposeFleet:
 
     async def _wait_ready(self, device: DeviceHandle) -> None:
         """GET /health until 200 (the daemon answers 503 until its drafter and server are up)."""
-        deadline = time.monotonic() + READY_S
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
-            while time.monotonic() < deadline:
+            async def ready() -> bool | None:
                 try:
                     async with http.get(device.api_url + "/health") as response:
-                        if response.status == 200:
-                            return
+                        return True if response.status == 200 else None
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                    pass
-                await asyncio.sleep(1.0)
-        raise FleetStartError(f"device {device.id} was not ready within {READY_S:.0f} s "
-                              f"({device.api_url}/health)")
+                    return None
+            try:
+                await wait_until(ready, READY_S, f"device {device.id} was not ready", 1.0)
+            except TimeoutError as exc:
+                raise FleetStartError(f"{exc} ({device.api_url}/health)") from None
 
     async def _engine(self, service: str, action: str) -> None:
         """POST /containers/<id>/<action> for the service's container(s) of this project."""
@@ -128,13 +127,14 @@ async def containers(docker: aiohttp.ClientSession, project: str, service: str) 
 
 async def wait_port(host: str, port: int, timeout_s: float, what: str) -> None:
     """Until host:port accepts a TCP connection."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    async def accepts() -> bool | None:
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 3)
-            writer.close()
-            return
         except (OSError, asyncio.TimeoutError):
-            await asyncio.sleep(1.0)
-    raise FleetStartError(f"{what} did not accept connections on {host}:{port} within "
-                          f"{timeout_s:.0f} s")
+            return None
+        writer.close()
+        return True
+    try:
+        await wait_until(accepts, timeout_s, f"{what} did not accept connections on {host}:{port}", 1.0)
+    except TimeoutError as exc:
+        raise FleetStartError(str(exc)) from None

@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from lab.fleet import DeviceHandle, FleetStartError
 from lab.scenario import DeviceSlot
 from lab.server_process import free_port
 from lab.traces.calibrated import trace_spec
+from lab.waiting import wait_until
 from sled.mqtt import Broker
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
@@ -37,6 +37,7 @@ HOST = "127.0.0.1"
 # outgoing connection sometimes takes it first. That device starts again on another port.
 PORT_TAKEN = "address already in use"
 REBINDS = 3
+BROKER_START_S = 15.0
 MOSQUITTO = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
 
 
@@ -179,18 +180,16 @@ class LocalFleet:
         address = f"{HOST}:{self.server_port}"
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.VerifierStub(channel)
-            give_up = time.monotonic() + self.startup_timeout_s
-            while True:
-                if not self._server.alive():
-                    raise FleetStartError(f"sled serve exited at start: {self._server.tail()}")
+
+            async def answers() -> bool | None:
+                self._started_or_fail(self._server, "sled serve")
                 try:
                     await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2.0)
-                    return
                 except grpc.aio.AioRpcError:
-                    if time.monotonic() > give_up:
-                        raise FleetStartError(f"sled serve did not answer on {address} within "
-                                              f"{self.startup_timeout_s:g} s") from None
-                    await asyncio.sleep(0.3)
+                    return None
+                return True
+            await self._wait(answers, self.startup_timeout_s,
+                             f"sled serve did not answer on {address}", 0.3)
 
     # -- the broker ---------------------------------------------------------------------------
 
@@ -200,16 +199,30 @@ class LocalFleet:
     async def start_broker(self) -> None:
         self._refuse_after_stop()
         self._broker.start()
-        give_up = time.monotonic() + 15
-        while time.monotonic() < give_up:
-            if not self._broker.alive():
-                raise FleetStartError(f"mosquitto exited at start: {self._broker.tail()}")
+
+        async def listens() -> bool | None:
+            self._started_or_fail(self._broker, "mosquitto")
             try:
                 socket.create_connection((HOST, self.broker_port), timeout=0.5).close()
-                return
             except OSError:
-                await asyncio.sleep(0.05)
-        raise FleetStartError(f"mosquitto did not listen on {HOST}:{self.broker_port}")
+                return None
+            return True
+        await self._wait(listens, BROKER_START_S,
+                         f"mosquitto did not listen on {HOST}:{self.broker_port}", 0.05)
+
+    @staticmethod
+    def _started_or_fail(child: Child, what: str) -> None:
+        """FleetStartError with the end of its log when CHILD died while starting."""
+        if not child.alive():
+            raise FleetStartError(f"{what} exited at start: {child.tail()}")
+
+    @staticmethod
+    async def _wait(check, timeout_s: float, what: str, interval_s: float, log: Child | None = None):
+        """lab.waiting.wait_until, its timeout a FleetStartError (with the end of LOG's log)."""
+        try:
+            return await wait_until(check, timeout_s, what, interval_s)
+        except TimeoutError as exc:
+            raise FleetStartError(f"{exc}: {log.tail()}" if log else str(exc)) from None
 
     # -- the devices --------------------------------------------------------------------------
 
@@ -237,22 +250,19 @@ class LocalFleet:
     async def _wait_device(self, index: int) -> None:
         """Until device INDEX's /health says ready (200) and its MQTT link is up. A device whose
         free port another process took before it could bind it starts again on another one."""
-        handle, child = self.devices[index], self._devices[index]
-        give_up, rebinds = time.monotonic() + self.startup_timeout_s, 0
+        slot, rebinds = self.devices[index].slot, 0
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
-            while time.monotonic() < give_up:
+            async def ready() -> bool | None:
+                nonlocal rebinds
+                child = self._devices[index]
                 if not child.alive() and PORT_TAKEN in child.tail() and rebinds < REBINDS:
-                    handle, child = self._device_child(handle.slot)
-                    self.devices[index], self._devices[index] = handle, child
-                    child.start()
+                    self.devices[index], self._devices[index] = self._device_child(slot)
+                    self._devices[index].start()
                     rebinds += 1
-                if not child.alive():
-                    raise FleetStartError(f"device {handle.id} exited at start: {child.tail()}")
-                if await _ready(http, handle.api_url + "/health"):
-                    return
-                await asyncio.sleep(0.5)
-        raise FleetStartError(f"device {handle.id} was not ready within "
-                              f"{self.startup_timeout_s:g} s: {child.tail()}")
+                self._started_or_fail(self._devices[index], f"device {slot.id}")
+                return True if await _ready(http, self.devices[index].api_url + "/health") else None
+            await self._wait(ready, self.startup_timeout_s, f"device {slot.id} was not ready",
+                             0.5, self._devices[index])
 
 
 async def _ready(http: aiohttp.ClientSession, url: str) -> bool:
