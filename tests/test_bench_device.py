@@ -7,8 +7,9 @@ import json
 import pytest
 
 from conftest import run_sled
+from lab.bench import harness
 from lab.bench.device import (Config, Samples, adaptive_rows, configurations, pipeline_rows,
-                              rate, ratio_interval, rotated, rtt_link)
+                              rate, ratio_interval, rtt_link)
 
 
 def sled(*args: str, timeout: float = 300):
@@ -61,7 +62,7 @@ def test_rtt_links_and_the_interleaved_order():
     configs = configurations(["adaptive", "pipeline"], ["ethernet"], [1, 4], [5], "wifi", 4)
     assert [c.label for c in configs] == ["ethernet k=1", "ethernet k=4", "ethernet adaptive",
                                           "wifi:rtt_ms=5 k=4", "wifi:rtt_ms=5 k=4 pipelined"]
-    orders = [rotated(configs, u) for u in range(len(configs))]
+    orders = [harness.rotated(configs, u) for u in range(len(configs))]
     assert all(sorted(o, key=configs.index) == configs for o in orders)
     assert len({o[0] for o in orders}) == len(configs)        # each goes first once
 

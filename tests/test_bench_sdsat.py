@@ -122,10 +122,12 @@ def test_per_slot_acceptance_is_conditional_on_the_slots_before():
 
 
 def test_groups_rotate_the_order_of_the_modes():
-    from lab.bench.sdsat import rotated
+    from lab.bench.harness import rotated
 
     assert [rotated(["a", "b", "c"], i) for i in range(4)] == \
-        [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+        [["a", "b", "c"], ["b", "a", "c"], ["c", "a", "b"], ["a", "c", "b"]]
+    assert [rotated(["sled", "centralized"], i) for i in range(2)] == \
+        [["sled", "centralized"], ["centralized", "sled"]]
 
 
 def test_chunks_and_ratio():

@@ -153,13 +153,6 @@ def configurations(parts: list[str], links: list[str], draft_lens: list[int], rt
     return configs
 
 
-def rotated(configs: list[Config], unit: int) -> list[Config]:
-    """The order configurations run in for one unit: each goes first in turn, and the direction
-    alternates, so no configuration always follows the same one. Units 0, 1 of [a, b, c]:
-    [a, b, c], [b, a, c]."""
-    n, step = len(configs), -1 if unit % 2 else 1
-    return [configs[(unit + step * i) % n] for i in range(n)]
-
 
 async def run_unit(stub, config: Config, traces: list, *, device, max_new_tokens: int, max_draft_len: int,
                    fingerprint: str, min_confidence: float, seed: int, policies: list | None = None,
@@ -295,7 +288,7 @@ async def sweep(served, traces, configs: list[Config], args, device, max_draft_l
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("devices", total=total)
         for u, unit in enumerate(units):
-            for config in rotated(configs, u):
+            for config in harness.rotated(configs, u):
                 progress.update(task, description=f"prompt {u + 1}/{len(units)}: {config.label}")
                 runs = await run_unit(served.stub, config, unit, max_new_tokens=args.max_new_tokens,
                                       seed=u, policies=policies[config],

@@ -148,7 +148,7 @@ async def _run_workload(served, pacers: dict, prompts: list[list[int]], workload
     with Progress(console=console) as progress:
         task = progress.add_task(workload, total=len(prompts) * len(configs))
         for i, prompt in enumerate(prompts):
-            for config in configs[i % len(configs):] + configs[:i % len(configs)]:
+            for config in harness.rotated(configs, i):
                 progress.update(task, description=f"{workload}: {config.name}")
                 tallies[config].add(await _session(served, pacers[config], config, prompt, link,
                                                    args))

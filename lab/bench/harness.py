@@ -15,11 +15,15 @@ import inspect
 import logging
 import shlex
 import sys
+from collections.abc import Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from lab.bench.report import write_json
+
+T = TypeVar("T")
 
 DONE, LOSSY, BAD_FLAGS, SERVER_FAILED = 0, 1, 2, 3
 FORWARD_PASSES = "sled_forward_passes_total"
@@ -165,6 +169,15 @@ def one_of(item, *words: str):
         return text
     parse.__name__ = "value"
     return parse
+
+
+def rotated(items: Sequence[T], index: int) -> list[T]:
+    """The order the configurations of a bench run in for its index-th prompt (or group, or
+    fleet size): each goes first in turn and the direction alternates, so on a noisy machine no
+    configuration always runs first or after the same one. [a, b, c] for 0, 1, 2, 3:
+    [a, b, c], [b, a, c], [c, a, b], [a, c, b]."""
+    n, step = len(items), -1 if index % 2 else 1
+    return [items[(index + step * i) % n] for i in range(n)]
 
 
 def split_list(text: str, kind=str) -> list:

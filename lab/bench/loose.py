@@ -90,7 +90,7 @@ async def _complete(served, modes: list[Mode], chosen: list[dict], args, console
     with Progress(console=console) as progress:
         task = progress.add_task("completions", total=len(chosen) * len(modes))
         for i, (problem, prompt) in enumerate(zip(chosen, prompts)):
-            for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+            for mode in harness.rotated(modes, i):
                 progress.update(task, description=f"{problem['task_id']}, {mode.name}")
                 await _one(served, drafter, tokenizer, mode, problem, prompt, args)
                 progress.advance(task)

@@ -77,12 +77,6 @@ class Run:
         self.seconds += seconds
 
 
-def rotated(names: list[str], index: int) -> list[str]:
-    """The order group `index` runs the modes in, so that none always goes first: (abc, 1) -> bca."""
-    turn = index % len(names)
-    return names[turn:] + names[:turn]
-
-
 def chunks(count: int, size: int) -> list[list[int]]:
     """Prompt indices in groups of `size` (the sessions that run at once): (5, 2) -> [[0, 1], [2, 3], [4]]."""
     return [list(range(start, min(start + size, count))) for start in range(0, count, size)]
@@ -161,7 +155,7 @@ async def self_drafting(served, prompts: list[list[int]], args, progress, task,
         await generate_server_side(stub, prompts[0], max_new_tokens=4, mode=mode, sampling=sampling(0))
     runs = {name: Run() for name in modes}
     for index, group in enumerate(chunks(len(prompts), args.devices)):
-        for name in rotated(names, index):
+        for name in harness.rotated(names, index):
             progress.update(task, description=f"self-drafting: {name}")
             mode, sampling = modes[name]
             runs[name].add(group, *await _timed_group(served, (
@@ -195,7 +189,7 @@ async def lookahead_runs(served, spec: str, prompts: list[list[int]], lookahead:
         await one(0, prompts[0], name, 4)
     runs = {name: Run() for name in settings}
     for index, group in enumerate(chunks(len(prompts), args.devices)):
-        for name in rotated(settings, index):
+        for name in harness.rotated(settings, index):
             progress.update(task, description=f"{short_name(spec)}, lookahead {name}")
             runs[name].add(group, *await _timed_group(served, (
                 one(slot, prompts[i], name, args.max_new_tokens) for slot, i in enumerate(group))))

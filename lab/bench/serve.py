@@ -224,7 +224,7 @@ async def sweep(served, traces, fleet_sizes: list[int], modes: list[str], args, 
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("devices", total=total)
         for index, n in enumerate(fleet_sizes):
-            for mode in modes if index % 2 == 0 else modes[::-1]:
+            for mode in harness.rotated(modes, index):
                 progress.update(task, description=f"{mode}, {n} device(s)")
                 before, paced = (served.forward_passes(), _overruns(served, args)), []
                 results, expected, makespan = await run_fleet(
