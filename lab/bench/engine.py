@@ -491,7 +491,7 @@ def _plot(results: dict, path):
 def main(argv=None) -> int:
     """`python -m lab.bench.engine FLAGS`: the same bench outside the `sled` command, whose
     other commands need the whole install: here torch, transformers, numpy, rich and
-    matplotlib are enough (a GPU box's own Python, with `protos` on PYTHONPATH for `sled`)."""
+    matplotlib are enough (a GPU box's own Python, with the repository on PYTHONPATH)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m lab.bench.engine",

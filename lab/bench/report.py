@@ -27,18 +27,24 @@ def write_json(path: str | Path, data: dict) -> Path:
     return path
 
 
-def subplots(ncols: int, figsize: tuple[float, float] = (10, 4)):
-    """(figure, axes) from matplotlib's file-only backend: no display needed (matplotlib, the lab
-    extra, is imported only here and in save_figure: a bench that plots nothing runs without it)."""
+def pyplot():
+    """matplotlib.pyplot on its file-only backend: no display needed. The lab's one way to start
+    plotting (matplotlib, the lab extra, is imported only when a plot is drawn: a bench that
+    plots nothing runs without it)."""
     from sled.extras import require_extra
 
-    require_extra("lab", "plotting benchmark results")
+    require_extra("lab", "plotting results")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(1, ncols, figsize=figsize)
+    return plt
+
+
+def subplots(ncols: int, figsize: tuple[float, float] = (10, 4)):
+    """(figure, axes) of one row of ncols panels."""
+    return pyplot().subplots(1, ncols, figsize=figsize)
 
 
 def save_figure(fig, axes, path: str | Path, title: str) -> Path:

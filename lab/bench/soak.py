@@ -253,10 +253,9 @@ def _table(console, results: dict) -> None:
 def _plot(results: dict, png: Path) -> None:
     """RSS of the server and the mean device over time (fault steps marked), and the round-trip
     p50/p99 per window."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from lab.bench.report import pyplot
 
+    plt = pyplot()
     samples = results["rss_samples"]
     fig, (memory, latency) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for n, pid in enumerate(dict.fromkeys(s["server_pid"] for s in samples if s["server_pid"])):

@@ -15,10 +15,9 @@ class Skip(Exception):
 
 
 def _pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+    from lab.bench.report import pyplot
+
+    return pyplot()
 
 
 def _colour(system: str) -> str:
