@@ -19,6 +19,7 @@ from pathlib import Path
 
 from drafters.base import Drafter, Proposal, SparseQ
 from sled.extras import require_extra
+from sled.plugins import plugin, plugin_names
 
 SPECS = ("ngram, ngram:N, cacheback[:NAME=N...], hier:CHEAP>MODEL, xtok:MODEL, hf:PATH_OR_ID, "
          "onnx:ALIAS_OR_DIR or gguf:ALIAS_OR_FILE")
@@ -140,24 +141,14 @@ def _load_resolved(spec: str, resolved: str, q_support: int) -> Drafter:
     if kind == "gguf" and arg:
         from drafters.gguf import GGUFDrafter
         return GGUFDrafter(arg, q_support=q_support)
-    plugin = _plugin(kind)
-    if plugin is not None:
-        return plugin.load()(arg, q_support)
+    lent = plugin(PLUGINS, kind)
+    if lent is not None:
+        return lent.load()(arg, q_support)
     raise ValueError(f"unknown drafter spec {spec!r}: use {SPECS}{_plugin_hint()}")
 
 
-def _plugin(kind: str):
-    """The `sled.drafters` entry point named KIND, or None."""
-    from importlib.metadata import entry_points
-
-    found = entry_points(group=PLUGINS, name=kind)
-    return next(iter(found), None)
-
-
 def _plugin_hint() -> str:
-    from importlib.metadata import entry_points
-
-    kinds = sorted({point.name for point in entry_points(group=PLUGINS)})
+    kinds = plugin_names(PLUGINS)
     return f", or one of the installed kinds {', '.join(k + ':ARG' for k in kinds)}" if kinds else ""
 
 

@@ -16,7 +16,6 @@ import functools
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from importlib.metadata import entry_points
 from typing import Protocol
 
 import grpc
@@ -24,6 +23,7 @@ import numpy as np
 
 from drafters.base import Drafter, Proposal, drafts_trees, observes_context, reports_confidence
 from edge_client.transport import Stream, Transport, VerifyError
+from sled.plugins import plugin
 from sled.tree import depths
 from sled.sampling import Sampling
 
@@ -46,7 +46,7 @@ class Board(Protocol):
 
 @functools.cache
 def _plugin(name: str):
-    found = next(iter(entry_points(group=PLUGINS, name=name)), None)
+    found = plugin(PLUGINS, name)
     if found is None:
         raise ValueError(f"no {name} emulation is installed: the lab provides it (an entry point "
                          f"{name!r} in the group {PLUGINS})")
