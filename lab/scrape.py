@@ -225,11 +225,12 @@ class Sampler:
         totals = self.server_totals.total
         batches = {key.split(":", 1)[1]: v for key, v in totals.items() if key.startswith("batch:")}
         known = self.reached("server")              # else every number is unknown (None)
-        return {"forward_passes": int(round(totals.get("sled_forward_passes_total", 0.0))) if known else None,
+        counts = _counts(totals, known, forward_passes="sled_forward_passes_total",
+                         # an emulated server's steps and those whose real compute overran
+                         emulated_steps="sled_emulated_steps_total",
+                         emulated_overruns="sled_emulated_overruns_total")
+        return {**counts,
                 "forward_seconds": totals.get("sled_forward_seconds_sum", 0.0) if known else None,
-                # an emulated server's steps and those whose real compute overran the profile
-                "emulated_steps": int(round(totals.get("sled_emulated_steps_total", 0.0))) if known else None,
-                "emulated_overruns": int(round(totals.get("sled_emulated_overruns_total", 0.0))) if known else None,
                 "batch_sizes": per_bucket(batches), "kv_blocks_used": self.kv_used,
                 "kv_blocks_total": self.kv_total if known else None, "active_sessions": self.sessions,
                 "polls": dict(self.polls["server"])}
@@ -240,15 +241,20 @@ class Sampler:
     def _device(self, handle) -> dict:
         totals = self.device_totals[handle.slot.id].total
         known = self.reached(handle.slot.id)        # else drafted/accepted are unknown (None)
+        counts = _counts(totals, known, drafted="sled_device_draft_tokens_total",
+                         accepted="sled_device_accepted_tokens_total",
+                         # drafts paced to the emulated board, and those this host made late
+                         paced_drafts="sled_device_paced_drafts_total",
+                         late_drafts="sled_device_late_drafts_total")
         return {"profile": handle.slot.device, "link": handle.slot.link, "drafter": handle.slot.drafter,
                 "position_drafted": _by_position(totals, POSITION_DRAFTED),
                 "position_accepted": _by_position(totals, POSITION_ACCEPTED),
-                "drafted": int(round(totals.get("sled_device_draft_tokens_total", 0.0))) if known else None,
-                "accepted": int(round(totals.get("sled_device_accepted_tokens_total", 0.0))) if known else None,
-                # drafts paced to the emulated board, and those this host made late
-                "paced_drafts": int(round(totals.get("sled_device_paced_drafts_total", 0.0))) if known else None,
-                "late_drafts": int(round(totals.get("sled_device_late_drafts_total", 0.0))) if known else None,
-                "polls": dict(self.polls[handle.slot.id])}
+                **counts, "polls": dict(self.polls[handle.slot.id])}
+
+
+def _counts(totals: dict[str, float], known: bool, **names: str) -> dict[str, int | None]:
+    """key -> the counter NAME's total as a whole number (None: the component was never read)."""
+    return {key: int(round(totals.get(name, 0.0))) if known else None for key, name in names.items()}
 
 
 def _by_position(totals: dict[str, float], name: str) -> list[int]:
