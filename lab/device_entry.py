@@ -122,13 +122,14 @@ def wait_file(path: Path, timeout_s: float) -> Path | None:
 def wait_slot_files(folder: Path, count: int, timeout_s: float) -> list[dict]:
     """The first `count` slot files the replicas write, waiting for all of them (the one reader
     of slot files: sled lab compose and the lab's ComposeFleet both use it); TimeoutError."""
-    def slot_files() -> list[Path]:
-        return sorted(folder.glob("*.json"), key=lambda p: int(p.stem))
+    def enough() -> list[Path] | None:
+        found = sorted(folder.glob("*.json"), key=lambda p: int(p.stem))
+        return found if len(found) >= count else None
 
-    found = wait_until_sync(lambda: slot_files() if len(slot_files()) >= count else None, timeout_s)
+    found = wait_until_sync(enough, timeout_s)
     if found is None:
-        raise TimeoutError(f"only {len(slot_files())} of {count} device containers took a slot "
-                           f"within {timeout_s:.0f} s")
+        raise TimeoutError(f"only {len(list(folder.glob('*.json')))} of {count} device containers "
+                           f"took a slot within {timeout_s:.0f} s")
     return [json.loads(p.read_text()) for p in found[:count]]
 
 

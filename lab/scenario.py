@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lab.profiles import device_profile, link_profile
+from lab.traces.calibrated import is_calibrated, load_calibration
 
 SCENARIOS = Path(__file__).with_name("scenarios")
 
@@ -63,8 +64,6 @@ class FleetGroup(_Strict):
     @classmethod
     def _calibrated(cls, spec: str) -> str:
         """calibrated:NAME names a shipped pair (other specs are checked by the daemon)."""
-        from lab.traces.calibrated import is_calibrated, load_calibration
-
         if is_calibrated(spec):
             load_calibration(spec)
         return spec
@@ -172,7 +171,7 @@ class Scenario(_Strict):
         for n in self.fleet_sizes or []:
             if not 1 <= n <= total:
                 raise ValueError(f"fleet_sizes: {n} is not within 1..{total} (the fleet's size)")
-        if not self.sampling.greedy and any(g.drafter.startswith("calibrated:") for g in self.fleet):
+        if not self.sampling.greedy and any(is_calibrated(g.drafter) for g in self.fleet):
             raise ValueError("fleet: calibrated: drafters replay the target's greedy output; "
                              "set sampling.temperature to 0")
         ids = {slot.id for slot in self.slots()}
