@@ -44,6 +44,16 @@ def test_the_shipped_h100_profile_fits_its_measured_steps():
     assert StepRule.fit(profile.cells) == profile.rule
 
 
+@pytest.mark.parametrize("name", ["h200-llama8b-flex-graph", "h200-gemma3-4b-flex-graph"])
+def test_the_shipped_flex_profiles_hold_sleds_engine_measured_on_an_h200(name):
+    profile = load_profile(name)
+    assert name in shipped_profiles() and len(profile.cells) == 6 and profile.worst_fit() < 0.07
+    assert "H200" in profile.describe() and "flex" in profile.describe()
+    assert StepRule.fit(profile.cells) == profile.rule
+    # nearly flat in the fleet: 64 sessions verifying 5 tokens each cost under 3x one session
+    assert profile.step_seconds([(2048, 5)] * 64) < 3 * profile.step_seconds([(2048, 5)])
+
+
 def test_a_fit_leaves_no_negative_term():
     """Steps that cost less with more KV would fit a negative per-KV term: it is left at 0."""
     cells = [StepCell(1, 1, 0, 10.0), StepCell(1, 1, 100, 10.0), StepCell(4, 1, 0, 12.0)]
