@@ -15,13 +15,14 @@ per round, mean draft length, and the share of draft tokens that were drafted ah
 """
 from __future__ import annotations
 
-import asyncio
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from edge_client.session import RoundSettings
 from lab.bench import harness
 from lab.bench.report import save_figure, short_name, subplots
+from lab.traces.fleet import TraceFleet
 
 PARTS = ("adaptive", "pipeline")
 
@@ -154,30 +155,14 @@ def configurations(parts: list[str], links: list[str], draft_lens: list[int], rt
 
 
 
-async def run_unit(stub, config: Config, traces: list, *, device, max_new_tokens: int, max_draft_len: int,
-                   fingerprint: str, min_confidence: float, seed: int, policies: list | None = None,
-                   on_tokens=None) -> list:
-    """Every device generates its trace's prompt at once; (result, expected output) per device.
-    policies[j], when given, is device j's DraftPolicy, kept across its sessions."""
-    from lab.traces import TraceDrafter
-    from edge_client.session import RoundSettings, generate
-    from lab.link import link_transport
-    from lab.profiles import Link, link_profile
+def unit_fleet(served, config: Config, device, settings: dict) -> TraceFleet:
+    """The emulated devices that run one configuration's units: `settings` holds the sweep's
+    max_draft_len and min_confidence."""
+    from lab.profiles import link_profile
 
-    link = link_profile(config.link)
-    round_settings = RoundSettings(draft_len=config.draft_len, max_draft_len=max_draft_len,
-                                   pipeline=config.pipeline, min_confidence=min_confidence)
-
-    async def one(j: int, trace):
-        expected = trace.target_ids[:max_new_tokens]
-        result = await generate(stub, TraceDrafter(trace, device), trace.prompt_ids,
-                                max_new_tokens=len(expected), target_fingerprint=fingerprint,
-                                settings=round_settings,
-                                transport=link_transport(Link(link, seed=seed * 1000 + j)),
-                                on_tokens=on_tokens, policy=policies[j] if policies else None)
-        return result, expected
-
-    return await asyncio.gather(*(one(j, t) for j, t in enumerate(traces)))
+    return TraceFleet(served.stub, served.fingerprint, device, link_profile(config.link),
+                      RoundSettings(draft_len=config.draft_len, pipeline=config.pipeline,
+                                    **settings))
 
 
 def record(samples: Samples, runs: list) -> None:
@@ -274,25 +259,24 @@ async def sweep(served, traces, configs: list[Config], args, device, max_draft_l
 
     n, pool = args.devices, traces.traces
     units = [[pool[(u + j) % len(pool)] for j in range(n)] for u in range(len(pool) * args.reps)]
-    common = dict(device=device, max_draft_len=max_draft_len, min_confidence=args.min_confidence)
+    settings = dict(max_draft_len=max_draft_len, min_confidence=args.min_confidence)
     results = {c: Samples(c) for c in configs}
     policies = {c: [DraftPolicy(max_draft_len=max_draft_len) for _ in range(n)] for c in configs}
     served.check_traces(traces)
-    common["fingerprint"] = served.fingerprint
+    fleets = {c: unit_fleet(served, c, device, settings) for c in configs}
     for config in configs:
-        await run_unit(served.stub, config, units[0], max_new_tokens=4, seed=0,
-                       policies=policies[config], **common)
+        await fleets[config].run(units[0], 4, policies=policies[config])
     for trace in pool:
-        await run_unit(served.stub, configs[0], [trace], max_new_tokens=1, seed=0, **common)
+        await fleets[configs[0]].run([trace], 1)
     total = len(configs) * sum(min(len(t.target_ids), args.max_new_tokens) for unit in units for t in unit)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("devices", total=total)
         for u, unit in enumerate(units):
             for config in harness.rotated(configs, u):
                 progress.update(task, description=f"prompt {u + 1}/{len(units)}: {config.label}")
-                runs = await run_unit(served.stub, config, unit, max_new_tokens=args.max_new_tokens,
-                                      seed=u, policies=policies[config],
-                                      on_tokens=lambda t: progress.advance(task, len(t)), **common)
+                counted = replace(fleets[config], on_tokens=lambda t: progress.advance(task, len(t)))
+                runs = await counted.run(unit, args.max_new_tokens, seed=u * 1000,
+                                         policies=policies[config])
                 record(results[config], runs)
     return results
 

@@ -18,16 +18,16 @@ steps that overran the profile; past 1% of them the run does not stand for that 
 """
 from __future__ import annotations
 
-import asyncio
 import shlex
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from edge_client.session import RoundSettings
 from lab.bench import harness
 from lab.bench.report import percentile, save_figure, short_name, subplots
+from lab.traces.fleet import MODES, TraceFleet
 
-MODES = ("sled", "centralized")
 OVERRUNS = "sled_emulated_overruns_total"
 
 
@@ -144,32 +144,14 @@ def tpot_samples(token_times: list[float]) -> list[float]:
     return samples
 
 
-async def run_fleet(stub, mode: str, n: int, traces, *, max_new_tokens: int, draft_len,
-                    device, link, fingerprint: str, on_tokens=None,
-                    on_paced=None) -> tuple[list, list[list[int]], float]:
+async def run_fleet(fleet, mode: str, n: int, traces,
+                    max_new_tokens: int) -> tuple[list, list[list[int]], float]:
     """N devices at once; device j serves trace j mod len(traces). Returns results, expected
-    outputs and the makespan in seconds. on_paced(late) follows every paced draft."""
-    from lab.traces import TraceDrafter
-    from edge_client.server_side import generate_server_side
-    from edge_client.session import RoundSettings, generate
-    from lab.link import link_transport
-    from lab.profiles import Link
-
+    outputs and the makespan in seconds."""
     picked = [traces[j % len(traces)] for j in range(n)]
-    expected = [t.target_ids[:max_new_tokens] for t in picked]
-
-    async def one(j: int):
-        trace, limit, wire = picked[j], len(expected[j]), link_transport(Link(link, seed=j))
-        if mode == "sled":
-            return await generate(stub, TraceDrafter(trace, device, on_paced), trace.prompt_ids,
-                                  max_new_tokens=limit, settings=RoundSettings(draft_len=draft_len),
-                                  transport=wire, target_fingerprint=fingerprint, on_tokens=on_tokens)
-        return await generate_server_side(stub, trace.prompt_ids, max_new_tokens=limit,
-                                          transport=wire, on_tokens=on_tokens)
-
     started = time.perf_counter()
-    results = await asyncio.gather(*(one(j) for j in range(n)))
-    return list(results), expected, time.perf_counter() - started
+    runs = await fleet.run(picked, max_new_tokens, mode=mode)
+    return [result for result, _ in runs], [want for _, want in runs], time.perf_counter() - started
 
 
 def summarize(run: FleetRun) -> dict:
@@ -215,9 +197,10 @@ async def sweep(served, traces, fleet_sizes: list[int], modes: list[str], args, 
 
     cap = args.max_new_tokens
     served.check_traces(traces)
-    common = dict(draft_len=args.draft_len, device=device, link=link, fingerprint=served.fingerprint)
+    fleet = TraceFleet(served.stub, served.fingerprint, device, link,
+                       RoundSettings(draft_len=args.draft_len))
     for mode in modes:
-        await run_fleet(served.stub, mode, 1, traces.traces, max_new_tokens=min(cap, 4), **common)
+        await run_fleet(fleet, mode, 1, traces.traces, min(cap, 4))
     rows = []
     total = sum(len(modes) * min(cap, len(traces.traces[j % len(traces.traces)].target_ids))
                 for n in fleet_sizes for j in range(n))
@@ -227,10 +210,10 @@ async def sweep(served, traces, fleet_sizes: list[int], modes: list[str], args, 
             for mode in harness.rotated(modes, index):
                 progress.update(task, description=f"{mode}, {n} device(s)")
                 before, paced = (served.forward_passes(), _overruns(served, args)), []
-                results, expected, makespan = await run_fleet(
-                    served.stub, mode, n, traces.traces, max_new_tokens=cap, **common,
-                    on_tokens=lambda tokens: progress.advance(task, len(tokens)),
+                counted = replace(
+                    fleet, on_tokens=lambda tokens: progress.advance(task, len(tokens)),
                     on_paced=paced.append)
+                results, expected, makespan = await run_fleet(counted, mode, n, traces.traces, cap)
                 passes = served.forward_passes() - before[0]
                 rows.append(summarize(FleetRun(mode, n, results, expected, makespan, passes)))
                 # the emulated devices' drafts that this host's loop gave back late
