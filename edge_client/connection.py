@@ -29,6 +29,7 @@ from pathlib import Path
 
 import grpc
 
+from edge_client.backoff import Backoff
 from edge_client.security import ChannelSecurity, speaks_tls
 from edge_client.tokenizer import DeviceTokenizer
 from edge_client.tokenizer_chunks import TokenizerChunks, TokenizerRefused
@@ -88,7 +89,7 @@ class Connection:
         """The server's tokenizer files. A server at its bound of GetTokenizer calls (a fleet
         starting at once) answers RESOURCE_EXHAUSTED: it is asked again after a pause that
         doubles, BUSY_RETRIES times, before its refusal is raised."""
-        pause, refused = BUSY_PAUSE_S, 0
+        pauses, refused = Backoff(BUSY_PAUSE_S), 0
         while True:
             try:
                 return await self._tokenizer_stream(fingerprint, timeout)
@@ -96,10 +97,10 @@ class Connection:
                 refused += 1
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or refused > BUSY_RETRIES:
                     raise
+                pause = pauses.next()
                 log.info("the server at %s is busy sending its tokenizer (%s): asking again in "
                          "%.1f s", self.address, printable(exc.details() or "", 200), pause)
                 await asyncio.sleep(pause)
-                pause *= 2
 
     async def _tokenizer_stream(self, fingerprint: str, timeout: float) -> dict[str, bytes]:
         """One GetTokenizer stream, each chunk checked as it arrives; the call is cancelled at

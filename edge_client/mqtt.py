@@ -40,10 +40,11 @@ import time
 
 import aiomqtt
 
+from edge_client.backoff import Backoff, broker_backoff
 from edge_client.daemon import Device, DeviceError, Request
 from edge_client.text import OutputText
 from sled.endpoint import parse_endpoint
-from sled.mqtt import (Backoff, Broker, MqttConnection, check_topic_level, decode, device_topic,
+from sled.mqtt import (Broker, MqttConnection, check_topic_level, decode, device_topic,
                        encode, is_topic_level, server_topic)
 from sled.printable import printable
 from sled.sampling import Sampling
@@ -73,6 +74,9 @@ def _tls_name(value) -> str:
 
 
 class DeviceMqtt:
+    """The device's link to the broker; `backoff` spaces its attempts at the broker (default:
+    broker_backoff())."""
+
     def __init__(self, device: Device, backoff: Backoff | None = None) -> None:
         self.device = device
         self.broker = broker_of(device)
@@ -80,7 +84,7 @@ class DeviceMqtt:
         self.connection = MqttConnection(
             self.broker, f"sled-device-{device.settings.id}", self.topic("status"),
             will=self._offline("the device lost its MQTT connection"),
-            goodbye=self._offline("the device stopped"), backoff=backoff,
+            goodbye=self._offline("the device stopped"), backoff=backoff or broker_backoff(),
             meanwhile="the device keeps serving locally", logger=log)
         self._status_changed = asyncio.Event()
         self._servers_changed = asyncio.Event()

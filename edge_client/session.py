@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from drafters.base import Drafter, Proposal
+from edge_client.backoff import Backoff
 from edge_client.draft_policy import DraftPolicy
 from edge_client.hint_policy import HINT_USES, HintPolicy
 from edge_client.proposer import Draft, Head, Proposer
@@ -346,23 +347,23 @@ class Reconnect:
         """Attempts with backoff until reconnect_s has passed. Each waits for its server a
         bounded time, and every attempt after a lost server asks again which server to use (the
         one it waited for may be gone for good)."""
-        give_up, pause, connect_s = time.monotonic() + self.reconnect_s, PAUSE_S, CONNECT_S
+        give_up = time.monotonic() + self.reconnect_s
+        pauses, waits = Backoff(PAUSE_S, most=MAX_PAUSE_S), Backoff(CONNECT_S, most=MAX_CONNECT_S)
         while True:
             left = give_up - time.monotonic()
             try:
-                return await attempt(max(min(left, connect_s), 0.01), lost)
+                return await attempt(max(min(left, waits.current), 0.01), lost)
             except asyncio.TimeoutError:
-                if left <= connect_s:
+                if left <= waits.current:
                     raise self.gave_up(committed) from None
-                connect_s = min(connect_s * 2, MAX_CONNECT_S)
+                waits.next()                   # the next attempt waits longer for its server
             except (VerifyError, grpc.aio.AioRpcError) as error:
                 if not lost_server(error):
                     raise
-                if time.monotonic() + pause > give_up:
+                if time.monotonic() + pauses.current > give_up:
                     raise self.gave_up(committed) from None
             lost = True
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, MAX_PAUSE_S)
+            await pauses.wait()
 
     def gave_up(self, committed: int) -> ServerLost:
         return ServerLost(f"no server came back within {self.reconnect_s:g} s to resume "
