@@ -1,6 +1,11 @@
-"""The README is the user's contract: every `sled ...` line in its code blocks is accepted by the
-real command line (flag for flag, no abbreviations), every file it names exists, and every
-module attribute it names (`edge_client.session.generate`) is there. Nothing is run."""
+"""The README and the pages under docs/ are the user's contract: every `sled ...` line in their
+code blocks is accepted by the real command line (flag for flag, no abbreviations), every file they
+name exists, every module attribute they name (`edge_client.session.generate`) is there, and
+every relative link resolves. The README stays short and links every docs/ page. Nothing is run.
+
+Paths named in the text (`docs/serve.example.toml`, `lab/profiles.py`) are from the repository's
+root wherever they appear, as the commands are run from there; a markdown link is relative to the
+page it is in (`../BENCHMARKS.md` from docs/)."""
 from __future__ import annotations
 
 import argparse
@@ -15,9 +20,12 @@ from conftest import run_main
 from sled_cli.main import COMMANDS, Command, Group, parser
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+README_LINES = 250
+PAGES = sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "docs").glob("*.md"))
+DOCUMENTS = {name: (ROOT / name).read_text() for name in ["README.md", *PAGES]}
+README = DOCUMENTS["README.md"]
 
-# What the README writes as a placeholder or a choice, and a value that stands for it here.
+# What the documents write as a placeholder or a choice, and a value that stands for it here.
 PLACEHOLDERS = [
     (r"HOST:50051", "127.0.0.1:50051"),
     (r"\bPATH_OR_ID\b", "gemma3-270m"),
@@ -35,13 +43,19 @@ def code_blocks(text: str) -> list[str]:
     return re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M)
 
 
+def prose(text: str) -> str:
+    """The text without its fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
 def logical_lines(block: str) -> list[str]:
     """The block's lines with backslash continuations joined."""
     return re.sub(r"\\\n\s*", " ", block).splitlines()
 
 
 def readme_commands(text: str = README) -> list[tuple[str, dict[str, str], list[str]]]:
-    """(the README line, its VAR=value prefix, the words after `sled`) of every sled command."""
+    """(the line, its VAR=value prefix, the words after `sled`) of every sled command in the
+    text's code blocks."""
     out = []
     for block in code_blocks(text):
         for line in logical_lines(block):
@@ -104,54 +118,99 @@ def check_device_flags(env: dict[str, str], args: list[str], monkeypatch) -> Non
     load_settings(config, rest)
 
 
-COMMAND_LINES = readme_commands()
+def per_document(found) -> tuple[list[tuple], list[str]]:
+    """found(text) over every document: the (document, item) pairs, and readable test ids."""
+    pairs = [(name, item) for name, text in DOCUMENTS.items() for item in found(text)]
+    return pairs, [f"{name}: {item[0] if isinstance(item, tuple) else item}"
+                   for name, item in pairs]
 
 
-def test_the_readme_shows_sled_commands():
-    shown = {" ".join(words[:2]) for _, _, words in COMMAND_LINES}
+COMMAND_LINES, COMMAND_IDS = per_document(readme_commands)
+
+
+def shown(text: str) -> set[str]:
+    """The first two words after `sled` of every command the text shows."""
+    return {" ".join(words[:2]) for _, _, words in readme_commands(text)}
+
+
+def test_the_docs_show_sled_commands():
+    everywhere = set().union(*(shown(text) for text in DOCUMENTS.values()))
     assert {"serve --model", "generate --server", "device --config", "bench overhead",
-            "sdsat train", "trace record", "models list", "export-onnx gemma3-270m"} <= shown
+            "sdsat train", "trace record", "models list", "export-onnx gemma3-270m",
+            "certs certs", "broker-config DIR", "lab run", "lab compose"} <= everywhere
 
 
-@pytest.mark.parametrize("line, env, words", COMMAND_LINES, ids=[w for w, _, _ in COMMAND_LINES])
-def test_every_readme_command_is_accepted_by_the_cli(line, env, words, capsys, monkeypatch):
+def test_the_readme_shows_each_users_first_commands():
+    """The device daemon, the verify server (and a device against it), and the lab."""
+    assert {"device --servers", "device --config", "serve --model", "generate --server",
+            "lab run", "lab compose"} <= shown(README)
+
+
+def check_command(env: dict[str, str], words: list[str], capsys, monkeypatch) -> None:
     entry = COMMANDS.get(words[0])
     if isinstance(entry, Command) and entry.own_argv:
         check_device_flags(env, words[1:], monkeypatch)
     else:
-        assert not env or all(name.startswith("SLED_") for name in env), line
+        assert not env or all(name.startswith("SLED_") for name in env), words
         check_parses(words, capsys)
+
+
+@pytest.mark.parametrize("document, command", COMMAND_LINES, ids=COMMAND_IDS)
+def test_every_documented_command_is_accepted_by_the_cli(document, command, capsys, monkeypatch):
+    line, env, words = command
+    check_command(env, words, capsys, monkeypatch)
+
+
+def with_one_change(wrong: str, right: str) -> tuple[str, str]:
+    """(document, its text) with the first code block that holds `right` holding `wrong` there
+    instead: README.md first, then the pages in order."""
+    for name, text in DOCUMENTS.items():
+        for block in code_blocks(text):
+            if right in block:
+                return name, text.replace(block, block.replace(right, wrong, 1), 1)
+    raise AssertionError(f"no code block shows {right!r}")
 
 
 @pytest.mark.parametrize("wrong, right", [("--draft-lne", "--draft-len"),
                                           ("--max-new-token ", "--max-new-tokens "),
                                           ("--kv-budgt", "--kv-budget"),
-                                          ("--policy.draft-length", "--port")])
-def test_a_misspelled_readme_flag_fails_the_check(wrong, right, capsys, monkeypatch):
-    """The check itself: a README with one flag misspelled (or cut short) does not pass."""
-    changed = README.replace(right, wrong, 1) if right != "--port" else \
-        README.replace("--drafter gguf:gemma3-270m --port 8000", f"{wrong} 8000", 1)
-    assert changed != README
+                                          ("--policy.draft-length 8000",
+                                           "--drafter gguf:gemma3-270m --port 8000")])
+def test_a_misspelled_flag_fails_the_check(wrong, right, capsys, monkeypatch):
+    """The check itself: a document with one flag misspelled (or cut short) does not pass."""
+    name, changed = with_one_change(wrong, right)
+    assert changed != DOCUMENTS[name]
     failures = 0
     for line, env, words in readme_commands(changed):
         try:
-            test_every_readme_command_is_accepted_by_the_cli(line, env, words, capsys, monkeypatch)
+            check_command(env, words, capsys, monkeypatch)
         except (AssertionError, pytest.fail.Exception, Exception):
             failures += 1
-    assert failures == 1
+    assert failures == 1, name
+
+
+def link_targets(text: str) -> list[str]:
+    """Every markdown link and image target outside code blocks, as written."""
+    return re.findall(r"\]\(([^)\s]+)\)", prose(text))
 
 
 def named_paths(text: str = README) -> list[str]:
-    """Repository paths the README names: docs/..., protos/..., a package's file, a link."""
+    """Repository paths the text names from the root: docs/..., protos/..., a package's file.
+    Not sled/...: MQTT topics (sled/devices/<id>/...) look like paths. Not link targets: those are
+    relative to their page (checked below)."""
     roots = "docs|protos|edge_client|verify_server|drafters|lab|sled_cli|tests"
+    text = re.sub(r"\]\([^)\s]*\)", "]", text)
     found = re.findall(rf"(?<![\w$/.])((?:{roots})/[\w./-]*[\w/])", text)
     found = [path for path in found if not re.search(r"[A-Z]{3,}", path)]   # not lab/bench/NAME.py
-    return sorted({*found, *re.findall(r"\]\(([\w./-]+)\)", text)})
+    return sorted(set(found))
 
 
-@pytest.mark.parametrize("path", named_paths())
-def test_every_path_the_readme_names_exists(path):
-    assert (ROOT / path).exists(), f"README names {path}, which is not in the repository"
+PATHS, PATH_IDS = per_document(named_paths)
+
+
+@pytest.mark.parametrize("document, path", PATHS, ids=PATH_IDS)
+def test_every_path_the_docs_name_exists(document, path):
+    assert (ROOT / path).exists(), f"{document} names {path}, which is not in the repository"
 
 
 NOT_PYTHON = {"sled.v1.Verifier"}    # the gRPC service's full name
@@ -164,8 +223,11 @@ def named_attributes(text: str = README) -> list[str]:
     return sorted(set(spans) - NOT_PYTHON)
 
 
-@pytest.mark.parametrize("name", named_attributes())
-def test_every_module_attribute_the_readme_names_exists(name):
+ATTRIBUTES, ATTRIBUTE_IDS = per_document(named_attributes)
+
+
+@pytest.mark.parametrize("document, name", ATTRIBUTES, ids=ATTRIBUTE_IDS)
+def test_every_module_attribute_the_docs_name_exists(document, name):
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -173,10 +235,98 @@ def test_every_module_attribute_the_readme_names_exists(name):
         except ModuleNotFoundError:
             continue
         for attribute in parts[cut:]:
-            assert hasattr(found, attribute), f"README names {name}: no {attribute}"
+            assert hasattr(found, attribute), f"{document} names {name}: no {attribute}"
             found = getattr(found, attribute)
         return
-    pytest.fail(f"README names {name}, which does not import")
+    pytest.fail(f"{document} names {name}, which does not import")
+
+
+# -- the README's length and its links to docs/ ----------------------------------------------------
+
+def test_the_readme_is_short():
+    lines = len(README.splitlines())
+    assert lines <= README_LINES, f"README.md has {lines} lines: move detail into docs/"
+
+
+def readme_pages() -> set[str]:
+    """The docs/*.md pages the README links to (anchors left off)."""
+    return {target.split("#")[0] for target in link_targets(README)
+            if re.fullmatch(r"docs/[^/]+\.md", target.split("#")[0])}
+
+
+def test_every_docs_page_the_readme_links_to_exists():
+    missing = sorted(page for page in readme_pages() if not (ROOT / page).is_file())
+    assert not missing, f"README.md links to missing pages: {missing}"
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    unlinked = sorted(set(PAGES) - readme_pages())
+    assert not unlinked, f"README.md does not link to {unlinked}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_docs_page_says_what_it_covers_and_links_back(page):
+    """A title, then a first paragraph that says what the page covers and links to the README."""
+    title, _, rest = DOCUMENTS[page].partition("\n\n")
+    first = rest.split("\n\n", 1)[0]
+    assert title.startswith("# ") and "\n" not in title, f"{page} does not start with a title"
+    assert "](../README.md)" in first, f"{page}: its first paragraph does not link to the README"
+
+
+# -- relative links ------------------------------------------------------------------------------
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, no punctuation, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors of a markdown text's headings (a repeated one gets -1, -2, ...)."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*$", prose(text), re.M):
+        base = slug(heading)
+        out.add(base if base not in seen else f"{base}-{seen[base]}")
+        seen[base] = seen.get(base, 0) + 1
+    return out
+
+
+def link_problem(document: str, target: str) -> str | None:
+    """What is wrong with a relative link from a document (a path from the root), or None."""
+    path, _, anchor = target.partition("#")
+    found = ((ROOT / document).parent / path).resolve() if path else ROOT / document
+    if not found.is_relative_to(ROOT):
+        return f"{target}: outside the repository"
+    if not found.exists():
+        return f"{target}: no {found.relative_to(ROOT)} in the repository"
+    if anchor and found.suffix == ".md" and anchor not in anchors(found.read_text()):
+        return f"{target}: no heading with the anchor #{anchor} in {found.relative_to(ROOT)}"
+    return None
+
+
+def relative_links(text: str) -> list[str]:
+    return sorted({target for target in link_targets(text)
+                   if not re.match(r"[a-z][a-z0-9+.-]*:", target)})    # not https:, mailto:
+
+
+LINKS, LINK_IDS = per_document(relative_links)
+
+
+@pytest.mark.parametrize("document, target", LINKS, ids=LINK_IDS)
+def test_every_relative_link_resolves(document, target):
+    problem = link_problem(document, target)
+    assert problem is None, f"{document} links to {problem}"
+
+
+@pytest.mark.parametrize("document, target, resolves", [
+    ("docs/lab.md", "../BENCHMARKS.md", True),
+    ("docs/lab.md", "BENCHMARKS.md", False),          # from docs/, not from the root
+    ("README.md", "docs/devices.md#mqtt-control-plane", True),
+    ("README.md", "docs/devices.md#no-such-heading", False),
+    ("docs/commands.md", "#token-trees---tree-n", True),
+])
+def test_the_link_check_resolves_from_the_page(document, target, resolves):
+    assert (link_problem(document, target) is None) == resolves
 
 
 @pytest.mark.parametrize("config", ["docs/serve.example.toml", "docs/device.example.toml"])
