@@ -20,7 +20,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -37,10 +37,11 @@ from edge_client.salt import device_salt
 from edge_client.security import ChannelSecurity
 from edge_client.servers import NoServer, Server, ServerDirectory
 from edge_client.server_side import generate_server_side
-from edge_client.session import RoundSettings, generate
+from edge_client.session import RoundSettings, SessionHooks, Target, generate
 from edge_client.settings import DeviceSettings, SettingsError
 from edge_client.tokenizer import tokenizer_fingerprint
 from edge_client.transport import ServerLost, VerifyError
+from edge_client.wire import SessionRequest
 from sled.cache import CacheError
 from sled.fingerprint import short
 from sled.loose import Loose
@@ -83,6 +84,14 @@ class Generation:
     settings: DeviceSettings
     on_tokens: Callable[[list[int]], None]
     on_server: Callable[[ServerEvent], None]
+
+    def session_request(self, cache_salt: str) -> SessionRequest:
+        """What its session asks the server for; cache_salt: the device's own (its sessions
+        share a system prompt's cached blocks)."""
+        request = self.request
+        return SessionRequest(request.prompt_ids, self.max_tokens, request.sampling,
+                              request.stop_ids, request.ignore_eos, cache_salt=cache_salt,
+                              loose=request.loose)
 
 
 @dataclass(slots=True)
@@ -421,33 +430,29 @@ class Device:
 
     async def _drafted(self, server: Server, generation: Generation, reopen: Callable[[], object]):
         """The device drafts, the server verifies (mode "draft")."""
-        request, settings = generation.request, generation.settings
+        settings = generation.settings
         policy = settings.policy
         return await generate(
-            server.stub, self._session_drafter(settings), request.prompt_ids,
-            max_new_tokens=generation.max_tokens, sampling=request.sampling, stop_ids=request.stop_ids,
-            target_fingerprint=server.fingerprint or None, ignore_eos=request.ignore_eos,
-            settings=RoundSettings(
+            server.stub, self._session_drafter(settings), generation.session_request(self.cache_salt),
+            RoundSettings(
                 draft_len=policy.draft_len, max_draft_len=policy.max_draft_len,
                 min_confidence=policy.min_confidence, pipeline=policy.pipeline,
                 lookahead=policy.lookahead, hints=policy.hints, tree=policy.tree,
                 max_tree_tokens=server.max_draft_tokens or 32, reconnect_s=settings.reconnect_s),
-            transport=self.link.transport(), reopen_on=reopen, on_tokens=generation.on_tokens,
-            on_round=self._count_round, on_server=generation.on_server, target_model=server.model,
-            cache_salt=self.cache_salt,   # this device's sessions share a system prompt's blocks
-            loose=request.loose)
+            target=Target(server.fingerprint or None, server.model), transport=self.link.transport(),
+            hooks=SessionHooks(reopen_on=reopen, on_tokens=generation.on_tokens,
+                               on_round=self._count_round, on_server=generation.on_server))
 
     async def _centralized(self, server: Server, generation: Generation):
         """The server generates every token, the device only streams them (mode "server": the
         centralized baseline). The first open waits for a server (or a cut link) up to
         reconnect_s, as a drafting session's does."""
-        request, settings = generation.request, generation.settings
+        request = replace(generation.session_request(self.cache_salt), loose=None)  # no drafts to check
         return await generate_server_side(
-            server.stub, request.prompt_ids, max_new_tokens=generation.max_tokens,
-            sampling=request.sampling, stop_ids=request.stop_ids, ignore_eos=request.ignore_eos,
-            on_tokens=generation.on_tokens, transport=self.link.transport(),
-            cache_salt=self.cache_salt, reconnect_s=settings.reconnect_s,
-            on_server=generation.on_server, wait_first=True)
+            server.stub, request,
+            hooks=SessionHooks(on_tokens=generation.on_tokens, on_server=generation.on_server),
+            transport=self.link.transport(), reconnect_s=generation.settings.reconnect_s,
+            wait_first=True)
 
     def _session_drafter(self, settings: DeviceSettings):
         """The shared drafter, paced to the emulated board's speed when there is one."""

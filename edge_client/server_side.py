@@ -7,15 +7,15 @@ reason; it sends no drafts. A server lost mid-session is waited for as a draftin
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 
-from edge_client.result import GenerationResult, ServerEvent
-from edge_client.session import Reconnect, open_stream
+from edge_client.result import GenerationResult
+from edge_client.session import Reconnect, SessionHooks, flat_keywords, open_stream
 from edge_client.transport import Stream, Transport, VerifyError, lost_server
 from edge_client.wire import SessionRequest
-from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 
 
@@ -76,31 +76,18 @@ class ServerSideSession:
         return finished
 
 
-async def generate_server_side(
-    stub,
-    prompt_ids: Sequence[int],
-    *,
-    max_new_tokens: int,
-    sampling: Sampling = Sampling(),
-    stop_ids: Sequence[int] = (),
-    ignore_eos: bool = False,
-    mode: int = pb.GENERATION_MODE_SERVER,
-    on_tokens: Callable[[list[int]], None] | None = None,
-    timeout: float | None = None,
-    transport: Transport = Stream.open,
-    cache_salt: str = "",
-    reconnect_s: float = 0.0,
-    on_server: Callable[[ServerEvent], None] | None = None,
-    wait_first: bool = False,
-) -> GenerationResult:
-    """Open a session in `mode` and collect the verdicts the server streams to its end;
-    on_tokens sees each verdict's tokens; cache_salt scopes the server's prefix cache.
-    reconnect_s: how long a lost server is waited for to resume the session (0: ServerLost at
-    once); on_server is told the loss and the resume (ServerEvent); wait_first: the first open
-    waits for the server up to reconnect_s too."""
-    request = SessionRequest(prompt_ids, max_new_tokens, sampling, stop_ids, ignore_eos,
-                             drafter="server", cache_salt=cache_salt, mode=mode)
-    session = ServerSideSession(stub, request, timeout=timeout, transport=transport,
-                                reconnect=Reconnect(reconnect_s, on_server), on_tokens=on_tokens,
-                                wait_first=wait_first)
+@flat_keywords
+async def generate_server_side(stub, request: SessionRequest, *, hooks: SessionHooks = SessionHooks(),
+                               timeout: float | None = None, transport: Transport = Stream.open,
+                               reconnect_s: float = 0.0, wait_first: bool = False) -> GenerationResult:
+    """Open a session for `request` in its server mode (request.mode; one left at the device
+    drafting is GENERATION_MODE_SERVER: the server generates alone) and collect the verdicts the
+    server streams to its end; hooks.on_tokens sees each verdict's tokens; request.cache_salt
+    scopes the server's prefix cache. reconnect_s: how long a lost server is waited for to
+    resume the session (0: ServerLost at once); hooks.on_server is told the loss and the resume
+    (ServerEvent); wait_first: the first open waits for the server up to reconnect_s too."""
+    mode = pb.GENERATION_MODE_SERVER if request.mode == pb.GENERATION_MODE_DEVICE_DRAFTS else request.mode
+    session = ServerSideSession(stub, replace(request, drafter="server", mode=mode), timeout=timeout,
+                                transport=transport, reconnect=Reconnect(reconnect_s, hooks.on_server),
+                                on_tokens=hooks.on_tokens, wait_first=wait_first)
     return await session.run()

@@ -12,8 +12,10 @@ the emitted tokens, rolls its drafter back past the rejected ones, and picks the
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Awaitable, Callable, Sequence
+import warnings
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import grpc
@@ -28,9 +30,7 @@ from edge_client.speculation import Speculation
 from edge_client.transport import ServerLost, Stream, Transport, VerifyError, lost_server
 from edge_client.wire import SessionRequest, draft_message, drafter_label
 from sled.fingerprint import short
-from sled.loose import Loose
 from sled.printable import printable
-from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 
 # First draft length of a draft_len="auto" session, before the server has suggested one.
@@ -100,6 +100,28 @@ class RoundSettings:
             raise ValueError(f"hints must be {' or '.join(HINT_USES)}, got {self.hints!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class SessionHooks:
+    """What a session asks of whoever runs it, and tells it; each is optional. reopen_on() names
+    the stub to use after a lost server (a failover); on_tokens sees each verdict's committed
+    tokens, on_round each round's RoundStat, on_server a lost and a resumed server
+    (ServerEvent). A server-side session has no rounds and no server chooser: it tells
+    on_tokens and on_server only."""
+    reopen_on: Callable[[], object] | None = None
+    on_tokens: Callable[[list[int]], None] | None = None
+    on_round: Callable[[RoundStat], None] | None = None
+    on_server: Callable[[ServerEvent], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What the device knows of the served model (p) before a session opens, when it knows it:
+    its tokenizer's fingerprint (a drafter with another tokenizer is then refused before
+    anything is sent) and its name (which that refusal names)."""
+    fingerprint: str | None = None
+    model: str = ""
+
+
 class DeviceSession:
     """One generation session of a device. It owns the context (prompt + committed tokens), the
     round, the draft length, the speculation and the result.
@@ -108,9 +130,9 @@ class DeviceSession:
     the session is reopened with the prompt + its committed tokens (`result.resumes` counts
     them). A lost server is told to `on_server` at once (a ServerEvent LOST), and again when a
     server took the session back (RESUMED); when none does within reconnect_s the session
-    raises ServerLost, and `result` keeps the committed tokens (Reconnect: the waiting). `reopen_on()`, when given, is
-    asked for the stub to use after each lost server (a failover); with it, the first open waits
-    and retries the same way. `policy` is the
+    raises ServerLost, and `result` keeps the committed tokens (Reconnect: the waiting).
+    `hooks.reopen_on()`, when given, is asked for the stub to use after each lost server (a
+    failover); with it, the first open waits and retries the same way. `policy` is the
     DraftPolicy to use and keep teaching (a device's earlier sessions on the same server: its
     timings and acceptance carry over); default: a fresh one when adaptive or pipelining.
     `transport` opens each stream (an emulated link wraps it).
@@ -118,14 +140,10 @@ class DeviceSession:
 
     def __init__(self, stub, drafter: Drafter, request: SessionRequest,
                  settings: RoundSettings = RoundSettings(), *, policy: DraftPolicy | None = None,
-                 transport: Transport = Stream.open, reopen_on: Callable[[], object] | None = None,
-                 on_tokens: Callable[[list[int]], None] | None = None,
-                 on_round: Callable[[RoundStat], None] | None = None,
-                 on_server: Callable[[ServerEvent], None] | None = None) -> None:
+                 transport: Transport = Stream.open, hooks: SessionHooks = SessionHooks()) -> None:
         self.stub, self.request, self.settings = stub, request, settings
-        self.transport, self.reopen_on = transport, reopen_on
-        self.on_tokens, self.on_round = on_tokens, on_round
-        self.reconnect = Reconnect(settings.reconnect_s, on_server)
+        self.transport, self.hooks = transport, hooks
+        self.reconnect = Reconnect(settings.reconnect_s, hooks.on_server)
         self.proposer = Proposer(drafter, request.sampling, settings.min_confidence, settings.tree,
                                  settings.max_tree_tokens)
         # Seeded sampling never pipelines: how many tokens get drafted ahead depends on timing,
@@ -162,7 +180,7 @@ class DeviceSession:
         """Open, then draft -> exchange -> commit until a verdict ends the session."""
         self.started = time.perf_counter()
         try:
-            await self.open(resuming=self.reopen_on is not None)
+            await self.open(resuming=self.hooks.reopen_on is not None)
             while True:
                 draft = await self.next_draft()
                 verdict = await self.exchange(draft)
@@ -193,8 +211,8 @@ class DeviceSession:
     async def open_once(self, connect_s: float | None = None, switch: bool = False) -> Stream:
         """One attempt. connect_s (resuming) waits up to that long for the server to take the
         open message, then as long as the prefill takes."""
-        if switch and self.reopen_on is not None:
-            self.stub = self.reopen_on()
+        if switch and self.hooks.reopen_on is not None:
+            self.stub = self.hooks.reopen_on()
         if not self.request.fingerprint and self.stub is not None:
             # a drafter with no tokenizer of its own drafts the target's ids: say which
             fingerprint = await target_fingerprint(self.stub, connect_s)
@@ -268,8 +286,8 @@ class DeviceSession:
         if not drafted_on:
             self.proposer.rollback(len(self.context) + verdict.accepted)
         finished = self.result.add(verdict, self.started)
-        if self.on_tokens is not None:
-            self.on_tokens(list(verdict.emitted_ids))
+        if self.hooks.on_tokens is not None:
+            self.hooks.on_tokens(list(verdict.emitted_ids))
         return finished
 
     # -- the round's steps ------------------------------------------------------------------
@@ -307,8 +325,8 @@ class DeviceSession:
                          verdict.timings.forward_ms, verdict.timings.queue_ms, verdict.verified,
                          verdict.accepted, verdict.suggested_draft_len, draft.pipelined)
         self.result.round_stats.append(stat)
-        if self.on_round is not None:
-            self.on_round(stat)
+        if self.hooks.on_round is not None:
+            self.hooks.on_round(stat)
         if self.draft_mode == "auto" and stat.suggested_draft_len:
             self.draft_len = stat.suggested_draft_len
         if self.policy is not None:
@@ -447,41 +465,64 @@ def described(drafter: Drafter) -> str:
     return f"{name} ({own.partition(':')[2] or own})" if name != own else name
 
 
-def device_session(
-    stub,
-    drafter: Drafter,
-    prompt_ids: Sequence[int],
-    *,
-    max_new_tokens: int,
-    sampling: Sampling = Sampling(),
-    stop_ids: Sequence[int] = (),
-    ignore_eos: bool = False,
-    target_fingerprint: str | None = None,
-    settings: RoundSettings = RoundSettings(),
-    policy: DraftPolicy | None = None,
-    transport: Transport = Stream.open,
-    reopen_on: Callable[[], object] | None = None,
-    on_tokens: Callable[[list[int]], None] | None = None,
-    on_round: Callable[[RoundStat], None] | None = None,
-    on_server: Callable[[ServerEvent], None] | None = None,
-    cache_salt: str = "",
-    target_model: str = "",
-    loose: Loose | None = None,
-) -> DeviceSession:
-    """One generation session, ready to run (a DeviceSession); on_tokens sees each verdict's
-    committed tokens, on_round each round's RoundStat, on_server a lost and a resumed server.
-    target_fingerprint, when known, refuses a drafter with another tokenizer before anything is
-    sent (naming target_model, the served model). cache_salt scopes the server's prefix cache:
-    sessions share cached prompt blocks only with the same salt from the same host. loose: opt-in
-    loose verification (sled.loose): the output is then NOT exactly the target's."""
-    request = SessionRequest(prompt_ids, max_new_tokens, sampling, stop_ids, ignore_eos,
-                             drafter_fingerprint(drafter, target_fingerprint, target_model),
-                             drafter_name(drafter), cache_salt, loose=loose)
+def flat_keywords(opens):
+    """Deprecated: lets `opens` (device_session, generate, generate_server_side) be called the
+    old way too, the prompt ids in the place of the request and each part of the request, the
+    target and the hooks a keyword of its own (max_new_tokens=, sampling=, stop_ids=,
+    ignore_eos=, cache_salt=, loose=, mode=; target_fingerprint=, target_model=; reopen_on=,
+    on_tokens=, on_round=, on_server=), as callers outside edge_client still do. A call is the
+    old way when it names max_new_tokens."""
+    @functools.wraps(opens)
+    def grouping(*args, **options):
+        if "max_new_tokens" not in options:
+            return opens(*args, **options)
+        warnings.warn(f"{opens.__name__}(prompt_ids, max_new_tokens=...) is deprecated: pass a "
+                      "SessionRequest (and Target, SessionHooks)", DeprecationWarning, stacklevel=2)
+        if "prompt_ids" in options:
+            args = (*args, options.pop("prompt_ids"))
+        *args, prompt_ids = args
+        request = SessionRequest(prompt_ids, **_taken(options, REQUEST_KEYWORDS))
+        hooks = _taken(options, HOOK_KEYWORDS)
+        target = _taken(options, TARGET_KEYWORDS)
+        if hooks:
+            options["hooks"] = SessionHooks(**hooks)
+        if target:
+            options["target"] = Target(**target)
+        return opens(*args, request, **options)
+    return grouping
+
+
+# the old flat keywords of each group, and the field each stands for
+REQUEST_KEYWORDS = {name: name for name in ("max_new_tokens", "sampling", "stop_ids", "ignore_eos",
+                                            "cache_salt", "loose", "mode")}
+HOOK_KEYWORDS = {name: name for name in ("reopen_on", "on_tokens", "on_round", "on_server")}
+TARGET_KEYWORDS = {"target_fingerprint": "fingerprint", "target_model": "model"}
+
+
+def _taken(options: dict, keywords: dict[str, str]) -> dict:
+    """The options named in `keywords`, taken out of `options`, by the field each stands for."""
+    return {field: options.pop(name) for name, field in keywords.items() if name in options}
+
+
+@flat_keywords
+def device_session(stub, drafter: Drafter, request: SessionRequest,
+                   settings: RoundSettings = RoundSettings(), *, target: Target = Target(),
+                   policy: DraftPolicy | None = None, transport: Transport = Stream.open,
+                   hooks: SessionHooks = SessionHooks()) -> DeviceSession:
+    """One generation session of `request`, ready to run (a DeviceSession); it opens with the
+    drafter's name and tokenizer fingerprint (else the target's). A target whose fingerprint is
+    known refuses a drafter with another tokenizer before anything is sent (naming the target's
+    model). request.cache_salt scopes the server's prefix cache: sessions share cached prompt
+    blocks only with the same salt from the same host. request.loose: opt-in loose verification
+    (sled.loose): the output is then NOT exactly the target's."""
+    request = replace(request, fingerprint=drafter_fingerprint(drafter, target.fingerprint, target.model),
+                      drafter=drafter_name(drafter))
     return DeviceSession(stub, drafter, request, settings, policy=policy, transport=transport,
-                         reopen_on=reopen_on, on_tokens=on_tokens, on_round=on_round,
-                         on_server=on_server)
+                         hooks=hooks)
 
 
-async def generate(stub, drafter: Drafter, prompt_ids: Sequence[int], **options) -> GenerationResult:
+@flat_keywords
+async def generate(stub, drafter: Drafter, request: SessionRequest,
+                   settings: RoundSettings = RoundSettings(), **options) -> GenerationResult:
     """Run one generation session to its end: device_session(...).run(), the same options."""
-    return await device_session(stub, drafter, prompt_ids, **options).run()
+    return await device_session(stub, drafter, request, settings, **options).run()

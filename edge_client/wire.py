@@ -22,19 +22,19 @@ def drafter_label(name: str) -> str:
     return name[:DRAFTER_NAME_CHARS]
 
 
-def open_message(prompt_ids: Sequence[int], sampling: Sampling, max_new_tokens: int,
-                 stop_ids: Sequence[int] = (), fingerprint: str = "", drafter: str = "",
-                 ignore_eos: bool = False, mode: int = pb.GENERATION_MODE_DEVICE_DRAFTS,
-                 cache_salt: str = "", loose: Loose | None = None) -> pb.DeviceMessage:
-    """cache_salt: the server shares cached prompt blocks only among sessions that send the same
-    salt from the same host. loose: opt-in loose verification (not lossless)."""
-    msg = pb.DeviceMessage(open=pb.Open(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
-                                        stop_ids=list(stop_ids), tokenizer_fingerprint=fingerprint,
-                                        drafter=drafter_label(drafter), ignore_eos=ignore_eos, mode=mode,
-                                        cache_salt=cache_salt))
-    sampling.to_proto(msg.open.sampling)
-    if loose is not None:
-        loose.to_proto(msg.open.loose)
+def open_message(request: SessionRequest, committed: Sequence[int] = ()) -> pb.DeviceMessage:
+    """The Open of `request` for what is left after the committed tokens: the prompt and them,
+    and max_new_tokens less them. request.cache_salt: the server shares cached prompt blocks
+    only among sessions that send the same salt from the same host; request.loose: opt-in loose
+    verification (not lossless)."""
+    msg = pb.DeviceMessage(open=pb.Open(
+        prompt_ids=list(request.prompt_ids) + list(committed),
+        max_new_tokens=request.max_new_tokens - len(committed), stop_ids=list(request.stop_ids),
+        tokenizer_fingerprint=request.fingerprint, drafter=drafter_label(request.drafter),
+        ignore_eos=request.ignore_eos, mode=request.mode, cache_salt=request.cache_salt))
+    request.sampling.to_proto(msg.open.sampling)
+    if request.loose is not None:
+        request.loose.to_proto(msg.open.loose)
     return msg
 
 
@@ -62,6 +62,4 @@ class SessionRequest:
 
     def open_message(self, committed: Sequence[int]) -> pb.DeviceMessage:
         """Open (or reopen) the session for what is left after the committed tokens."""
-        return open_message(list(self.prompt_ids) + list(committed), self.sampling,
-                            self.max_new_tokens - len(committed), self.stop_ids, self.fingerprint,
-                            self.drafter, self.ignore_eos, self.mode, self.cache_salt, self.loose)
+        return open_message(self, committed)

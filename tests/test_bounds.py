@@ -239,13 +239,13 @@ async def test_the_api_echoes_names_escaped_and_short(api):
 
 
 def test_a_device_names_its_drafter_without_its_paths_within_the_servers_limit(tmp_path):
-    from edge_client.wire import DRAFTER_NAME_CHARS, drafter_label, open_message
+    from edge_client.wire import DRAFTER_NAME_CHARS, SessionRequest, drafter_label, open_message
     from sled.sampling import Sampling
     from verify_server.validation import TEXT_LIMITS
 
     deep = tmp_path.joinpath(*["folder"] * 40, "SmolLM2-135M.Q8_0.gguf")
     assert len(f"gguf:{deep}") > DRAFTER_NAME_CHARS        # would be refused as sent
-    sent = open_message([1], Sampling(), 4, drafter=f"gguf:{deep}").open.drafter
+    sent = open_message(SessionRequest([1], 4, Sampling(), drafter=f"gguf:{deep}")).open.drafter
     assert sent == "gguf:SmolLM2-135M.Q8_0.gguf"
     assert drafter_label("hf:HuggingFaceTB/SmolLM2-135M") == "hf:HuggingFaceTB/SmolLM2-135M"
     assert drafter_label("ngram:3") == "ngram:3"

@@ -11,7 +11,8 @@ import pytest
 from drafters.base import Proposal, SparseQ
 from edge_client.proposer import Head, Proposer
 from edge_client import session as session_module
-from edge_client.session import AUTO_FIRST_DRAFT_LEN, CONNECT_S, DeviceSession, RoundSettings
+from edge_client.session import (AUTO_FIRST_DRAFT_LEN, CONNECT_S, DeviceSession, RoundSettings,
+                                  SessionHooks, Target)
 from edge_client.transport import Stream, VerifyError
 from edge_client.wire import SessionRequest
 from lab.link import LinkStream
@@ -144,6 +145,28 @@ async def test_an_evicted_session_reopens_where_its_committed_tokens_end():
     assert server.opens[1].max_new_tokens == 9 - 3
 
 
+async def test_the_old_flat_keywords_make_the_same_session_as_the_grouped_ones():
+    """Callers outside edge_client still pass the request, the target and the hooks part by
+    part (device_session(stub, drafter, prompt_ids, max_new_tokens=...)): the same session."""
+    server, tokens = ScriptedServer(), []
+    grouped = session_module.device_session(
+        None, CountingDrafter(), SessionRequest(PROMPT, 8, stop_ids=[7], cache_salt="s"),
+        RoundSettings(draft_len=3), target=Target("sha256:t", "tiny"), transport=server.transport,
+        hooks=SessionHooks(on_tokens=tokens.extend))
+    with pytest.warns(DeprecationWarning, match="SessionRequest"):
+        flat = session_module.device_session(
+            None, CountingDrafter(), PROMPT, max_new_tokens=8, stop_ids=[7], cache_salt="s",
+            settings=RoundSettings(draft_len=3), target_fingerprint="sha256:t", target_model="tiny",
+            transport=server.transport, on_tokens=tokens.extend)
+    assert flat.request == grouped.request and flat.request.fingerprint == "sha256:t"
+    assert flat.request.drafter == "counting" and flat.hooks == grouped.hooks
+    assert flat.settings == grouped.settings and flat.transport == grouped.transport
+    with pytest.warns(DeprecationWarning):
+        result = await session_module.generate(None, CountingDrafter(), PROMPT, max_new_tokens=5,
+                                               transport=server.transport, on_tokens=tokens.extend)
+    assert result.token_ids == tokens == list(range(2, 7))
+
+
 async def test_other_errors_end_the_session():
     class Refusing(ScriptedStream):
         async def send(self, msg):
@@ -172,7 +195,7 @@ async def test_a_session_that_asks_the_fingerprint_waits_for_a_server_not_up_yet
     stub, scripted = pb_grpc.VerifierStub(channel), ScriptedServer()
     device = DeviceSession(stub, CountingDrafter(), SessionRequest(PROMPT, 6),
                            RoundSettings(draft_len=2, reconnect_s=60), transport=scripted.transport,
-                           reopen_on=lambda: stub)
+                           hooks=SessionHooks(reopen_on=lambda: stub))
     running = asyncio.create_task(device.run())
     server = grpc.aio.server()
     try:
@@ -225,7 +248,7 @@ async def test_a_resume_on_a_server_that_never_takes_the_call_moves_on_to_anothe
         return other
     device = DeviceSession(deaf, CountingDrafter(), SessionRequest(PROMPT, 6, fingerprint="sha256:x"),
                            RoundSettings(draft_len=2, reconnect_s=60), transport=transport,
-                           reopen_on=reopen_on)
+                           hooks=SessionHooks(reopen_on=reopen_on))
     started = time.monotonic()
     result = await asyncio.wait_for(device.run(), 30)
     assert result.token_ids == list(range(2, 8)) and asked

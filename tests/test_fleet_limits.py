@@ -13,7 +13,7 @@ from drafters.ngram import NgramDrafter
 from edge_client.connection import Connection
 from edge_client.security import ChannelSecurity
 from edge_client.session import generate
-from edge_client.wire import open_message
+from edge_client.wire import SessionRequest, open_message
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from tests.conftest import greedy_reference
@@ -122,8 +122,8 @@ async def test_a_reply_nobody_reads_ends_and_frees_its_slot(serve, models, tmp_p
 async def opened(stub, fingerprint: str, max_new_tokens: int):
     """A session held open with nothing drafted: (the call, the server's first answer)."""
     call = stub.Generate()
-    await call.write(open_message(PROMPT, Sampling(), max_new_tokens, fingerprint=fingerprint,
-                                  drafter="idle"))
+    await call.write(open_message(SessionRequest(PROMPT, max_new_tokens, Sampling(),
+                                                 fingerprint=fingerprint, drafter="idle")))
     return call, await asyncio.wait_for(call.read(), 30)
 
 

@@ -260,6 +260,8 @@ async def test_a_server_mode_session_resumes_on_a_server_back_on_the_same_addres
     with the prompt + the committed tokens for the tokens left, the output the target's own."""
     from edge_client.result import LOST, RESUMED
     from edge_client.server_side import generate_server_side
+    from edge_client.session import SessionHooks
+    from edge_client.wire import SessionRequest
     from test_sdsat_serving import adapter_spec
     from tests.conftest import greedy_reference
     from verify_server.server import start_server
@@ -278,9 +280,9 @@ async def test_a_server_mode_session_resumes_on_a_server_back_on_the_same_addres
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         result = await generate_server_side(
-            pb_grpc.VerifierStub(channel), prompts[0], max_new_tokens=max_new, ignore_eos=True,
-            mode=mode, transport=server.transport, reconnect_s=60, on_server=events.append,
-            on_tokens=streamed.extend)
+            pb_grpc.VerifierStub(channel), SessionRequest(prompts[0], max_new, ignore_eos=True, mode=mode),
+            transport=server.transport, reconnect_s=60,
+            hooks=SessionHooks(on_tokens=streamed.extend, on_server=events.append))
     finally:
         await channel.close()
         last = running[-1]

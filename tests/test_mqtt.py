@@ -17,7 +17,7 @@ from drafters.hf import HFDrafter
 from edge_client.daemon import Device, DeviceError, Request
 from edge_client.mqtt import DeviceMqtt, parse_request
 from edge_client.settings import DeviceSettings
-from edge_client.wire import open_message
+from edge_client.wire import SessionRequest, open_message
 from sled.mqtt import Backoff
 from sled.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
@@ -290,8 +290,9 @@ async def hold_session(address: str, prompt: list[int]):
     stub = pb_grpc.VerifierStub(channel)
     info = await stub.GetModelInfo(pb.GetModelInfoRequest())
     call = stub.Generate()
-    await call.write(open_message(prompt, Sampling(), 64, fingerprint=info.tokenizer_fingerprint,
-                                  drafter="holder"))
+    await call.write(open_message(SessionRequest(prompt, 64, Sampling(),
+                                                 fingerprint=info.tokenizer_fingerprint,
+                                                 drafter="holder")))
     await call.read()
     return channel, call
 

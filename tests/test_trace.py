@@ -13,6 +13,7 @@ from conftest import greedy_reference
 from drafters.hf import HFDrafter
 from edge_client.server_side import generate_server_side
 from edge_client.session import RoundSettings, generate
+from edge_client.wire import SessionRequest
 from lab.link import link_transport
 from lab.profiles import DeviceProfile, Link, LinkProfile, device_profile, link_profile
 from lab.traces import Trace, TraceDivergence, TraceDrafter, TraceSet, record_traces
@@ -152,7 +153,7 @@ async def test_server_side_generation_matches_generate_for_concurrent_devices(se
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = pb_grpc.VerifierStub(channel)
         results = await asyncio.gather(*(
-            generate_server_side(stub, prompt, max_new_tokens=MAX_NEW,
+            generate_server_side(stub, SessionRequest(prompt, MAX_NEW),
                                  transport=link_transport(Link(FAST_LINK, seed=i)))
             for i, prompt in enumerate(prompts)))
     for result, prompt in zip(results, prompts):
