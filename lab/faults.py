@@ -14,12 +14,10 @@ import asyncio
 import time
 import weakref
 
-import aiohttp
-
 from lab.broker import CONFIG_USER
 from lab.fleet import DeviceHandle, Fleet
+from lab.health import Health, wait_health
 from lab.scenario import Fault
-from lab.waiting import wait_until
 from sled.mqtt import device_topic, encode
 
 
@@ -55,7 +53,7 @@ async def broker_restart(fleet: Fleet, fault: Fault, prefix: str) -> str:
     await asyncio.sleep(fault.down_s)
     await fleet.start_broker()
     begun = time.monotonic()
-    await asyncio.gather(*(wait_status(h, lambda s: (s.get("mqtt") or {}).get("connected") is True,
+    await asyncio.gather(*(wait_health(h.api_url, mqtt_connected,
                                        f"{h.id} did not reconnect to the broker", 120)
                            for h in fleet.devices))
     return f"broker stopped and started again; every device back on it {time.monotonic() - begun:.1f} s later"
@@ -76,7 +74,8 @@ async def set_link_down(fleet: Fleet, handle: DeviceHandle, down: bool, prefix: 
                         timeout_s: float = 10.0) -> None:
     """Publish the live setting, then wait until the device's /health reports it."""
     await publish_config(fleet, handle.id, {"emulation": {"link_down": down}}, prefix)
-    await wait_status(handle, lambda s: (s.get("emulation") or {}).get("link_down") == down,
+    await wait_health(handle.api_url,
+                      lambda h: (h.status.get("emulation") or {}).get("link_down") == down,
                       f"{handle.id} did not report link_down={down}", timeout_s)
 
 
@@ -107,14 +106,5 @@ def _config_turn() -> asyncio.Lock:
     return _config_turns[loop]
 
 
-async def wait_status(handle: DeviceHandle, holds, what: str, timeout_s: float = 10.0) -> dict:
-    """Poll the device's /health until `holds(status)`; the status, or TimeoutError naming `what`."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
-        async def held() -> dict | None:
-            try:
-                async with http.get(handle.api_url + "/health") as response:
-                    status = await response.json()
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                return None
-            return status if holds(status) else None
-        return await wait_until(held, timeout_s, what, interval_s=0.1)
+def mqtt_connected(health: Health) -> bool:
+    return (health.status.get("mqtt") or {}).get("connected") is True

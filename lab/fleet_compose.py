@@ -91,17 +91,12 @@ class ComposeFleet:
 
     async def _wait_ready(self, device: DeviceHandle) -> None:
         """GET /health until 200 (the daemon answers 503 until its drafter and server are up)."""
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
-            async def ready() -> bool | None:
-                try:
-                    async with http.get(device.api_url + "/health") as response:
-                        return True if response.status == 200 else None
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                    return None
-            try:
-                await wait_until(ready, READY_S, f"device {device.id} was not ready", 1.0)
-            except TimeoutError as exc:
-                raise FleetStartError(f"{exc} ({device.api_url}/health)") from None
+        try:
+            await wait_health(device.api_url, lambda health: health.code == 200,
+                              f"device {device.id} was not ready", READY_S, interval_s=1.0,
+                              request_timeout_s=5.0)
+        except TimeoutError as exc:
+            raise FleetStartError(f"{exc} ({device.api_url}/health)") from None
 
     async def _engine(self, service: str, action: str) -> None:
         """POST /containers/<id>/<action> for the service's container(s) of this project."""

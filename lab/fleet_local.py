@@ -14,25 +14,21 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-import aiohttp
 import grpc
 
 from lab.broker import CONFIG_USER, LAB_USER, SERVER_USER, BrokerFiles
 from lab.fleet import DeviceHandle, FleetStartError
+from lab.health import wait_health
 from lab.scenario import DeviceSlot
-from lab.server_process import free_port
+from lab.server_process import HOST, Child, free_port, serve_command, wait_for, wait_serving
 from lab.traces.calibrated import trace_spec
-from lab.waiting import wait_until
 from sled.mqtt import Broker
-from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 
-HOST = "127.0.0.1"
 # A free port is closed again before its device binds it; in a large fleet another process's
 # outgoing connection sometimes takes it first. That device starts again on another port.
 PORT_TAKEN = "address already in use"
@@ -46,52 +42,6 @@ def mosquitto_binary() -> str:
         if shutil.which(candidate):
             return shutil.which(candidate)
     raise FleetStartError("Mosquitto is not installed (Debian: apt-get install mosquitto)")
-
-
-def background_priority() -> None:
-    """This process runs only when nothing else wants a core (Linux SCHED_IDLE; elsewhere the
-    lowest nice)."""
-    if hasattr(os, "SCHED_IDLE"):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    else:
-        os.nice(19)
-
-
-class Child:
-    """One child process with its log file; start() again reuses the same command line."""
-
-    def __init__(self, name: str, args: list[str], log: Path, env: dict[str, str] | None = None,
-                 background: bool = False):
-        self.name, self.args, self.log, self.env = name, args, log, env
-        self.background = background
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=self.env,
-                                         preexec_fn=background_priority if self.background else None)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def tail(self, chars: int = 600) -> str:
-        try:
-            text = self.log.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-        return " | ".join(line for line in text.splitlines() if line.strip())[-chars:]
-
-    async def kill(self, sig: int = signal.SIGKILL, grace_s: float = 5.0) -> None:
-        """Send `sig`, wait; SIGKILL whatever is still there after grace_s."""
-        if not self.alive():
-            return
-        self.proc.send_signal(sig)
-        try:
-            await asyncio.to_thread(self.proc.wait, grace_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            await asyncio.to_thread(self.proc.wait, 5)
 
 
 class LocalFleet:
@@ -163,13 +113,11 @@ class LocalFleet:
     # -- the server ---------------------------------------------------------------------------
 
     def _server_args(self) -> list[str]:
-        return [sys.executable, "-m", "sled_cli.main", "serve", "--model", self.target,
-                "--host", HOST, "--port", str(self.server_port),
-                "--metrics-port", str(self.metrics_port),
-                "--mqtt-host", HOST, "--mqtt-port", str(self.broker_port),
-                "--mqtt-username", SERVER_USER,     # the password travels in SLED_MQTT_PASSWORD
-                "--mqtt-topic-prefix", self.prefix, "--server-id", self.files.server_id,
-                "--announce-endpoint", f"{HOST}:{self.server_port}", *self.server_args]
+        return serve_command(self.target, self.server_port, self.metrics_port,
+                             "--mqtt-host", HOST, "--mqtt-port", str(self.broker_port),
+                             "--mqtt-username", SERVER_USER,     # its password: SLED_MQTT_PASSWORD
+                             "--mqtt-topic-prefix", self.prefix, "--server-id", self.files.server_id,
+                             "--announce-endpoint", f"{HOST}:{self.server_port}", *self.server_args)
 
     async def kill_server(self) -> None:
         await self._server.kill(signal.SIGKILL)
@@ -177,19 +125,8 @@ class LocalFleet:
     async def start_server(self) -> None:
         self._refuse_after_stop()
         self._server.start()
-        address = f"{HOST}:{self.server_port}"
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = pb_grpc.VerifierStub(channel)
-
-            async def answers() -> bool | None:
-                self._started_or_fail(self._server, "sled serve")
-                try:
-                    await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2.0)
-                except grpc.aio.AioRpcError:
-                    return None
-                return True
-            await self._wait(answers, self.startup_timeout_s,
-                             f"sled serve did not answer on {address}", 0.3)
+        async with grpc.aio.insecure_channel(f"{HOST}:{self.server_port}") as channel:
+            await wait_serving(self._server, pb_grpc.VerifierStub(channel), self.startup_timeout_s)
 
     # -- the broker ---------------------------------------------------------------------------
 
@@ -201,28 +138,14 @@ class LocalFleet:
         self._broker.start()
 
         async def listens() -> bool | None:
-            self._started_or_fail(self._broker, "mosquitto")
+            self._broker.started_or_fail()
             try:
                 socket.create_connection((HOST, self.broker_port), timeout=0.5).close()
             except OSError:
                 return None
             return True
-        await self._wait(listens, BROKER_START_S,
+        await wait_for(listens, BROKER_START_S,
                          f"mosquitto did not listen on {HOST}:{self.broker_port}", 0.05)
-
-    @staticmethod
-    def _started_or_fail(child: Child, what: str) -> None:
-        """FleetStartError with the end of its log when CHILD died while starting."""
-        if not child.alive():
-            raise FleetStartError(f"{what} exited at start: {child.tail()}")
-
-    @staticmethod
-    async def _wait(check, timeout_s: float, what: str, interval_s: float, log: Child | None = None):
-        """lab.waiting.wait_until, its timeout a FleetStartError (with the end of LOG's log)."""
-        try:
-            return await wait_until(check, timeout_s, what, interval_s)
-        except TimeoutError as exc:
-            raise FleetStartError(f"{exc}: {log.tail()}" if log else str(exc)) from None
 
     # -- the devices --------------------------------------------------------------------------
 
@@ -230,7 +153,7 @@ class LocalFleet:
         port = free_port()
         handle = DeviceHandle(slot, f"http://{HOST}:{port}", f"http://{HOST}:{port}/metrics")
         env = {**os.environ, **self._device_env(slot, port)}
-        return handle, Child(slot.id, [sys.executable, "-m", "sled_cli.main", "device"],
+        return handle, Child(f"device {slot.id}", [sys.executable, "-m", "sled_cli.main", "device"],
                              self.folder / "logs" / f"{slot.id}.log", env,
                              self.devices_in_background)
 
@@ -251,27 +174,18 @@ class LocalFleet:
         """Until device INDEX's /health says ready (200) and its MQTT link is up. A device whose
         free port another process took before it could bind it starts again on another one."""
         slot, rebinds = self.devices[index].slot, 0
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
-            async def ready() -> bool | None:
-                nonlocal rebinds
-                child = self._devices[index]
-                if not child.alive() and PORT_TAKEN in child.tail() and rebinds < REBINDS:
-                    self.devices[index], self._devices[index] = self._device_child(slot)
-                    self._devices[index].start()
-                    rebinds += 1
-                self._started_or_fail(self._devices[index], f"device {slot.id}")
-                return True if await _ready(http, self.devices[index].api_url + "/health") else None
-            await self._wait(ready, self.startup_timeout_s, f"device {slot.id} was not ready",
-                             0.5, self._devices[index])
 
-
-async def _ready(http: aiohttp.ClientSession, url: str) -> bool:
-    try:
-        async with http.get(url) as response:
-            if response.status != 200:
-                return False
-            status = await response.json()
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-        return False
-    mqtt = status.get("mqtt") or {}
-    return status.get("state") == "ready" and mqtt.get("connected", True) is not False
+        def api_url() -> str:
+            nonlocal rebinds
+            child = self._devices[index]
+            if not child.alive() and PORT_TAKEN in child.tail() and rebinds < REBINDS:
+                self.devices[index], self._devices[index] = self._device_child(slot)
+                self._devices[index].start()
+                rebinds += 1
+            self._devices[index].started_or_fail()
+            return self.devices[index].api_url
+        try:
+            await wait_health(api_url, lambda health: health.ready,
+                              f"device {slot.id} was not ready", self.startup_timeout_s, 0.5)
+        except TimeoutError as exc:
+            raise FleetStartError(f"{exc}: {self._devices[index].tail()}") from None

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import aiomqtt
 
-from lab.faults import publish_configs, run_faults, wait_status
+from lab.faults import publish_configs, run_faults
+from lab.health import wait_health
 from lab.fleet import Fleet, FleetStartError
 from lab.results import Results, greedy_mismatches, phase_totals
 from lab.scenario import Scenario, ScenarioError, load_scenario
@@ -239,8 +240,8 @@ async def run_phase(fleet: Fleet, scenario: Scenario, system: str, n: int, promp
 async def set_mode(fleet: Fleet, devices, mode: str) -> None:
     """Switch devices live over MQTT ("draft": sled; "server": centralized) and wait for it."""
     await publish_configs(fleet, {handle.id: {"mode": mode} for handle in devices}, PREFIX)
-    await asyncio.gather(*(wait_status(handle, lambda s: s.get("mode") == mode
-                                       and s.get("state") == "ready",
+    await asyncio.gather(*(wait_health(handle.api_url, lambda h: h.status.get("mode") == mode
+                                       and h.status.get("state") == "ready",
                                        f"{handle.id} did not switch to mode {mode}", 60)
                            for handle in devices))
 

@@ -246,7 +246,7 @@ def test_an_emulated_fleet_of_calibrated_devices_runs_end_to_end(tmp_path):
 def test_devices_beside_an_emulated_server_run_in_the_background(tmp_path):
     """A device child of an emulated run takes a core only when nothing else wants it, so the
     server keeps the profile's pace; other children keep the normal priority."""
-    from lab.fleet_local import Child
+    from lab.server_process import Child
     from lab.run import make_fleet
     from lab.scenario import load_scenario
 

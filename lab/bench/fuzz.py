@@ -113,7 +113,7 @@ async def _fuzz_beside_normal(served, reference: list[int], args, console) -> di
 
     from lab.fuzz import NormalSession
 
-    log = served.server.log
+    log = served.server.child      # tail(): the end of its log
     prompt_ids = (await served.prompt_ids([NORMAL_PROMPT]))[0]
     normal = NormalSession(served.stub, prompt_ids, reference)
     with harness.server_errors():
