@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def add_arguments(parser) -> None:
-    from lab.bench.harness import add_workload_flags
+    from lab.bench.harness import add_max_draft_len_flag, add_workload_flags
     from sled.flags import non_negative_float, non_negative_int, positive_int
 
     parser.add_argument("--server", required=True, help="HOST:PORT of the sled server whose "
@@ -23,8 +23,7 @@ def add_arguments(parser) -> None:
     add_workload_flags(parser, default="humaneval:16", max_new_tokens=128)
     parser.add_argument("--prompts", type=positive_int, default=None,
                         help="use at most this many prompts")
-    parser.add_argument("--max-k", dest="max_draft_len", type=positive_int, default=8,
-                        help="tokens proposed per position")
+    add_max_draft_len_flag(parser)
     parser.add_argument("--draft-ms-per-token", type=non_negative_float, default=0.0,
                         help="drafting time kept in the traces (a device profile overrides it)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="the draws' seed")

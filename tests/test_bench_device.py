@@ -20,13 +20,13 @@ def test_bench_device_compares_draft_lengths_and_pipelining_losslessly(pair, tmp
     target, drafter = map(str, pair)
     traces = tmp_path / "traces.jsonl"
     done = sled("trace", "record", "--model", target, "--drafter", f"hf:{drafter}", "--workload",
-                "tiny", "--prompts", "2", "--max-new-tokens", "8", "--max-k", "4", "--out", str(traces))
+                "tiny", "--prompts", "2", "--max-new-tokens", "8", "--max-draft-len", "4", "--out", str(traces))
     assert done.returncode == 0, done.stderr
     assert "confidences" in traces.read_text().splitlines()[1]      # the hf drafter reports them
 
     out = tmp_path / "device.json"
     done = sled("bench", "device", "--traces", str(traces), "--max-new-tokens", "8",
-                "--device-profile", "orin-nano", "--links", "ethernet,wifi", "--k", "1,2",
+                "--device-profile", "orin-nano", "--links", "ethernet,wifi", "--draft-lens", "1,2",
                 "--rtts", "5,20", "--out", str(out))
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())

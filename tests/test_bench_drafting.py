@@ -15,7 +15,7 @@ def test_bench_drafting_runs_every_drafter_as_chains_and_trees_losslessly(pair, 
     out = tmp_path / "drafting.json"
     done = run_sled("bench", "drafting", "--model", target, "--drafters",
                     f"ngram,cacheback,hf:{drafter}", "--workloads", "tiny", "--max-new-tokens", "12",
-                    "--k", "3", "--out", str(out), timeout=300)
+                    "--draft-len", "3", "--out", str(out), timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     assert result["lossless"] and (result["device"], result["link"]) == ("pi5", "wifi")

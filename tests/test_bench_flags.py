@@ -16,22 +16,22 @@ BENCHES = COMMANDS["bench"].commands
 BAD_VALUES = [
     ("overhead", "--sessions", "0"), ("overhead", "--rounds", "0"), ("overhead", "--draft-len", "0"),
     ("overhead", "--access", "plain,ssh"), ("overhead", "--access", "tls,tls"),
-    ("acceptance", "--devices", "0"), ("acceptance", "--k", "2,0"),
+    ("acceptance", "--devices", "0"), ("acceptance", "--draft-lens", "2,0"),
     ("acceptance", "--max-new-tokens", "0"),
     ("serve", "--devices", "1,-4"), ("serve", "--draft-len", "0"), ("serve", "--draft-len", "x"),
-    ("serve", "--target-rate", "0"), ("serve", "--prompts", "0"), ("serve", "--max-k", "0"),
-    ("device", "--reps", "0"), ("device", "--devices", "0"), ("device", "--k", "1,x"),
+    ("serve", "--target-rate", "0"), ("serve", "--prompts", "0"), ("serve", "--max-draft-len", "0"),
+    ("device", "--reps", "0"), ("device", "--devices", "0"), ("device", "--draft-lens", "1,x"),
     ("device", "--rtts", "5,-1"), ("device", "--pipeline-draft-len", "0"),
     ("device", "--min-confidence", "1.5"),
-    ("engine", "--reps", "0"), ("engine", "-k", "0"), ("engine", "--block-tokens", "0"),
+    ("engine", "--reps", "0"), ("engine", "--draft-len", "0"), ("engine", "--block-tokens", "0"),
     ("engine", "--contexts", "128,0"), ("engine", "--sessions", "nan"),
     ("engine", "--engines", "paged,vllm"), ("engine", "--shape", "llama-70b"),
     ("drafter", "--reps", "0"), ("drafter", "--tokens", "0"), ("drafter", "--draft-len", "0"),
     ("drafter", "--threads", "0"), ("drafter", "--accept", "-1"),
-    ("drafting", "--k", "0"), ("drafting", "--tree", "0"), ("drafting", "--max-new-tokens", "0"),
+    ("drafting", "--draft-len", "0"), ("drafting", "--tree", "0"), ("drafting", "--max-new-tokens", "0"),
     ("loose", "--problems", "0"), ("loose", "--timeout", "0"), ("loose", "--loose", "2:0.5,0:1"),
-    ("loose", "--loose", "2:2"), ("loose", "--k", "0"),
-    ("sdsat", "--k", "0"), ("sdsat", "--devices", "0"), ("sdsat", "--lookahead", "-1"),
+    ("loose", "--loose", "2:2"), ("loose", "--draft-len", "0"),
+    ("sdsat", "--draft-len", "0"), ("sdsat", "--devices", "0"), ("sdsat", "--lookahead", "-1"),
     ("reliability", "--refusals", "0"), ("reliability", "--prompt-len", "0"),
     ("reliability", "--rounds", "0"), ("reliability", "--burst", "0"),
     ("reliability", "--slots", "0"), ("reliability", "--idle-timeout", "0"),
@@ -42,6 +42,27 @@ BAD_VALUES = [
     ("footprint", "--requests", "0"), ("footprint", "--max-tokens", "0"),
     ("footprint", "--reps", "0"), ("footprint", "--slim", "gguf,server"),
 ]
+
+
+# (bench, the draft length's flag before it was named like everywhere else, its name now, a value)
+OLD_NAMES = [("acceptance", "--k", "--draft-lens", "2,6"), ("device", "--k", "--draft-lens", "1,3"),
+             ("engine", "-k", "--draft-len", "3"), ("drafting", "--k", "--draft-len", "3"),
+             ("loose", "--k", "--draft-len", "3"), ("sdsat", "--k", "--draft-len", "3"),
+             ("serve", "--max-k", "--max-draft-len", "3")]
+
+
+@pytest.mark.parametrize("bench, old, new, value", OLD_NAMES)
+def test_the_old_draft_length_flags_still_work_but_help_shows_the_new_name(
+        capsys, monkeypatch, bench, old, new, value):
+    module = importlib.import_module(BENCHES[bench].module)
+    seen = []
+    monkeypatch.setattr(module, "run", lambda args: seen.append(args) or 0)
+    for flag in (old, new):
+        assert run_main(capsys, "bench", bench, flag, value)[0] == 0
+    dest = new.lstrip("-").replace("-", "_")
+    assert getattr(seen[0], dest) == getattr(seen[1], dest) and str(getattr(seen[0], dest)) == value
+    code, out, _ = run_main(capsys, "bench", bench, "--help")
+    assert code == 0 and new in out and f"{old} " not in out and f"{old}," not in out
 
 
 def test_every_bench_has_bad_values_listed():

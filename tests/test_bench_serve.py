@@ -19,11 +19,11 @@ def test_trace_record_then_bench_serve_compares_both_modes(pair, tmp_path):
     target, drafter = map(str, pair)
     traces_file = tmp_path / "traces.jsonl"
     done = sled("trace", "record", "--model", target, "--drafter", f"hf:{drafter}", "--workload",
-                "tiny", "--prompts", "3", "--max-new-tokens", "8", "--max-k", "4",
+                "tiny", "--prompts", "3", "--max-new-tokens", "8", "--max-draft-len", "4",
                 "--out", str(traces_file))
     assert done.returncode == 0, done.stderr
     traces = TraceSet.load(traces_file)
-    assert (traces.target, traces.drafter, traces.max_k) == (target, f"hf:{drafter}", 4)
+    assert (traces.target, traces.drafter, traces.max_draft_len) == (target, f"hf:{drafter}", 4)
     assert len(traces.traces) == 3 and all(1 <= len(t.target_ids) <= 8 for t in traces.traces)
 
     out = tmp_path / "serve.json"

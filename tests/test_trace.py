@@ -38,12 +38,12 @@ def traces(drafter_models, tokenizer, prompts, targets):
 
 
 def test_trace_set_round_trips_through_jsonl(traces, tmp_path):
-    saved = TraceSet(target="tiny", drafter="hf:noisy", max_k=MAX_K, traces=traces,
+    saved = TraceSet(target="tiny", drafter="hf:noisy", max_draft_len=MAX_K, traces=traces,
                      tokenizer_fingerprint=traces[0].tokenizer_fingerprint)
     path = saved.save(tmp_path / "traces.jsonl")
     assert len(path.read_text().splitlines()) == 1 + len(traces)
     loaded = TraceSet.load(path)
-    assert (loaded.target, loaded.drafter, loaded.max_k) == ("tiny", "hf:noisy", MAX_K)
+    assert (loaded.target, loaded.drafter, loaded.max_draft_len) == ("tiny", "hf:noisy", MAX_K)
     assert loaded.tokenizer_fingerprint == saved.tokenizer_fingerprint
     for got, want in zip(loaded.traces, traces, strict=True):
         assert (got.prompt_ids, got.target_ids, got.proposals) == \

@@ -19,9 +19,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--target", default="gemma3-270m", help="alias or checkpoint path")
     parser.add_argument("--drafters", default="gguf:gemma3-270m,onnx:gemma3-270m,ngram",
                         help="comma-separated drafter specs")
-    parser.add_argument("--k", dest="draft_lens", default="2,4,6,8",
-                        type=harness.listed(positive_int),
-                        help="comma-separated draft lengths")
+    harness.add_draft_lens_flag(parser, default="2,4,6,8", help="comma-separated draft lengths")
     harness.add_workload_flags(parser, default="humaneval:20", max_new_tokens=64)
     parser.add_argument("--devices", type=positive_int, default=4, help="concurrent sessions per drafter")
     harness.add_out_flag(parser, "acceptance")

@@ -39,9 +39,8 @@ def add_arguments(parser) -> None:
                         help="which of adaptive,pipeline to run")
     parser.add_argument("--links", default="ethernet,lte", help="link profiles for the "
                         "draft-length table (NAME:rtt_ms=X,... overrides)")
-    parser.add_argument("--k", dest="draft_lens", default="1,2,4,6,8",
-                        type=harness.listed(positive_int),
-                        help="fixed draft lengths to compare adaptive with")
+    harness.add_draft_lens_flag(parser, default="1,2,4,6,8",
+                                help="fixed draft lengths to compare adaptive with")
     parser.add_argument("--rtts", default="5,20,50", type=harness.listed(non_negative_float),
                         help="round trip times (ms) for the pipelining table")
     parser.add_argument("--pipeline-link", default="wifi", help="link whose round trip --rtts sets")
@@ -62,7 +61,7 @@ async def bench(args) -> int:
     settings, model, traces = harness.replay_inputs(args, console, parse_args)
     if args.prompts:
         traces.traces = traces.traces[:args.prompts]
-    draft_lens = _usable_lengths(settings["draft_lens"], traces.max_k, console)
+    draft_lens = _usable_lengths(settings["draft_lens"], traces.max_draft_len, console)
     configs = configurations(settings["parts"], settings["links"], draft_lens, settings["rtts"],
                              args.pipeline_link, settings["pipeline_draft_len"])
     started = time.perf_counter()
@@ -70,7 +69,7 @@ async def bench(args) -> int:
         with harness.server_errors():
             # The adaptive policy chooses from the same range as the fixed lengths it is compared with.
             results = await sweep(served, traces, configs, args, settings["device"],
-                                  max(draft_lens, default=traces.max_k), console)
+                                  max(draft_lens, default=traces.max_draft_len), console)
     rows = [summarize(s) for s in results.values()]
     adaptive = adaptive_rows(results, settings["links"], draft_lens) \
         if "adaptive" in settings["parts"] else []
@@ -87,7 +86,7 @@ async def bench(args) -> int:
     harness.write_results(console, args.out, {
         "model": model, "server_device": info.device, "dtype": info.dtype, "drafter": traces.drafter,
         "traces": args.traces or "recorded", "prompts": len(traces.traces), "reps": args.reps,
-        "max_k": traces.max_k, "device_profile": args.device_profile, "devices": args.devices,
+        "max_draft_len": traces.max_draft_len, "device_profile": args.device_profile, "devices": args.devices,
         "max_new_tokens": args.max_new_tokens, "min_confidence": args.min_confidence,
         "pipeline_link": args.pipeline_link, "pipeline_draft_len": settings["pipeline_draft_len"],
         "wall_s": time.perf_counter() - started,
@@ -102,9 +101,9 @@ def _usable_lengths(draft_lens: list[int], max_draft_len: int, console) -> list[
     """The fixed draft lengths the traces can serve (none: exit 2)."""
     usable = [draft_len for draft_len in draft_lens if draft_len <= max_draft_len]
     if not usable:
-        raise harness.Stop(f"every --k is above the traces' max_k {max_draft_len}")
+        raise harness.Stop(f"every --draft-lens value is above the traces' max draft length {max_draft_len}")
     if usable != draft_lens:
-        console.print(f"[yellow]fixed k above the traces' max_k {max_draft_len} dropped[/]")
+        console.print(f"[yellow]fixed draft lengths above the traces' {max_draft_len} dropped[/]")
     return usable
 
 
@@ -290,7 +289,7 @@ def parse_args(args) -> dict:
         raise ValueError(f"--parts takes a comma-separated subset of {','.join(PARTS)}")
     draft_lens = sorted({int(n) for n in args.draft_lens.split(",")})
     if not draft_lens or draft_lens[0] < 1:
-        raise ValueError("--k needs draft lengths >= 1, e.g. 1,2,4,6,8")
+        raise ValueError("--draft-lens needs draft lengths >= 1, e.g. 1,2,4,6,8")
     rtts = [float(r) for r in args.rtts.split(",")]
     if not rtts or min(rtts) < 0:
         raise ValueError("--rtts needs round trip times >= 0 in ms, e.g. 5,20,50")

@@ -37,8 +37,7 @@ def add_arguments(parser) -> None:
                         help="candidates per position of the tree runs (1: chains only)")
     parser.add_argument("--workloads", default="humaneval:10,chat",
                         help="comma-separated workloads: humaneval[:N], chat or a prompt file")
-    parser.add_argument("--k", dest="draft_len", type=positive_int, default=4,
-                        help="draft length (a tree's depth)")
+    harness.add_draft_len_flag(parser, help="draft length (a tree's depth)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="new tokens per prompt")
     parser.add_argument("--device", default="pi5", help="board profile (lab.profiles)")
     parser.add_argument("--link", default="wifi", help="link profile (lab.profiles)")

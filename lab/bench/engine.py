@@ -42,8 +42,7 @@ def add_arguments(parser) -> None:
                         help="context tokens per session")
     parser.add_argument("--sessions", default="1,8", type=harness.listed(positive_int),
                         help="sessions verifying in one step")
-    parser.add_argument("-k", dest="draft_len", type=positive_int, default=4,
-                        help="draft tokens per session (k)")
+    harness.add_draft_len_flag(parser, help="draft tokens per session (k)", old="-k")
     parser.add_argument("--block-tokens", type=positive_int, default=16, help="tokens per KV block")
     parser.add_argument("--reps", type=positive_int, default=5,
                         help="timed steps per engine and cell, interleaved")
@@ -270,7 +269,7 @@ def _command(args) -> str:
                                                          else [])
     return shlex.join(["sled", "bench", "engine", *what, "--device", args.device, "--dtype",
                        args.dtype, "--sessions", args.sessions, "--contexts", args.contexts,
-                       "-k", str(args.draft_len), "--block-tokens", str(args.block_tokens),
+                       "--draft-len", str(args.draft_len), "--block-tokens", str(args.block_tokens),
                        "--engines", args.engines, "--reps", str(args.reps)])
 
 

@@ -116,8 +116,7 @@ def add_recording_flags(parser, *, max_new_tokens: int = 48) -> None:
 
     parser.add_argument("--prompts", type=positive_int, default=None,
                         help="use at most this many prompts")
-    parser.add_argument("--max-k", dest="max_draft_len", type=positive_int, default=8,
-                        help="tokens proposed per position")
+    add_max_draft_len_flag(parser)
 
 
 def add_workload_flags(parser, *, default: str, max_new_tokens: int) -> None:
@@ -127,6 +126,45 @@ def add_workload_flags(parser, *, default: str, max_new_tokens: int) -> None:
 
     parser.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
                         help="new tokens per prompt")
+
+
+def add_draft_len_flag(parser, *, default: int = 4, help: str = "draft length (tokens per "
+                       "draft)", old: str = "--k") -> None:
+    """--draft-len; OLD, its name before, still read but no longer shown."""
+    import argparse
+
+    from sled.flags import positive_int
+
+    parser.add_argument("--draft-len", dest="draft_len", type=positive_int, default=default,
+                        help=help)
+    parser.add_argument(old, dest="draft_len", type=positive_int, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
+
+
+def add_draft_lens_flag(parser, *, default: str, help: str) -> None:
+    """--draft-lens, comma-separated draft lengths; --k, its name before, still read."""
+    import argparse
+
+    from sled.flags import positive_int
+
+    parser.add_argument("--draft-lens", dest="draft_lens", default=default,
+                        type=listed(positive_int), help=help)
+    parser.add_argument("--k", dest="draft_lens", default=argparse.SUPPRESS,
+                        type=listed(positive_int), help=argparse.SUPPRESS)
+
+
+def add_max_draft_len_flag(parser, *, default: int = 8,
+                           help: str = "tokens proposed per position") -> None:
+    """--max-draft-len: how long the drafts a trace records are; --max-k, its name before, still
+    read."""
+    import argparse
+
+    from sled.flags import positive_int
+
+    parser.add_argument("--max-draft-len", dest="max_draft_len", type=positive_int,
+                        default=default, help=help)
+    parser.add_argument("--max-k", dest="max_draft_len", type=positive_int,
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def add_out_flag(parser, name: str) -> None:

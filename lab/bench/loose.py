@@ -28,7 +28,7 @@ def add_arguments(parser) -> None:
                         help="comma-separated loose settings WINDOW:ENTROPY to set beside lossless")
     parser.add_argument("--problems", type=positive_int, default=20,
                         help="the first N HumanEval problems")
-    parser.add_argument("--k", dest="draft_len", type=positive_int, default=4, help="draft length")
+    harness.add_draft_len_flag(parser)
     parser.add_argument("--max-new-tokens", type=positive_int, default=160,
                         help="new tokens per completion")
     parser.add_argument("--timeout", type=positive_float, default=5.0,

@@ -51,8 +51,7 @@ def add_arguments(parser) -> None:
     harness.add_workload_flags(parser, default="humaneval:10", max_new_tokens=64)
     parser.add_argument("--drafters", default="gguf:gemma3-270m,onnx:gemma3-270m,ngram",
                         help="comma-separated drafter specs for the lookahead part")
-    parser.add_argument("--k", dest="draft_len", type=positive_int, default=4,
-                        help="tokens drafted per round")
+    harness.add_draft_len_flag(parser, help="tokens drafted per round")
     parser.add_argument("--lookahead", type=non_negative_int, default=None,
                         help="SAT hints per verdict (default: the target's SAT slots)")
     parser.add_argument("--devices", type=positive_int, default=1, help="sessions at once in every mode")

@@ -64,9 +64,9 @@ async def bench(args) -> int:
     console = harness.bench_console()
     (fleet_sizes, modes, device, link, emulated), model, traces = harness.replay_inputs(
         args, console, _settings)
-    if isinstance(args.draft_len, int) and args.draft_len > traces.max_k:
-        console.print(f"[yellow]--draft-len {args.draft_len} is past the traces' max_k "
-                      f"{traces.max_k}: drafts stop at {traces.max_k} tokens[/]")
+    if isinstance(args.draft_len, int) and args.draft_len > traces.max_draft_len:
+        console.print(f"[yellow]--draft-len {args.draft_len} is past the traces' max_draft_len "
+                      f"{traces.max_draft_len}: drafts stop at {traces.max_draft_len} tokens[/]")
     if args.emulate:
         args.server_args = f"{args.server_args} --emulate {shlex.quote(args.emulate)}"
     async with harness.serving_target(model, args, console) as served:
@@ -85,7 +85,7 @@ async def bench(args) -> int:
         console.print(line, highlight=False)
     harness.write_results(console, args.out, {
         "model": model, "server_device": info.device, "dtype": info.dtype, "drafter": traces.drafter,
-        "traces": args.traces or "recorded", "prompts": len(traces.traces), "max_k": traces.max_k,
+        "traces": args.traces or "recorded", "prompts": len(traces.traces), "max_draft_len": traces.max_draft_len,
         "device_profile": args.device_profile, "link": args.link, "draft_len": args.draft_len,
         "max_new_tokens": args.max_new_tokens, "target_rate": args.target_rate,
         "capacity": {**capacities, "ratio": ratio, "largest_fleet": fleet_sizes[-1]},

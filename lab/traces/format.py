@@ -3,14 +3,15 @@ output, so many emulated devices can draft without running a model (lab.traces.r
 
 Under greedy decoding a device's context is always prompt + a prefix of the target's output, so
 one proposal per position is everything the drafter could ever be asked for. Example: target
-output [5, 6, 7], max_k 2 -> proposals[0] drafts after the prompt, proposals[2] after
+output [5, 6, 7], max_draft_len 2 -> proposals[0] drafts after the prompt, proposals[2] after
 prompt + [5, 6].
 
-File format (JSONL): a header line {"sled_traces": 1, "target", "drafter", "max_k",
+File format (JSONL): a header line {"sled_traces": 1, "target", "drafter", "max_draft_len",
 "tokenizer_fingerprint"}, then one trace per line {"prompt_ids", "target_ids", "proposals",
 "draft_ms_per_token"} and, when the drafter reports them, "confidences" (the drafter's
 probability of each proposed token, shaped like "proposals"), which lets a replay stop a draft
-early the way the drafter would have. Files without confidences load and replay as before.
+early the way the drafter would have. Files without confidences load and replay as before, and
+so do files whose header says "max_k" (the name of max_draft_len before).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ FORMAT_VERSION = 1
 class Trace:
     prompt_ids: list[int]
     target_ids: list[int]                 # the target's greedy output for the prompt
-    proposals: list[list[int]]            # [len(target_ids)] of [<= max_k]: drafts after each prefix
+    proposals: list[list[int]]            # [len(target_ids)] of [<= max_draft_len]: drafts after each prefix
     draft_ms_per_token: float = 0.0       # measured while recording, on the recording machine
     drafter: str = ""
     tokenizer_fingerprint: str | None = None
@@ -47,7 +48,7 @@ class TraceSet:
     """Traces recorded with one drafter against one target."""
     target: str
     drafter: str
-    max_k: int
+    max_draft_len: int
     traces: list[Trace] = field(default_factory=list)
     tokenizer_fingerprint: str | None = None
 
@@ -55,7 +56,7 @@ class TraceSet:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         header = {"sled_traces": FORMAT_VERSION, "target": self.target, "drafter": self.drafter,
-                  "max_k": self.max_k, "tokenizer_fingerprint": self.tokenizer_fingerprint}
+                  "max_draft_len": self.max_draft_len, "tokenizer_fingerprint": self.tokenizer_fingerprint}
         lines = [json.dumps(header)] + [json.dumps(_row(t)) for t in self.traces]
         path.write_text("\n".join(lines) + "\n")
         return path
@@ -72,8 +73,9 @@ class TraceSet:
                         drafter=header["drafter"], tokenizer_fingerprint=fingerprint,
                         confidences=row.get("confidences"))
                   for row in map(json.loads, lines[1:])]
-        return cls(target=header["target"], drafter=header["drafter"], max_k=header["max_k"],
-                   traces=traces, tokenizer_fingerprint=fingerprint)
+        return cls(target=header["target"], drafter=header["drafter"],
+                   max_draft_len=header.get("max_draft_len", header.get("max_k")), traces=traces,
+                   tokenizer_fingerprint=fingerprint)
 
 
 def _row(trace: Trace) -> dict:

@@ -24,7 +24,7 @@ def record_traces(drafter, prompts_ids: Sequence[Sequence[int]],
     Progress.
     """
     if max_draft_len < 1:
-        raise ValueError(f"max_k must be >= 1, got {max_draft_len}")
+        raise ValueError(f"max_draft_len must be >= 1, got {max_draft_len}")
     greedy = Sampling()
     options = {"with_confidence": True} if reports_confidence(drafter) else {}
     task = progress.add_task(f"recording {drafter.name}", total=sum(map(len, target_outputs))) \
@@ -108,7 +108,7 @@ def record_trace_set(model: str, drafter_spec: str, workload: str, max_new_token
         traces = record_traces(drafter, prompts, outputs, max_draft_len, progress)
     for trace in traces:
         trace.tokenizer_fingerprint = target.fingerprint
-    return TraceSet(target=model, drafter=drafter_spec, max_k=max_draft_len, traces=traces,
+    return TraceSet(target=model, drafter=drafter_spec, max_draft_len=max_draft_len, traces=traces,
                     tokenizer_fingerprint=target.fingerprint)
 
 

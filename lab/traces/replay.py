@@ -57,7 +57,7 @@ class TraceDrafter:
             tokens = list(proposals[position][drafted:drafted + k])
             if not tokens:
                 raise TraceDivergence(f"the context holds all {drafted} tokens recorded after "
-                                      f"position {position}: record traces with a larger max_k")
+                                      f"position {position}: record traces with a larger --max-draft-len")
             confidence = list(confidences[position][drafted:drafted + k]) if confidences is not None else None
         else:
             # Past the recorded output: the target's own tokens where there are any, else repeat.

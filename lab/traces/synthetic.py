@@ -24,25 +24,25 @@ from drafters.base import common_prefix
 from lab.traces.format import Trace, TraceSet
 
 
-def acceptance_profile(traces: TraceSet, max_k: int) -> list[float]:
-    """The conditional acceptance at each of the first max_k draft positions of recorded traces:
+def acceptance_profile(traces: TraceSet, max_draft_len: int) -> list[float]:
+    """The conditional acceptance at each of the first max_draft_len draft positions of recorded traces:
     of the proposals whose first j tokens are the target's, the share whose token j + 1 is too
     (counted only where the target's output goes on that far)."""
-    reached, kept = np.zeros(max_k), np.zeros(max_k)
+    reached, kept = np.zeros(max_draft_len), np.zeros(max_draft_len)
     for trace in traces.traces:
         for i, proposal in enumerate(trace.proposals):
-            truth = trace.target_ids[i:i + max_k]
-            run = common_prefix(proposal[:max_k], truth)
-            seen = min(len(proposal), len(truth), max_k)
+            truth = trace.target_ids[i:i + max_draft_len]
+            run = common_prefix(proposal[:max_draft_len], truth)
+            seen = min(len(proposal), len(truth), max_draft_len)
             for j in range(min(run + 1, seen)):
                 reached[j] += 1
                 kept[j] += j < run
     if not reached[0]:
         raise ValueError("the traces hold no proposals to measure acceptance from")
     measured = [round(float(k / r), 4) for k, r in zip(kept, reached) if r]
-    if len(measured) < max_k:   # positions no trace reached (a shorter max_k when recorded)
+    if len(measured) < max_draft_len:   # positions no trace reached (a shorter max_draft_len when recorded)
         raise ValueError(f"the traces show acceptance at {len(measured)} draft positions, not "
-                         f"{max_k}: synthesize with --max-k {len(measured)} or record longer drafts")
+                         f"{max_draft_len}: synthesize with --max-draft-len {len(measured)} or record longer drafts")
     return measured
 
 
@@ -71,23 +71,23 @@ def check_profile(profile: Sequence[float]) -> list[float]:
 
 
 def synthetic_trace(prompt: Sequence[int], target_ids: Sequence[int], profile: Sequence[float],
-                    max_k: int, vocab_size: int, rng: np.random.Generator,
+                    max_draft_len: int, vocab_size: int, rng: np.random.Generator,
                     draft_ms_per_token: float = 0.0, drafter: str = "synthetic") -> Trace:
-    """One prompt's trace: a draft of max_k drawn by the profile after every prefix of target_ids."""
-    proposals = [_draft(target_ids[i:i + max_k], profile, max_k, vocab_size, rng)
+    """One prompt's trace: a draft of max_draft_len drawn by the profile after every prefix of target_ids."""
+    proposals = [_draft(target_ids[i:i + max_draft_len], profile, max_draft_len, vocab_size, rng)
                  for i in range(len(target_ids))]
     return Trace(list(prompt), list(target_ids), proposals, draft_ms_per_token, drafter)
 
 
-def _draft(truth: Sequence[int], profile: Sequence[float], max_k: int, vocab_size: int,
+def _draft(truth: Sequence[int], profile: Sequence[float], max_draft_len: int, vocab_size: int,
            rng: np.random.Generator) -> list[int]:
     draft: list[int] = []
-    for j in range(max_k):
+    for j in range(max_draft_len):
         right = j < len(truth) and rng.random() < profile[min(j, len(profile) - 1)]
         if not right:
             break
         draft.append(int(truth[j]))
-    while len(draft) < max_k:       # the first miss and everything after it: other ids
+    while len(draft) < max_draft_len:       # the first miss and everything after it: other ids
         avoid = truth[len(draft)] if len(draft) < len(truth) else -1
         token = int(rng.integers(vocab_size - 1))
         draft.append(token + 1 if token >= avoid >= 0 else token)
@@ -95,16 +95,16 @@ def _draft(truth: Sequence[int], profile: Sequence[float], max_k: int, vocab_siz
 
 
 def synthetic_trace_set(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-                        profile: Sequence[float], max_k: int, vocab_size: int, seed: int,
+                        profile: Sequence[float], max_draft_len: int, vocab_size: int, seed: int,
                         target: str, source: str, fingerprint: str | None,
                         draft_ms_per_token: float = 0.0) -> TraceSet:
     """Traces for every prompt; `source` names where the profile comes from (kept as the
     drafter's name, e.g. "synthetic[gguf:gemma3-270m on humaneval]")."""
     rng = np.random.default_rng(seed)
     drafter = f"synthetic[{source}]"
-    traces = [synthetic_trace(p, o, profile, max_k, vocab_size, rng, draft_ms_per_token, drafter)
+    traces = [synthetic_trace(p, o, profile, max_draft_len, vocab_size, rng, draft_ms_per_token, drafter)
               for p, o in zip(prompts, outputs, strict=True)]
     for trace in traces:
         trace.tokenizer_fingerprint = fingerprint
-    return TraceSet(target=target, drafter=drafter, max_k=max_k, traces=traces,
+    return TraceSet(target=target, drafter=drafter, max_draft_len=max_draft_len, traces=traces,
                     tokenizer_fingerprint=fingerprint)
