@@ -266,7 +266,7 @@ def test_observe_ports_are_published_on_loopback_only():
 def test_dashboard_metrics_exist():
     """Every metric a Grafana panel queries is one the server or the device daemon exports."""
     exported = set(re.findall(r'"(sled_[a-z_]+)"', (ROOT / "verify_server" / "metrics.py")
-                              .read_text() + (ROOT / "edge_client" / "daemon.py").read_text()))
+                              .read_text() + (ROOT / "edge_client" / "device_status.py").read_text()))
     queried = set()
     for board in (ROOT / "docker" / "grafana" / "dashboards").glob("*.json"):
         queried |= set(re.findall(r"\bsled_[a-z_]+", board.read_text()))

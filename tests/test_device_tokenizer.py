@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from edge_client.daemon import _load_tokenizer
+from edge_client.bootstrap import load_tokenizer
 from edge_client.openai_api import ApiError, Message, chat_prompt
 from edge_client.settings import SettingsError
 from edge_client.tokenizer import DeviceTokenizer, tokenizer_fingerprint
@@ -223,16 +223,16 @@ def test_legacy_special_tokens_map_and_missing_post_processor(tokenizer, tmp_pat
 
 def test_a_tokenizer_folder_without_tokenizer_json_is_one_line(tokenizer, tmp_path):
     folder = saved(tokenizer, tmp_path / "tok")
-    assert fingerprint_tokenizer(_load_tokenizer(str(folder))) == fingerprint_tokenizer(tokenizer)
+    assert fingerprint_tokenizer(load_tokenizer(str(folder))) == fingerprint_tokenizer(tokenizer)
     (folder / "tokenizer.json").unlink()
     with pytest.raises(SettingsError, match="has no tokenizer.json") as raised:
-        _load_tokenizer(str(folder))
+        load_tokenizer(str(folder))
     assert "\n" not in str(raised.value)
     with pytest.raises(SettingsError, match="does not exist"):
-        _load_tokenizer(str(tmp_path / "nowhere"))
+        load_tokenizer(str(tmp_path / "nowhere"))
     (folder / "tokenizer.json").write_text("{not json")
     with pytest.raises(SettingsError, match="cannot load the tokenizer"):
-        _load_tokenizer(str(folder))
+        load_tokenizer(str(folder))
 
 
 # -- the built-in models (real tokenizers: slow) -----------------------------------------------
@@ -392,11 +392,11 @@ def test_the_device_compares_the_carried_fingerprint_with_its_drafter(tokenizer,
     device = Device(DeviceSettings(id="carried", servers=["127.0.0.1:1"], drafter="ngram"),
                     tokenizer=device_tok)
     device.drafter = types.SimpleNamespace(tokenizer_fingerprint=None)
-    device._set_fingerprint()
+    device.bootstrap.set_fingerprint(device.settings)
     assert device.directory.fingerprint == device_tok.fingerprint and hashes == []
     device.drafter = types.SimpleNamespace(tokenizer_fingerprint="sha256:" + "0" * 64)
     with pytest.raises(SettingsError, match="does not match the drafter"):
-        device._set_fingerprint()
+        device.bootstrap.set_fingerprint(device.settings)
     assert hashes == []
 
 
