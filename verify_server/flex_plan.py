@@ -144,9 +144,9 @@ def plan_step(rows, layout: StepLayout, host: dict[str, np.ndarray], block_token
     short = widths <= SHORT_WIDTHS[-1]
     members = [np.flatnonzero(short), np.flatnonzero(~short)]
     members = [m for m in members if len(m)]
-    for g, (group, index) in enumerate(zip(layout.shape.groups, members)):
-        _plan_group(g, group, [rows[i] for i in index], starts[index], widths[index],
-                    offsets[index], layout.kv_width, bt, T, host)
+    for g, (_, index) in enumerate(zip(layout.shape.groups, members)):
+        _plan_group(layout, g, [rows[i] for i in index], starts[index], widths[index],
+                    offsets[index], bt, host)
     for row, offset in zip(rows, offsets):
         ids[offset:offset + len(row.tokens)] = row.tokens    # SAT slots stay 0: embeddings later
     for g in range(len(members)):
@@ -162,9 +162,12 @@ def plan_step(rows, layout: StepLayout, host: dict[str, np.ndarray], block_token
         write_slots[q[live]] = host[f"table{g}"][rows_of, logical // bt] * bt + logical % bt
 
 
-def _plan_group(g: int, group: GroupShape, rows, starts, widths, offsets, kv_width: int,
-                bt: int, T: int, host: dict[str, np.ndarray]) -> None:
-    B, W = group.rows, group.width
+def _plan_group(layout: StepLayout, g: int, rows, starts, widths, offsets, bt: int,
+                host: dict[str, np.ndarray]) -> None:
+    """Fill group g's views (its shape, the step's tokens T and kv_width from `layout`) for its
+    rows: their committed lengths, widths and offsets in the packed sequence."""
+    kv_width, T = layout.kv_width, layout.shape.tokens
+    W = layout.shape.groups[g].width
     n = len(rows)
     q_index, table = host[f"q_index{g}"], host[f"table{g}"]
     blocks, starts_out, widths_out = host[f"blocks{g}"], host[f"starts{g}"], host[f"widths{g}"]
