@@ -124,7 +124,7 @@ class RequestRunner:
                 draft_len=policy.draft_len, max_draft_len=policy.max_draft_len,
                 min_confidence=policy.min_confidence, pipeline=policy.pipeline,
                 lookahead=policy.lookahead, hints=policy.hints, tree=policy.tree,
-                max_tree_tokens=server.max_draft_tokens or 32, reconnect_s=settings.reconnect_s),
+                max_draft_tokens=server.max_draft_tokens or 32, reconnect_s=settings.reconnect_s),
             target=Target(server.fingerprint or None, server.model), transport=self.link.transport(),
             hooks=SessionHooks(reopen_on=reopen, on_tokens=generation.on_tokens,
                                on_round=self.telemetry.round, on_server=generation.on_server))

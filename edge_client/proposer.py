@@ -37,11 +37,12 @@ class Proposer:
     from the request's seed, apart from the server's), its early stop, and run in a thread; a
     drafter with an async apropose() (an emulated device) is awaited directly instead.
     tree=N > 1: drafts may be trees of up to N candidates per position, from a drafter that
-    drafts trees (drafts_trees; a sampling session's trees are deterministic candidates), cut to max_tree_tokens tokens (the server's
-    ServerLimits.max_draft_tokens: it refuses a longer draft)."""
+    drafts trees (drafts_trees; a sampling session's trees are deterministic candidates), cut to
+    max_draft_tokens tokens (the server's ServerLimits.max_draft_tokens: it refuses a longer
+    draft)."""
 
     def __init__(self, drafter: Drafter, sampling: Sampling, min_confidence: float = 0.0,
-                 tree: int = 1, max_tree_tokens: int = 32) -> None:
+                 tree: int = 1, max_draft_tokens: int = 32) -> None:
         self.drafter = drafter
         self.sampling = sampling
         self.min_confidence = min_confidence
@@ -50,7 +51,7 @@ class Proposer:
         # a sampling session's trees carry no q (deterministic candidates): a drafter that samples
         # drafts its chain with q instead (KVDrafter branches only when greedy)
         self.tree = {"tree": tree} if tree > 1 and drafts_trees(drafter) else {}
-        self.max_tree_tokens = max_tree_tokens
+        self.max_draft_tokens = max_draft_tokens
         self._apropose = getattr(drafter, "apropose", None)
 
     async def propose(self, context: list[int], draft_len: int,
@@ -77,11 +78,11 @@ class Proposer:
         return Draft(self.fit(joined(taken, tail)), pipelined=len(taken.token_ids))
 
     def fit(self, proposal: Proposal) -> Proposal:
-        """A tree cut to max_tree_tokens tokens (its first ones: still a tree); a chain as it is."""
-        if proposal.parents is None or len(proposal.token_ids) <= self.max_tree_tokens:
+        """A tree cut to max_draft_tokens tokens (its first ones: still a tree); a chain as it is."""
+        if proposal.parents is None or len(proposal.token_ids) <= self.max_draft_tokens:
             return proposal
         tokens, parents = cut(proposal.token_ids, proposal.parents, len(proposal.token_ids),
-                              self.max_tree_tokens)
+                              self.max_draft_tokens)
         return tree_proposal(tokens, parents)
 
     def speculate(self, context: list[int], in_flight: int, cap: int) -> Speculation:

@@ -16,7 +16,7 @@ import functools
 import time
 import warnings
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -65,12 +65,14 @@ class RoundSettings:
     pipelines, so that it repeats (both would make the round split depend on timing).
     tree=N > 1 lets the drafter (one that drafts trees: cacheback; the model drafters in greedy
     sessions) send up to N candidates per draft position as one tree of at most
-    max_tree_tokens tokens (the server's ServerLimits.max_draft_tokens); the server accepts the
-    longest path the target agrees with. Rounds that pipeline or start with hints stay chains
+    max_draft_tokens tokens (the server's ServerLimits.max_draft_tokens: its limit on the
+    tokens of one draft, a chain or a tree); the server accepts the longest path the target
+    agrees with. Rounds that pipeline or start with hints stay chains
     up to where the drafter's own part begins, and a branched draft asks for no SAT hints
     (they follow chains only).
     reconnect_s: how long a lost server is retried, with backoff, before the session fails
     (0: at once). timeout: the deadline of each Generate call (None: none).
+    max_tree_tokens: deprecated, the old name of max_draft_tokens (it sets it; reads None).
     """
     draft_len: int | str = 4
     max_draft_len: int = 16
@@ -79,11 +81,17 @@ class RoundSettings:
     lookahead: int = 0
     hints: str = "measured"
     tree: int = 1
-    max_tree_tokens: int = 32
+    max_draft_tokens: int = 32
     reconnect_s: float = 30.0
     timeout: float | None = None
+    max_tree_tokens: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.max_tree_tokens is not None:
+            warnings.warn("RoundSettings(max_tree_tokens=...) is deprecated: use max_draft_tokens",
+                          DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "max_draft_tokens", self.max_tree_tokens)
+            object.__setattr__(self, "max_tree_tokens", None)
         fixed = isinstance(self.draft_len, int) and not isinstance(self.draft_len, bool)
         if not (fixed and self.draft_len >= 1 or self.draft_len in ("auto", "adaptive")):
             raise ValueError(f"draft_len must be >= 1, auto or adaptive, got {self.draft_len!r}")
@@ -93,9 +101,9 @@ class RoundSettings:
             raise ValueError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
         if self.lookahead < 0 or self.reconnect_s < 0:
             raise ValueError("lookahead and reconnect_s must be >= 0")
-        if self.tree < 1 or self.max_tree_tokens < 1:
-            raise ValueError(f"tree and max_tree_tokens must be >= 1, got {self.tree} and "
-                             f"{self.max_tree_tokens}")
+        if self.tree < 1 or self.max_draft_tokens < 1:
+            raise ValueError(f"tree and max_draft_tokens must be >= 1, got {self.tree} and "
+                             f"{self.max_draft_tokens}")
         if self.hints not in HINT_USES:
             raise ValueError(f"hints must be {' or '.join(HINT_USES)}, got {self.hints!r}")
 
@@ -145,7 +153,7 @@ class DeviceSession:
         self.transport, self.hooks = transport, hooks
         self.reconnect = Reconnect(settings.reconnect_s, hooks.on_server)
         self.proposer = Proposer(drafter, request.sampling, settings.min_confidence, settings.tree,
-                                 settings.max_tree_tokens)
+                                 settings.max_draft_tokens)
         # Seeded sampling never pipelines: how many tokens get drafted ahead depends on timing,
         # and every draw moves the drafter's random stream, so a seeded run would not repeat.
         seeded = not request.sampling.greedy and request.sampling.seed is not None

@@ -3,6 +3,7 @@ its settings, the drafts it puts together, and the emulated link's stream."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
@@ -270,6 +271,19 @@ async def test_a_first_open_a_server_never_takes_is_a_lost_server(deaf, monkeypa
 def test_round_settings_refuse_bad_values(bad):
     with pytest.raises(ValueError):
         RoundSettings(**bad)
+
+
+def test_the_old_name_of_the_servers_draft_limit_still_sets_it():
+    """max_tree_tokens, deprecated, sets max_draft_tokens (the server's limit on the tokens of one
+    draft), constructed or replaced, and the settings are those with the new name."""
+    with pytest.warns(DeprecationWarning, match="max_draft_tokens"):
+        old = RoundSettings(tree=2, max_tree_tokens=8)
+    assert old == RoundSettings(tree=2, max_draft_tokens=8) and old.max_draft_tokens == 8
+    with pytest.warns(DeprecationWarning):
+        replaced = dataclasses.replace(RoundSettings(tree=2), max_tree_tokens=5)
+    assert replaced.max_draft_tokens == 5 and dataclasses.replace(replaced, tree=3).max_draft_tokens == 5
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        RoundSettings(max_draft_tokens=0)
 
 
 async def test_a_draft_starts_with_its_head():

@@ -412,7 +412,7 @@ async def test_a_wide_tree_is_cut_to_the_servers_draft_limit(serve, models, prom
     shared = Recording(CachebackDrafter(leader=1, follower=1))
     for prompt in prompts[:4]:
         result = await generate(server_stub(server), shared, prompt, max_new_tokens=MAX_NEW,
-                                settings=RoundSettings(draft_len=8, tree=4, max_tree_tokens=8))
+                                settings=RoundSettings(draft_len=8, tree=4, max_draft_tokens=8))
         assert result.token_ids == greedy_reference(model, prompt, MAX_NEW)
         assert max(s.verified for s in result.round_stats) <= 8
     assert shared.trees > 0
