@@ -282,7 +282,7 @@ async def test_a_greedy_device_is_held_to_its_rate_while_two_others_stay_lossles
     Their round latency is printed, not asserted (a timed assert fails on a busy machine)."""
     rate, burst_s, seconds = 60.0, 1.0, 3.0
     path = token_file(tmp_path / "tokens", extra={"dev-1": f"tokens_per_s={rate:g}"})
-    server = await serve(models["llama"], auth_tokens=str(path), max_draft_len=4,
+    server = await serve(models["llama"], auth_tokens=str(path), max_draft_tokens=4,
                          quota_burst_s=burst_s, quota_wait_s=5.0)
     fingerprint = server.service.target.fingerprint
     channels = [stub_of(server, TOKENS[d]) for d in ("dev-1", "dev-2", "cam-3")]

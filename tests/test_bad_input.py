@@ -32,7 +32,7 @@ PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 MODEL_ID = "tiny-llama-target"
 MAX_DRAFT, CONTEXT, MAX_Q = 4, 64, 4
 MAX_MESSAGE = 1024
-LIMITS = dict(max_draft_len=MAX_DRAFT, context_length=CONTEXT, max_q_support=MAX_Q,
+LIMITS = dict(max_draft_tokens=MAX_DRAFT, context_length=CONTEXT, max_q_support=MAX_Q,
               max_message_bytes=MAX_MESSAGE)
 OTHER_FP = fingerprint_vocab({"<other>": 0, "vocab": 1})
 TARGET_FP = fingerprint_tokenizer(make_tokenizer())    # the tiny target's tokenizer

@@ -61,7 +61,7 @@ def test_stub_check_would_catch_an_edited_proto(tmp_path):
 
 @pytest.fixture
 async def running(serve, models):
-    server = await serve(models["llama"], "tiny-llama", max_draft_len=7, max_sessions=5,
+    server = await serve(models["llama"], "tiny-llama", max_draft_tokens=7, max_sessions=5,
                          max_q_support=9)
     channel = grpc.aio.insecure_channel(server.address)
     yield server, channel

@@ -69,7 +69,7 @@ class Fuzzed:
 async def fuzzed(models, tokenizer):
     target = Target.from_model(models["llama"], tokenizer, "tiny-fuzz")
     running = await start_server(target, ServerSettings(
-        context_length=TINY.context, max_draft_len=TINY.max_draft, max_q_support=TINY.max_q,
+        context_length=TINY.context, max_draft_tokens=TINY.max_draft, max_q_support=TINY.max_q,
         kv_budget=64 << 20))
     channel = grpc.aio.insecure_channel(running.address)
     normal = NormalSession(VerifierStub(channel), NORMAL_PROMPT,

@@ -88,7 +88,7 @@ async def test_long_prefill_is_chunked_and_does_not_stall_rounds(serve, models, 
     """A 600-token prompt prefills in chunks within a 32-token step budget, and a short
     session's verify rounds share those steps instead of waiting for the whole prompt."""
     model = models["llama"]
-    server = await serve(model, max_step_tokens=32, max_draft_len=4)
+    server = await serve(model, max_step_tokens=32, max_draft_tokens=4)
     engine = server.scheduler.engine
     forward, steps = engine.forward, []
 
@@ -266,7 +266,7 @@ async def test_server_mode_matches_generate_alongside_drafting_devices(serve, mo
 
 async def test_verdicts_suggest_a_draft_length(serve, models, drafter_models):
     model = models["llama"]
-    server = await serve(model, max_draft_len=8)
+    server = await serve(model, max_draft_tokens=8)
     seen = []
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)

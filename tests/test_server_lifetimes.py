@@ -373,11 +373,11 @@ def largest_open(context_length: int) -> pb.DeviceMessage:
 
 
 def largest_draft(settings: ServerSettings) -> pb.DeviceMessage:
-    """The longest Draft: max_draft_len tokens, each with a q of max_q_support entries."""
+    """The longest Draft: max_draft_tokens tokens, each with a q of max_q_support entries."""
     q = pb.SparseDistribution(ids=[WIDE] * settings.max_q_support,
                               probs=[1 / settings.max_q_support] * settings.max_q_support)
     return pb.DeviceMessage(draft=pb.Draft(
-        round=WIDE, token_ids=[WIDE] * settings.max_draft_len, q=[q] * settings.max_draft_len,
+        round=WIDE, token_ids=[WIDE] * settings.max_draft_tokens, q=[q] * settings.max_draft_tokens,
         deadline_ms=WIDE, lookahead=WIDE))
 
 

@@ -43,12 +43,25 @@ def test_flags_keep_their_names_and_meanings():
     s = settings_of("--model", "m", "--max-draft-tokens", "6", "--kv-budget", "2MiB",
                     "--idle-timeout", "0.5", "--no-sat", "--trust-remote-code", "--engine", "padded",
                     "--mqtt-password", "pw", "--context-length", "100")
-    assert (s.model, s.max_draft_len, s.kv_budget, s.idle_timeout) == ("m", 6, 2 << 20, 0.5)
+    assert (s.model, s.max_draft_tokens, s.kv_budget, s.idle_timeout) == ("m", 6, 2 << 20, 0.5)
     assert (s.sat, s.trust_remote_code, s.engine, s.context_length) == (False, True, "padded", 100)
     assert s.mqtt_password.get_secret_value() == "pw"
-    assert settings_of("--max-draft-len", "5").max_draft_len == 5
+    assert settings_of("--max-draft-len", "5").max_draft_tokens == 5
     defaults = settings_of()
     assert defaults == ServerSettings() and defaults.port == 50051 and defaults.sat
+
+
+def test_the_draft_limits_old_name_still_reads_as_a_key_and_a_variable(tmp_path, monkeypatch):
+    """max_draft_tokens, the wire's name, was max_draft_len on the server: both still read."""
+    toml = tmp_path / "serve.toml"
+    toml.write_text("max_draft_len = 7\n")
+    assert settings_of("--config", str(toml)).max_draft_tokens == 7
+    monkeypatch.setenv("SLED_SERVE_MAX_DRAFT_LEN", "9")
+    assert settings_of().max_draft_tokens == 9
+    monkeypatch.setenv("SLED_SERVE_MAX_DRAFT_TOKENS", "0")
+    monkeypatch.delenv("SLED_SERVE_MAX_DRAFT_LEN")
+    with pytest.raises(SettingsError, match="max_draft_tokens"):
+        settings_of()
 
 
 def test_file_then_variables_then_flags(tmp_path, monkeypatch):
@@ -100,5 +113,5 @@ def test_the_example_config_is_valid():
     from pathlib import Path
 
     example = load_settings(Path(__file__).parent.parent / "docs" / "serve.example.toml")
-    assert (example.model, example.kv_budget, example.max_draft_len) == ("gemma3-270m", 4 << 30, 32)
+    assert (example.model, example.kv_budget, example.max_draft_tokens) == ("gemma3-270m", 4 << 30, 32)
     assert example.server_id == "gpu-1" and not example.mqtt_host

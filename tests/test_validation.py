@@ -21,7 +21,7 @@ from verify_server.settings import ServerSettings
 Reason = pb.ErrorDetail.Reason
 TARGET = SimpleNamespace(model_id="tiny", fingerprint="sha256:" + "ab" * 32, vocab_size=100,
                          context_length=32, sat_slots=0)
-SETTINGS = ServerSettings(max_sessions=2, max_draft_len=4, max_q_support=3)
+SETTINGS = ServerSettings(max_sessions=2, max_draft_tokens=4, max_q_support=3)
 
 
 def refusal(call, *args) -> SessionError:

@@ -9,7 +9,7 @@ position i follows node i, each node seeing its ancestors only.
 Terms, used with these meanings everywhere in verify_server/:
 
     draft       the tokens a drafter proposes for one round (draft_len of them, at most
-                max_draft_len), each drawn from q: a chain, or the nodes of a tree
+                max_draft_tokens), each drawn from q: a chain, or the nodes of a tree
     verified    how many draft tokens the target checked in a round: a count, len(draft) or
                 fewer when the session's length limit leaves less room
     path        the accepted nodes of a tree, from the root down: the chain of children whose

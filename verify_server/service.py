@@ -130,7 +130,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             tokenizer_files_sha256=self.target.tokenizer_files_sha256,
             eos_token_ids=self.target.eos_ids,
             context_length=self.target.context_length,
-            limits=pb.ServerLimits(max_draft_tokens=self.settings.max_draft_len,
+            limits=pb.ServerLimits(max_draft_tokens=self.settings.max_draft_tokens,
                                    max_sessions=self.settings.max_sessions,
                                    max_q_support=self.settings.max_q_support,
                                    kv_budget_tokens=self.pool.capacity_tokens,
@@ -414,7 +414,7 @@ class VerifierService(pb_grpc.VerifierServicer):
     def _advise(self, session: Session) -> int:
         """The draft length this session's device should send next."""
         return suggest_draft_len(session.acceptance, len(self.sessions),
-                                 self.scheduler.max_step_tokens, self.settings.max_draft_len)
+                                 self.scheduler.max_step_tokens, self.settings.max_draft_tokens)
 
     def _refuse(self, session: Session | None, device: str, error: SessionError) -> pb.ServerMessage:
         self.metrics.errors.labels(error.reason_name).inc()

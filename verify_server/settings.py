@@ -6,8 +6,9 @@ Every key has all three spellings:
     max_sessions = 64               SLED_SERVE_MAX_SESSIONS=64          --max-sessions 64
     kv_budget = "4GiB"              SLED_SERVE_KV_BUDGET=4GiB           --kv-budget 4GiB
 
-A few keys have a second flag kept from earlier releases (`--max-draft-tokens` for
-`max_draft_len`). An unknown key or a bad value stops start-up with one line per key that names
+A few keys have a second name kept from earlier releases: `max_draft_tokens` (the name of the
+limit on the wire, ServerLimits.max_draft_tokens) was `max_draft_len`, and still reads as a key,
+a variable and a flag (`--max-draft-len`). An unknown key or a bad value stops start-up with one line per key that names
 where the value came from (`SettingsError`).
 """
 from __future__ import annotations
@@ -96,8 +97,10 @@ class ServerSettings(BaseSettings):
                                        "rate; past that it is refused", ge=0)
     # --- limits ---
     max_sessions: int = Field(256, ge=1, description="open sessions before RESOURCE_EXHAUSTED")
-    max_draft_len: int = Field(32, ge=1, description="longest draft verified in one round",
-                               json_schema_extra={"flags": ["--max-draft-tokens"]})
+    max_draft_tokens: int = Field(
+        32, ge=1, description="most tokens in one draft (a chain's length, a tree's nodes) "
+        "verified in one round", json_schema_extra={"flags": ["--max-draft-len"],
+                                                    "was": "max_draft_len"})
     max_q_support: int = Field(64, ge=1, description="(id, prob) pairs per draft position in "
                                                      "sampling mode")
     max_batch_sessions: int = Field(64, ge=1, description="sessions in one forward pass")
@@ -178,16 +181,16 @@ class ServerSettings(BaseSettings):
             return self.max_message_bytes
         prompt = context_length * VARINT_BYTES
         q_position = self.max_q_support * (VARINT_BYTES + FLOAT_BYTES) + FIELD_OVERHEAD
-        draft = self.max_draft_len * (VARINT_BYTES + q_position)
+        draft = self.max_draft_tokens * (VARINT_BYTES + q_position)
         return prompt + draft + MESSAGE_MARGIN
 
     @field_validator("max_step_tokens")
     @classmethod
     def _holds_a_draft(cls, value: int, info: ValidationInfo) -> int:
-        max_draft_len = info.data.get("max_draft_len")
-        if max_draft_len is not None and value < max_draft_len + 1:
+        max_draft_tokens = info.data.get("max_draft_tokens")
+        if max_draft_tokens is not None and value < max_draft_tokens + 1:
             raise ValueError(f"max_step_tokens ({value}) must hold a full draft + 1 "
-                             f"({max_draft_len + 1})")
+                             f"({max_draft_tokens + 1})")
         return value
 
     @field_validator("emulate")
@@ -223,6 +226,12 @@ class ServerSettings(BaseSettings):
 
 # --- reading the settings ---------------------------------------------------------------------------
 
+# A key's name from an earlier release -> its name now (a file's key, a variable, a flag's dest).
+OLD_KEYS = {(field.json_schema_extra or {})["was"]: name
+            for name, field in ServerSettings.model_fields.items()
+            if "was" in (field.json_schema_extra or {})}
+
+
 def flag_spellings(name: str) -> list[str]:
     """The flags of key `name`: --kebab-name first, then any kept from earlier releases."""
     extra = ServerSettings.model_fields[name].json_schema_extra or {}
@@ -237,6 +246,7 @@ def load_settings(config_file: str | Path | None = None,
     origins: dict[str, str] = {}
     for origin, layer in _sources(config_file, flags or {}):
         for key, value in layer.items():
+            key = OLD_KEYS.get(key, key)
             values[key], origins[key] = value, origin(key)
     try:
         return ServerSettings(**values)

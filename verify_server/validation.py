@@ -160,10 +160,10 @@ def check_draft(draft: pb.Draft, session: Session | None, target: Target,
     if not tokens:
         raise errors.invalid(Reason.REASON_EMPTY_DRAFT, "draft has no tokens: send k >= 1",
                              draft.round)
-    if len(tokens) > settings.max_draft_len:
+    if len(tokens) > settings.max_draft_tokens:
         raise errors.invalid(Reason.REASON_DRAFT_TOO_LONG,
                              f"draft has {len(tokens)} tokens, the server verifies at most "
-                             f"{settings.max_draft_len} per round", draft.round)
+                             f"{settings.max_draft_tokens} per round", draft.round)
     check_ids(tokens, "draft.token_ids", target.vocab_size, draft.round)
     check_lookahead(draft.lookahead, target, draft.round)
     return tokens

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from lab.bench import harness
 
 BATCH = 100                     # examples per hypothesis run; a new seed for each
-LIMITS = {"--context-length": 64, "--max-draft-len": 4, "--max-q-support": 4, "--kv-budget": "64MiB"}
+LIMITS = {"--context-length": 64, "--max-draft-tokens": 4, "--max-q-support": 4, "--kv-budget": "64MiB"}
 NORMAL_PROMPT = "def fib(n):\n    if n < 2:\n        return n\n"
 NORMAL_TOKENS = 24
 SETTLE_S = 10.0                 # for the server to drop the last streams' sessions and KV
