@@ -17,7 +17,7 @@ import aiomqtt
 import pytest
 import yaml
 
-from lab.broker import BrokerFiles
+from lab.broker import BrokerFiles, Listener
 from lab.scenario import DeviceSlot
 from lab.server_process import free_port
 from sled.mqtt import Broker
@@ -30,9 +30,9 @@ SLOTS = [DeviceSlot(i, f"dev-0{i}", "pi5", "wifi", "ngram", 0) for i in range(2)
 @pytest.fixture
 def lab_broker(tmp_path):
     port = free_port()
-    files = BrokerFiles.write(tmp_path / "broker", SLOTS, "sled", port=port, bind="127.0.0.1",
-                              run_as=getpass.getuser() if os.geteuid() == 0 else None,
-                              log=str(tmp_path / "mosquitto.log"))
+    files = BrokerFiles.write(tmp_path / "broker", SLOTS, "sled", Listener(
+        port=port, bind="127.0.0.1", run_as=getpass.getuser() if os.geteuid() == 0 else None,
+        log=str(tmp_path / "mosquitto.log")))
     process = subprocess.Popen([mosquitto_binary(), "-c", str(files.conf)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     broker = Mosquitto(port, process, tmp_path / "mosquitto.log", files.credentials)
@@ -63,7 +63,8 @@ def test_broker_files(lab_broker):
         {"dev-00", "dev-01", "server", "lab", "lab-config"}
     conf = files.conf.read_text()
     assert "allow_anonymous false" in conf and f"acl_file {files.folder.resolve()}/acl" in conf
-    container = BrokerFiles.write(files.folder.parent / "c", SLOTS, "sled", root="/mosquitto/config")
+    container = BrokerFiles.write(files.folder.parent / "c", SLOTS, "sled",
+                                  Listener(root="/mosquitto/config"))
     assert "password_file /mosquitto/config/passwords" in container.conf.read_text()
 
 
