@@ -52,7 +52,7 @@ async def _synthesize(args, profile: list[float], source: str) -> int:
 
     from edge_client.connection import Connection
     from edge_client.server_side import generate_server_side
-    from lab.traces.synthetic import synthetic_trace_set
+    from lab.traces.synthetic import SyntheticDrafter, synthetic_trace_set
     from lab.workload import prompt_texts
 
     async with Connection(args.server) as conn:
@@ -69,9 +69,10 @@ async def _synthesize(args, profile: list[float], source: str) -> int:
             outputs.append(result.token_ids)
             print(f"sled trace synthesize: {i + 1} of {len(prompts)} server-mode outputs",
                   file=sys.stderr, flush=True)
-    traces = synthetic_trace_set(prompts, outputs, profile, args.max_draft_len, info.vocab_size,
-                                 args.seed, info.model_id, source, info.tokenizer_fingerprint,
-                                 args.draft_ms_per_token)
+    drafter = SyntheticDrafter(profile, args.max_draft_len, args.seed, source,
+                               args.draft_ms_per_token)
+    traces = synthetic_trace_set(prompts, outputs, drafter, info.vocab_size, info.model_id,
+                                 info.tokenizer_fingerprint)
     path = traces.save(Path(args.out))
     print(f"wrote {path}: {len(prompts)} prompts, {sum(map(len, outputs))} target tokens, "
           f"profile {source}", file=sys.stderr)

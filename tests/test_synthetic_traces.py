@@ -11,7 +11,8 @@ import pytest
 
 from drafters.base import common_prefix
 from lab.traces.format import Trace, TraceSet
-from lab.traces.synthetic import acceptance_profile, check_profile, synthetic_trace_set
+from lab.traces.synthetic import (SyntheticDrafter, acceptance_profile, check_profile,
+                                  synthetic_trace_set)
 
 
 def random_outputs(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
@@ -21,16 +22,19 @@ def random_outputs(n: int, length: int, vocab: int, seed: int = 1) -> list[list[
 
 def test_the_profile_measured_back_is_the_one_drawn_with():
     outputs = random_outputs(40, 200, 1000)
-    traces = synthetic_trace_set([[1]] * 40, outputs, [0.9, 0.6, 0.3], 4, 1000, seed=3,
-                                 target="t", source="given", fingerprint=None)
+    traces = synthetic_trace_set([[1]] * 40, outputs,
+                                 SyntheticDrafter([0.9, 0.6, 0.3], 4, seed=3, source="given"),
+                                 1000, target="t", fingerprint=None)
     measured = acceptance_profile(traces, 4)
     assert measured == pytest.approx([0.9, 0.6, 0.3, 0.3], abs=0.03)
 
 
 def test_a_certain_profile_drafts_the_output_and_an_impossible_one_never_does():
     outputs = random_outputs(3, 30, 50)
-    sure = synthetic_trace_set([[1]] * 3, outputs, [1.0], 4, 50, 0, "t", "given", None)
-    never = synthetic_trace_set([[1]] * 3, outputs, [0.0], 4, 50, 0, "t", "given", None)
+    sure = synthetic_trace_set([[1]] * 3, outputs, SyntheticDrafter([1.0], 4, 0, "given"), 50, "t",
+                               None)
+    never = synthetic_trace_set([[1]] * 3, outputs, SyntheticDrafter([0.0], 4, 0, "given"), 50, "t",
+                                None)
     for s, n, out in zip(sure.traces, never.traces, outputs):
         assert all(p == out[i:i + 4] for i, p in enumerate(s.proposals) if i + 4 <= len(out))
         assert all(p[0] != out[i] and len(p) == 4 for i, p in enumerate(n.proposals))

@@ -13,10 +13,17 @@ The profile comes from a stated source: measured from a recorded trace of a real
 
     profile [0.9, 0.8], output [5, 6, 7]: after the prompt the draft is 5 with p 0.9, then 6 with
     p 0.8 (given 5); each draft is drawn once, from the seed, and kept in the trace.
+
+    drafter = SyntheticDrafter([0.9, 0.8], max_draft_len=4, seed=0, source="given")
+    traces = synthetic_trace_set(prompts, outputs, drafter, vocab_size, target, fingerprint)
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -94,17 +101,67 @@ def _draft(truth: Sequence[int], profile: Sequence[float], max_draft_len: int, v
     return draft
 
 
+@dataclass(frozen=True, slots=True)
+class SyntheticDrafter:
+    """The stated acceptance process a synthetic trace set is drawn from: a draft of
+    max_draft_len after every prefix, drawn by `profile` (the conditional acceptance of draft
+    positions 1, 2, ...; the last one repeats) from `seed`. `source` names where the profile
+    comes from (kept as the drafter's name, e.g. "synthetic[gguf:gemma3-270m on humaneval]");
+    draft_ms_per_token is the drafting time kept in the traces."""
+    profile: Sequence[float]
+    max_draft_len: int
+    seed: int
+    source: str
+    draft_ms_per_token: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"synthetic[{self.source}]"
+
+
+# synthetic_trace_set's parameters before the drafter's travelled as one SyntheticDrafter
+FLAT_SIGNATURE = inspect.Signature(
+    [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+     for name in ("prompts", "outputs", "profile", "max_draft_len", "vocab_size", "seed", "target",
+                  "source", "fingerprint")]
+    + [inspect.Parameter("draft_ms_per_token", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=0.0)])
+
+
+def _flat_arguments(draws):
+    """Deprecated: lets synthetic_trace_set be called the old way too, the drafter's fields
+    among the other arguments (FLAT_SIGNATURE: prompts, outputs, profile, max_draft_len,
+    vocab_size, seed, target, source, fingerprint, draft_ms_per_token=0.0), as
+    lab.traces.calibrated still does. A call is the old way when its third argument is not a
+    SyntheticDrafter."""
+    @functools.wraps(draws)
+    def either(*args, **keywords):
+        flat = "profile" in keywords or (len(args) > 2 and not isinstance(args[2], SyntheticDrafter))
+        if not flat:
+            return draws(*args, **keywords)
+        warnings.warn("synthetic_trace_set(prompts, outputs, profile, max_draft_len, ...) is "
+                      "deprecated: pass a SyntheticDrafter", DeprecationWarning, stacklevel=2)
+        old = FLAT_SIGNATURE.bind(*args, **keywords)
+        old.apply_defaults()
+        a = old.arguments
+        drafter = SyntheticDrafter(a["profile"], a["max_draft_len"], a["seed"], a["source"],
+                                   a["draft_ms_per_token"])
+        return draws(a["prompts"], a["outputs"], drafter, a["vocab_size"], a["target"],
+                     a["fingerprint"])
+    return either
+
+
+@_flat_arguments
 def synthetic_trace_set(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-                        profile: Sequence[float], max_draft_len: int, vocab_size: int, seed: int,
-                        target: str, source: str, fingerprint: str | None,
-                        draft_ms_per_token: float = 0.0) -> TraceSet:
-    """Traces for every prompt; `source` names where the profile comes from (kept as the
-    drafter's name, e.g. "synthetic[gguf:gemma3-270m on humaneval]")."""
-    rng = np.random.default_rng(seed)
-    drafter = f"synthetic[{source}]"
-    traces = [synthetic_trace(p, o, profile, max_draft_len, vocab_size, rng, draft_ms_per_token, drafter)
+                        drafter: SyntheticDrafter, vocab_size: int, target: str,
+                        fingerprint: str | None) -> TraceSet:
+    """Traces for every prompt, along its output, drawn by `drafter`, for the target named
+    `target` (its vocabulary size and tokenizer fingerprint)."""
+    rng = np.random.default_rng(drafter.seed)
+    name = drafter.name
+    traces = [synthetic_trace(p, o, drafter.profile, drafter.max_draft_len, vocab_size, rng,
+                              drafter.draft_ms_per_token, name)
               for p, o in zip(prompts, outputs, strict=True)]
     for trace in traces:
         trace.tokenizer_fingerprint = fingerprint
-    return TraceSet(target=target, drafter=drafter, max_draft_len=max_draft_len, traces=traces,
-                    tokenizer_fingerprint=fingerprint)
+    return TraceSet(target=target, drafter=name, max_draft_len=drafter.max_draft_len,
+                    traces=traces, tokenizer_fingerprint=fingerprint)
