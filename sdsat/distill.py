@@ -18,11 +18,15 @@ Prompts come in two shapes (`at`):
 
 Generation is batched (every prompt has the same length: no padding) and saved after each batch,
 so an interrupted run continues where it stopped.
+
+    spec = DistillSpec(prompt_len=96, new_tokens=96, count=256, seed=0, at="lines")
+    data = build_distill_set(model, tokenizer, documents, spec, cache=Path("distill.pt"))
 """
 from __future__ import annotations
 
 import ast
 import bisect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,13 +139,28 @@ def greedy_continuations(model: torch.nn.Module, prompts: torch.Tensor, new_toke
     return torch.stack(rows)
 
 
-def build_distill_set(model: torch.nn.Module, tokenizer, documents: list[str], *, prompt_len: int,
-                      new_tokens: int, count: int, seed: int, at: str = "lines",
-                      cache: Path | None = None, batch: int = 16,
-                      on_batch: Callable[[int, int], None] | None = None) -> DistillSet:
-    """The generated set, continued from `cache` when it holds the same prompts' first rows.
-    on_batch(rows done, count) follows progress."""
-    prompts = draw_prompts(tokenizer, documents, prompt_len, count, seed, at)
+@dataclass(frozen=True, slots=True)
+class DistillSpec:
+    """What a distill set holds: `count` prompts of prompt_len tokens of the shape `at` drawn
+    from the documents with `seed` (draw_prompts), each continued greedily for new_tokens."""
+    prompt_len: int
+    new_tokens: int
+    count: int
+    seed: int
+    at: str = "lines"
+
+
+def build_distill_set(model: torch.nn.Module, tokenizer, documents: list[str],
+                      spec: DistillSpec | None = None, *, cache: Path | None = None,
+                      batch: int = 16, on_batch: Callable[[int, int], None] | None = None,
+                      **flat) -> DistillSet:
+    """The generated set `spec` describes, continued from `cache` when it holds the same
+    prompts' first rows. on_batch(rows done, count) follows progress. Deprecated: spec's fields
+    as keywords of their own (prompt_len=, new_tokens=, count=, seed=, at=), the way
+    sled_cli.sdsat_lora still passes them."""
+    spec = _flat_spec(spec, flat)
+    prompt_len, new_tokens, count = spec.prompt_len, spec.new_tokens, spec.count
+    prompts = draw_prompts(tokenizer, documents, prompt_len, count, spec.seed, spec.at)
     done = None
     if cache is not None and cache.is_file():
         saved = torch.load(cache, weights_only=True)
@@ -159,3 +178,16 @@ def build_distill_set(model: torch.nn.Module, tokenizer, documents: list[str], *
 
     sequences = greedy_continuations(model, prompts, new_tokens, batch, done, save)
     return DistillSet(sequences, prompt_len)
+
+
+def _flat_spec(spec: DistillSpec | None, flat: dict) -> DistillSpec:
+    """`spec`, or (deprecated) the DistillSpec build_distill_set's old flat keywords make."""
+    if spec is not None:
+        if flat:
+            raise TypeError(f"build_distill_set() got an unexpected keyword argument "
+                            f"{sorted(flat)[0]!r}")
+        return spec
+    if flat:
+        warnings.warn("build_distill_set(..., prompt_len=, new_tokens=, count=, seed=, at=) is "
+                      "deprecated: pass a DistillSpec", DeprecationWarning, stacklevel=3)
+    return DistillSpec(**flat)

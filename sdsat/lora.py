@@ -26,7 +26,6 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +33,8 @@ import torch.nn.functional as F
 from verify_server.sat_lora import from_peft, load_deltas, peft_config
 from verify_server.sdsat import SatSpec
 from sdsat.distill import DistillSet
-from sdsat.train import (check_checkpoint, initial_adapter, restore_progress,
-                                      resumed, save_checkpoint)
+from sdsat.train import (Checkpoints, check_checkpoint, flat_checkpoints, initial_adapter,
+                         restore_progress, resumed, save_checkpoint)
 
 
 @dataclass(slots=True)
@@ -222,16 +221,16 @@ class LoraRun:
 
 
 def train_sat_lora(model, data: DistillSet, heldout: DistillSet, config: LoraTrainConfig,
-                   start: SatSpec | None = None, checkpoint_dir: str | Path | None = None,
-                   resume: bool = False,
+                   start: SatSpec | None = None, checkpoints: Checkpoints = Checkpoints(),
                    on_step: Callable[[int, dict, dict | None], None] | None = None,
-                   on_checkpoint: Callable[[int, SatSpec, list[dict]], None] | None = None,
-                   ) -> tuple[SatSpec, list[dict]]:
+                   **flat) -> tuple[SatSpec, list[dict]]:
     """Train (from `start`, an adapter, when given); returns the SAT spec (embeddings + deltas)
     and the log (train_sat's format). The model is handed back with its own weights and no
-    adapter layers."""
+    adapter layers. Deprecated: checkpoints' fields as keywords of their own (checkpoint_dir=,
+    resume=, on_checkpoint=), the way sled_cli.sdsat_lora still passes them."""
+    checkpoints = flat_checkpoints(checkpoints, flat, "train_sat_lora")
     run = LoraRun(model, config, data, start)
-    checkpoint_dir = resumed(run, checkpoint_dir, resume)
+    checkpoint_dir = resumed(run, checkpoints)
     start = time.perf_counter()
     try:
         if not run.log:
@@ -252,8 +251,8 @@ def train_sat_lora(model, data: DistillSet, heldout: DistillSet, config: LoraTra
                 on_step(run.step, parts, held)
             if checkpoint_dir is not None and config.save_every and run.step % config.save_every == 0:
                 save_checkpoint(checkpoint_dir, run.state(run.elapsed + time.perf_counter() - start))
-                if on_checkpoint is not None:
-                    on_checkpoint(run.step, run.spec(), run.log)
+                if checkpoints.on_checkpoint is not None:
+                    checkpoints.on_checkpoint(run.step, run.spec(), run.log)
         return run.spec(), run.log
     finally:
         run.unload()

@@ -32,8 +32,9 @@ import copy
 import hashlib
 import json
 import time
+import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -78,6 +79,35 @@ class SatTrainConfig:
     def identity(self) -> dict:
         """What a checkpoint must agree on to be resumed: all that shapes the run and its log."""
         return {k: v for k, v in asdict(self).items() if k not in ("steps", "save_every", "eval_every")}
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoints:
+    """A run's checkpoints: the folder it saves one in every save_every steps of its config
+    (None: it saves none), whether it goes on from the one there (`resume`), and
+    on_checkpoint(step, adapter, log), run after each is saved (the adapter: train_sat's
+    tensor, train_sat_lora's SatSpec)."""
+    folder: str | Path | None = None
+    resume: bool = False
+    on_checkpoint: Callable[[int, torch.Tensor | SatSpec, list[dict]], None] | None = None
+
+
+# the old flat keywords of the trainers, and the Checkpoints field each stands for
+FLAT_CHECKPOINT_KEYWORDS = {"checkpoint_dir": "folder", "resume": "resume",
+                            "on_checkpoint": "on_checkpoint"}
+
+
+def flat_checkpoints(checkpoints: Checkpoints, flat: dict, trainer: str) -> Checkpoints:
+    """Deprecated: `checkpoints` with the trainer's old flat keywords (checkpoint_dir=,
+    resume=, on_checkpoint=) applied, for callers that still pass them."""
+    if not flat:
+        return checkpoints
+    unknown = sorted(set(flat) - set(FLAT_CHECKPOINT_KEYWORDS))
+    if unknown:
+        raise TypeError(f"{trainer}() got an unexpected keyword argument {unknown[0]!r}")
+    warnings.warn(f"{trainer}(..., checkpoint_dir=, resume=, on_checkpoint=) is deprecated: pass "
+                  "Checkpoints", DeprecationWarning, stacklevel=3)
+    return replace(checkpoints, **{FLAT_CHECKPOINT_KEYWORDS[k]: v for k, v in flat.items()})
 
 
 @dataclass(slots=True)
@@ -256,10 +286,10 @@ def check_checkpoint(state: dict, identity: dict, data: str, other_data: str) ->
         raise ValueError(f"the checkpoint was trained on other {other_data}")
 
 
-def resumed(run, checkpoint_dir: str | Path | None, resume: bool) -> Path | None:
+def resumed(run, checkpoints: Checkpoints) -> Path | None:
     """The run's checkpoint folder; with `resume`, the run restored from its checkpoint there."""
-    checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    if resume:
+    checkpoint_dir = Path(checkpoints.folder) if checkpoints.folder is not None else None
+    if checkpoints.resume:
         if checkpoint_dir is None:
             raise ValueError("resume needs a checkpoint directory")
         run.restore(load_checkpoint(checkpoint_dir))
@@ -291,20 +321,20 @@ def load_checkpoint(folder: Path) -> dict:
 
 def train_sat(model: torch.nn.Module, sequences: list[list[int]], config: SatTrainConfig,
               heldout: list[list[int]] | None = None, adapter: torch.Tensor | None = None,
-              checkpoint_dir: str | Path | None = None, resume: bool = False,
+              checkpoints: Checkpoints = Checkpoints(),
               on_step: Callable[[int, dict, dict | None], None] | None = None,
-              on_checkpoint: Callable[[int, torch.Tensor, list[dict]], None] | None = None,
               ) -> tuple[SatSpec, list[dict]]:
     """Train SATs into `model` on token sequences; returns the SAT spec and the log.
 
     The log has one entry at step 0 (the untrained adapter), every eval_every steps and at the end:
     {"step", "loss" (mean training loss since the previous entry), "sat_loss", ["kl"], "heldout":
     heldout_metrics(...), "elapsed_s"}. heldout defaults to the training sequences.
-    on_step(step, parts, heldout or None) follows progress; on_checkpoint(step, adapter, log) runs
-    at each checkpoint. In embeddings mode the model's weights are left exactly as they were.
+    on_step(step, parts, heldout or None) follows progress; checkpoints.on_checkpoint(step, adapter,
+    log) runs at each checkpoint. In embeddings mode the model's weights are left exactly as they
+    were.
     """
     run = _Run(model, config, adapter, sequences)
-    checkpoint_dir = resumed(run, checkpoint_dir, resume)
+    checkpoint_dir = resumed(run, checkpoints)
     batches = heldout_batches(heldout or sequences, config.slots, config.eval_samples,
                               config.seed + 1)
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
@@ -335,8 +365,8 @@ def train_sat(model: torch.nn.Module, sequences: list[list[int]], config: SatTra
                 on_step(run.step, parts, held)
             if checkpoint_dir is not None and config.save_every and run.step % config.save_every == 0:
                 save_checkpoint(checkpoint_dir, run.state(elapsed()))
-                if on_checkpoint is not None:
-                    on_checkpoint(run.step, run.adapter.detach().cpu(), run.log)
+                if checkpoints.on_checkpoint is not None:
+                    checkpoints.on_checkpoint(run.step, run.adapter.detach().cpu(), run.log)
     finally:
         for name, param in model.named_parameters():
             param.requires_grad_(trainable[name])

@@ -85,7 +85,7 @@ def _train(args, console) -> int:
         return train_lora(args, console)
     from sled.fingerprint import fingerprint_tokenizer
     from sdsat.corpus import load_documents, split_heldout, tokenize_documents
-    from sdsat.train import LOG_FILE, PLOT_FILE, TrainingFolder, train_sat
+    from sdsat.train import LOG_FILE, PLOT_FILE, Checkpoints, TrainingFolder, train_sat
 
     config = _config(args)
     documents = load_documents(args.corpus)
@@ -101,9 +101,10 @@ def _train(args, console) -> int:
         "tokenizer": fingerprint_tokenizer(tokenizer)})
     checkpoint_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else folder.out / "checkpoint"
     with progress_bar("SAT training") as progress:
-        spec, log = train_sat(model, train, config, heldout, checkpoint_dir=checkpoint_dir,
-                              resume=args.resume, on_step=on_step(progress, config.steps),
-                              on_checkpoint=folder.on_checkpoint)
+        spec, log = train_sat(model, train, config, heldout,
+                              checkpoints=Checkpoints(checkpoint_dir, args.resume,
+                                                      folder.on_checkpoint),
+                              on_step=on_step(progress, config.steps))
     adapter = folder.save(spec, log, config, {"train": len(train), "heldout": len(heldout)},
                           model, tokenizer)
     plot = plot_log(folder.out / PLOT_FILE, log, f"SAT training: {args.model}, {config.mode}, "

@@ -13,10 +13,11 @@ from lab.tiny import save_pair
 from sled_cli.main import main
 from verify_server.sat_lora import peft_config
 from verify_server.sdsat import ADAPTER_FILE, adapter_metadata, load_adapter
-from sdsat.distill import (DistillSet, body_offsets, build_distill_set,
+from sdsat.distill import (DistillSet, DistillSpec, body_offsets, build_distill_set,
                                          draw_prompts)
 from sdsat.lora import (LoraRun, LoraTrainConfig, cut_labels, cut_mask, draw_cuts,
                                       packed_sat_logits, train_sat_lora)
+from sdsat.train import Checkpoints
 
 
 def test_each_cut_sees_the_real_tokens_before_it_and_its_own_earlier_slots():
@@ -71,8 +72,8 @@ def test_a_window_too_short_for_the_packed_cuts_is_refused(models):
 def test_greedy_continuations_are_the_targets_own(models, tokenizer):
     model = copy.deepcopy(models["llama"])
     documents = ["alpha beta gamma\ndelta epsilon zeta eta\ntheta iota kappa lambda mu\n" * 4]
-    data = build_distill_set(model, tokenizer, documents, prompt_len=10, new_tokens=6, count=3,
-                             seed=1, batch=2)
+    data = build_distill_set(model, tokenizer, documents,
+                             DistillSpec(prompt_len=10, new_tokens=6, count=3, seed=1), batch=2)
     assert data.sequences.shape == (3, 16)
     for row in data.sequences.tolist():
         assert row[10:] == greedy_reference(model, row[:10], 6)
@@ -168,11 +169,12 @@ def test_training_learns_resumes_bit_identically_and_leaves_the_target_untouched
     assert all(torch.equal(base.state_dict()[k], v) for k, v in before.items())
 
     halves = [copy.deepcopy(models["llama"]).float() for _ in range(2)]
-    kwargs = dict(checkpoint_dir=tmp_path / "ckpt")
+    folder = tmp_path / "ckpt"
     straight, _ = train_sat_lora(halves[0], train, held, _with(config, steps=12))
-    train_sat_lora(halves[1], train, held, _with(config, steps=6, save_every=6), **kwargs)
+    train_sat_lora(halves[1], train, held, _with(config, steps=6, save_every=6),
+                   checkpoints=Checkpoints(folder))
     resumed, _ = train_sat_lora(halves[1], train, held, _with(config, steps=12, save_every=6),
-                                resume=True, **kwargs)
+                                checkpoints=Checkpoints(folder, resume=True))
     assert torch.equal(resumed.embeddings, straight.embeddings)
     for path, (a, b) in straight.lora.weights.items():
         assert torch.equal(resumed.lora.weights[path][0], a) and torch.equal(resumed.lora.weights[path][1], b)
@@ -227,19 +229,20 @@ def test_bad_training_settings_are_refused():
 def test_an_interrupted_generation_continues_from_its_saved_rows(models, tokenizer, tmp_path):
     model = copy.deepcopy(models["llama"])
     documents = ["one two three four\nfive six seven eight nine\nten eleven twelve\n" * 4]
-    kwargs = dict(prompt_len=8, new_tokens=4, count=3, seed=3, batch=1, cache=tmp_path / "distill.pt")
+    spec = DistillSpec(prompt_len=8, new_tokens=4, count=3, seed=3)
+    kwargs = dict(batch=1, cache=tmp_path / "distill.pt")
 
     def interrupt_after_two(done: int, total: int) -> None:
         if done == 2:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        build_distill_set(model, tokenizer, documents, on_batch=interrupt_after_two, **kwargs)
+        build_distill_set(model, tokenizer, documents, spec, on_batch=interrupt_after_two, **kwargs)
     calls = []
     generate = model.generate
     model.generate = lambda *a, **k: calls.append(1) or generate(*a, **k)
-    data = build_distill_set(model, tokenizer, documents, **kwargs)
+    data = build_distill_set(model, tokenizer, documents, spec, **kwargs)
     assert len(calls) == 1                                        # only the third prompt
     model.generate = generate
     assert torch.equal(data.sequences, build_distill_set(
-        model, tokenizer, documents, **{**kwargs, "cache": None}).sequences)
+        model, tokenizer, documents, spec, **{**kwargs, "cache": None}).sequences)

@@ -15,7 +15,7 @@ from lab.tiny import CORPUS, make_model, save_pair
 from sled.fingerprint import fingerprint_tokenizer
 from sled_cli.main import main
 from sdsat.corpus import load_documents, split_heldout, tokenize_documents
-from sdsat.train import (SatTrainConfig, draw_batch, initial_adapter, sat_acceptance,
+from sdsat.train import (Checkpoints, SatTrainConfig, draw_batch, initial_adapter, sat_acceptance,
                                        sat_logits, train_sat)
 from verify_server.sdsat import (ADAPTER_FILE, SatSpec, adapter_metadata, load_adapter, sat_inputs,
                                  sat_spec_of)
@@ -125,13 +125,13 @@ def test_resume_continues_exactly(corpus, tmp_path, mode):
     # killed at step 12: resumes from step 10, whose losses (9, 10) wait for the entry at step 12
     with pytest.raises(KeyboardInterrupt):
         train_sat(make_model("llama", 320), corpus[0], config(18), corpus[1],
-                  checkpoint_dir=tmp_path, on_step=interrupt)
+                  checkpoints=Checkpoints(tmp_path), on_step=interrupt)
     with pytest.raises(ValueError, match="same settings"):
         train_sat(make_model("llama", 320), corpus[0],
                   SatTrainConfig(slots=3, mode=mode, steps=18, batch=2, eval_every=4),
-                  corpus[1], checkpoint_dir=tmp_path, resume=True)
+                  corpus[1], checkpoints=Checkpoints(tmp_path, resume=True))
     resumed, resumed_log = train_sat(make_model("llama", 320), corpus[0], config(18), corpus[1],
-                                     checkpoint_dir=tmp_path, resume=True)
+                                     checkpoints=Checkpoints(tmp_path, resume=True))
     assert torch.equal(resumed.embeddings, straight.embeddings)
     strip = [{k: v for k, v in e.items() if k != "elapsed_s"} for e in straight_log]
     assert [{k: v for k, v in e.items() if k != "elapsed_s"} for e in resumed_log] == strip
