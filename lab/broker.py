@@ -29,7 +29,6 @@ import pwd
 import secrets
 import shutil
 import subprocess
-import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -167,12 +166,9 @@ class BrokerFiles:
 
     @classmethod
     def write(cls, folder: Path, slots: list[DeviceSlot], prefix: str = "sled",
-              listener: Listener = Listener(), *, server_id: str = SERVER_ID,
-              **listener_fields) -> "BrokerFiles":
+              listener: Listener = Listener(), *, server_id: str = SERVER_ID) -> "BrokerFiles":
         """The lab's files (Fleet.lab) into `folder`, for Mosquitto listening as `listener`
-        says. Deprecated: the listener's fields as keywords of their own (port=, bind=, root=,
-        run_as=, log=), the way lab.compose and lab.fleet_local still pass them."""
-        listener = _flat_listener(listener, listener_fields)
+        says."""
         files = cls.write_fleet(folder, Fleet.lab(slots, server_id), prefix, listener)
         return replace(files, server_id=server_id)
 
@@ -195,22 +191,6 @@ class BrokerFiles:
     def read(cls, folder: Path, prefix: str = "sled", server_id: str = SERVER_ID) -> "BrokerFiles":
         credentials = json.loads((Path(folder) / "credentials.json").read_text())
         return cls(Path(folder), credentials, prefix, server_id)
-
-
-# the fields of a Listener that BrokerFiles.write took as keywords of their own
-FLAT_LISTENER_FIELDS = ("port", "bind", "root", "run_as", "log")
-
-
-def _flat_listener(listener: Listener, fields: dict) -> Listener:
-    """`listener` with the old flat keywords of BrokerFiles.write (deprecated) applied."""
-    if not fields:
-        return listener
-    unknown = sorted(set(fields) - set(FLAT_LISTENER_FIELDS))
-    if unknown:
-        raise TypeError(f"BrokerFiles.write() got an unexpected keyword argument {unknown[0]!r}")
-    warnings.warn("BrokerFiles.write(..., port=, bind=, root=, run_as=, log=) is deprecated: "
-                  "pass a Listener", DeprecationWarning, stacklevel=3)
-    return replace(listener, **fields)
 
 
 def _write_passwords(path: Path, credentials: dict[str, str], run_as: str | None) -> None:

@@ -273,7 +273,7 @@ class Steps:
 
 def write_run_folder(lab: ComposeLab) -> None:
     """Broker files, the scenario, .env and the override for this fleet."""
-    from lab.broker import BrokerFiles
+    from lab.broker import BrokerFiles, Listener
 
     run_dir = lab.run_dir
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -282,8 +282,8 @@ def write_run_folder(lab: ComposeLab) -> None:
     slots = lab.scenario.slots()
     # The broker container stays root (`user root`): the password file is 0600 and the host's,
     # and a uid inside the image cannot be known from here.
-    files = BrokerFiles.write(run_dir / "broker", slots, root="/mosquitto/config", port=1883,
-                              run_as="root")
+    files = BrokerFiles.write(run_dir / "broker", slots,
+                              listener=Listener(root="/mosquitto/config", port=1883, run_as="root"))
     write_scenario(lab, run_dir)
     env = compose_env(lab, files.password("server"))
     write_secret(run_dir / ".env", "".join(f"{k}={v}\n" for k, v in env.items()))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from lab.broker import CONFIG_USER, LAB_USER, SERVER_USER, BrokerFiles
+from lab.broker import CONFIG_USER, LAB_USER, SERVER_USER, BrokerFiles, Listener
 from lab.fleet import DeviceHandle, FleetStartError
 from lab.health import wait_health
 from lab.scenario import DeviceSlot
@@ -70,10 +70,10 @@ class LocalFleet:
 
     async def start(self, slots: list[DeviceSlot]) -> None:
         (self.folder / "logs").mkdir(parents=True, exist_ok=True)
-        self.files = BrokerFiles.write(self.folder / "broker", slots, self.prefix,
-                                       port=self.broker_port, bind=HOST,
-                                       run_as=getpass.getuser() if os.geteuid() == 0 else None,
-                                       log=str(self.folder / "logs" / "mosquitto.log"))
+        listener = Listener(port=self.broker_port, bind=HOST,
+                            run_as=getpass.getuser() if os.geteuid() == 0 else None,
+                            log=str(self.folder / "logs" / "mosquitto.log"))
+        self.files = BrokerFiles.write(self.folder / "broker", slots, self.prefix, listener)
         self.broker = Broker(HOST, self.broker_port, username=LAB_USER,
                              password=self.files.password(LAB_USER), keepalive_s=5)
         self.config_broker = replace(self.broker, username=CONFIG_USER,

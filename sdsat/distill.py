@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ast
 import bisect
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,14 +150,11 @@ class DistillSpec:
 
 
 def build_distill_set(model: torch.nn.Module, tokenizer, documents: list[str],
-                      spec: DistillSpec | None = None, *, cache: Path | None = None,
-                      batch: int = 16, on_batch: Callable[[int, int], None] | None = None,
-                      **flat) -> DistillSet:
+                      spec: DistillSpec, *, cache: Path | None = None,
+                      batch: int = 16, on_batch: Callable[[int, int], None] | None = None
+                      ) -> DistillSet:
     """The generated set `spec` describes, continued from `cache` when it holds the same
-    prompts' first rows. on_batch(rows done, count) follows progress. Deprecated: spec's fields
-    as keywords of their own (prompt_len=, new_tokens=, count=, seed=, at=), the way
-    sled_cli.sdsat_lora still passes them."""
-    spec = _flat_spec(spec, flat)
+    prompts' first rows. on_batch(rows done, count) follows progress."""
     prompt_len, new_tokens, count = spec.prompt_len, spec.new_tokens, spec.count
     prompts = draw_prompts(tokenizer, documents, prompt_len, count, spec.seed, spec.at)
     done = None
@@ -178,16 +174,3 @@ def build_distill_set(model: torch.nn.Module, tokenizer, documents: list[str],
 
     sequences = greedy_continuations(model, prompts, new_tokens, batch, done, save)
     return DistillSet(sequences, prompt_len)
-
-
-def _flat_spec(spec: DistillSpec | None, flat: dict) -> DistillSpec:
-    """`spec`, or (deprecated) the DistillSpec build_distill_set's old flat keywords make."""
-    if spec is not None:
-        if flat:
-            raise TypeError(f"build_distill_set() got an unexpected keyword argument "
-                            f"{sorted(flat)[0]!r}")
-        return spec
-    if flat:
-        warnings.warn("build_distill_set(..., prompt_len=, new_tokens=, count=, seed=, at=) is "
-                      "deprecated: pass a DistillSpec", DeprecationWarning, stacklevel=3)
-    return DistillSpec(**flat)

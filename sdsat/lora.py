@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from verify_server.sat_lora import from_peft, load_deltas, peft_config
 from verify_server.sdsat import SatSpec
 from sdsat.distill import DistillSet
-from sdsat.train import (Checkpoints, check_checkpoint, flat_checkpoints, initial_adapter,
+from sdsat.train import (Checkpoints, check_checkpoint, initial_adapter,
                          restore_progress, resumed, save_checkpoint)
 
 
@@ -222,13 +222,11 @@ class LoraRun:
 
 def train_sat_lora(model, data: DistillSet, heldout: DistillSet, config: LoraTrainConfig,
                    start: SatSpec | None = None, checkpoints: Checkpoints = Checkpoints(),
-                   on_step: Callable[[int, dict, dict | None], None] | None = None,
-                   **flat) -> tuple[SatSpec, list[dict]]:
+                   on_step: Callable[[int, dict, dict | None], None] | None = None
+                   ) -> tuple[SatSpec, list[dict]]:
     """Train (from `start`, an adapter, when given); returns the SAT spec (embeddings + deltas)
     and the log (train_sat's format). The model is handed back with its own weights and no
-    adapter layers. Deprecated: checkpoints' fields as keywords of their own (checkpoint_dir=,
-    resume=, on_checkpoint=), the way sled_cli.sdsat_lora still passes them."""
-    checkpoints = flat_checkpoints(checkpoints, flat, "train_sat_lora")
+    adapter layers."""
     run = LoraRun(model, config, data, start)
     checkpoint_dir = resumed(run, checkpoints)
     start = time.perf_counter()

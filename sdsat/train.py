@@ -32,9 +32,8 @@ import copy
 import hashlib
 import json
 import time
-import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -90,24 +89,6 @@ class Checkpoints:
     folder: str | Path | None = None
     resume: bool = False
     on_checkpoint: Callable[[int, torch.Tensor | SatSpec, list[dict]], None] | None = None
-
-
-# the old flat keywords of the trainers, and the Checkpoints field each stands for
-FLAT_CHECKPOINT_KEYWORDS = {"checkpoint_dir": "folder", "resume": "resume",
-                            "on_checkpoint": "on_checkpoint"}
-
-
-def flat_checkpoints(checkpoints: Checkpoints, flat: dict, trainer: str) -> Checkpoints:
-    """Deprecated: `checkpoints` with the trainer's old flat keywords (checkpoint_dir=,
-    resume=, on_checkpoint=) applied, for callers that still pass them."""
-    if not flat:
-        return checkpoints
-    unknown = sorted(set(flat) - set(FLAT_CHECKPOINT_KEYWORDS))
-    if unknown:
-        raise TypeError(f"{trainer}() got an unexpected keyword argument {unknown[0]!r}")
-    warnings.warn(f"{trainer}(..., checkpoint_dir=, resume=, on_checkpoint=) is deprecated: pass "
-                  "Checkpoints", DeprecationWarning, stacklevel=3)
-    return replace(checkpoints, **{FLAT_CHECKPOINT_KEYWORDS[k]: v for k, v in flat.items()})
 
 
 @dataclass(slots=True)

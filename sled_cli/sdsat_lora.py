@@ -12,7 +12,7 @@ def train_lora(args, console) -> int:
     from sled_cli.sdsat_train import finish, load, on_step, plot_log, progress_bar
     from sdsat.corpus import load_documents
     from sdsat.lora import LoraTrainConfig, train_sat_lora
-    from sdsat.train import LOG_FILE, PLOT_FILE, TrainingFolder
+    from sdsat.train import LOG_FILE, PLOT_FILE, Checkpoints, TrainingFolder
 
     config = LoraTrainConfig(
         slots=args.slots, rank=args.rank, alpha=args.alpha, steps=args.steps, batch=args.batch,
@@ -43,9 +43,9 @@ def train_lora(args, console) -> int:
                   f"{config.slots} slots, LoRA r={config.rank}; {seen} training cuts "
                   f"({seen * config.slots} SAT-slot labels)")
     with progress_bar("SAT LoRA training") as progress:
-        spec, log = train_sat_lora(model, train, held, config, start, checkpoint_dir=checkpoint_dir,
-                                   resume=args.resume, on_step=on_step(progress, config.steps),
-                                   on_checkpoint=folder.on_checkpoint)
+        checkpoints = Checkpoints(checkpoint_dir, args.resume, folder.on_checkpoint)
+        spec, log = train_sat_lora(model, train, held, config, start, checkpoints,
+                                   on_step(progress, config.steps))
     folder.metadata.update(training_cuts=seen, generated_tokens=data.new_tokens * len(data.sequences))
     adapter = folder.save(spec, log, config, {"train": len(train.sequences),
                                               "heldout": len(held.sequences)}, model, tokenizer)
@@ -58,7 +58,7 @@ def _distill(args, console, model, tokenizer, documents, checkpoint_dir: Path):
     """The greedy continuations, generated (or continued from the checkpoint folder's copy)."""
     from sled.progress import plain_line
     from sled_cli.sdsat_train import progress_bar
-    from sdsat.distill import build_distill_set
+    from sdsat.distill import DistillSpec, build_distill_set
 
     with progress_bar("greedy continuations") as progress:
         task = progress.add_task("distill", total=args.prompts, status="")
@@ -67,10 +67,10 @@ def _distill(args, console, model, tokenizer, documents, checkpoint_dir: Path):
             progress.update(task, completed=done, status=f"{done} of {total} prompts")
             plain_line(f"greedy continuations: {done} of {total} prompts")
 
-        data = build_distill_set(
-            model, tokenizer, documents, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-            count=args.prompts, seed=args.seed, at=args.prompts_at,
-            cache=checkpoint_dir / "distill.pt", on_batch=on_batch)
+        spec = DistillSpec(args.prompt_len, args.new_tokens, args.prompts, args.seed,
+                           args.prompts_at)
+        data = build_distill_set(model, tokenizer, documents, spec,
+                                 cache=checkpoint_dir / "distill.pt", on_batch=on_batch)
     console.print(f"{len(data.sequences)} prompts continued greedily "
                   f"({len(data.sequences) * data.new_tokens} target tokens)")
     return data

@@ -153,7 +153,7 @@ async def test_measured_hints_worse_than_the_drafter_are_not_used(serve, models,
 
 
 async def test_sat_modes_refused_without_sats(serve, models, prompts):
-    server = await serve(models["llama"], max_draft_len=4)
+    server = await serve(models["llama"], max_draft_tokens=4)
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as caught:

@@ -307,7 +307,7 @@ async def test_malformed_trees_are_invalid_argument_and_others_go_on(serve, mode
 
 
 async def test_too_many_tree_tokens_is_draft_too_long(serve, models, prompts):
-    server = await serve(models["llama"], max_draft_len=4)
+    server = await serve(models["llama"], max_draft_tokens=4)
     code, detail, _ = await refusal(server, [open_msg(prompts[0]),
                                              tree_draft(0, [5] * 5, [0, 0, 0, 0, 0])])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and detail.reason == Reason.REASON_DRAFT_TOO_LONG
@@ -408,7 +408,7 @@ async def test_a_wide_tree_is_cut_to_the_servers_draft_limit(serve, models, prom
     """Cacheback at k = 8 and 4 candidates per position could draft 32 tokens; a server that
     verifies at most 8 gets trees of at most 8, and the output is still generate()'s."""
     model = models["llama"]
-    server = await serve(model, max_draft_len=8)
+    server = await serve(model, max_draft_tokens=8)
     shared = Recording(CachebackDrafter(leader=1, follower=1))
     for prompt in prompts[:4]:
         result = await generate(server_stub(server), shared, prompt, max_new_tokens=MAX_NEW,

@@ -82,12 +82,12 @@ def write_traces(specs: Sequence[str], prompt_ids: Sequence[Sequence[int]],
                  target: str) -> list[Path]:
     """One trace file per calibrated pair in SPECS: a synthetic trace per prompt along the
     target's greedy output, drawn with the pair's acceptance (the same seed for every pair)."""
-    from lab.traces.synthetic import synthetic_trace_set
+    from lab.traces.synthetic import SyntheticDrafter, synthetic_trace_set
 
     written = []
     for spec in sorted({s for s in specs if is_calibrated(s)}):
         pair = load_calibration(spec)
-        traces = synthetic_trace_set(prompt_ids, outputs, pair.acceptance, MAX_K, vocab_size,
-                                     SEED, target, f"calibrated:{pair.name}", None)
+        drafter = SyntheticDrafter(pair.acceptance, MAX_K, SEED, f"calibrated:{pair.name}")
+        traces = synthetic_trace_set(prompt_ids, outputs, drafter, vocab_size, target, None)
         written.append(traces.save(trace_file(traces_dir, spec)))
     return written

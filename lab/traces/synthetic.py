@@ -19,9 +19,6 @@ The profile comes from a stated source: measured from a recorded trace of a real
 """
 from __future__ import annotations
 
-import functools
-import inspect
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -119,38 +116,6 @@ class SyntheticDrafter:
         return f"synthetic[{self.source}]"
 
 
-# synthetic_trace_set's parameters before the drafter's travelled as one SyntheticDrafter
-FLAT_SIGNATURE = inspect.Signature(
-    [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-     for name in ("prompts", "outputs", "profile", "max_draft_len", "vocab_size", "seed", "target",
-                  "source", "fingerprint")]
-    + [inspect.Parameter("draft_ms_per_token", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=0.0)])
-
-
-def _flat_arguments(draws):
-    """Deprecated: lets synthetic_trace_set be called the old way too, the drafter's fields
-    among the other arguments (FLAT_SIGNATURE: prompts, outputs, profile, max_draft_len,
-    vocab_size, seed, target, source, fingerprint, draft_ms_per_token=0.0), as
-    lab.traces.calibrated still does. A call is the old way when its third argument is not a
-    SyntheticDrafter."""
-    @functools.wraps(draws)
-    def either(*args, **keywords):
-        flat = "profile" in keywords or (len(args) > 2 and not isinstance(args[2], SyntheticDrafter))
-        if not flat:
-            return draws(*args, **keywords)
-        warnings.warn("synthetic_trace_set(prompts, outputs, profile, max_draft_len, ...) is "
-                      "deprecated: pass a SyntheticDrafter", DeprecationWarning, stacklevel=2)
-        old = FLAT_SIGNATURE.bind(*args, **keywords)
-        old.apply_defaults()
-        a = old.arguments
-        drafter = SyntheticDrafter(a["profile"], a["max_draft_len"], a["seed"], a["source"],
-                                   a["draft_ms_per_token"])
-        return draws(a["prompts"], a["outputs"], drafter, a["vocab_size"], a["target"],
-                     a["fingerprint"])
-    return either
-
-
-@_flat_arguments
 def synthetic_trace_set(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                         drafter: SyntheticDrafter, vocab_size: int, target: str,
                         fingerprint: str | None) -> TraceSet:
