@@ -13,10 +13,10 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from sled.cache import write_atomically
-from sled.sampling import Sampling, warp
-from sled.tree import chain_parents, is_chain
+from sled.wire.sampling import Sampling, warp
+from sled.wire.tree import chain_parents, is_chain
 
-FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")  # what sled.fingerprint makes
+FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")  # what sled.wire.fingerprint makes
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,7 @@ class Proposal:
     # [draft_len]: the drafter's probability of each token it drafted (greedy: its softmax max; sampling:
     # q of the drawn token), or None when it was not asked for or the drafter has none
     confidence: list[float] | None = None
-    # [draft_len]: a tree draft's parent indices (sled.tree: 0 = the context's last token, i =
+    # [draft_len]: a tree draft's parent indices (sled.wire.tree: 0 = the context's last token, i =
     # token_ids[i - 1]); None for a chain. A tree's q is None (deterministic candidates).
     parents: list[int] | None = None
 
@@ -41,7 +41,7 @@ class Proposal:
 @runtime_checkable
 class Drafter(Protocol):
     name: str
-    # sha256 of the drafter's tokenizer (sled.fingerprint), or None when it has none of its own
+    # sha256 of the drafter's tokenizer (sled.wire.fingerprint), or None when it has none of its own
     # (the n-gram drafter drafts in the target's ids).
     tokenizer_fingerprint: str | None
 
@@ -268,12 +268,12 @@ class KVDrafter:
 # -- a drafter's tokenizer fingerprint, cached on disk (computing one takes seconds) -------------
 
 def tokenizer_json_fingerprint(path: Path) -> str:
-    """sled.fingerprint of a tokenizer.json read with the `tokenizers` library: the same
+    """sled.wire.fingerprint of a tokenizer.json read with the `tokenizers` library: the same
     (id, token) table transformers' tokenizer of that file reports, added tokens included,
     without importing transformers (a few seconds for gemma3's 33 MB file, not ten)."""
     import tokenizers
 
-    from sled.fingerprint import fingerprint_vocab
+    from sled.wire.fingerprint import fingerprint_vocab
 
     tokenizer = tokenizers.Tokenizer.from_file(str(path))
     return fingerprint_vocab(tokenizer.get_vocab(with_added_tokens=True))

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from drafters.base import Proposal, tree_proposal
-from sled.sampling import Sampling
-from sled.tree import Trie
+from sled.wire.sampling import Sampling
+from sled.wire.tree import Trie
 
 OPTIONS = {"leader": 2, "follower": 4, "size": 65536, "width": 4}
 ANCHOR = 64            # a context is recognised by its first tokens (see CachebackDrafter._feed)
@@ -77,7 +77,7 @@ class CachebackDrafter:
     def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
                 generator: np.random.Generator | None = None, *, tree: int = 1) -> Proposal:
         """tree=N > 1: up to N of the context's followers each start a branch, every branch
-        continued as a chain is, merged where they share a start (sled.tree.Trie). Its candidates
+        continued as a chain is, merged where they share a start (sled.wire.tree.Trie). Its candidates
         are deterministic (q one-hot), so a sampling session may send the tree too."""
         tokens = list(context)
         with self._lock:

@@ -33,7 +33,7 @@ import numpy as np
 
 from drafters.base import Proposal
 from drafters.text_codecs import REPLACEMENT, TargetText, TextCodec, codec_of, text_after
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 
 WINDOW = 8      # ids decoded before new ones, so a decoder sees them mid-text
 SETTLE = 16     # drafter ids after an anchor: text appended later cannot merge back past them

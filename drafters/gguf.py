@@ -22,7 +22,7 @@ import numpy as np
 
 from drafters.base import KVDrafter, drafter_threads, read_fingerprint, write_fingerprint
 from sled.cache import cache_dir
-from sled.fingerprint import fingerprint_vocab
+from sled.wire.fingerprint import fingerprint_vocab
 from sled.gguf_metadata import read_metadata
 from sled.progress import phase
 
@@ -105,7 +105,7 @@ def open_llama(path: Path, n_threads: int | None = None, n_ctx: int = 4096) -> l
 
 
 def gguf_fingerprint(path: Path) -> str:
-    """sled.fingerprint of the tokenizer the GGUF file carries in its metadata.
+    """sled.wire.fingerprint of the tokenizer the GGUF file carries in its metadata.
 
     The (id, token) table is tokenizer.ggml.tokens, spelled the way transformers' conversion of
     the same file spells it (gguf_vocab), so a drafter and a target loaded or converted from one

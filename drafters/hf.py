@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from drafters.base import KVDrafter
-from sled.fingerprint import fingerprint_tokenizer
+from sled.wire.fingerprint import fingerprint_tokenizer
 
 
 class HFDrafter(KVDrafter):

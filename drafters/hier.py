@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from drafters.base import KVDrafter, Proposal, common_prefix, observes_context
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 
 GREEDY = Sampling()
 

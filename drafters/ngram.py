@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from drafters.base import Proposal
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 
 
 class NgramDrafter:

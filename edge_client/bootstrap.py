@@ -20,7 +20,7 @@ from edge_client.servers import NoServer, ServerDirectory
 from edge_client.settings import DeviceSettings, SettingsError
 from edge_client.tokenizer import tokenizer_fingerprint
 from sled.cache import CacheError
-from sled.fingerprint import short
+from sled.wire.fingerprint import short
 from sled.printable import printable
 
 

@@ -37,7 +37,7 @@ from edge_client.transport import connect_error
 from sled.cache import (MAX_FINGERPRINT_CHARS, CacheError, cache_dir, manifest_fingerprint,
                         partial_dir, publish, read_manifest, record_fingerprint, tokenizer_dir,
                         verify_folder, write_manifest)
-from sled.fingerprint import files_fingerprint, fingerprint_tokenizer, short
+from sled.wire.fingerprint import files_fingerprint, fingerprint_tokenizer, short
 from sled.memory import release_freed_heap
 from sled.printable import printable
 from sled.v1 import verifier_pb2 as pb

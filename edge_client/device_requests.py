@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from edge_client.bootstrap import Bootstrap
 from edge_client.device_status import DeviceMetrics, DeviceState
 from edge_client.settings import DeviceSettings
-from sled.loose import Loose
-from sled.sampling import Sampling
+from sled.wire.loose import Loose
+from sled.wire.sampling import Sampling
 
 
 class DeviceError(Exception):

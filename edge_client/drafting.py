@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from drafters.base import Drafter, Proposal, drafts_trees, observes_context, reports_confidence
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 
 
 class SharedDrafter:

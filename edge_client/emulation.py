@@ -24,8 +24,8 @@ import numpy as np
 from drafters.base import Drafter, Proposal, drafts_trees, observes_context, reports_confidence
 from edge_client.transport import Stream, Transport, VerifyError
 from sled.plugins import plugin
-from sled.tree import depths
-from sled.sampling import Sampling
+from sled.wire.tree import depths
+from sled.wire.sampling import Sampling
 
 LINK_DOWN = "the emulated link is down"
 # A paced draft is late when it returned more than this past the board's time (a share of that

@@ -43,11 +43,12 @@ import aiomqtt
 from edge_client.backoff import Backoff, broker_backoff
 from edge_client.daemon import Device, DeviceError, Request
 from edge_client.text import OutputText
-from sled.endpoint import parse_endpoint
-from sled.mqtt import (Broker, MqttConnection, check_topic_level, decode, device_topic,
-                       encode, is_topic_level, server_topic)
+from sled.wire.endpoint import parse_endpoint
+from sled.mqtt import Broker, MqttConnection
+from sled.wire.topics import (check_topic_level, decode, device_topic, encode, is_topic_level,
+                              server_topic)
 from sled.printable import printable
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 
 log = logging.getLogger("sled.device.mqtt")
 

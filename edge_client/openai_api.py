@@ -11,7 +11,7 @@ server's lossless verification (or, opted in, from the drafter alone, marked as 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with SSE
 streaming), GET /health (the device's status; 503 unless ready), GET /metrics (Prometheus).
 Extensions beyond OpenAI's fields: top_k, ignore_eos, stop_token_ids, and loose ({"window": W,
-"entropy": H}: opt-in loose verification for a greedy request, sled.loose). An answer that is not
+"entropy": H}: opt-in loose verification for a greedy request, sled.wire.loose). An answer that is not
 the target's own (the two opt-in lossy modes: drafted alone as a fallback, or loosely verified)
 carries `"sled": {"lossless": false}` (with `"verification": "loose"` for the second; when not
 streamed also the header `X-Sled-Lossless: false`).
@@ -43,11 +43,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from edge_client.daemon import Device, DeviceError, Request
 from edge_client.settings import DeviceSettings
 from edge_client.text import OutputText
-from sled.auth import HEADER, bearer_token
+from sled.wire.auth import HEADER, bearer_token
 from sled.chat_templates import builtin_chat_template, turn_end_ids
 from sled.printable import printable
-from sled.loose import MAX_ENTROPY, MAX_WINDOW, Loose
-from sled.sampling import Sampling
+from sled.wire.loose import MAX_ENTROPY, MAX_WINDOW, Loose
+from sled.wire.sampling import Sampling
 from sled.settings_files import SettingsError
 
 log = logging.getLogger("sled.api")
@@ -104,7 +104,7 @@ class StreamOptions(_Strict):
 
 
 class LooseBody(_Strict):
-    """Opt-in loose verification (sled.loose): NOT lossless; greedy requests only."""
+    """Opt-in loose verification (sled.wire.loose): NOT lossless; greedy requests only."""
     window: int = Field(2, ge=1, le=MAX_WINDOW)
     entropy: float = Field(0.5, gt=0.0, lt=MAX_ENTROPY)
 

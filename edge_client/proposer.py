@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from drafters.base import (Drafter, Proposal, SparseQ, confidence_options, drafts_trees,
                            observes_context, tree_proposal)
 from edge_client.speculation import Speculation
-from sled.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator
-from sled.tree import chain_parents, cut
+from sled.wire.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator
+from sled.wire.tree import chain_parents, cut
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import grpc
 
-from sled.auth import bearer_metadata
-from sled.endpoint import parse_endpoint
+from sled.wire.auth import bearer_metadata
+from sled.wire.endpoint import parse_endpoint
 from sled.printable import printable
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 

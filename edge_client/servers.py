@@ -18,7 +18,7 @@ import grpc
 
 from edge_client.connection import Connection
 from edge_client.security import ChannelSecurity
-from sled.fingerprint import short
+from sled.wire.fingerprint import short
 from sled.printable import printable
 
 log = logging.getLogger("sled.device")

@@ -29,7 +29,7 @@ from edge_client.result import LOST, RESUMED, GenerationResult, RoundStat, Serve
 from edge_client.speculation import Speculation
 from edge_client.transport import ServerLost, Stream, Transport, VerifyError, lost_server
 from edge_client.wire import SessionRequest, draft_message, drafter_label
-from sled.fingerprint import short
+from sled.wire.fingerprint import short
 from sled.printable import printable
 from sled.v1 import verifier_pb2 as pb
 
@@ -522,7 +522,7 @@ def device_session(stub, drafter: Drafter, request: SessionRequest,
     known refuses a drafter with another tokenizer before anything is sent (naming the target's
     model). request.cache_salt scopes the server's prefix cache: sessions share cached prompt
     blocks only with the same salt from the same host. request.loose: opt-in loose verification
-    (sled.loose): the output is then NOT exactly the target's."""
+    (sled.wire.loose): the output is then NOT exactly the target's."""
     request = replace(request, fingerprint=drafter_fingerprint(drafter, target.fingerprint, target.model),
                       drafter=drafter_name(drafter))
     return DeviceSession(stub, drafter, request, settings, policy=policy, transport=transport,

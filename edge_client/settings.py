@@ -25,8 +25,8 @@ from pydantic_settings import (
 )
 
 from edge_client.emulation import board, check_link
-from sled.endpoint import parse_endpoint
-from sled.mqtt import DEFAULT_PREFIX, check_topic_level, check_topic_prefix
+from sled.wire.endpoint import parse_endpoint
+from sled.wire.topics import DEFAULT_PREFIX, check_topic_level, check_topic_prefix
 from sled.settings_files import SettingsError, file_source, settings_file
 
 ENV_PREFIX = "SLED_DEVICE_"

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from drafters.base import Proposal, SparseQ
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 
 log = logging.getLogger(__name__)
 

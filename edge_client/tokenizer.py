@@ -3,7 +3,7 @@
 DeviceTokenizer.load(folder) reads what transformers' save_pretrained writes (the files a
 server's GetTokenizer sends, a cached copy, a local folder): tokenizer.json, and when present
 tokenizer_config.json, chat_template.jinja and special_tokens_map.json. It gives the same ids,
-text, vocabulary (so the same sled.fingerprint) and chat prompts as transformers 5's tokenizer of
+text, vocabulary (so the same sled.wire.fingerprint) and chat prompts as transformers 5's tokenizer of
 that folder, for the part of its interface sled uses.
 
 How transformers 5 reads such a folder, and so how this does:
@@ -34,7 +34,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, processors
 
-from sled.fingerprint import fingerprint_tokenizer
+from sled.wire.fingerprint import fingerprint_tokenizer
 from sled.memory import release_freed_heap
 
 NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -56,9 +56,9 @@ class DeviceTokenizer:
         config = dict(config or {})
         self.backend = backend
         self.chat_template = chat_template
-        # sled.fingerprint of these very files when they were checked against it, else None
+        # sled.wire.fingerprint of these very files when they were checked against it, else None
         self.fingerprint: str | None = None
-        # sled.fingerprint.files_fingerprint of the files it was loaded from, when a server's
+        # sled.wire.fingerprint.files_fingerprint of the files it was loaded from, when a server's
         self.files_sha256: str | None = None
         self._named, self._extra = _special_tokens(config, special_tokens_map)
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
@@ -198,7 +198,7 @@ class DeviceTokenizer:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """sled.fingerprint of TOKENIZER: the one its files were checked against when it carries it
+    """sled.wire.fingerprint of TOKENIZER: the one its files were checked against when it carries it
     (a DeviceTokenizer from a checked copy), else hashed from its vocabulary, and the hash's freed
     heap given back."""
     known = tokenizer.fingerprint if isinstance(tokenizer, DeviceTokenizer) else None

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drafters.base import Proposal
-from sled.loose import Loose
-from sled.sampling import Sampling
+from sled.wire.loose import Loose
+from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 
 DRAFTER_NAME_CHARS = 128     # the server refuses a longer Open.drafter

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sled.mqtt import check_topic_level, check_topic_prefix, device_topic, server_topic
+from sled.wire.topics import check_topic_level, check_topic_prefix, device_topic, server_topic
 from sled.pki import write_secret
 from sled.printable import printable
 

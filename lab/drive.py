@@ -138,7 +138,7 @@ def make_sender(via: str, fleet, scenario, references, clock, tokenizer):
 
 
 def topic_prefix(fleet) -> str:
-    from sled.mqtt import DEFAULT_PREFIX
+    from sled.wire.topics import DEFAULT_PREFIX
     return getattr(fleet, "topic_prefix", None) or getattr(fleet, "prefix", None) or DEFAULT_PREFIX
 
 

@@ -23,7 +23,7 @@ import uuid
 import aiomqtt
 
 from lab.drive import FIRST_CHUNK_TIMEOUT_S, STALL_TIMEOUT_S, Attempt, new_request_id
-from sled.mqtt import decode, device_topic, encode
+from sled.wire.topics import decode, device_topic, encode
 
 log = logging.getLogger("sled.lab.drive")
 

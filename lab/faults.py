@@ -18,7 +18,7 @@ from lab.broker import CONFIG_USER
 from lab.fleet import DeviceHandle, Fleet
 from lab.health import Health, wait_health
 from lab.scenario import Fault
-from sled.mqtt import device_topic, encode
+from sled.wire.topics import device_topic, encode
 
 
 async def run_faults(fleet: Fleet, faults: list[Fault], started: float, prefix: str = "sled") -> list[dict]:

@@ -51,7 +51,7 @@ def cache_dir() -> Path:
 
 def tokenizer_dir(fingerprint: str, files_sha256: str) -> Path:
     """The on-disk copy of the tokenizer with this fingerprint made of these very files
-    (sled.fingerprint.files_fingerprint): two servers with one vocabulary and other files never
+    (sled.wire.fingerprint.files_fingerprint): two servers with one vocabulary and other files never
     share a copy. Named by a hash of both (they come from a server and never become a path)."""
     key = hashlib.sha256(f"{fingerprint}\n{files_sha256}".encode("utf-8", "surrogatepass")).hexdigest()
     return cache_dir() / "tokenizers" / key

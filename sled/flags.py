@@ -40,8 +40,8 @@ fraction = _checked(float, "a number in [0, 1)", lambda v: 0 <= v < 1)
 
 
 def loose_flag(text: str):
-    """--loose WINDOW:ENTROPY -> sled.loose.Loose (a bad value is a usage error: exit 2)."""
-    from sled.loose import Loose
+    """--loose WINDOW:ENTROPY -> sled.wire.loose.Loose (a bad value is a usage error: exit 2)."""
+    from sled.wire.loose import Loose
 
     try:
         return Loose.parse(text)

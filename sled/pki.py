@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sled.mqtt import check_topic_level, is_topic_level
+from sled.wire.topics import check_topic_level, is_topic_level
 from sled.printable import printable
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from lab.broker import BrokerFiles, BrokerTls, Fleet, Listener, passwords_owner
-from sled.mqtt import DEFAULT_PREFIX
+from sled.wire.topics import DEFAULT_PREFIX
 from sled.pki import Pki
 from sled_cli.certs import id_list
 from sled.flags import one_line, positive_int

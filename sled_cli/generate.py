@@ -162,7 +162,7 @@ def _round_inputs(args, server_modes):
     for; ValueError or OSError says which flag is wrong."""
     from drafters import load_drafter
     from edge_client.session import RoundSettings
-    from sled.sampling import Sampling
+    from sled.wire.sampling import Sampling
 
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed)

@@ -8,7 +8,7 @@ DEFAULT_LORA_LR = 2e-3
 
 
 def train_lora(args, console) -> int:
-    from sled.fingerprint import fingerprint_tokenizer
+    from sled.wire.fingerprint import fingerprint_tokenizer
     from sled_cli.sdsat_train import finish, load, on_step, plot_log, progress_bar
     from sdsat.corpus import load_documents
     from sdsat.lora import LoraTrainConfig, train_sat_lora

@@ -83,7 +83,7 @@ def _train(args, console) -> int:
         from sled_cli.sdsat_lora import train_lora
 
         return train_lora(args, console)
-    from sled.fingerprint import fingerprint_tokenizer
+    from sled.wire.fingerprint import fingerprint_tokenizer
     from sdsat.corpus import load_documents, split_heldout, tokenize_documents
     from sdsat.train import LOG_FILE, PLOT_FILE, Checkpoints, TrainingFolder, train_sat
 

@@ -69,7 +69,7 @@ def run_sled(*args: str, timeout: float) -> subprocess.CompletedProcess:
 
 def count_fingerprints(monkeypatch, module) -> list[int]:
     """Counts the vocabulary hashes MODULE makes through its fingerprint_tokenizer (one 1 each)."""
-    from sled.fingerprint import fingerprint_tokenizer
+    from sled.wire.fingerprint import fingerprint_tokenizer
 
     calls: list[int] = []
 
@@ -190,7 +190,7 @@ def rekey(folder: Path, fingerprint: str) -> tuple[Path, str]:
     import shutil
 
     from sled.cache import tokenizer_dir
-    from sled.fingerprint import files_fingerprint
+    from sled.wire.fingerprint import files_fingerprint
 
     files = files_fingerprint({p.name: hashlib.sha256(p.read_bytes()).hexdigest()
                                for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")})

@@ -15,7 +15,8 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from sled.mqtt import Broker, decode
+from sled.mqtt import Broker
+from sled.wire.topics import decode
 
 CANDIDATES = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
 

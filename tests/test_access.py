@@ -16,7 +16,7 @@ from conftest import greedy_reference
 from drafters.ngram import NgramDrafter
 from edge_client.security import AuthorizedStub, ChannelSecurity
 from edge_client.session import generate
-from sled.auth import bearer_metadata, bearer_token
+from sled.wire.auth import bearer_metadata, bearer_token
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from verify_server.auth import Gate, TokenFileError, read_token_file

@@ -20,7 +20,7 @@ from drafters.hf import HFDrafter
 from drafters.ngram import NgramDrafter
 from edge_client.session import RoundSettings, generate
 from edge_client.transport import VerifyError
-from sled.fingerprint import fingerprint_tokenizer, fingerprint_vocab, short
+from sled.wire.fingerprint import fingerprint_tokenizer, fingerprint_vocab, short
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from lab.tiny import make_tokenizer

@@ -17,7 +17,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from edge_client.daemon import DeviceError, Request
 from sled.printable import printable
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from test_bad_input import (OTHER_FP, assert_refused, draft_msg, open_msg, raw,  # noqa: F401
                             run_steps, wait_clean)
@@ -240,7 +240,7 @@ async def test_the_api_echoes_names_escaped_and_short(api):
 
 def test_a_device_names_its_drafter_without_its_paths_within_the_servers_limit(tmp_path):
     from edge_client.wire import DRAFTER_NAME_CHARS, SessionRequest, drafter_label, open_message
-    from sled.sampling import Sampling
+    from sled.wire.sampling import Sampling
     from verify_server.validation import TEXT_LIMITS
 
     deep = tmp_path.joinpath(*["folder"] * 40, "SmolLM2-135M.Q8_0.gguf")

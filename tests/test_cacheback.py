@@ -7,7 +7,7 @@ import pytest
 
 from drafters import load_drafter
 from drafters.cacheback import CachebackDrafter, FollowerTable
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 
 GREEDY = Sampling()
 

@@ -22,7 +22,7 @@ from conftest import keep_tokenizer, rekey
 from edge_client.connection import Connection, _files_sha256, cached_tokenizer
 from sled.cache import (MANIFEST, cache_dir, read_manifest, stamp_file, tokenizer_dir, verified_file,
                         verify_folder, write_manifest)
-from sled.fingerprint import fingerprint_tokenizer
+from sled.wire.fingerprint import fingerprint_tokenizer
 
 PROMPT = "def add(a, b):"
 

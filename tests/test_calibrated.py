@@ -15,7 +15,7 @@ from lab.traces.calibrated import (MAX_K, calibrations, load_calibration, trace_
 from lab.traces.format import Trace, TraceSet
 from lab.traces.replay import TraceDivergence, TraceSetDrafter
 from lab.traces.synthetic import acceptance_profile
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 
 GREEDY = Sampling(temperature=0.0)
 

@@ -14,7 +14,7 @@ from drafters.base import Proposal
 from drafters.cross_tokenizer import (CrossTokenizerDrafter, DecodedContext, EncodedText, settled,
                                       target_draft)
 from drafters.text_codecs import HFCodec, TargetText
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 
 GREEDY = Sampling()
 

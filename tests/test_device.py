@@ -9,7 +9,7 @@ import pytest
 from drafters.hf import HFDrafter
 from edge_client.daemon import Device, DeviceError, Request
 from edge_client.settings import DeviceSettings, SettingsError
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from tests.conftest import greedy_reference
 
 

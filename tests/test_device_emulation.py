@@ -11,7 +11,7 @@ from edge_client.daemon import Device, Request
 from edge_client.emulation import PacedDrafter
 from edge_client.settings import LIVE_KEYS, DeviceSettings, SettingsError, load_settings
 from lab.profiles import DEVICES, device_profile
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from tests.conftest import greedy_reference
 
 SLOW_BOARD = "instant:draft_ms_per_token=25,round_overhead_ms=5"

@@ -19,7 +19,7 @@ from edge_client.wire import SessionRequest
 from lab.link import LinkStream
 from lab.profiles import Link, LinkProfile
 from lab.server_process import free_port
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 

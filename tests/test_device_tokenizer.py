@@ -23,7 +23,7 @@ from edge_client.openai_api import ApiError, Message, chat_prompt
 from edge_client.settings import SettingsError
 from edge_client.tokenizer import DeviceTokenizer, tokenizer_fingerprint
 from sled.chat_templates import GEMMA3, turn_end_ids, with_chat_template
-from sled.fingerprint import fingerprint_tokenizer
+from sled.wire.fingerprint import fingerprint_tokenizer
 from conftest import count_fingerprints
 
 TEXTS = [

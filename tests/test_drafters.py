@@ -15,8 +15,8 @@ from drafters import load_drafter
 from drafters.base import Drafter, Proposal, common_prefix
 from drafters.hf import HFDrafter
 from drafters.ngram import NgramDrafter
-from sled.fingerprint import fingerprint_tokenizer, fingerprint_vocab, short
-from sled.sampling import Sampling
+from sled.wire.fingerprint import fingerprint_tokenizer, fingerprint_vocab, short
+from sled.wire.sampling import Sampling
 from lab.tiny import make_tokenizer, save_pair
 
 GREEDY = Sampling()

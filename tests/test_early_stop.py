@@ -18,7 +18,7 @@ from drafters.ngram import NgramDrafter
 from edge_client.session import RoundSettings, generate
 from lab.profiles import DeviceProfile
 from lab.traces import Trace, TraceDrafter, TraceSet, record_traces
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from sled.v1.verifier_pb2_grpc import VerifierStub
 
 VOCAB = 16

@@ -7,8 +7,9 @@ import pytest
 from edge_client.mqtt import parse_request
 from edge_client.daemon import DeviceError
 from edge_client.settings import DeviceSettings
-from sled.endpoint import Endpoint, parse_endpoint
-from sled.mqtt import Broker, check_topic_level, check_topic_prefix, is_topic_level
+from sled.wire.endpoint import Endpoint, parse_endpoint
+from sled.mqtt import Broker
+from sled.wire.topics import check_topic_level, check_topic_prefix, is_topic_level
 from verify_server.announce import AnnounceConfig
 
 

@@ -117,7 +117,7 @@ def test_missing_extra_is_a_value_error_naming_its_extra():
 
 
 # The device side without torch and transformers. This needs the device side's own numpy
-# sampling (drafters.base, sled.sampling) and tokenizer (edge_client.tokenizer) to be free of both.
+# sampling (drafters.base, sled.wire.sampling) and tokenizer (edge_client.tokenizer) to be free of both.
 
 DEVICE_MODULES = ("edge_client.daemon", "edge_client.openai_api", "edge_client.mqtt",
                   "drafters.gguf", "drafters.ngram", "drafters", "sled_cli.device",

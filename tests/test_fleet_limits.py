@@ -14,7 +14,7 @@ from edge_client.connection import Connection
 from edge_client.security import ChannelSecurity
 from edge_client.session import generate
 from edge_client.wire import SessionRequest, open_message
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from tests.conftest import greedy_reference
 from tests.test_access import PROMPT, TOKENS, stub_of, token_file

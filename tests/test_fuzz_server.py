@@ -28,7 +28,7 @@ from edge_client.session import generate
 from lab.fuzz import (RSS_GROWTH_MIB, STREAM_TIMEOUT_S, NormalSession, Wire, assert_clear_ending,
                       exchange, fuzz_traffic, raw_generate)
 from lab.tiny import CORPUS, make_tokenizer
-from sled.fingerprint import fingerprint_tokenizer
+from sled.wire.fingerprint import fingerprint_tokenizer
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from verify_server.server import start_server

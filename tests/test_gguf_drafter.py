@@ -17,7 +17,7 @@ import llama_cpp  # noqa: E402
 from drafters import load_drafter, resolve_spec  # noqa: E402
 from drafters.base import Proposal  # noqa: E402
 from drafters.gguf import GGUFDrafter, gguf_fingerprint, open_llama  # noqa: E402
-from sled.sampling import Sampling  # noqa: E402
+from sled.wire.sampling import Sampling  # noqa: E402
 from sled.models import gguf_path  # noqa: E402
 
 GREEDY = Sampling()
@@ -194,7 +194,7 @@ def test_fingerprint_is_the_tokenizer_transformers_converts_from_the_gguf(path, 
     from transformers import AutoTokenizer
 
     import drafters.gguf
-    from sled.fingerprint import fingerprint_tokenizer
+    from sled.wire.fingerprint import fingerprint_tokenizer
 
     gemma3 = gguf_path("gemma3-270m")  # before SLED_CACHE moves: it is assembled under the cache
     monkeypatch.setenv("SLED_CACHE", str(tmp_path))

@@ -11,7 +11,7 @@ pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp")   # drafters.gguf runs on it
 
 from drafters.base import tokenizer_json_fingerprint  # noqa: E402
-from sled.fingerprint import fingerprint_vocab  # noqa: E402
+from sled.wire.fingerprint import fingerprint_vocab  # noqa: E402
 
 ALIASES = ("smollm2-135m", "gemma3-270m")
 
@@ -115,7 +115,7 @@ def test_the_fingerprint_is_transformers_own_conversion_of_the_gguf(tmp_path, mo
     goes through its converted copy above)."""
     from transformers import AutoTokenizer
 
-    from sled.fingerprint import fingerprint_tokenizer
+    from sled.wire.fingerprint import fingerprint_tokenizer
 
     path, _ = builtin_files("smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -13,7 +13,7 @@ from drafters.cacheback import CachebackDrafter
 from drafters.hf import HFDrafter
 from drafters.hier import HierDrafter
 from drafters.ngram import NgramDrafter
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 
 GREEDY = Sampling()
 

@@ -23,7 +23,7 @@ from edge_client.daemon import Device
 from edge_client.tokenizer_chunks import TokenizerChunks, TokenizerRefused
 from edge_client.settings import DeviceSettings
 from sled.cache import MAX_TOKENIZER_BYTES, MAX_TOKENIZER_CHUNK_BYTES
-from sled.fingerprint import fingerprint_tokenizer
+from sled.wire.fingerprint import fingerprint_tokenizer
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 

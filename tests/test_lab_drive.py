@@ -20,7 +20,8 @@ from edge_client.settings import DeviceSettings
 from lab.drive import Attempt, RequestRecord, drive, judge
 from lab.drive_mqtt import MqttSender
 from lab.oracle import Difference, compare, greedy_references, load_target, served_settings
-from sled.mqtt import Backoff, decode, encode
+from sled.mqtt import Backoff
+from sled.wire.topics import decode, encode
 from tests.conftest import PROMPT_TEXTS
 from tests.mqtt_broker import eventually, mosquitto  # noqa: F401
 from verify_server.server import start_server

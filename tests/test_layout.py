@@ -56,3 +56,17 @@ def test_protos_holds_the_contract_and_nothing_that_runs():
                    if p.is_file() and "__pycache__" not in p.parts)
     assert files == ["protos/sled/v1/verifier.proto"]
     assert (ROOT / "sled" / "v1" / "verifier_pb2.py").is_file()
+
+
+def test_the_wire_contract_imports_nothing_of_sled_but_itself_and_the_stubs():
+    """sled.wire is what both sides agree on byte for byte: a reader needs only it and sled.v1."""
+    found = []
+    for path in sorted((ROOT / "sled" / "wire").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     else [])
+            found += [f"{path.name} imports {name}" for name in names
+                      if name.split(".")[0] == "sled"
+                      and not name.startswith(("sled.wire", "sled.v1"))]
+    assert (ROOT / "sled" / "wire" / "topics.py").is_file() and found == []

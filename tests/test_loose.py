@@ -16,7 +16,7 @@ import torch
 from conftest import greedy_reference
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
-from sled.loose import MAX_ENTROPY, Loose
+from sled.wire.loose import MAX_ENTROPY, Loose
 from sled.v1 import verifier_pb2 as pb
 from tests.test_bad_input import open_msg
 from tests.test_lossless import server_stub

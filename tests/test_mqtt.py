@@ -19,7 +19,7 @@ from edge_client.mqtt import DeviceMqtt, parse_request
 from edge_client.settings import DeviceSettings
 from edge_client.wire import SessionRequest, open_message
 from sled.mqtt import Backoff
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from tests.conftest import PROMPT_TEXTS, greedy_reference

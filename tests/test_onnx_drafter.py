@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 from drafters import load_drafter
 from drafters.base import Drafter, Proposal
 from drafters.onnx import ONNXDrafter
-from sled.fingerprint import fingerprint_tokenizer
-from sled.sampling import Sampling
+from sled.wire.fingerprint import fingerprint_tokenizer
+from sled.wire.sampling import Sampling
 from drafters.onnx_export import export
 from lab.tiny import save_pair
 

@@ -21,7 +21,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from conftest import SLED
 from lab.server_process import free_port
 from sled.chat_templates import GEMMA3, builtin_chat_template, turn_end_ids, with_chat_template
-from sled.fingerprint import fingerprint_tokenizer
+from sled.wire.fingerprint import fingerprint_tokenizer
 from sled.models import BUILTIN, hf_checkpoint
 from verify_server.target import load_target
 from test_device_cli import wait_health

@@ -18,7 +18,7 @@ from edge_client.speculation import Speculation
 from lab.link import link_transport
 from lab.profiles import DeviceProfile, Link, LinkProfile
 from lab.traces import Trace, TraceDrafter
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from test_sampling_e2e import total_variation
 from verify_server.warp import warp

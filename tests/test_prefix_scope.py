@@ -16,7 +16,7 @@ from edge_client.daemon import Device, Request
 from edge_client.session import RoundSettings, generate
 from edge_client.settings import DeviceSettings
 from edge_client.wire import SessionRequest
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from verify_server.blocks import BlockPool, KVShape, prefix_hashes

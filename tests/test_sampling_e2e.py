@@ -13,7 +13,7 @@ from drafters.cacheback import CachebackDrafter
 from drafters.hf import HFDrafter
 from drafters.hier import HierDrafter
 from edge_client.session import RoundSettings, generate
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from verify_server.warp import warp
 

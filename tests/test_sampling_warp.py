@@ -1,4 +1,4 @@
-"""The device's numpy sampling (sled.sampling, drafters.base.choose_token) against the server's
+"""The device's numpy sampling (sled.wire.sampling, drafters.base.choose_token) against the server's
 torch twin (verify_server.warp): the same warped distribution, the same support, the same rules
 for ties, and random streams that repeat exactly when seeded."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from drafters.base import SparseQ, choose_token, token_confidence
-from sled.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator, warp
+from sled.wire.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator, warp
 from verify_server import warp as server
 
 TEMPERATURES = (0.05, 0.3, 0.7, 1.0, 1.8, 5.0)

@@ -14,7 +14,7 @@ import torch
 
 from conftest import greedy_reference
 from lab.tiny import make_model
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from test_sampling_e2e import exact_distributions, total_variation

@@ -13,7 +13,7 @@ from conftest import greedy_reference
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
 from lab.tiny import make_tokenizer
-from sled.fingerprint import fingerprint_tokenizer
+from sled.wire.fingerprint import fingerprint_tokenizer
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from verify_server.draft_advice import suggest_draft_len

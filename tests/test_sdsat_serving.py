@@ -13,8 +13,8 @@ from conftest import greedy_reference
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
 from lab.tiny import make_tokenizer
-from sled.fingerprint import fingerprint_tokenizer
-from sled.sampling import Sampling
+from sled.wire.fingerprint import fingerprint_tokenizer
+from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from test_sampling_e2e import exact_distributions, total_variation

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lab.tiny import CORPUS, make_model, save_pair
-from sled.fingerprint import fingerprint_tokenizer
+from sled.wire.fingerprint import fingerprint_tokenizer
 from sled_cli.main import main
 from sdsat.corpus import load_documents, split_heldout, tokenize_documents
 from sdsat.train import (Checkpoints, SatTrainConfig, draw_batch, initial_adapter, sat_acceptance,

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import greedy_reference, run_sled
 from lab.tiny import make_tokenizer
-from sled.fingerprint import fingerprint_tokenizer
+from sled.wire.fingerprint import fingerprint_tokenizer
 from sled.v1 import verifier_pb2 as pb
 from verify_server.server import start_server
 from verify_server.session import Session

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from verify_server.acceptance import Outcome
 from verify_server.session import Session

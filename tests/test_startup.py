@@ -112,7 +112,7 @@ def test_a_warm_gguf_drafter_reads_its_fingerprint_from_the_cache(tmp_path):
 def test_the_fingerprint_from_a_converted_copy_is_the_gguf_conversions():
     from drafters.base import tokenizer_json_fingerprint
     from drafters.gguf import gguf_vocab
-    from sled.fingerprint import fingerprint_vocab
+    from sled.wire.fingerprint import fingerprint_vocab
     from sled.models import converted_checkpoint, gguf_path
 
     converted = converted_checkpoint("smollm2-135m")
@@ -133,7 +133,7 @@ def test_an_onnx_drafter_fingerprints_its_tokenizer_once(tmp_path, monkeypatch, 
     from transformers import AutoTokenizer
 
     from drafters.onnx import ONNXDrafter
-    from sled.fingerprint import fingerprint_tokenizer
+    from sled.wire.fingerprint import fingerprint_tokenizer
 
     monkeypatch.setenv("SLED_CACHE", str(tmp_path))
     first = ONNXDrafter(ONNX_EXPORT, max_length=256).tokenizer_fingerprint
@@ -151,7 +151,7 @@ async def test_the_startup_bench_times_the_devices_copy_of_the_targets_tokenizer
 
     from lab.bench.startup import DEVICE_PHASES, _device_tokenizer, _print
     from sled.cache import manifest_fingerprint, tokenizer_dir
-    from sled.fingerprint import fingerprint_tokenizer
+    from sled.wire.fingerprint import fingerprint_tokenizer
 
     monkeypatch.setenv("SLED_CACHE", str(tmp_path))
     server = await serve(models["llama"])

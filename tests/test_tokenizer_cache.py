@@ -13,7 +13,7 @@ from edge_client.tokenizer_chunks import TokenizerRefused
 from edge_client.tokenizer_chunks import TokenizerChunks
 from lab.tiny import make_tokenizer
 from sled.cache import cache_dir, tokenizer_dir
-from sled.fingerprint import fingerprint_tokenizer
+from sled.wire.fingerprint import fingerprint_tokenizer
 from sled.v1 import verifier_pb2 as pb
 
 

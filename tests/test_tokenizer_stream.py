@@ -19,7 +19,7 @@ from edge_client.connection import Connection
 from edge_client.session import generate
 from drafters.ngram import NgramDrafter
 from sled.cache import MAX_TOKENIZER_CHUNK_BYTES
-from sled.fingerprint import fingerprint_tokenizer
+from sled.wire.fingerprint import fingerprint_tokenizer
 from sled.models import converted_checkpoint
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
@@ -219,7 +219,7 @@ def fingerprint_from_tokenizer_json(path: Path) -> str:
 
 
 def test_the_proto_s_fingerprint_example():
-    from sled.fingerprint import fingerprint_vocab
+    from sled.wire.fingerprint import fingerprint_vocab
 
     text = "0\ta\n1\tb\n"
     assert fingerprint_vocab({"b": 1, "a": 0}) == "sha256:" + hashlib.sha256(text.encode()).hexdigest() \

@@ -17,7 +17,7 @@ from edge_client.wire import SessionRequest
 from lab.link import link_transport
 from lab.profiles import DeviceProfile, Link, LinkProfile, device_profile, link_profile
 from lab.traces import Trace, TraceDivergence, TraceDrafter, TraceSet, record_traces
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 
 MAX_NEW = 16

@@ -18,8 +18,8 @@ from drafters.base import KVDrafter, Proposal, unsure_alternatives
 from drafters.cacheback import CachebackDrafter
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
-from sled.sampling import Sampling
-from sled.tree import Trie, children, cut, depths, tree_problem
+from sled.wire.sampling import Sampling
+from sled.wire.tree import Trie, children, cut, depths, tree_problem
 from sled.v1 import verifier_pb2 as pb
 from tests.test_bad_input import TARGET_FP, open_msg
 from tests.test_lossless import server_stub

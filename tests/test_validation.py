@@ -11,7 +11,7 @@ import pytest
 import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from verify_server import validation
 from verify_server.errors import SessionError

@@ -19,7 +19,7 @@ from edge_client.connection import Connection, cached_tokenizer, save_tokenizer
 from sled import progress
 from sled.cache import (MANIFEST, manifest_fingerprint, read_manifest, tokenizer_dir,
                         verify_folder, write_manifest)
-from sled.fingerprint import fingerprint_tokenizer
+from sled.wire.fingerprint import fingerprint_tokenizer
 from conftest import count_fingerprints
 
 

@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from verify_server.warp import warp
 

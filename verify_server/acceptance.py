@@ -3,7 +3,7 @@
 p is the target's distribution at each position, q the drafter's. Every function takes the
 target output at len(draft) + 1 positions. For a chain, position j scores the token that follows
 context + draft[:j], so the last position (after the whole draft) gives the bonus token. For a
-tree (sled.tree: one parent per draft token, 0 the root), position 0 follows the root and
+tree (sled.wire.tree: one parent per draft token, 0 the root), position 0 follows the root and
 position i follows node i, each node seeing its ancestors only.
 
 Terms, used with these meanings everywhere in verify_server/:
@@ -31,7 +31,7 @@ Example (greedy tree): draft = [5, 9, 7, 4], parents = [0, 1, 0, 3] (root -> 5 -
   root -> 7 -> 4), argmax p after the root 7, after node 3 (the 7) 4, after node 4 2
   -> path (3, 4), accepted = 2, emitted = [7, 4, 2] (2 is the bonus: node 4 is a leaf).
 
-Loose verification (opt-in per session, NOT lossless: sled.loose) is the one exception to "the
+Loose verification (opt-in per session, NOT lossless: sled.wire.loose) is the one exception to "the
 output is the target's": verify_greedy may then keep a mismatching draft token (loose_accepted).
 """
 from __future__ import annotations
@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sled.loose import Loose
-from sled.tree import children
+from sled.wire.loose import Loose
+from sled.wire.tree import children
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +59,7 @@ class Outcome:
 
 def loosely_kept(loose: Loose, logits: torch.Tensor, draft: Sequence[int],
                  targets: Sequence[int], j: int) -> bool:
-    """Whether a loose session keeps the mismatching draft[j] (sled.loose): the next window - 1
+    """Whether a loose session keeps the mismatching draft[j] (sled.wire.loose): the next window - 1
     draft tokens are the target's own and the target was unsure at j. logits [len(draft) + 1, vocab]."""
     after = range(j + 1, j + loose.window)
     if after.stop > len(draft) or any(draft[i] != targets[i] for i in after):
@@ -133,7 +133,7 @@ def verify_greedy_tree(logits: torch.Tensor, draft: Sequence[int],
 def verify_sampling_tree(
     p: torch.Tensor,                    # [len(draft) + 1, vocab] target probabilities (warped)
     draft: Sequence[int],               # the tree's tokens, each a deterministic candidate
-    parents: Sequence[int],             # sled.tree: node i's parent, 0 = the root
+    parents: Sequence[int],             # sled.wire.tree: node i's parent, 0 = the root
     generator: torch.Generator,
 ) -> Outcome:
     """Recursive rejection sampling over a tree of deterministic candidates (q one-hot at each):

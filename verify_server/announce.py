@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import aiomqtt
 
-from sled.endpoint import parse_endpoint
-from sled.mqtt import (DEFAULT_PREFIX, Backoff, Broker, MqttConnection, check_topic_level,
-                       check_topic_prefix, encode, server_topic)
+from sled.wire.endpoint import parse_endpoint
+from sled.mqtt import Backoff, Broker, MqttConnection
+from sled.wire.topics import (DEFAULT_PREFIX, check_topic_level, check_topic_prefix, encode,
+                              server_topic)
 from verify_server.service import VerifierService
 
 log = logging.getLogger("sled.server.announce")

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sled.auth import bearer_token
-from sled.mqtt import check_topic_level
+from sled.wire.auth import bearer_token
+from sled.wire.topics import check_topic_level
 from sled.printable import printable
 from verify_server import errors
 from verify_server.tenant import peer_host

@@ -28,7 +28,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from sled.tree import depths
+from sled.wire.tree import depths
 from verify_server.blocks import BlockPool, KVShape
 from verify_server.kv import SessionKV
 from verify_server.sdsat import SatSpec
@@ -56,7 +56,7 @@ class Row:
     want_logits: bool         # False for prefill: only the KV is needed
     sat_slots: int = 0        # SAT slots per block (their KV is dropped later)
     sat_anchors: tuple[int, ...] = ()   # tokens each block follows; () = one block after all
-    # A tree draft (sled.tree): the parent of each of tokens[1:], 0 = tokens[0], i = tokens[i];
+    # A tree draft (sled.wire.tree): the parent of each of tokens[1:], 0 = tokens[0], i = tokens[i];
     # each token then sees its ancestors only. () = a chain. Trees carry no SAT slots.
     parents: tuple[int, ...] = ()
 

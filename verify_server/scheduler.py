@@ -73,7 +73,7 @@ class Scheduler:
     async def verify(self, session: Session, draft: list[int], q: list[DraftQ] | None,
                      deadline: float | None = None, lookahead: int = 0,
                      parents: list[int] | None = None) -> tuple[Outcome, StepInfo]:
-        """parents: a tree draft's (sled.tree), None for a chain."""
+        """parents: a tree draft's (sled.wire.tree), None for a chain."""
         return await self._submit(Verify(session, self._new_future(), deadline, draft=draft, q=q,
                                          lookahead=lookahead, parents=parents))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from sled.tree import cut
+from sled.wire.tree import cut
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from verify_server import errors, validation

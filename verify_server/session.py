@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sled.loose import Loose
-from sled.sampling import Sampling
+from sled.wire.loose import Loose
+from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from verify_server.acceptance import Outcome
 from verify_server.auth import Identity

@@ -24,7 +24,7 @@ from pydantic import (Field, SecretStr, ValidationError, ValidationInfo, field_v
                       model_validator)
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
-from sled.endpoint import parse_endpoint
+from sled.wire.endpoint import parse_endpoint
 from sled.settings_files import SettingsError, file_source, settings_file
 from verify_server.step_costs import load_profile
 

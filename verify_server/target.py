@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sled.cache import MAX_TOKENIZER_CHUNK_BYTES
 from sled.chat_templates import with_chat_template
-from sled.fingerprint import files_fingerprint, fingerprint_tokenizer
+from sled.wire.fingerprint import files_fingerprint, fingerprint_tokenizer
 from sled.progress import phase
 from sled.v1 import verifier_pb2 as pb
 from verify_server.sdsat import SatSpec, sat_spec_of
@@ -96,7 +96,7 @@ class Target:
 
     @property
     def tokenizer_files_sha256(self) -> str:
-        """What the GetTokenizer stream's files are (sled.fingerprint.files_fingerprint)."""
+        """What the GetTokenizer stream's files are (sled.wire.fingerprint.files_fingerprint)."""
         return files_sha256_of(self.tokenizer_reply)
 
     def cap_context(self, limit: int | None) -> None:

@@ -17,11 +17,11 @@ import torch
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from sled.fingerprint import short
+from sled.wire.fingerprint import short
 from sled.printable import printable
-from sled.loose import Loose
-from sled.sampling import Sampling
-from sled.tree import tree_problem
+from sled.wire.loose import Loose
+from sled.wire.sampling import Sampling
+from sled.wire.tree import tree_problem
 from sled.v1 import verifier_pb2 as pb
 from verify_server import errors
 from verify_server.acceptance import DraftQ
@@ -170,7 +170,7 @@ def check_draft(draft: pb.Draft, session: Session | None, target: Target,
 
 
 def check_tree(draft: pb.Draft, session: Session, trees: bool) -> list[int] | None:
-    """The parents of a tree draft (sled.tree), or None for a chain. `trees`: whether this
+    """The parents of a tree draft (sled.wire.tree), or None for a chain. `trees`: whether this
     server's engine verifies trees (ServerLimits.tree_drafts)."""
     if not draft.parents:
         return None

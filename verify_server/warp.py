@@ -1,4 +1,4 @@
-"""The server's sampling warp and random stream, on torch: the twin of sled.sampling's numpy
+"""The server's sampling warp and random stream, on torch: the twin of sled.wire.sampling's numpy
 warp and new_generator, which the device uses.
 
 The target's p comes from this warp; a drafter's q from the numpy one. Both take the same steps
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 
 
 def new_generator(sampling: Sampling, offset: int = 0) -> torch.Generator | None:

@@ -73,7 +73,7 @@ class Verify(Work):
     q: list[DraftQ] | None = None                        # [draft_len], None: deterministic drafter
     lookahead: int = 0                                   # m SAT slots after the draft
     every_cut: bool = False    # SAT slots after every place the draft may be cut, not only its end
-    parents: list[int] | None = None    # a tree draft's parent indices (sled.tree); None: a chain
+    parents: list[int] | None = None    # a tree draft's parent indices (sled.wire.tree); None: a chain
 
     @property
     def tokens_wanted(self) -> int:

@@ -101,7 +101,7 @@ def native_run(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:
 
 def drafter_run(drafter, prompt: list[int], n: int, k: int, accept: int) -> tuple[float, int, list[int]]:
     """Rounds of k drafts until n tokens are committed: seconds, tokens drafted, committed tokens."""
-    from sled.sampling import Sampling
+    from sled.wire.sampling import Sampling
 
     greedy = Sampling()
     drafter.rollback(0)

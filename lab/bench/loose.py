@@ -44,7 +44,7 @@ def run(args) -> int:
 class Mode:
     """One way of verifying, and what its sessions added up to."""
     name: str
-    loose: object = None            # sled.loose.Loose, None for lossless
+    loose: object = None            # sled.wire.loose.Loose, None for lossless
     completions: list[tuple[str, str]] = field(default_factory=list)   # (task_id, text)
     outputs: list[list[int]] = field(default_factory=list)
     passes: float = 0.0
@@ -56,7 +56,7 @@ class Mode:
 
 async def bench(args) -> int:
     from lab.humaneval import problems
-    from sled.loose import Loose
+    from sled.wire.loose import Loose
 
     console = harness.bench_console()
     with harness.flag_errors():

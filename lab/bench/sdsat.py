@@ -131,7 +131,7 @@ async def _timed_group(served, coros) -> tuple[list, float, float]:
 
 def server_modes(names: list[str], temperature: float) -> dict[str, tuple[int, object]]:
     """name -> (generation mode, sampling for prompt i) of the server-side modes named."""
-    from sled.sampling import Sampling
+    from sled.wire.sampling import Sampling
     from sled.v1 import verifier_pb2 as pb
 
     greedy = lambda i: Sampling()   # noqa: E731

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from drafters.base import reports_confidence
 from lab.traces.format import Trace, TraceSet
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 
 
 def record_traces(drafter, prompts_ids: Sequence[Sequence[int]],

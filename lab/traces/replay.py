@@ -15,7 +15,7 @@ import numpy as np
 from drafters.base import Proposal, stop_index
 from edge_client.emulation import late
 from lab.traces.format import Trace, TraceSet
-from sled.sampling import Sampling
+from sled.wire.sampling import Sampling
 
 
 class TraceDivergence(RuntimeError):
