@@ -29,7 +29,7 @@ from pathlib import Path
 
 import grpc
 
-from edge_client.backoff import Backoff
+from sled.backoff import Backoff
 from edge_client.security import ChannelSecurity, speaks_tls
 from edge_client.tokenizer import DeviceTokenizer
 from edge_client.tokenizer_chunks import TokenizerChunks, TokenizerRefused

@@ -40,7 +40,7 @@ import time
 
 import aiomqtt
 
-from edge_client.backoff import Backoff, broker_backoff
+from sled.backoff import Backoff, broker_backoff
 from edge_client.daemon import Device, DeviceError, Request
 from edge_client.text import OutputText
 from sled.wire.endpoint import parse_endpoint

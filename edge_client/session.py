@@ -12,16 +12,14 @@ the emitted tokens, rolls its drafter back past the rejected ones, and picks the
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-import warnings
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import grpc
 
 from drafters.base import Drafter, Proposal
-from edge_client.backoff import Backoff
+from sled.backoff import Backoff
 from edge_client.draft_policy import DraftPolicy
 from edge_client.hint_policy import HINT_USES, HintPolicy
 from edge_client.proposer import Draft, Head, Proposer
@@ -72,7 +70,6 @@ class RoundSettings:
     (they follow chains only).
     reconnect_s: how long a lost server is retried, with backoff, before the session fails
     (0: at once). timeout: the deadline of each Generate call (None: none).
-    max_tree_tokens: deprecated, the old name of max_draft_tokens (it sets it; reads None).
     """
     draft_len: int | str = 4
     max_draft_len: int = 16
@@ -84,14 +81,8 @@ class RoundSettings:
     max_draft_tokens: int = 32
     reconnect_s: float = 30.0
     timeout: float | None = None
-    max_tree_tokens: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.max_tree_tokens is not None:
-            warnings.warn("RoundSettings(max_tree_tokens=...) is deprecated: use max_draft_tokens",
-                          DeprecationWarning, stacklevel=3)
-            object.__setattr__(self, "max_draft_tokens", self.max_tree_tokens)
-            object.__setattr__(self, "max_tree_tokens", None)
         fixed = isinstance(self.draft_len, int) and not isinstance(self.draft_len, bool)
         if not (fixed and self.draft_len >= 1 or self.draft_len in ("auto", "adaptive")):
             raise ValueError(f"draft_len must be >= 1, auto or adaptive, got {self.draft_len!r}")
@@ -473,46 +464,6 @@ def described(drafter: Drafter) -> str:
     return f"{name} ({own.partition(':')[2] or own})" if name != own else name
 
 
-def flat_keywords(opens):
-    """Deprecated: lets `opens` (device_session, generate, generate_server_side) be called the
-    old way too, the prompt ids in the place of the request and each part of the request, the
-    target and the hooks a keyword of its own (max_new_tokens=, sampling=, stop_ids=,
-    ignore_eos=, cache_salt=, loose=, mode=; target_fingerprint=, target_model=; reopen_on=,
-    on_tokens=, on_round=, on_server=), as callers outside edge_client still do. A call is the
-    old way when it names max_new_tokens."""
-    @functools.wraps(opens)
-    def grouping(*args, **options):
-        if "max_new_tokens" not in options:
-            return opens(*args, **options)
-        warnings.warn(f"{opens.__name__}(prompt_ids, max_new_tokens=...) is deprecated: pass a "
-                      "SessionRequest (and Target, SessionHooks)", DeprecationWarning, stacklevel=2)
-        if "prompt_ids" in options:
-            args = (*args, options.pop("prompt_ids"))
-        *args, prompt_ids = args
-        request = SessionRequest(prompt_ids, **_taken(options, REQUEST_KEYWORDS))
-        hooks = _taken(options, HOOK_KEYWORDS)
-        target = _taken(options, TARGET_KEYWORDS)
-        if hooks:
-            options["hooks"] = SessionHooks(**hooks)
-        if target:
-            options["target"] = Target(**target)
-        return opens(*args, request, **options)
-    return grouping
-
-
-# the old flat keywords of each group, and the field each stands for
-REQUEST_KEYWORDS = {name: name for name in ("max_new_tokens", "sampling", "stop_ids", "ignore_eos",
-                                            "cache_salt", "loose", "mode")}
-HOOK_KEYWORDS = {name: name for name in ("reopen_on", "on_tokens", "on_round", "on_server")}
-TARGET_KEYWORDS = {"target_fingerprint": "fingerprint", "target_model": "model"}
-
-
-def _taken(options: dict, keywords: dict[str, str]) -> dict:
-    """The options named in `keywords`, taken out of `options`, by the field each stands for."""
-    return {field: options.pop(name) for name, field in keywords.items() if name in options}
-
-
-@flat_keywords
 def device_session(stub, drafter: Drafter, request: SessionRequest,
                    settings: RoundSettings = RoundSettings(), *, target: Target = Target(),
                    policy: DraftPolicy | None = None, transport: Transport = Stream.open,
@@ -529,7 +480,6 @@ def device_session(stub, drafter: Drafter, request: SessionRequest,
                          hooks=hooks)
 
 
-@flat_keywords
 async def generate(stub, drafter: Drafter, request: SessionRequest,
                    settings: RoundSettings = RoundSettings(), **options) -> GenerationResult:
     """Run one generation session to its end: device_session(...).run(), the same options."""

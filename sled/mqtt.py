@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiomqtt
 from aiomqtt.exceptions import MqttConnectError
 
+from sled.backoff import Backoff, broker_backoff
 from sled.wire.topics import encode
 
 log = logging.getLogger("sled.mqtt")
@@ -105,23 +105,6 @@ def describe(error: BaseException, broker: Broker) -> str:
     return f"MQTT broker {broker.address}: {error or type(error).__name__}"
 
 
-class Backoff:
-    """Delays between connection attempts: doubling with jitter up to `most`, and never below
-    `after_refusal` once the broker has refused the credentials (retrying fast cannot help)."""
-
-    def __init__(self, first: float = 0.5, most: float = 30.0, after_refusal: float = 30.0) -> None:
-        self.first, self.most, self.after_refusal = first, most, after_refusal
-        self.current = first
-
-    def next(self, refused: bool = False) -> float:
-        delay = self.current * random.uniform(0.8, 1.2)
-        self.current = min(self.current * 2, self.most)
-        return max(delay, self.after_refusal) if refused else delay
-
-    def reset(self) -> None:
-        self.current = self.first
-
-
 class MqttConnection:
     """One client's connection to the broker, kept up until cancelled.
 
@@ -140,7 +123,7 @@ class MqttConnection:
                  meanwhile: str = "", logger: logging.Logger = log) -> None:
         self.broker, self.identifier, self.presence_topic = broker, identifier, presence_topic
         self.will, self.goodbye = will, will if goodbye is None else goodbye
-        self.backoff = backoff or Backoff()
+        self.backoff = backoff or broker_backoff()
         self.meanwhile = meanwhile             # what goes on without the broker, for the log
         self.log = logger
         self.client: aiomqtt.Client | None = None    # the live connection, if any

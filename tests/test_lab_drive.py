@@ -20,7 +20,7 @@ from edge_client.settings import DeviceSettings
 from lab.drive import Attempt, RequestRecord, drive, judge
 from lab.drive_mqtt import MqttSender
 from lab.oracle import Difference, compare, greedy_references, load_target, served_settings
-from sled.mqtt import Backoff
+from sled.backoff import Backoff
 from sled.wire.topics import decode, encode
 from tests.conftest import PROMPT_TEXTS
 from tests.mqtt_broker import eventually, mosquitto  # noqa: F401
@@ -132,7 +132,7 @@ async def device_stack(pair, mosquitto):  # noqa: F811
     device = Device(DeviceSettings(id="dev-00", servers=[server.address], drafter="ngram",
                                    mqtt={"host": "127.0.0.1", "port": mosquitto.port, "keepalive_s": 2}))
     await device.start()
-    control = DeviceMqtt(device, backoff=Backoff(first=0.1, most=0.5))
+    control = DeviceMqtt(device, backoff=Backoff(0.1, most=0.5, jitter=0.2, after_refusal=30.0))
     task = asyncio.create_task(control.run())
     runner, port = await start_api(device, "127.0.0.1", 0)
     try:
@@ -473,7 +473,7 @@ async def test_greedy_references_match_what_a_device_returns_on_gemma3(mosquitto
     device = Device(DeviceSettings(id="dev-00", servers=[server.address], drafter="ngram",
                                    mqtt={"host": "127.0.0.1", "port": mosquitto.port}))
     await device.start()
-    control = DeviceMqtt(device, backoff=Backoff(first=0.1, most=0.5))
+    control = DeviceMqtt(device, backoff=Backoff(0.1, most=0.5, jitter=0.2, after_refusal=30.0))
     task = asyncio.create_task(control.run())
     try:
         await eventually(lambda: control.connection.connected, what="the device's MQTT connection")

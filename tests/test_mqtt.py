@@ -18,7 +18,7 @@ from edge_client.daemon import Device, DeviceError, Request
 from edge_client.mqtt import DeviceMqtt, parse_request
 from edge_client.settings import DeviceSettings
 from edge_client.wire import SessionRequest, open_message
-from sled.mqtt import Backoff
+from sled.backoff import Backoff
 from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
@@ -35,7 +35,7 @@ def topic(leaf: str, device_id: str = DEVICE) -> str:
 
 
 def quick_backoff() -> Backoff:
-    return Backoff(first=0.1, most=0.5, after_refusal=0.5)
+    return Backoff(0.1, most=0.5, jitter=0.2, after_refusal=0.5)
 
 
 def mqtt_device(broker: Mosquitto, servers, drafter_model, tokenizer, device_id: str = DEVICE,

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import aiomqtt
 
 from sled.wire.endpoint import parse_endpoint
-from sled.mqtt import Backoff, Broker, MqttConnection
+from sled.backoff import Backoff, broker_backoff
+from sled.mqtt import Broker, MqttConnection
 from sled.wire.topics import (DEFAULT_PREFIX, check_topic_level, check_topic_prefix, encode,
                               server_topic)
 from verify_server.service import VerifierService
@@ -36,7 +37,7 @@ class AnnounceConfig:
     endpoint: str                    # HOST:PORT devices dial
     topic_prefix: str = DEFAULT_PREFIX
     interval_s: float = 5.0
-    backoff: Backoff = field(default_factory=Backoff)
+    backoff: Backoff = field(default_factory=broker_backoff)
     tls_name: str = ""               # the name on the server's certificate, when not its host
 
     def __post_init__(self) -> None:

@@ -34,9 +34,8 @@ from lab.bench.report import percentile, save_figure, subplots, write_json
 def add_arguments(parser) -> None:
     from sled.flags import positive_int
 
-    parser.add_argument("--model", default=None,
-                        help="target alias or path (default: a tiny random model)")
-    parser.add_argument("--dtype", default="float32", help="the target's dtype")
+    harness.add_target_flags(parser, model_help="target alias or path (default: a tiny random "
+                             "model)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda:0")
     parser.add_argument("--contexts", default="128,512,2048", type=harness.listed(positive_int),
                         help="context tokens per session")

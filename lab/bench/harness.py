@@ -82,11 +82,19 @@ def server_errors():
 
 # --- the flags benchmarks share -----------------------------------------------------------------
 
+def add_target_flags(parser, *, model_default: str | None = None, model_help: str,
+                     dtype_help: str | None = "the target's dtype") -> None:
+    """--model (the target), and --dtype unless dtype_help is None."""
+    parser.add_argument("--model", default=model_default, help=model_help)
+    if dtype_help is not None:
+        parser.add_argument("--dtype", default="float32", help=dtype_help)
+
+
 def add_server_flags(parser, *, model_default: str | None = None, model_help: str,
                      dtype_help: str = "the target's dtype on the server") -> None:
     """--model, --dtype and --server-args: what the `sled serve` child runs."""
-    parser.add_argument("--model", default=model_default, help=model_help)
-    parser.add_argument("--dtype", default="float32", help=dtype_help)
+    add_target_flags(parser, model_default=model_default, model_help=model_help,
+                     dtype_help=dtype_help)
     parser.add_argument("--server-args", default="",
                         help='extra `sled serve` flags, e.g. "--device cuda"')
 

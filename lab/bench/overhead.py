@@ -22,7 +22,8 @@ from lab.bench.report import percentile
 def add_arguments(parser) -> None:
     from sled.flags import positive_int
 
-    parser.add_argument("--model", default=None, help="target path (default: a tiny random model)")
+    harness.add_target_flags(parser, model_help="target path (default: a tiny random model)",
+                             dtype_help=None)
     parser.add_argument("--drafter", default="ngram", help="drafter spec (as sled generate)")
     parser.add_argument("--sessions", type=positive_int, default=1, help="concurrent device sessions")
     parser.add_argument("--rounds", type=positive_int, default=300, help="rounds per session (at least)")
@@ -118,7 +119,8 @@ async def _rounds(served, args, console) -> list:
     from rich.progress import Progress
 
     from drafters import bind_target_tokenizer, load_drafter
-    from edge_client.session import RoundSettings, generate
+    from edge_client.session import RoundSettings, Target, generate
+    from edge_client.wire import SessionRequest
     from lab.tiny import CORPUS
 
     conn, info = served.conn, served.info
@@ -133,10 +135,11 @@ async def _rounds(served, args, console) -> list:
             bind_target_tokenizer(drafter, tokenizer)
             done = 0
             while done < args.rounds:
-                result = await generate(conn.stub, drafter, prompts[(index + done) % len(prompts)],
-                                        max_new_tokens=128, ignore_eos=True,
+                result = await generate(conn.stub, drafter,
+                                        SessionRequest(prompts[(index + done) % len(prompts)],
+                                                       max_new_tokens=128, ignore_eos=True),
                                         settings=RoundSettings(draft_len=args.draft_len),
-                                        target_fingerprint=info.tokenizer_fingerprint)
+                                        target=Target(fingerprint=info.tokenizer_fingerprint))
                 stats.extend(result.round_stats)
                 done += result.rounds
                 progress.update(task, advance=result.rounds)

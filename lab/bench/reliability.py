@@ -24,9 +24,8 @@ CONTEXT_LENGTH = 256                       # the server's: a refused prompt is l
 def add_arguments(parser) -> None:
     from sled.flags import positive_float, positive_int
 
-    parser.add_argument("--model", default=None, help="target path or alias (default: a tiny "
-                                                      "random model)")
-    parser.add_argument("--dtype", default="float32", help="the target's dtype")
+    harness.add_target_flags(parser, model_help="target path or alias (default: a tiny random "
+                             "model)")
     parser.add_argument("--refusals", type=positive_int, default=40, help="refused Opens measured")
     parser.add_argument("--prompt-len", type=positive_int, default=2_000_000,
                         help="ids in each refused prompt")

@@ -45,8 +45,8 @@ def add_arguments(parser) -> None:
                         help="kill the server, restart the broker and cut a link early in the run")
     parser.add_argument("--rate", type=non_negative_float, default=0.0, help="requests per second "
                         "per device, Poisson arrivals (0: each device asks again when answered)")
-    parser.add_argument("--model", default=None, help="target alias or path (default: the tiny "
-                                                      "random target)")
+    harness.add_target_flags(parser, model_help="target alias or path (default: the tiny random "
+                             "target)", dtype_help=None)
     parser.add_argument("--device-profile", default="pi5", help="the devices' board (lab.profiles)")
     parser.add_argument("--link", default="wifi", help="the devices' link (lab.profiles)")
     parser.add_argument("--max-tokens", type=positive_int, default=32, help="tokens per request")

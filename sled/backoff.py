@@ -1,5 +1,5 @@
-"""The device's one backoff: the delays between attempts at something that may come back (a
-lost verify server, a server busy sending its tokenizer, the MQTT broker).
+"""sled's one backoff: the delays between attempts at something that may come back (a lost
+verify server, a server busy sending its tokenizer, the MQTT broker for a device and a server).
 
     pauses = Backoff(0.05, most=2.0)
     while not await try_once():
@@ -8,7 +8,8 @@ lost verify server, a server busy sending its tokenizer, the MQTT broker).
 Each delay is `factor` times the last, from `first` up to `most`; `jitter` spreads each one
 evenly within that fraction of its value (0: exactly). A refused attempt (the broker refusing
 the credentials: retrying fast cannot help) waits at least `after_refusal`. An instance serves
-sled.mqtt.MqttConnection as its backoff (next(refused), reset()).
+sled.mqtt.MqttConnection as its backoff (next(refused), reset()); broker_backoff() is its
+default.
 """
 from __future__ import annotations
 
@@ -43,5 +44,5 @@ class Backoff:
 
 def broker_backoff() -> Backoff:
     """Between attempts at the MQTT broker: 0.5 s doubling to 30 s, each within 20%, and 30 s
-    after refused credentials (sled.mqtt.Backoff's delays)."""
+    after refused credentials."""
     return Backoff(0.5, most=30.0, jitter=0.2, after_refusal=30.0)

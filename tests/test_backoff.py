@@ -1,7 +1,7 @@
-"""The device's one backoff (edge_client.backoff): the delays each of its retry loops waits."""
+"""sled's one backoff (sled.backoff): the delays each of its retry loops waits."""
 import random
 
-from edge_client.backoff import Backoff, broker_backoff
+from sled.backoff import Backoff, broker_backoff
 
 
 def test_delays_grow_by_the_factor_up_to_the_most_and_start_again_on_reset():
