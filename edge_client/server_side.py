@@ -13,7 +13,7 @@ from dataclasses import replace
 import grpc
 
 from edge_client.result import GenerationResult
-from edge_client.session import Reconnect, SessionHooks, flat_keywords, open_stream
+from edge_client.session import Reconnect, SessionHooks, open_stream
 from edge_client.transport import Stream, Transport, VerifyError, lost_server
 from edge_client.wire import SessionRequest
 from sled.v1 import verifier_pb2 as pb
@@ -76,7 +76,6 @@ class ServerSideSession:
         return finished
 
 
-@flat_keywords
 async def generate_server_side(stub, request: SessionRequest, *, hooks: SessionHooks = SessionHooks(),
                                timeout: float | None = None, transport: Transport = Stream.open,
                                reconnect_s: float = 0.0, wait_first: bool = False) -> GenerationResult:

@@ -71,12 +71,14 @@ async def _traces(served, acceptance: dict[str, float], prompts: list[str], max_
     import numpy as np
 
     from edge_client.server_side import generate_server_side
+    from edge_client.wire import SessionRequest
     from lab.traces.synthetic import profile_for_share, synthetic_trace
 
     rng = np.random.default_rng(0)
     traces = []
     for prompt in await served.prompt_ids(prompts):
-        output = (await generate_server_side(served.stub, prompt, max_new_tokens=max_new)).token_ids
+        request = SessionRequest(prompt, max_new_tokens=max_new)
+        output = (await generate_server_side(served.stub, request)).token_ids
         for name, share in acceptance.items():
             traces.append(synthetic_trace(prompt, output, profile_for_share(share, DRAFT_LEN),
                                           MAX_K, served.info.vocab_size, rng, drafter=name))

@@ -12,8 +12,9 @@ async def run_workload(server: str, drafter_spec: str, prompts: list[str], *, na
     end, each with the running totals. Exit code: 0, or 4 when the server refused a session."""
     from drafters import bind_target_tokenizer, load_drafter
     from edge_client.connection import Connection
-    from edge_client.session import RoundSettings, generate
+    from edge_client.session import RoundSettings, SessionHooks, Target, generate
     from edge_client.transport import VerifyError
+    from edge_client.wire import SessionRequest
 
     drafter = load_drafter(drafter_spec)
     totals = {"device": name, "drafter": drafter_spec, "prompts": 0, "tokens": 0, "rounds": 0,
@@ -34,10 +35,12 @@ async def run_workload(server: str, drafter_spec: str, prompts: list[str], *, na
                 emit(event="progress", seconds=totals["seconds"] + time.perf_counter() - started)
 
             try:
-                result = await generate(conn.stub, drafter, tokenizer(prompt).input_ids,
-                                        max_new_tokens=max_new_tokens,
+                result = await generate(conn.stub, drafter,
+                                        SessionRequest(tokenizer(prompt).input_ids,
+                                                       max_new_tokens=max_new_tokens),
                                         settings=RoundSettings(draft_len=draft_len),
-                                        target_fingerprint=info.tokenizer_fingerprint, on_tokens=progress)
+                                        target=Target(fingerprint=info.tokenizer_fingerprint),
+                                        hooks=SessionHooks(on_tokens=progress))
             except VerifyError as exc:
                 emit(event="error", error=str(exc))
                 return 4

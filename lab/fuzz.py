@@ -384,9 +384,10 @@ class NormalSession:
         """One whole generation, checked against the reference."""
         from drafters.ngram import NgramDrafter
         from edge_client.session import generate
+        from edge_client.wire import SessionRequest
 
-        result = await generate(self.stub, NgramDrafter(), self.prompt_ids,
-                                max_new_tokens=len(self.reference))
+        result = await generate(self.stub, NgramDrafter(),
+                                SessionRequest(self.prompt_ids, max_new_tokens=len(self.reference)))
         self.sessions += 1
         self.tokens += len(result.token_ids)
         self.mismatches += result.token_ids != self.reference

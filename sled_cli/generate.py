@@ -112,7 +112,7 @@ async def _generate(args, shown: "Shown") -> int:
         bind_target_tokenizer(drafter, shown.tokenizer)   # an xtok: drafter drafts in its ids
         mode = server_modes.get(args.drafter)
         if info.limits.max_draft_tokens:      # a tree draft stays within what the server takes
-            settings = dataclasses.replace(settings, max_tree_tokens=info.limits.max_draft_tokens)
+            settings = dataclasses.replace(settings, max_draft_tokens=info.limits.max_draft_tokens)
         return await _session(conn.stub, info, prompt_ids, sampling, settings, drafter, mode, shown)
 
 
@@ -121,23 +121,28 @@ async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, sh
     output kept)."""
     from edge_client.result import SERVER_LOST
     from edge_client.server_side import generate_server_side
-    from edge_client.session import device_session
+    from edge_client.session import SessionHooks, Target, device_session
     from edge_client.transport import ServerLost, VerifyError, lost_server
+    from edge_client.wire import SessionRequest
     from sled.printable import printable
 
     args = shown.args
     try:
         if drafter is None:   # a thin device: the server generates (and drafts with SATs)
             result = await generate_server_side(
-                stub, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                stop_ids=args.stop_id, on_tokens=shown.stream, mode=mode, cache_salt=args.cache_salt,
-                reconnect_s=args.reconnect_s, on_server=shown.server_event)
+                stub,
+                SessionRequest(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                               stop_ids=args.stop_id, mode=mode, cache_salt=args.cache_salt),
+                hooks=SessionHooks(on_tokens=shown.stream, on_server=shown.server_event),
+                reconnect_s=args.reconnect_s)
         else:
             shown.session = device_session(
-                stub, drafter, prompt_ids, max_new_tokens=args.max_new_tokens, settings=settings,
-                sampling=sampling, stop_ids=args.stop_id, target_fingerprint=info.tokenizer_fingerprint,
-                target_model=info.model_id, on_tokens=shown.stream, on_server=shown.server_event,
-                cache_salt=args.cache_salt, loose=args.loose)
+                stub, drafter,
+                SessionRequest(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                               stop_ids=args.stop_id, cache_salt=args.cache_salt, loose=args.loose),
+                settings=settings,
+                target=Target(fingerprint=info.tokenizer_fingerprint, model=info.model_id),
+                hooks=SessionHooks(on_tokens=shown.stream, on_server=shown.server_event))
             result = await shown.session.run()
     except (VerifyError, grpc.aio.AioRpcError) as exc:
         if isinstance(exc, ServerLost) or lost_server(exc):

@@ -52,6 +52,7 @@ async def _synthesize(args, profile: list[float], source: str) -> int:
 
     from edge_client.connection import Connection
     from edge_client.server_side import generate_server_side
+    from edge_client.wire import SessionRequest
     from lab.traces.synthetic import SyntheticDrafter, synthetic_trace_set
     from lab.workload import prompt_texts
 
@@ -65,7 +66,8 @@ async def _synthesize(args, profile: list[float], source: str) -> int:
         prompts = [tokenizer(t).input_ids for t in prompt_texts(args.workload, args.prompts)]
         outputs = []
         for i, prompt in enumerate(prompts):   # the server's own output: what replays must match
-            result = await generate_server_side(conn.stub, prompt, max_new_tokens=args.max_new_tokens)
+            result = await generate_server_side(
+                conn.stub, SessionRequest(prompt, max_new_tokens=args.max_new_tokens))
             outputs.append(result.token_ids)
             print(f"sled trace synthesize: {i + 1} of {len(prompts)} server-mode outputs",
                   file=sys.stderr, flush=True)

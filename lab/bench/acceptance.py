@@ -32,7 +32,8 @@ def run(args) -> int:
 async def _measure(served, spec: str, prompts: list[list[int]], draft_len: int, max_new: int,
                    devices: int) -> dict:
     from drafters import bind_target_tokenizer, load_drafter
-    from edge_client.session import RoundSettings, generate
+    from edge_client.session import RoundSettings, Target, generate
+    from edge_client.wire import SessionRequest
 
     stub, fingerprint = served.stub, served.fingerprint
     drafters = [load_drafter(spec) for _ in range(devices)]
@@ -43,9 +44,10 @@ async def _measure(served, spec: str, prompts: list[list[int]], draft_len: int, 
 
     async def device(slot: int) -> None:
         for i in range(slot, len(prompts), devices):
-            results.append(await generate(stub, drafters[slot], prompts[i], max_new_tokens=max_new,
+            results.append(await generate(stub, drafters[slot],
+                                          SessionRequest(prompts[i], max_new_tokens=max_new),
                                           settings=RoundSettings(draft_len=draft_len),
-                                          target_fingerprint=fingerprint))
+                                          target=Target(fingerprint=fingerprint)))
 
     await asyncio.gather(*(device(s) for s in range(devices)))
     rounds = sum(r.rounds for r in results)

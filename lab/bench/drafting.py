@@ -157,14 +157,16 @@ async def _run_workload(served, pacers: dict, prompts: list[list[int]], workload
 
 
 async def _session(served, drafter, config: Config, prompt: list[int], link_profile, args):
-    from edge_client.session import RoundSettings, generate
+    from edge_client.session import RoundSettings, Target, generate
+    from edge_client.wire import SessionRequest
     from lab.link import link_transport
     from lab.profiles import Link
 
     settings = RoundSettings(draft_len=args.draft_len, tree=config.tree,
-                             max_tree_tokens=served.info.limits.max_draft_tokens)
-    return await generate(served.stub, drafter, prompt, max_new_tokens=args.max_new_tokens,
-                          settings=settings, target_fingerprint=served.fingerprint,
+                             max_draft_tokens=served.info.limits.max_draft_tokens)
+    return await generate(served.stub, drafter,
+                          SessionRequest(prompt, max_new_tokens=args.max_new_tokens),
+                          settings=settings, target=Target(fingerprint=served.fingerprint),
                           transport=link_transport(Link(link_profile, seed=len(prompt))))
 
 

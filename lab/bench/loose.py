@@ -98,13 +98,16 @@ async def _complete(served, modes: list[Mode], chosen: list[dict], args, console
 
 
 async def _one(served, drafter, tokenizer, mode: Mode, problem: dict, prompt: list[int], args) -> None:
-    from edge_client.session import RoundSettings, generate
+    from edge_client.session import RoundSettings, Target, generate
+    from edge_client.wire import SessionRequest
     from lab.humaneval import cut_completion
 
     before = served.forward_passes()
-    result = await generate(served.stub, drafter, prompt, max_new_tokens=args.max_new_tokens,
+    result = await generate(served.stub, drafter,
+                            SessionRequest(prompt, max_new_tokens=args.max_new_tokens,
+                                           loose=mode.loose),
                             settings=RoundSettings(draft_len=args.draft_len),
-                            target_fingerprint=served.fingerprint, loose=mode.loose)
+                            target=Target(fingerprint=served.fingerprint))
     mode.passes += served.forward_passes() - before
     text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
     mode.completions.append((problem["task_id"], cut_completion(text)))

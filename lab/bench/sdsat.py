@@ -147,19 +147,23 @@ async def self_drafting(served, prompts: list[list[int]], args, progress, task,
                         names: list[str]) -> dict[str, Run]:
     """Server-side decoding of every prompt in each named mode, rotating the order per group."""
     from edge_client.server_side import generate_server_side
+    from edge_client.wire import SessionRequest
 
     stub = served.stub
     modes = server_modes(names, args.temperature)
     for mode, sampling in modes.values():   # warm-up, unmeasured
-        await generate_server_side(stub, prompts[0], max_new_tokens=4, mode=mode, sampling=sampling(0))
+        await generate_server_side(stub, SessionRequest(prompts[0], max_new_tokens=4, mode=mode,
+                                                        sampling=sampling(0)))
     runs = {name: Run() for name in modes}
     for index, group in enumerate(chunks(len(prompts), args.devices)):
         for name in harness.rotated(names, index):
             progress.update(task, description=f"self-drafting: {name}")
             mode, sampling = modes[name]
             runs[name].add(group, *await _timed_group(served, (
-                generate_server_side(stub, prompts[i], max_new_tokens=args.max_new_tokens,
-                                     mode=mode, sampling=sampling(i)) for i in group)))
+                generate_server_side(
+                    stub, SessionRequest(prompts[i], max_new_tokens=args.max_new_tokens, mode=mode,
+                                         sampling=sampling(i)))
+                for i in group)))
             progress.advance(task, len(group))
     return runs
 
@@ -169,7 +173,8 @@ async def lookahead_runs(served, spec: str, prompts: list[list[int]], lookahead:
     """One drafter with no lookahead, measured hints and every hint (LOOKAHEAD_SETTINGS),
     rotating the order per group; runs keyed by setting name."""
     from drafters import load_drafter, resolve_spec
-    from edge_client.session import RoundSettings, generate
+    from edge_client.session import RoundSettings, Target, generate
+    from edge_client.wire import SessionRequest
 
     stub, fingerprint = served.stub, served.fingerprint
     resolved = resolve_spec(spec)   # once: an ONNX alias may export on first use
@@ -178,11 +183,11 @@ async def lookahead_runs(served, spec: str, prompts: list[list[int]], lookahead:
 
     def one(slot: int, prompt: list[int], name: str, max_new: int):
         hints = LOOKAHEAD_SETTINGS[name]
-        return generate(stub, drafters[slot], prompt, max_new_tokens=max_new,
+        return generate(stub, drafters[slot], SessionRequest(prompt, max_new_tokens=max_new),
                         settings=RoundSettings(draft_len=args.draft_len,
                                                lookahead=lookahead if hints else 0,
                                                hints=hints or "measured"),
-                        target_fingerprint=fingerprint)
+                        target=Target(fingerprint=fingerprint))
 
     for name in settings:         # warm-up, unmeasured (loads the drafter's runtime too)
         await one(0, prompts[0], name, 4)

@@ -42,7 +42,8 @@ class TraceFleet:
 
     async def _device(self, j: int, trace, max_new_tokens: int, mode: str, seed: int, policy):
         from edge_client.server_side import generate_server_side
-        from edge_client.session import generate
+        from edge_client.session import SessionHooks, Target, generate
+        from edge_client.wire import SessionRequest
         from lab.link import link_transport
         from lab.profiles import Link
         from lab.traces.replay import TraceDrafter
@@ -50,13 +51,13 @@ class TraceFleet:
         expected = trace.target_ids[:max_new_tokens]
         wire = link_transport(Link(self.link, seed=seed + j))
         if mode == "centralized":
-            result = await generate_server_side(self.stub, trace.prompt_ids,
-                                                max_new_tokens=len(expected), transport=wire,
-                                                on_tokens=self.on_tokens)
+            result = await generate_server_side(
+                self.stub, SessionRequest(trace.prompt_ids, max_new_tokens=len(expected)),
+                transport=wire, hooks=SessionHooks(on_tokens=self.on_tokens))
         else:
             result = await generate(self.stub, TraceDrafter(trace, self.board, self.on_paced),
-                                    trace.prompt_ids, max_new_tokens=len(expected),
+                                    SessionRequest(trace.prompt_ids, max_new_tokens=len(expected)),
                                     settings=self.settings, transport=wire,
-                                    target_fingerprint=self.fingerprint,
-                                    on_tokens=self.on_tokens, policy=policy)
+                                    target=Target(fingerprint=self.fingerprint),
+                                    hooks=SessionHooks(on_tokens=self.on_tokens), policy=policy)
         return result, expected
