@@ -3,7 +3,6 @@ its settings, the drafts it puts together, and the emulated link's stream."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 
 import grpc
@@ -13,7 +12,7 @@ from drafters.base import Proposal, SparseQ
 from edge_client.proposer import Head, Proposer
 from edge_client import session as session_module
 from edge_client.session import (AUTO_FIRST_DRAFT_LEN, CONNECT_S, DeviceSession, RoundSettings,
-                                  SessionHooks, Target)
+                                  SessionHooks)
 from edge_client.transport import Stream, VerifyError
 from edge_client.wire import SessionRequest
 from lab.link import LinkStream
@@ -146,28 +145,6 @@ async def test_an_evicted_session_reopens_where_its_committed_tokens_end():
     assert server.opens[1].max_new_tokens == 9 - 3
 
 
-async def test_the_old_flat_keywords_make_the_same_session_as_the_grouped_ones():
-    """Callers outside edge_client still pass the request, the target and the hooks part by
-    part (device_session(stub, drafter, prompt_ids, max_new_tokens=...)): the same session."""
-    server, tokens = ScriptedServer(), []
-    grouped = session_module.device_session(
-        None, CountingDrafter(), SessionRequest(PROMPT, 8, stop_ids=[7], cache_salt="s"),
-        RoundSettings(draft_len=3), target=Target("sha256:t", "tiny"), transport=server.transport,
-        hooks=SessionHooks(on_tokens=tokens.extend))
-    with pytest.warns(DeprecationWarning, match="SessionRequest"):
-        flat = session_module.device_session(
-            None, CountingDrafter(), PROMPT, max_new_tokens=8, stop_ids=[7], cache_salt="s",
-            settings=RoundSettings(draft_len=3), target_fingerprint="sha256:t", target_model="tiny",
-            transport=server.transport, on_tokens=tokens.extend)
-    assert flat.request == grouped.request and flat.request.fingerprint == "sha256:t"
-    assert flat.request.drafter == "counting" and flat.hooks == grouped.hooks
-    assert flat.settings == grouped.settings and flat.transport == grouped.transport
-    with pytest.warns(DeprecationWarning):
-        result = await session_module.generate(None, CountingDrafter(), PROMPT, max_new_tokens=5,
-                                               transport=server.transport, on_tokens=tokens.extend)
-    assert result.token_ids == tokens == list(range(2, 7))
-
-
 async def test_other_errors_end_the_session():
     class Refusing(ScriptedStream):
         async def send(self, msg):
@@ -273,15 +250,7 @@ def test_round_settings_refuse_bad_values(bad):
         RoundSettings(**bad)
 
 
-def test_the_old_name_of_the_servers_draft_limit_still_sets_it():
-    """max_tree_tokens, deprecated, sets max_draft_tokens (the server's limit on the tokens of one
-    draft), constructed or replaced, and the settings are those with the new name."""
-    with pytest.warns(DeprecationWarning, match="max_draft_tokens"):
-        old = RoundSettings(tree=2, max_tree_tokens=8)
-    assert old == RoundSettings(tree=2, max_draft_tokens=8) and old.max_draft_tokens == 8
-    with pytest.warns(DeprecationWarning):
-        replaced = dataclasses.replace(RoundSettings(tree=2), max_tree_tokens=5)
-    assert replaced.max_draft_tokens == 5 and dataclasses.replace(replaced, tree=3).max_draft_tokens == 5
+def test_the_servers_draft_limit_must_be_positive():
     with pytest.raises(ValueError, match="max_draft_tokens"):
         RoundSettings(max_draft_tokens=0)
 

@@ -16,6 +16,7 @@ import torch
 from conftest import greedy_reference
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
+from edge_client.wire import SessionRequest
 from sled.wire.loose import MAX_ENTROPY, Loose
 from sled.v1 import verifier_pb2 as pb
 from tests.test_bad_input import open_msg
@@ -104,8 +105,9 @@ async def test_a_loose_session_departs_only_where_its_verdicts_say_and_strict_on
 
     def session(prompt, loose=None):
         drafter = HFDrafter(drafter_models["llama"], tokenizer, name="hf:noisy")
-        return generate(server_stub(server), drafter, prompt, max_new_tokens=MAX_NEW,
-                        settings=RoundSettings(draft_len=4), loose=loose)
+        return generate(server_stub(server), drafter,
+                        SessionRequest(prompt, max_new_tokens=MAX_NEW, loose=loose),
+                        settings=RoundSettings(draft_len=4))
 
     strict_prompts, loose_prompts = prompts[:4], prompts[4:]
     results = await asyncio.gather(*(session(p) for p in strict_prompts),
@@ -154,8 +156,10 @@ async def test_bad_loose_opens_are_invalid_argument_and_others_go_on(serve, mode
                                                                      fault):
     model = models["llama"]
     server = await serve(model)
-    other = asyncio.create_task(generate(server_stub(server), HFDrafter(
-        drafter_models["llama"], tokenizer, name="hf:noisy"), prompts[1], max_new_tokens=MAX_NEW))
+    other = asyncio.create_task(generate(server_stub(server),
+                                         HFDrafter(drafter_models["llama"], tokenizer,
+                                                   name="hf:noisy"),
+                                         SessionRequest(prompts[1], max_new_tokens=MAX_NEW)))
     code, detail, message = await refusal(server, [opening(prompts[0])])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and detail.reason == Reason.REASON_BAD_LOOSE
     assert fault in message and "bad loose verification" in message

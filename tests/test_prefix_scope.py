@@ -109,9 +109,10 @@ async def test_another_salt_finds_nothing_and_the_same_salt_shares(serve, models
     server = await serve(model)
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
-        first = await generate(stub, HFDrafter(drafter_models["gemma3"]), PROMPT,
-                               max_new_tokens=MAX_NEW, ignore_eos=True,
-                               settings=RoundSettings(draft_len=3), cache_salt="alice")
+        first = await generate(stub, HFDrafter(drafter_models["gemma3"]),
+                               SessionRequest(PROMPT, max_new_tokens=MAX_NEW, ignore_eos=True,
+                                              cache_salt="alice"),
+                               settings=RoundSettings(draft_len=3))
         others = [await server_session(stub, PROMPT, salt) for salt in ("mallory", "", "alice ")]
         same = await server_session(stub, PROMPT, "alice")
     assert first.token_ids == want

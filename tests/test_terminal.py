@@ -114,14 +114,16 @@ async def reference(server, max_new_tokens: int) -> tuple[list[int], str]:
     """The uninterrupted greedy run of the same length: its token ids and text as printed."""
     from drafters import load_drafter
     from edge_client.connection import Connection
-    from edge_client.session import generate
+    from edge_client.session import Target, generate
+    from edge_client.wire import SessionRequest
 
     async with Connection(server.address) as conn:
         info = await conn.model_info()
         tokenizer = await conn.tokenizer()
-        result = await generate(conn.stub, load_drafter("ngram"), tokenizer(PROMPT).input_ids,
-                                max_new_tokens=max_new_tokens,
-                                target_fingerprint=info.tokenizer_fingerprint)
+        result = await generate(conn.stub, load_drafter("ngram"),
+                                SessionRequest(tokenizer(PROMPT).input_ids,
+                                               max_new_tokens=max_new_tokens),
+                                target=Target(fingerprint=info.tokenizer_fingerprint))
     return result.token_ids, tokenizer.decode(result.token_ids, skip_special_tokens=False)
 
 

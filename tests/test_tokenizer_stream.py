@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from edge_client.connection import Connection
 from edge_client.session import generate
 from drafters.ngram import NgramDrafter
+from edge_client.wire import SessionRequest
 from sled.cache import MAX_TOKENIZER_CHUNK_BYTES
 from sled.wire.fingerprint import fingerprint_tokenizer
 from sled.models import converted_checkpoint
@@ -278,8 +279,8 @@ async def test_the_device_sends_the_target_s_fingerprint_for_a_drafter_without_a
     the fingerprint of the server it asks."""
     server = await serve(models["llama"])
     async with grpc.aio.insecure_channel(server.address) as channel:
-        result = await generate(pb_grpc.VerifierStub(channel), NgramDrafter(), list(prompts[1]),
-                                max_new_tokens=4)
+        result = await generate(pb_grpc.VerifierStub(channel), NgramDrafter(),
+                                SessionRequest(list(prompts[1]), max_new_tokens=4))
     assert len(result.token_ids) == 4
 
 

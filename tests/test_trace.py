@@ -134,8 +134,9 @@ async def test_emulated_devices_through_the_server_are_lossless(serve, models, t
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = pb_grpc.VerifierStub(channel)
         results = await asyncio.gather(*(
-            generate(stub, TraceDrafter(trace, FAST_DEVICE), trace.prompt_ids,
-                     max_new_tokens=len(trace.target_ids), settings=RoundSettings(draft_len=draft_len),
+            generate(stub, TraceDrafter(trace, FAST_DEVICE),
+                     SessionRequest(trace.prompt_ids, max_new_tokens=len(trace.target_ids)),
+                     settings=RoundSettings(draft_len=draft_len),
                      transport=link_transport(Link(FAST_LINK, seed=i)))
             for i, trace in enumerate(traces)))
     for result, trace in zip(results, traces):
