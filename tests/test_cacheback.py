@@ -41,11 +41,12 @@ def test_a_growing_context_adds_each_pair_once_its_follower_is_complete():
 async def test_a_session_feeds_the_shared_table_its_prompt_and_output(serve, models):
     from edge_client.drafting import SharedDrafter
     from edge_client.session import generate
+    from edge_client.wire import SessionRequest
     from tests.test_lossless import server_stub
 
     shared = SharedDrafter(CachebackDrafter(leader=1, follower=1))
-    result = await generate(server_stub(await serve(models["llama"])), shared, [3, 4, 5],
-                            max_new_tokens=6)
+    result = await generate(server_stub(await serve(models["llama"])), shared,
+                            SessionRequest([3, 4, 5], max_new_tokens=6))
     output = [3, 4, 5, *result.token_ids]
     table = shared.inner.table
     assert table.followers((output[-2],))[0] == (output[-1],)   # the last token, after the end

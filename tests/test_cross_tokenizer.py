@@ -266,13 +266,14 @@ async def test_tiny_greedy_sessions_match_generate(serve, models, drafter_models
     from conftest import greedy_reference
     from edge_client.drafting import SharedDrafter
     from edge_client.session import RoundSettings, generate
+    from edge_client.wire import SessionRequest
     from tests.test_lossless import server_stub
 
     shared = SharedDrafter(tiny_xtok(tokenizer, drafter_models["gemma3"]))
     server = await serve(models["gemma3"])
     for k in (1, 3, 6):
         results = await asyncio.gather(*(
-            generate(server_stub(server), shared, prompt, max_new_tokens=16,
+            generate(server_stub(server), shared, SessionRequest(prompt, max_new_tokens=16),
                      settings=RoundSettings(draft_len=k)) for prompt in prompts))
         for prompt, result in zip(prompts, results):
             assert result.token_ids == greedy_reference(models["gemma3"], prompt, 16)
@@ -354,7 +355,8 @@ async def test_smollm2_drafts_for_gemma3_and_the_output_is_gemma3s(server, targe
                                                                     references, k):
     import grpc
 
-    from edge_client.session import RoundSettings, generate
+    from edge_client.session import RoundSettings, Target, generate
+    from edge_client.wire import SessionRequest
     from sled.v1 import verifier_pb2_grpc as pb_grpc
 
     stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(server.address))
@@ -365,9 +367,10 @@ async def test_smollm2_drafts_for_gemma3_and_the_output_is_gemma3s(server, targe
 
     async def device(slot: int) -> None:
         for i in range(slot, PROMPTS, len(drafters)):
-            results[i] = await generate(stub, drafters[slot], prompt_ids[i], max_new_tokens=64,
+            results[i] = await generate(stub, drafters[slot],
+                                        SessionRequest(prompt_ids[i], max_new_tokens=64),
                                         settings=RoundSettings(draft_len=k),
-                                        target_fingerprint=target.fingerprint)
+                                        target=Target(fingerprint=target.fingerprint))
 
     await asyncio.gather(*(device(slot) for slot in range(len(drafters))))
     assert [r.token_ids for r in results] == references[:PROMPTS]

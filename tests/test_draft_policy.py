@@ -92,6 +92,7 @@ async def test_adaptive_sessions_stay_lossless_and_vary_k(serve, models, drafter
     from conftest import greedy_reference
     from drafters.hf import HFDrafter
     from edge_client.session import RoundSettings, generate
+    from edge_client.wire import SessionRequest
     from lab.link import link_transport
     from lab.profiles import Link, LinkProfile
     from sled.v1.verifier_pb2_grpc import VerifierStub
@@ -101,9 +102,10 @@ async def test_adaptive_sessions_stay_lossless_and_vary_k(serve, models, drafter
     # A few ms of round trip: drafting a few tokens pays, how many depends on recent acceptance.
     link = Link(LinkProfile("lan", rtt_ms=4.0, jitter_ms=0.5, bandwidth_mbps=0.0))
     async with grpc.aio.insecure_channel(server.address) as channel:
-        result = await generate(VerifierStub(channel), HFDrafter(drafter_models["llama"]), prompts[0],
-                                max_new_tokens=40, settings=RoundSettings(draft_len="adaptive"),
-                                transport=link_transport(link), ignore_eos=True)
+        result = await generate(VerifierStub(channel), HFDrafter(drafter_models["llama"]),
+                                SessionRequest(prompts[0], max_new_tokens=40, ignore_eos=True),
+                                settings=RoundSettings(draft_len="adaptive"),
+                                transport=link_transport(link))
     assert result.token_ids == greedy_reference(model, prompts[0], 40)
     assert len({stat.verified for stat in result.round_stats[:-3]}) > 1   # k chosen per round
 
@@ -114,6 +116,7 @@ async def test_one_policy_carries_over_a_devices_sessions(serve, models, drafter
     from conftest import greedy_reference
     from drafters.hf import HFDrafter
     from edge_client.session import RoundSettings, generate
+    from edge_client.wire import SessionRequest
     from sled.v1.verifier_pb2_grpc import VerifierStub
 
     model = models["llama"]
@@ -121,11 +124,13 @@ async def test_one_policy_carries_over_a_devices_sessions(serve, models, drafter
     policy = DraftPolicy(max_draft_len=6)
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
-        first = await generate(stub, HFDrafter(drafter_models["llama"]), prompts[0], max_new_tokens=16,
-                               settings=RoundSettings(draft_len="adaptive"), ignore_eos=True, policy=policy)
+        first = await generate(stub, HFDrafter(drafter_models["llama"]),
+                               SessionRequest(prompts[0], max_new_tokens=16, ignore_eos=True),
+                               settings=RoundSettings(draft_len="adaptive"), policy=policy)
         learned, next_k = (policy.acceptance, policy.round_ms), policy.choose()
-        second = await generate(stub, HFDrafter(drafter_models["llama"]), prompts[1], max_new_tokens=16,
-                                settings=RoundSettings(draft_len="adaptive"), ignore_eos=True, policy=policy)
+        second = await generate(stub, HFDrafter(drafter_models["llama"]),
+                                SessionRequest(prompts[1], max_new_tokens=16, ignore_eos=True),
+                                settings=RoundSettings(draft_len="adaptive"), policy=policy)
     assert first.token_ids == greedy_reference(model, prompts[0], 16)
     assert second.token_ids == greedy_reference(model, prompts[1], 16)
     assert learned != (0.7, 20.0)                               # taught by the first session

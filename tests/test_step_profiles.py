@@ -131,6 +131,7 @@ async def test_an_emulated_server_paces_its_steps_and_keeps_the_targets_output(
     its shape (this target computes faster), no step overruns."""
     from drafters.hf import HFDrafter
     from edge_client.session import RoundSettings, generate
+    from edge_client.wire import SessionRequest
     from tests.test_lossless import server_stub
 
     model = models["llama"]
@@ -139,9 +140,9 @@ async def test_an_emulated_server_paces_its_steps_and_keeps_the_targets_output(
                                    "per_kv_token_ms": 0.01})
     server = await serve(model, emulate=spec)
     results = await asyncio.gather(*(
-        generate(server_stub(server), HFDrafter(drafter_models["llama"], tokenizer,
-                                                name="hf:noisy"), prompt,
-                 max_new_tokens=12, settings=RoundSettings(draft_len=4))
+        generate(server_stub(server),
+                 HFDrafter(drafter_models["llama"], tokenizer, name="hf:noisy"),
+                 SessionRequest(prompt, max_new_tokens=12), settings=RoundSettings(draft_len=4))
         for prompt in prompts[:3]))
     for result, prompt in zip(results, prompts):
         assert result.token_ids == greedy_reference(model, prompt, 12)

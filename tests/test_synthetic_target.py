@@ -43,6 +43,7 @@ def test_sled_serve_refuses_an_unknown_shape_in_one_line():
 async def test_a_synthetic_target_serves_its_own_greedy_output():
     from edge_client.session import RoundSettings, generate
     from drafters.ngram import NgramDrafter
+    from edge_client.wire import SessionRequest
     from tests.test_lossless import server_stub
     from verify_server.server import start_server
     from verify_server.target import Target
@@ -55,8 +56,9 @@ async def test_a_synthetic_target_serves_its_own_greedy_output():
                                           do_sample=False)[0, len(prompt):].tolist()
     server = await start_server(target)
     try:
-        result = await generate(server_stub(server), NgramDrafter(), prompt, max_new_tokens=12,
-                                settings=RoundSettings(draft_len=3), ignore_eos=True)
+        result = await generate(server_stub(server), NgramDrafter(),
+                                SessionRequest(prompt, max_new_tokens=12, ignore_eos=True),
+                                settings=RoundSettings(draft_len=3))
     finally:
         await server.stop(grace=0)
     assert result.token_ids == reference

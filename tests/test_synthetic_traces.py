@@ -57,6 +57,7 @@ def test_bad_profiles_are_refused(profile):
 async def test_devices_replaying_synthetic_traces_reproduce_the_servers_own_output(
         serve, models, tmp_path):
     from edge_client.session import RoundSettings, generate
+    from edge_client.wire import SessionRequest
     from lab.traces.replay import TraceDrafter
     from sled_cli.trace_synthesize import _synthesize
     from tests.test_lossless import server_stub
@@ -70,8 +71,9 @@ async def test_devices_replaying_synthetic_traces_reproduce_the_servers_own_outp
     assert traces.drafter == "synthetic[given: 0.8,0.6]" and len(traces.traces) == 4
     accepted = verified = 0
     for trace in traces.traces:
-        result = await generate(server_stub(server), TraceDrafter(trace), trace.prompt_ids,
-                                max_new_tokens=20, settings=RoundSettings(draft_len=4))
+        result = await generate(server_stub(server), TraceDrafter(trace),
+                                SessionRequest(trace.prompt_ids, max_new_tokens=20),
+                                settings=RoundSettings(draft_len=4))
         assert result.token_ids == trace.target_ids        # the server-mode output, exactly
         accepted, verified = accepted + result.accepted_tokens, verified + result.draft_tokens
     assert 0.2 < accepted / verified < 0.9
