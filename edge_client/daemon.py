@@ -20,18 +20,17 @@ from collections.abc import AsyncIterator, Callable
 
 from drafters.base import Drafter
 from edge_client.bootstrap import Bootstrap
-from edge_client.device_generation import Generation, RequestRunner, Telemetry
+from edge_client.device_generation import RequestRunner, Telemetry
 from edge_client.device_requests import Chunk, DeviceError, Request, Requests
 from edge_client.device_status import DeviceMetrics, DeviceState, Window
 from edge_client.emulation import LinkEmulation
 from edge_client.security import ChannelSecurity
-from edge_client.server_choice import PROBE_S, ServerChoice
+from edge_client.server_choice import ServerChoice
 from edge_client.servers import ServerDirectory
 from edge_client.settings import DeviceSettings, SettingsError
 
-# what other modules import from here
-__all__ = ["Chunk", "Device", "DeviceError", "DeviceMetrics", "Generation", "PROBE_S", "Request",
-           "Window"]
+# what other modules import from here (the request and its error live in device_requests)
+__all__ = ["Device", "DeviceError", "Request"]
 
 
 class Device:

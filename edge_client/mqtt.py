@@ -40,7 +40,7 @@ import time
 
 import aiomqtt
 
-from sled.backoff import Backoff, broker_backoff
+from sled.backoff import Backoff
 from edge_client.daemon import Device, DeviceError, Request
 from edge_client.text import OutputText
 from sled.wire.endpoint import parse_endpoint
@@ -76,7 +76,7 @@ def _tls_name(value) -> str:
 
 class DeviceMqtt:
     """The device's link to the broker; `backoff` spaces its attempts at the broker (default:
-    broker_backoff())."""
+    sled.backoff.broker_backoff())."""
 
     def __init__(self, device: Device, backoff: Backoff | None = None) -> None:
         self.device = device
@@ -85,7 +85,7 @@ class DeviceMqtt:
         self.connection = MqttConnection(
             self.broker, f"sled-device-{device.settings.id}", self.topic("status"),
             will=self._offline("the device lost its MQTT connection"),
-            goodbye=self._offline("the device stopped"), backoff=backoff or broker_backoff(),
+            goodbye=self._offline("the device stopped"), backoff=backoff,
             meanwhile="the device keeps serving locally", logger=log)
         self._status_changed = asyncio.Event()
         self._servers_changed = asyncio.Event()

@@ -125,8 +125,10 @@ class LocalFleet:
     async def start_server(self) -> None:
         self._refuse_after_stop()
         self._server.start()
-        async with grpc.aio.insecure_channel(f"{HOST}:{self.server_port}") as channel:
-            await wait_serving(self._server, pb_grpc.VerifierStub(channel), self.startup_timeout_s)
+        address = f"{HOST}:{self.server_port}"
+        async with grpc.aio.insecure_channel(address) as channel:
+            await wait_serving(self._server, pb_grpc.VerifierStub(channel), address,
+                               self.startup_timeout_s)
 
     # -- the broker ---------------------------------------------------------------------------
 

@@ -2,8 +2,8 @@
 ready at start, for its MQTT link to come back after a fault, for a link to go down, for a mode
 to take hold; each is a predicate over the same reading.
 
-    health = await wait_health(handle.api_url, lambda h: h.status.get("mode") == "sled",
-                               f"{handle.id} took sled")
+    health = await wait_health(handle.api_url, lambda h: h.status.get("mode") == "draft",
+                               f"{handle.id} did not switch to drafting", timeout_s=60)
 """
 from __future__ import annotations
 

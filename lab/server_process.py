@@ -100,17 +100,25 @@ def serve_command(model: str, port: int, metrics_port: int, *extra: str) -> list
             "--port", str(port), "--metrics-port", str(metrics_port), *extra]
 
 
-async def wait_serving(child: Child, stub, timeout_s: float) -> None:
-    """Until the `sled serve` CHILD answers GetModelInfo through STUB; FleetStartError with the
-    end of its log if it exits first or does not answer in time."""
+# What a server that is still starting answers; any other status is the server's answer.
+NOT_YET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+async def wait_serving(child: Child, stub, address: str, timeout_s: float) -> None:
+    """Until the `sled serve` CHILD answers GetModelInfo through STUB at ADDRESS; FleetStartError
+    with the end of its log if it exits first or does not answer in time, and at once with the
+    server's status if it refuses (a wrong token or certificate)."""
     async def answers() -> bool | None:
         child.started_or_fail()
         try:
             await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2.0)
-        except grpc.aio.AioRpcError:
-            return None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in NOT_YET:
+                return None
+            raise FleetStartError(f"{child.name} on {address} refused: {exc.code().name}: "
+                                  f"{exc.details()}") from None
         return True
-    await wait_for(answers, timeout_s, f"{child.name} did not answer", 0.3, child)
+    await wait_for(answers, timeout_s, f"{child.name} did not answer on {address}", 0.3, child)
 
 
 class ServerProcess:
@@ -139,7 +147,7 @@ class ServerProcess:
         try:
             async with self._channel() as channel:
                 stub = self.security.stub(channel) if self.security else pb_grpc.VerifierStub(channel)
-                await wait_serving(self.child, stub, self.startup_timeout)
+                await wait_serving(self.child, stub, self.address, self.startup_timeout)
         except BaseException:
             await self.__aexit__()
             raise

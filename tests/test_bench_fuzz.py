@@ -79,3 +79,23 @@ def test_a_child_logs_to_a_file_so_the_server_never_blocks_on_its_log(tmp_path):
     child.start()
     assert child.proc.wait(timeout=30) == 0
     assert "session 19999 refused" in child.tail()
+
+
+async def test_a_server_that_refuses_the_bench_stops_it_at_once_with_the_status(tmp_path):
+    """A server child that answers with a refusal (here: a device token it does not know) is up;
+    waiting for it is over at once, with the status, not after the 300 s start-up timeout."""
+    import time
+
+    import pytest
+
+    from lab.fleet import FleetStartError
+    from lab.server_process import ServerProcess
+    from lab.tiny import cached_pair
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("dev-1 q2VhZ2xlcy1hcmUtbm90LXJlYWw\n")
+    started = time.monotonic()
+    with pytest.raises(FleetStartError, match="refused: UNAUTHENTICATED"):
+        async with ServerProcess(str(cached_pair()[0]), "--auth-tokens", str(tokens)):
+            pass
+    assert time.monotonic() - started < 120

@@ -81,6 +81,15 @@ def test_a_bad_trace_spec_is_one_clear_error(spec, said):
         load_drafter(spec)
 
 
+def test_a_trace_file_without_a_draft_length_is_one_clear_error(tmp_path):
+    """A header that says neither max_draft_len nor the older max_k is refused when loaded."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"sled_traces": 1, "target": "t", "drafter": "d"}\n'
+                    '{"prompt_ids": [1], "target_ids": [2], "proposals": [[2]]}\n')
+    with pytest.raises(ValueError, match="max_draft_len"):
+        load_drafter(f"trace:{path}")
+
+
 async def test_a_device_drafting_from_calibrated_traces_matches_the_target(
         serve, models, tokenizer, prompts, tmp_path):
     from edge_client.daemon import Device, Request

@@ -58,8 +58,14 @@ def test_the_draft_limits_old_name_still_reads_as_a_key_and_a_variable(tmp_path,
     assert settings_of("--config", str(toml)).max_draft_tokens == 7
     monkeypatch.setenv("SLED_SERVE_MAX_DRAFT_LEN", "9")
     assert settings_of().max_draft_tokens == 9
-    monkeypatch.setenv("SLED_SERVE_MAX_DRAFT_TOKENS", "0")
+    monkeypatch.setenv("SLED_SERVE_MAX_DRAFT_LEN", "0")          # its error names the variable set
+    with pytest.raises(SettingsError, match="SLED_SERVE_MAX_DRAFT_LEN"):
+        settings_of()
+    monkeypatch.setenv("SLED_SERVE_MAX_DRAFT_TOKENS", "5")        # both names at once: which?
+    with pytest.raises(SettingsError, match="name the same setting"):
+        settings_of()
     monkeypatch.delenv("SLED_SERVE_MAX_DRAFT_LEN")
+    monkeypatch.setenv("SLED_SERVE_MAX_DRAFT_TOKENS", "0")
     with pytest.raises(SettingsError, match="max_draft_tokens"):
         settings_of()
 

@@ -245,9 +245,13 @@ def load_settings(config_file: str | Path | None = None,
     values: dict[str, Any] = {}
     origins: dict[str, str] = {}
     for origin, layer in _sources(config_file, flags or {}):
+        both = [old for old, key in OLD_KEYS.items() if old in layer and key in layer]
+        if both:
+            raise SettingsError(f"{origin(both[0])} and {origin(OLD_KEYS[both[0]])} name the same "
+                                f"setting ({OLD_KEYS[both[0]]}; {both[0]} is its old name): give one")
         for key, value in layer.items():
-            key = OLD_KEYS.get(key, key)
-            values[key], origins[key] = value, origin(key)
+            values[OLD_KEYS.get(key, key)] = value
+            origins[OLD_KEYS.get(key, key)] = origin(key)
     try:
         return ServerSettings(**values)
     except ValidationError as exc:

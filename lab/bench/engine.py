@@ -41,7 +41,7 @@ def add_arguments(parser) -> None:
                         help="context tokens per session")
     parser.add_argument("--sessions", default="1,8", type=harness.listed(positive_int),
                         help="sessions verifying in one step")
-    harness.add_draft_len_flag(parser, help="draft tokens per session (k)", old="-k")
+    harness.add_draft_len_flag(parser, help="draft tokens per session", old="-k")
     parser.add_argument("--block-tokens", type=positive_int, default=16, help="tokens per KV block")
     parser.add_argument("--reps", type=positive_int, default=5,
                         help="timed steps per engine and cell, interleaved")

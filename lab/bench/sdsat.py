@@ -203,8 +203,6 @@ async def lookahead_runs(served, spec: str, prompts: list[list[int]], lookahead:
 
 def _validate(args) -> list[str]:
     specs = [s.strip() for s in args.drafters.split(",") if s.strip()]
-    if args.draft_len < 1:
-        raise ValueError(f"--k must be >= 1, not {args.draft_len}")
     if args.devices < 1:
         raise ValueError(f"--devices must be >= 1, not {args.devices}")
     if args.max_new_tokens < 1:

@@ -73,9 +73,11 @@ class TraceSet:
                         drafter=header["drafter"], tokenizer_fingerprint=fingerprint,
                         confidences=row.get("confidences"))
                   for row in map(json.loads, lines[1:])]
+        max_draft_len = header.get("max_draft_len", header.get("max_k"))
+        if max_draft_len is None:
+            raise KeyError("max_draft_len")
         return cls(target=header["target"], drafter=header["drafter"],
-                   max_draft_len=header.get("max_draft_len", header.get("max_k")), traces=traces,
-                   tokenizer_fingerprint=fingerprint)
+                   max_draft_len=max_draft_len, traces=traces, tokenizer_fingerprint=fingerprint)
 
 
 def _row(trace: Trace) -> dict:
