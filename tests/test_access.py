@@ -16,6 +16,7 @@ from conftest import greedy_reference
 from drafters.ngram import NgramDrafter
 from edge_client.security import AuthorizedStub, ChannelSecurity
 from edge_client.session import generate
+from edge_client.wire import SessionRequest
 from sled.wire.auth import bearer_metadata, bearer_token
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
@@ -120,7 +121,7 @@ async def test_a_missing_or_wrong_token_is_unauthenticated_on_every_call(guarded
 async def test_a_known_token_generates_losslessly_and_names_its_device(guarded, models):
     channel, stub = stub_of(guarded, TOKENS["dev-1"])
     async with channel:
-        result = await generate(stub, NgramDrafter(), PROMPT, max_new_tokens=8)
+        result = await generate(stub, NgramDrafter(), SessionRequest(PROMPT, max_new_tokens=8))
     assert result.token_ids == greedy_reference(models["llama"], PROMPT, 8)
     assert guarded.metrics.value("sled_device_sessions_total", {"device": "dev-1"}) == 1
     assert guarded.metrics.value("sled_device_tokens_total", {"device": "dev-1"}) > len(PROMPT)
@@ -136,7 +137,7 @@ async def test_a_revoked_token_is_refused_after_the_reload_and_the_others_go_on(
     assert error.code() == grpc.StatusCode.UNAUTHENTICATED
     channel, kept = stub_of(guarded, TOKENS["dev-1"])
     async with channel:
-        result = await generate(kept, NgramDrafter(), PROMPT, max_new_tokens=6)
+        result = await generate(kept, NgramDrafter(), SessionRequest(PROMPT, max_new_tokens=6))
     assert result.token_ids == greedy_reference(models["llama"], PROMPT, 6)
 
 
@@ -245,7 +246,7 @@ async def test_a_device_at_its_session_quota_is_refused_while_others_open(serve,
         assert "device dev-1 has 2 sessions open, its quota" in await third.details()
         other_channel, other = stub_of(server, TOKENS["dev-2"])
         async with other_channel:
-            result = await generate(other, NgramDrafter(), PROMPT, max_new_tokens=6)
+            result = await generate(other, NgramDrafter(), SessionRequest(PROMPT, max_new_tokens=6))
         assert result.token_ids == greedy_reference(models["llama"], PROMPT, 6)
         for call, _ in held[:2]:
             call.cancel()
@@ -288,7 +289,8 @@ async def test_a_greedy_device_is_held_to_its_rate_while_two_others_stay_lossles
     channels = [stub_of(server, TOKENS[d]) for d in ("dev-1", "dev-2", "cam-3")]
     started = time.monotonic()
     flood = asyncio.create_task(greedy_rounds(channels[0][1], fingerprint, seconds))
-    results = await asyncio.gather(*(generate(stub, NgramDrafter(), PROMPT, max_new_tokens=24)
+    results = await asyncio.gather(*(generate(stub, NgramDrafter(),
+                                              SessionRequest(PROMPT, max_new_tokens=24))
                                      for _, stub in channels[1:]))
     rounds = await flood
     elapsed = time.monotonic() - started
@@ -335,5 +337,5 @@ async def test_work_far_over_the_rate_is_refused_naming_the_quota(serve, models,
         assert reply.verdict.finish_reason == pb.FINISH_REASON_LENGTH
     other_channel, other = stub_of(server, TOKENS["dev-2"])
     async with other_channel:
-        result = await generate(other, NgramDrafter(), PROMPT, max_new_tokens=4)
+        result = await generate(other, NgramDrafter(), SessionRequest(PROMPT, max_new_tokens=4))
     assert result.token_ids == greedy_reference(models["llama"], PROMPT, 4)

@@ -18,8 +18,9 @@ import pytest
 from conftest import greedy_reference
 from drafters.hf import HFDrafter
 from drafters.ngram import NgramDrafter
-from edge_client.session import RoundSettings, generate
+from edge_client.session import RoundSettings, Target, generate
 from edge_client.transport import VerifyError
+from edge_client.wire import SessionRequest
 from sled.wire.fingerprint import fingerprint_tokenizer, fingerprint_vocab, short
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
@@ -463,7 +464,8 @@ async def test_client_refuses_mismatched_drafter_before_sending(raw, prompts, mo
     assert drafter.tokenizer_fingerprint != target_fp
     spy = RecordingStub(stub)
     with pytest.raises(VerifyError) as exc:
-        await generate(spy, drafter, prompts[0], max_new_tokens=4, target_fingerprint=target_fp)
+        await generate(spy, drafter, SessionRequest(prompts[0], max_new_tokens=4),
+                       target=Target(fingerprint=target_fp))
     assert exc.value.code == PRECONDITION
     assert exc.value.reason == "REASON_TOKENIZER_MISMATCH"
     assert "hf:other" in exc.value.message
@@ -474,7 +476,7 @@ async def test_client_refuses_mismatched_drafter_before_sending(raw, prompts, mo
 
     # without the target's fingerprint the client sends its own, and the server refuses it
     with pytest.raises(VerifyError) as exc:
-        await generate(spy, drafter, prompts[0], max_new_tokens=4)
+        await generate(spy, drafter, SessionRequest(prompts[0], max_new_tokens=4))
     assert exc.value.code == PRECONDITION
     assert exc.value.reason == "REASON_TOKENIZER_MISMATCH"
     assert MODEL_ID in exc.value.message and "hf:other" in exc.value.message
@@ -483,7 +485,8 @@ async def test_client_refuses_mismatched_drafter_before_sending(raw, prompts, mo
 
     # control: the same drafter model with the target's tokenizer goes through
     same = HFDrafter(models["llama"], tokenizer, name="hf:same")
-    result = await generate(spy, same, prompts[0], max_new_tokens=5, target_fingerprint=target_fp)
+    result = await generate(spy, same, SessionRequest(prompts[0], max_new_tokens=5),
+                            target=Target(fingerprint=target_fp))
     assert result.token_ids == greedy_reference(models["llama"], prompts[0], 5)
     await wait_clean(server)
 
@@ -500,7 +503,7 @@ async def test_bad_streams_do_not_disturb_good_sessions(raw, prompts, models):
     expected = [greedy_reference(model, p, n) for p in good_prompts]
 
     async def good(prompt):
-        return await generate(stub, NgramDrafter(), prompt, max_new_tokens=n,
+        return await generate(stub, NgramDrafter(), SessionRequest(prompt, max_new_tokens=n),
                               settings=RoundSettings(draft_len=MAX_DRAFT))
 
     bad = [check_case(stub, case, V, prompts[i % len(prompts)]) for i, case in enumerate(CASES)]
@@ -592,7 +595,7 @@ async def test_cancel_while_in_flight(stage, raw, prompts, models):
     gate.release.set()
     await wait_clean(server)
     # the engine and the scheduler are fine afterwards
-    result = await generate(stub, NgramDrafter(), P, max_new_tokens=6)
+    result = await generate(stub, NgramDrafter(), SessionRequest(P, max_new_tokens=6))
     assert result.token_ids == greedy_reference(models["llama"], P, 6)
     await wait_clean(server)
 
@@ -629,7 +632,8 @@ async def test_cancel_right_after_draft_under_load(raw, prompts, models):
     expected = [greedy_reference(model, p, n) for p in prompts]
 
     async def good(prompt):
-        return (await generate(stub, NgramDrafter(), prompt, max_new_tokens=n)).token_ids
+        result = await generate(stub, NgramDrafter(), SessionRequest(prompt, max_new_tokens=n))
+        return result.token_ids
 
     async def vanish(prompt, rounds: int):
         call = stub.Generate()

@@ -8,6 +8,7 @@ import grpc
 
 from drafters.ngram import NgramDrafter
 from edge_client.session import RoundSettings, generate
+from edge_client.wire import SessionRequest
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from lab.server_process import free_port
 
@@ -25,8 +26,9 @@ def scrape(port: int) -> dict[str, float]:
 async def run_sessions(server, prompts, count: int, max_new: int = 32):
     stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(server.address))
     return await asyncio.gather(*(
-        generate(stub, NgramDrafter(), prompts[i % len(prompts)], max_new_tokens=max_new,
-                 settings=RoundSettings(draft_len=4), ignore_eos=True) for i in range(count)))
+        generate(stub, NgramDrafter(),
+                 SessionRequest(prompts[i % len(prompts)], max_new_tokens=max_new, ignore_eos=True),
+                 settings=RoundSettings(draft_len=4)) for i in range(count)))
 
 
 async def test_eight_sessions_share_forward_passes(serve, models, prompts):

@@ -31,7 +31,8 @@ async def victim_generates(server, models) -> None:
     """dev-2's greedy generation: opened, and the target's own output."""
     channel, stub = stub_of(server, TOKENS["dev-2"])
     try:
-        result = await asyncio.wait_for(generate(stub, NgramDrafter(), PROMPT, max_new_tokens=8), 60)
+        result = await asyncio.wait_for(generate(stub, NgramDrafter(),
+                                                 SessionRequest(PROMPT, max_new_tokens=8)), 60)
     finally:
         await channel.close()
     assert result.token_ids == greedy_reference(models["llama"], PROMPT, 8)

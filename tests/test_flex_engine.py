@@ -183,6 +183,7 @@ async def test_eight_sessions_over_grpc_match_generate_on_the_flex_engine(serve,
     """The greedy oracle through the server, with a noisy drafter that is sometimes rejected."""
     from drafters.hf import HFDrafter
     from edge_client.session import RoundSettings, generate
+    from edge_client.wire import SessionRequest
     from tests.test_lossless import server_stub
 
     model = models["llama"]
@@ -190,8 +191,8 @@ async def test_eight_sessions_over_grpc_match_generate_on_the_flex_engine(serve,
     assert server.scheduler.engine.kind == "flex"
     results = await asyncio.gather(*(
         generate(server_stub(server),
-                 HFDrafter(drafter_models["llama"], tokenizer, name="hf:noisy"), prompt,
-                 max_new_tokens=16, settings=RoundSettings(draft_len=4))
+                 HFDrafter(drafter_models["llama"], tokenizer, name="hf:noisy"),
+                 SessionRequest(prompt, max_new_tokens=16), settings=RoundSettings(draft_len=4))
         for prompt in prompts))
     for result, prompt in zip(results, prompts):
         assert result.token_ids == greedy_reference(model, prompt, 16)

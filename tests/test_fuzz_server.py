@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from conftest import greedy_reference
 from drafters.ngram import NgramDrafter
 from edge_client.session import generate
+from edge_client.wire import SessionRequest
 from lab.fuzz import (RSS_GROWTH_MIB, STREAM_TIMEOUT_S, NormalSession, Wire, assert_clear_ending,
                       exchange, fuzz_traffic, raw_generate)
 from lab.tiny import CORPUS, make_tokenizer
@@ -213,7 +214,8 @@ async def test_after_the_fuzz_the_server_is_clean_and_correct(fuzzed, models, pr
     await until_clean(fuzzed.server)
     assert fuzzed.server.metrics.value("sled_kv_tokens") == 0
     for prompt in prompts[:3]:
-        result = await generate(fuzzed.stub, NgramDrafter(), prompt, max_new_tokens=10)
+        result = await generate(fuzzed.stub, NgramDrafter(),
+                                SessionRequest(prompt, max_new_tokens=10))
         assert result.token_ids == greedy_reference(models["llama"], prompt, 10)
     await until_clean(fuzzed.server)
     grown_mib = (psutil.Process().memory_info().rss - fuzzed.rss_start) / (1 << 20)

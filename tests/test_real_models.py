@@ -12,7 +12,8 @@ import torch
 
 from drafters import load_drafter, resolve_spec
 from sled.cache import cache_dir
-from edge_client.session import RoundSettings, generate
+from edge_client.session import RoundSettings, Target as ServedTarget, generate
+from edge_client.wire import SessionRequest
 from edge_client.transport import VerifyError
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from sled.models import hf_checkpoint
@@ -71,9 +72,10 @@ async def test_real_drafter_output_is_identical_to_generate(server, target, prom
 
     async def device(slot: int) -> None:
         for i in range(slot, len(prompt_ids), len(drafters)):
-            results[i] = await generate(stub, drafters[slot], prompt_ids[i], max_new_tokens=MAX_NEW,
+            results[i] = await generate(stub, drafters[slot],
+                                        SessionRequest(prompt_ids[i], max_new_tokens=MAX_NEW),
                                         settings=RoundSettings(draft_len=4),
-                                        target_fingerprint=target.fingerprint)
+                                        target=ServedTarget(fingerprint=target.fingerprint))
 
     await asyncio.gather(*(device(slot) for slot in range(len(drafters))))
     mismatched = [i for i, (r, ref) in enumerate(zip(results, references)) if r.token_ids != ref]
@@ -87,14 +89,14 @@ async def test_smollm2_drafter_is_refused_by_a_gemma3_target(server, target, pro
     drafter = load_drafter("gguf:smollm2-135m")
     # Sent as is (no client-side check), the server refuses it and names both models.
     with pytest.raises(VerifyError) as refused:
-        await generate(stub, drafter, prompt_ids[0], max_new_tokens=8)
+        await generate(stub, drafter, SessionRequest(prompt_ids[0], max_new_tokens=8))
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
     # the drafter as the user named it (its alias), not the file behind it
     assert "gguf:smollm2-135m" in refused.value.message and TARGET in refused.value.message
     # The device-side check refuses it before anything is sent, with the same precision.
     with pytest.raises(VerifyError) as early:
-        await generate(stub, drafter, prompt_ids[0], max_new_tokens=8,
-                       target_fingerprint=target.fingerprint, target_model=target.model_id)
+        await generate(stub, drafter, SessionRequest(prompt_ids[0], max_new_tokens=8),
+                       target=ServedTarget(fingerprint=target.fingerprint, model=target.model_id))
     assert early.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert early.value.message.startswith(
         f"the drafter gguf:smollm2-135m (SmolLM2-135M-Instruct.Q4_1.gguf) does not share a "

@@ -14,6 +14,7 @@ import torch
 from conftest import rss_mib
 from drafters.ngram import NgramDrafter
 from edge_client.session import RoundSettings, generate
+from edge_client.wire import SessionRequest
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from verify_server.blocks import BlockPool, KVShape
 from verify_server.kv import SessionKV
@@ -64,8 +65,9 @@ async def test_server_rss_does_not_grow_with_sessions(serve, models, prompts):
     async def sessions(count: int) -> None:
         for start in range(0, count, 8):
             await asyncio.gather(*(
-                generate(stub, NgramDrafter(), prompts[(start + i) % len(prompts)],
-                         max_new_tokens=32, settings=RoundSettings(draft_len=4), ignore_eos=True)
+                generate(stub, NgramDrafter(),
+                         SessionRequest(prompts[(start + i) % len(prompts)], max_new_tokens=32,
+                                        ignore_eos=True), settings=RoundSettings(draft_len=4))
                 for i in range(8)))
 
     await sessions(48)                       # warm-up: code paths, caches, grpc buffers

@@ -16,6 +16,7 @@ from edge_client.connection import Connection
 from edge_client.security import ChannelSecurity
 from edge_client.servers import ServerDirectory
 from edge_client.session import generate
+from edge_client.wire import SessionRequest
 from lab.server_process import ServerProcess
 from lab.tiny import cached_pair
 from sled.v1 import verifier_pb2 as pb
@@ -61,7 +62,7 @@ async def why_refused(address: str, security: ChannelSecurity, tls_name: str = "
 
 async def lossless(address, security, model, n: int = 6):
     async with Connection(address, security) as conn:
-        result = await generate(conn.stub, NgramDrafter(), PROMPT, max_new_tokens=n)
+        result = await generate(conn.stub, NgramDrafter(), SessionRequest(PROMPT, max_new_tokens=n))
     assert result.token_ids == greedy_reference(model, PROMPT, n)
 
 
