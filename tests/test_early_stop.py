@@ -16,6 +16,7 @@ from drafters.base import KVDrafter, confidence_options, reports_confidence, sto
 from drafters.hf import HFDrafter
 from drafters.ngram import NgramDrafter
 from edge_client.session import RoundSettings, generate
+from edge_client.wire import SessionRequest
 from lab.profiles import DeviceProfile
 from lab.traces import Trace, TraceDrafter, TraceSet, record_traces
 from sled.wire.sampling import Sampling
@@ -162,9 +163,9 @@ async def test_sessions_that_stop_early_are_lossless(serve, models, drafter_mode
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         results = await asyncio.gather(*(
-            generate(stub, HFDrafter(drafter_models["llama"], tokenizer), p, max_new_tokens=20,
-                     settings=RoundSettings(draft_len=6, min_confidence=threshold, pipeline=pipeline),
-                     ignore_eos=True)
+            generate(stub, HFDrafter(drafter_models["llama"], tokenizer),
+                     SessionRequest(p, max_new_tokens=20, ignore_eos=True),
+                     settings=RoundSettings(draft_len=6, min_confidence=threshold, pipeline=pipeline))
             for p in prompts[:4]))
     for prompt, result in zip(prompts, results):
         assert result.token_ids == greedy_reference(model, prompt, 20)
@@ -177,9 +178,9 @@ async def test_min_confidence_zero_drafts_as_before(serve, models, drafter_model
     server = await serve(model)
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
-        runs = [await generate(stub, HFDrafter(drafter_models["llama"], tokenizer), prompts[2],
-                               max_new_tokens=16, settings=RoundSettings(draft_len=4, **options),
-                               ignore_eos=True)
+        runs = [await generate(stub, HFDrafter(drafter_models["llama"], tokenizer),
+                               SessionRequest(prompts[2], max_new_tokens=16, ignore_eos=True),
+                               settings=RoundSettings(draft_len=4, **options))
                 for options in ({}, {"min_confidence": 0.0})]
     assert runs[0].token_ids == runs[1].token_ids == greedy_reference(model, prompts[2], 16)
     assert [s.verified for s in runs[0].round_stats] == [s.verified for s in runs[1].round_stats]
@@ -191,8 +192,8 @@ async def test_emulated_devices_stop_early_and_stay_lossless(serve, models, trac
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         results = await asyncio.gather(*(
-            generate(stub, TraceDrafter(t, DeviceProfile("fast", 0.5, 0.5)), t.prompt_ids,
-                     max_new_tokens=len(t.target_ids),
+            generate(stub, TraceDrafter(t, DeviceProfile("fast", 0.5, 0.5)),
+                     SessionRequest(t.prompt_ids, max_new_tokens=len(t.target_ids)),
                      settings=RoundSettings(draft_len=MAX_K, min_confidence=threshold))
             for t in traces))
     assert [r.token_ids for r in results] == [t.target_ids for t in traces]

@@ -13,6 +13,7 @@ from drafters.hf import HFDrafter
 from drafters.hier import HierDrafter
 from drafters.ngram import NgramDrafter
 from edge_client.session import RoundSettings, generate
+from edge_client.wire import SessionRequest
 from verify_server.server import start_server
 from verify_server.target import Target
 
@@ -42,7 +43,8 @@ async def test_eight_concurrent_sessions_match_generate(serve, models, drafter_m
     shared = make_drafter(kind, arch, drafter_models, tokenizer) if kind == "cacheback" else None
     results = await asyncio.gather(*(
         generate(server_stub(server), shared or make_drafter(kind, arch, drafter_models, tokenizer),
-                 prompt, max_new_tokens=MAX_NEW, settings=RoundSettings(draft_len=k))
+                 SessionRequest(prompt, max_new_tokens=MAX_NEW),
+                 settings=RoundSettings(draft_len=k))
         for prompt in prompts))
     for result, reference in zip(results, references[arch]):
         assert result.token_ids == reference
@@ -83,7 +85,8 @@ async def test_eos_inside_an_accepted_run_ends_where_generate_ends(models, draft
             # The target itself as drafter: every draft is accepted, so EOS lands inside a run.
             drafter = HFDrafter(model, tokenizer) if prompt is prompts[0] else \
                 HFDrafter(drafter_models[arch], tokenizer)
-            result = await generate(server_stub(server), drafter, prompt, max_new_tokens=MAX_NEW,
+            result = await generate(server_stub(server), drafter,
+                                    SessionRequest(prompt, max_new_tokens=MAX_NEW),
                                     settings=RoundSettings(draft_len=k))
         finally:
             await server.stop(grace=0)
@@ -99,8 +102,8 @@ async def test_stop_ids_end_the_session_like_eos(serve, models, drafter_models, 
     for prompt, reference in zip(prompts[:4], references["llama"]):
         stop = reference[3]
         result = await generate(server_stub(server), HFDrafter(drafter_models["llama"], tokenizer),
-                                prompt, max_new_tokens=MAX_NEW, settings=RoundSettings(draft_len=4),
-                                stop_ids=[stop])
+                                SessionRequest(prompt, max_new_tokens=MAX_NEW, stop_ids=[stop]),
+                                settings=RoundSettings(draft_len=4))
         assert result.token_ids == greedy_reference(models["llama"], prompt, MAX_NEW, eos=stop)
         assert result.finish_reason == "stop"
 
@@ -111,9 +114,9 @@ async def test_ignore_eos_runs_to_the_length_limit(models, tokenizer, prompts, r
                                  eos_ids=(reference[2],))
     server = await start_server(target)
     try:
-        result = await generate(server_stub(server), NgramDrafter(), prompts[0],
-                                max_new_tokens=MAX_NEW, settings=RoundSettings(draft_len=3),
-                                ignore_eos=True)
+        result = await generate(server_stub(server), NgramDrafter(),
+                                SessionRequest(prompts[0], max_new_tokens=MAX_NEW, ignore_eos=True),
+                                settings=RoundSettings(draft_len=3))
     finally:
         await server.stop(grace=0)
     assert result.token_ids == reference and result.finish_reason == "length"
@@ -124,8 +127,9 @@ async def test_ignore_eos_runs_to_the_length_limit(models, tokenizer, prompts, r
 async def test_length_limit_is_exact_for_any_draft_length(serve, models, tokenizer, prompts, max_new, k):
     server = await serve(models["gemma3"])
     for prompt in prompts[:3]:
-        result = await generate(server_stub(server), HFDrafter(models["gemma3"], tokenizer), prompt,
-                                max_new_tokens=max_new, settings=RoundSettings(draft_len=k))
+        result = await generate(server_stub(server), HFDrafter(models["gemma3"], tokenizer),
+                                SessionRequest(prompt, max_new_tokens=max_new),
+                                settings=RoundSettings(draft_len=k))
         assert result.token_ids == greedy_reference(models["gemma3"], prompt, max_new)
         assert len(result.token_ids) == max_new and result.finish_reason == "length"
 
@@ -137,8 +141,9 @@ async def test_one_token_prompt_and_long_prompt_batched_together(serve, models, 
     batch = [[5], long_prompt, [7, 8], long_prompt[:50]]
     server = await serve(models["gemma3"])
     results = await asyncio.gather(*(
-        generate(server_stub(server), HFDrafter(drafter_models["gemma3"], tokenizer), p,
-                 max_new_tokens=MAX_NEW, settings=RoundSettings(draft_len=3)) for p in batch))
+        generate(server_stub(server), HFDrafter(drafter_models["gemma3"], tokenizer),
+                 SessionRequest(p, max_new_tokens=MAX_NEW), settings=RoundSettings(draft_len=3))
+        for p in batch))
     for prompt, result in zip(batch, results):
         assert result.token_ids == greedy_reference(models["gemma3"], prompt, MAX_NEW)
     assert server.metrics.value("sled_batch_size_sum") > server.metrics.value("sled_batch_size_count")

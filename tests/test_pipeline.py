@@ -15,6 +15,7 @@ from drafters.base import Proposal
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
 from edge_client.speculation import Speculation
+from edge_client.wire import SessionRequest
 from lab.link import link_transport
 from lab.profiles import DeviceProfile, Link, LinkProfile
 from lab.traces import Trace, TraceDrafter
@@ -75,7 +76,8 @@ async def test_pipelined_sessions_match_generate(serve, models, drafter_models, 
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         results = await asyncio.gather(*(
-            generate(stub, HFDrafter(drafter_models[arch], tokenizer), p, max_new_tokens=MAX_NEW,
+            generate(stub, HFDrafter(drafter_models[arch], tokenizer),
+                     SessionRequest(p, max_new_tokens=MAX_NEW),
                      settings=RoundSettings(draft_len=k, pipeline=True),
                      transport=link_transport(Link(LINK, seed=i)))
             for i, p in enumerate(prompts)))
@@ -91,8 +93,9 @@ async def test_a_drafter_that_agrees_with_the_target_drafts_ahead(serve, models,
     server = await serve(model)
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
-        plain, pipelined = [await generate(stub, HFDrafter(model, tokenizer), prompts[1],
-                                           max_new_tokens=MAX_NEW, ignore_eos=True,
+        plain, pipelined = [await generate(stub, HFDrafter(model, tokenizer),
+                                           SessionRequest(prompts[1], max_new_tokens=MAX_NEW,
+                                                          ignore_eos=True),
                                            settings=RoundSettings(draft_len=3, pipeline=on),
                                            transport=link_transport(Link(SLOW_LINK)))
                             for on in (False, True)]
@@ -112,8 +115,8 @@ async def test_emulated_device_drafts_ahead_instead_of_after_the_verdict(serve, 
     server = await serve(model)
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
-        runs = [await generate(stub, TraceDrafter(trace, device), trace.prompt_ids,
-                               max_new_tokens=len(target),
+        runs = [await generate(stub, TraceDrafter(trace, device),
+                               SessionRequest(trace.prompt_ids, max_new_tokens=len(target)),
                                settings=RoundSettings(draft_len=3, pipeline=on),
                                transport=link_transport(Link(LinkProfile("slow", 40.0, 0.0, 0.0))))
                 for on in (False, True)]
@@ -138,8 +141,8 @@ async def test_wrong_guesses_are_discarded(serve, models, prompts):
     trace = Trace(prompts[3], target, [proposal(i) for i in range(len(target))])
     server = await serve(model)
     async with grpc.aio.insecure_channel(server.address) as channel:
-        result = await generate(VerifierStub(channel), TraceDrafter(trace, DEVICE), trace.prompt_ids,
-                                max_new_tokens=len(target),
+        result = await generate(VerifierStub(channel), TraceDrafter(trace, DEVICE),
+                                SessionRequest(trace.prompt_ids, max_new_tokens=len(target)),
                                 settings=RoundSettings(draft_len=3, pipeline=True),
                                 transport=link_transport(Link(SLOW_LINK)))
     assert result.token_ids == target
@@ -153,11 +156,11 @@ async def test_seeded_sampling_does_not_pipeline_and_repeats(serve, models, draf
     stub = VerifierStub(grpc.aio.insecure_channel(server.address))
 
     async def run(seed: int | None):
-        return await generate(stub, HFDrafter(drafter_models["gemma3"], tokenizer), prompts[1],
-                              max_new_tokens=30, ignore_eos=True,
+        return await generate(stub, HFDrafter(drafter_models["gemma3"], tokenizer),
+                              SessionRequest(prompts[1], max_new_tokens=30, ignore_eos=True,
+                                             sampling=Sampling(temperature=0.9, top_p=0.95, seed=seed)),
                               settings=RoundSettings(draft_len=3, pipeline=True),
-                              transport=link_transport(Link(LINK)),
-                              sampling=Sampling(temperature=0.9, top_p=0.95, seed=seed))
+                              transport=link_transport(Link(LINK)))
 
     first, again, unseeded = await asyncio.gather(run(7), run(7), run(None))
     assert first.token_ids == again.token_ids
@@ -177,10 +180,11 @@ async def test_seeded_sampling_drafts_a_fixed_length_and_repeats(serve, models, 
     stub = VerifierStub(grpc.aio.insecure_channel(server.address))
 
     async def run(draft_len, policy=None, seed=7):
-        return await generate(stub, HFDrafter(drafter_models["gemma3"], tokenizer), prompts[1],
-                              max_new_tokens=30, ignore_eos=True, policy=policy,
-                              settings=RoundSettings(draft_len=draft_len, max_draft_len=16),
-                              sampling=Sampling(temperature=0.9, top_p=0.95, seed=seed))
+        return await generate(stub, HFDrafter(drafter_models["gemma3"], tokenizer),
+                              SessionRequest(prompts[1], max_new_tokens=30, ignore_eos=True,
+                                             sampling=Sampling(temperature=0.9, top_p=0.95, seed=seed)),
+                              policy=policy,
+                              settings=RoundSettings(draft_len=draft_len, max_draft_len=16))
 
     eager = DraftPolicy(max_draft_len=16, acceptance=0.99, draft_ms=0.01, round_ms=500.0)
     shy = DraftPolicy(max_draft_len=16, acceptance=0.05, draft_ms=50.0, round_ms=1.0)
@@ -219,7 +223,8 @@ async def test_pipelined_sampling_still_follows_the_target_distribution(serve, m
     async def one(_):
         async with gate:
             return await generate(stub, HFDrafter(drafter_models["llama"], tokenizer, q_support=8),
-                                  prompt, max_new_tokens=3, ignore_eos=True, sampling=SAMPLING,
+                                  SessionRequest(prompt, max_new_tokens=3, ignore_eos=True,
+                                                 sampling=SAMPLING),
                                   settings=RoundSettings(draft_len=1, pipeline=True))
 
     results = await asyncio.gather(*(one(i) for i in range(SAMPLES)))

@@ -13,6 +13,7 @@ from drafters.cacheback import CachebackDrafter
 from drafters.hf import HFDrafter
 from drafters.hier import HierDrafter
 from edge_client.session import RoundSettings, generate
+from edge_client.wire import SessionRequest
 from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from verify_server.warp import warp
@@ -49,10 +50,11 @@ async def sample_pairs(server, drafter_factory, prompt, n: int, concurrency: int
 
     async def one(seed: int):
         async with gate:
-            result = await generate(stub, drafter_factory(), prompt, max_new_tokens=2,
-                                    settings=RoundSettings(draft_len=2),
-                                    ignore_eos=True, sampling=Sampling(SAMPLING.temperature,
-                                                                       SAMPLING.top_k, seed=seed))
+            result = await generate(stub, drafter_factory(),
+                                    SessionRequest(prompt, max_new_tokens=2, ignore_eos=True,
+                                                   sampling=Sampling(SAMPLING.temperature,
+                                                                     SAMPLING.top_k, seed=seed)),
+                                    settings=RoundSettings(draft_len=2))
             return result.token_ids
 
     return await asyncio.gather(*(one(seed) for seed in range(n)))
@@ -105,9 +107,10 @@ async def test_seeded_requests_repeat_exactly(serve, models, drafter_models, tok
     stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(server.address))
 
     async def run(seed: int):
-        return (await generate(stub, HFDrafter(drafter_models["gemma3"], tokenizer), prompts[1],
-                               max_new_tokens=40, settings=RoundSettings(draft_len=4), ignore_eos=True,
-                               sampling=Sampling(temperature=0.9, top_p=0.95, seed=seed))).token_ids
+        return (await generate(stub, HFDrafter(drafter_models["gemma3"], tokenizer),
+                               SessionRequest(prompts[1], max_new_tokens=40, ignore_eos=True,
+                                              sampling=Sampling(temperature=0.9, top_p=0.95, seed=seed)),
+                               settings=RoundSettings(draft_len=4))).token_ids
 
     first, again, concurrent_a, concurrent_b = await asyncio.gather(run(7), run(7), run(7), run(8))
     assert first == again == concurrent_a

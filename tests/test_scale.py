@@ -12,6 +12,7 @@ import pytest
 from conftest import greedy_reference
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
+from edge_client.wire import SessionRequest
 from lab.tiny import make_tokenizer
 from sled.wire.fingerprint import fingerprint_tokenizer
 from sled.v1 import verifier_pb2 as pb
@@ -59,8 +60,9 @@ async def drive(call, next_draft) -> list[int]:
 
 
 async def run_device(stub, model, drafter_model, prompt, max_new: int = 12, draft_len: int = 3):
-    result = await generate(stub, HFDrafter(drafter_model), prompt, max_new_tokens=max_new,
-                            settings=RoundSettings(draft_len=draft_len), ignore_eos=True)
+    result = await generate(stub, HFDrafter(drafter_model),
+                            SessionRequest(prompt, max_new_tokens=max_new, ignore_eos=True),
+                            settings=RoundSettings(draft_len=draft_len))
     return result.token_ids
 
 
@@ -311,8 +313,9 @@ async def test_device_resumes_after_eviction_without_losing_tokens(serve, models
     server = await serve(model, idle_timeout=0.15)
     prompt = [61, 62, 63, 64]
     async with grpc.aio.insecure_channel(server.address) as channel:
-        result = await generate(VerifierStub(channel), StallingDrafter(drafter_models["gemma3"], 0.6),
-                                prompt, max_new_tokens=20, ignore_eos=True,
+        result = await generate(VerifierStub(channel),
+                                StallingDrafter(drafter_models["gemma3"], 0.6),
+                                SessionRequest(prompt, max_new_tokens=20, ignore_eos=True),
                                 settings=RoundSettings(draft_len=3, pipeline=pipeline))
     assert result.resumes == 1
     assert server.metrics.value("sled_evicted_sessions_total") == 1
@@ -354,8 +357,8 @@ async def test_sessions_survive_a_server_restart_without_losing_tokens(models, d
     prompts = [[70 + i, 71, 72 + i] for i in range(4)]
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
-        tasks = [asyncio.create_task(generate(stub, SlowDrafter(drafter_models["gemma3"]), p,
-                                              max_new_tokens=40, ignore_eos=True,
+        tasks = [asyncio.create_task(generate(stub, SlowDrafter(drafter_models["gemma3"]),
+                                              SessionRequest(p, max_new_tokens=40, ignore_eos=True),
                                               settings=RoundSettings(draft_len=2, reconnect_s=20)))
                  for p in prompts]
         await asyncio.sleep(0.3)

@@ -12,6 +12,7 @@ import torch
 from conftest import greedy_reference
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
+from edge_client.wire import SessionRequest
 from lab.tiny import make_tokenizer
 from sled.wire.fingerprint import fingerprint_tokenizer
 from sled.wire.sampling import Sampling
@@ -77,8 +78,9 @@ async def test_sat_self_drafting_matches_generate(serve, models, drafter_models,
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         runs = [server_sat(stub, p, 24) for p in prompts[:5]]
-        device = generate(stub, HFDrafter(drafter_models[arch]), prompts[5], max_new_tokens=24,
-                          settings=RoundSettings(draft_len=3), ignore_eos=True)
+        device = generate(stub, HFDrafter(drafter_models[arch]),
+                          SessionRequest(prompts[5], max_new_tokens=24, ignore_eos=True),
+                          settings=RoundSettings(draft_len=3))
         *outs, device_result = await asyncio.gather(*runs, device)
     for prompt, (tokens, verdicts) in zip(prompts, outs):
         assert tokens == greedy_reference(model, prompt, 24)
@@ -131,7 +133,8 @@ async def test_lookahead_devices_stay_lossless(serve, models, drafter_models, to
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         results = await asyncio.gather(*(
-            generate(stub, HFDrafter(drafter_models["llama"]), p, max_new_tokens=20, ignore_eos=True,
+            generate(stub, HFDrafter(drafter_models["llama"]),
+                     SessionRequest(p, max_new_tokens=20, ignore_eos=True),
                      settings=RoundSettings(draft_len=4, lookahead=SLOTS, hints="always"))
             for p in prompts[:4]))
     for prompt, result in zip(prompts, results):
@@ -146,8 +149,9 @@ async def test_measured_hints_worse_than_the_drafter_are_not_used(serve, models,
     model = models["llama"]
     server = await serve_sat(serve, model, tokenizer, SatSpec(slots=SLOTS, token_ids=[7] * SLOTS))
     async with grpc.aio.insecure_channel(server.address) as channel:
-        result = await generate(VerifierStub(channel), HFDrafter(model), prompts[0], max_new_tokens=40,
-                                ignore_eos=True, settings=RoundSettings(draft_len=2, lookahead=SLOTS))
+        result = await generate(VerifierStub(channel), HFDrafter(model),
+                                SessionRequest(prompts[0], max_new_tokens=40, ignore_eos=True),
+                                settings=RoundSettings(draft_len=2, lookahead=SLOTS))
     assert result.token_ids == greedy_reference(model, prompts[0], 40)
     assert result.hint_tokens == 0 and result.rounds >= 13
 
@@ -285,9 +289,11 @@ async def test_lookahead_hints_start_drafts_and_stay_lossless(serve, tokenizer, 
     prompts = [s[:8] for s in sequences[1:5]]
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
-        results = await asyncio.gather(*(generate(stub, HFDrafter(drafter_model), p, max_new_tokens=24,
-                                                  ignore_eos=True,
-                                                  settings=RoundSettings(draft_len=4, lookahead=3, pipeline=pipeline,
+        results = await asyncio.gather(*(generate(stub, HFDrafter(drafter_model),
+                                                  SessionRequest(p, max_new_tokens=24,
+                                                                 ignore_eos=True),
+                                                  settings=RoundSettings(draft_len=4, lookahead=3,
+                                                                         pipeline=pipeline,
                                                                          hints="always"))
                                          for p in prompts))
     for prompt, result in zip(prompts, results):

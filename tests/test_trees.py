@@ -18,6 +18,7 @@ from drafters.base import KVDrafter, Proposal, unsure_alternatives
 from drafters.cacheback import CachebackDrafter
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
+from edge_client.wire import SessionRequest
 from sled.wire.sampling import Sampling
 from sled.wire.tree import Trie, children, cut, depths, tree_problem
 from sled.v1 import verifier_pb2 as pb
@@ -232,7 +233,7 @@ async def test_tree_drafts_match_generate_under_concurrency(serve, models, draft
 
     drafters = [drafter() for _ in prompts]
     results = await asyncio.gather(*(
-        generate(server_stub(server), d, prompt, max_new_tokens=MAX_NEW,
+        generate(server_stub(server), d, SessionRequest(prompt, max_new_tokens=MAX_NEW),
                  settings=RoundSettings(draft_len=k, tree=3))
         for d, prompt in zip(drafters, prompts)))
     for result, prompt in zip(results, prompts):
@@ -261,8 +262,9 @@ async def test_the_second_branch_is_accepted_whole_every_round(serve, models, pr
     server = await serve(model)
     prompt = prompts[0]
     reference = greedy_reference(model, prompt, MAX_NEW)
-    result = await generate(server_stub(server), Oracle(prompt, reference), prompt,
-                            max_new_tokens=MAX_NEW, settings=RoundSettings(draft_len=4, tree=2))
+    result = await generate(server_stub(server), Oracle(prompt, reference),
+                            SessionRequest(prompt, max_new_tokens=MAX_NEW),
+                            settings=RoundSettings(draft_len=4, tree=2))
     assert result.token_ids == reference
     # each round takes its whole 4-token second branch and a bonus, until the length limit cuts
     assert [s.accepted for s in result.round_stats][:4] == [4] * 4
@@ -297,8 +299,9 @@ async def test_malformed_trees_are_invalid_argument_and_others_go_on(serve, mode
                                                                      tokens, parents, fault):
     model = models["llama"]
     server = await serve(model)
-    other = asyncio.create_task(generate(server_stub(server), CachebackDrafter(), prompts[1],
-                                         max_new_tokens=MAX_NEW, settings=RoundSettings(tree=2)))
+    other = asyncio.create_task(generate(server_stub(server), CachebackDrafter(),
+                                         SessionRequest(prompts[1], max_new_tokens=MAX_NEW),
+                                         settings=RoundSettings(tree=2)))
     code, detail, message = await refusal(server, [open_msg(prompts[0]),
                                                    tree_draft(0, tokens, parents)])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and detail.reason == Reason.REASON_BAD_TREE
@@ -372,10 +375,11 @@ async def test_sampled_trees_converge_to_the_target_distribution(serve, models, 
     async def one(seed: int):
         async with gate:
             drafter = SiblingsAlways(HFDrafter(drafter_models["llama"], tokenizer))
-            result = await generate(server_stub(server), drafter, prompt, max_new_tokens=2,
-                                    settings=RoundSettings(draft_len=2, tree=3), ignore_eos=True,
-                                    sampling=Sampling(SAMPLING.temperature, SAMPLING.top_k,
-                                                      seed=seed))
+            result = await generate(server_stub(server), drafter,
+                                    SessionRequest(prompt, max_new_tokens=2, ignore_eos=True,
+                                                   sampling=Sampling(SAMPLING.temperature,
+                                                                     SAMPLING.top_k, seed=seed)),
+                                    settings=RoundSettings(draft_len=2, tree=3))
             return result.token_ids
 
     pairs = await asyncio.gather(*(one(seed) for seed in range(COUNTS[-1])))
@@ -411,7 +415,8 @@ async def test_a_wide_tree_is_cut_to_the_servers_draft_limit(serve, models, prom
     server = await serve(model, max_draft_tokens=8)
     shared = Recording(CachebackDrafter(leader=1, follower=1))
     for prompt in prompts[:4]:
-        result = await generate(server_stub(server), shared, prompt, max_new_tokens=MAX_NEW,
+        result = await generate(server_stub(server), shared,
+                                SessionRequest(prompt, max_new_tokens=MAX_NEW),
                                 settings=RoundSettings(draft_len=8, tree=4, max_draft_tokens=8))
         assert result.token_ids == greedy_reference(model, prompt, MAX_NEW)
         assert max(s.verified for s in result.round_stats) <= 8
@@ -427,7 +432,8 @@ async def test_a_branched_draft_asks_for_no_sat_hints(serve, models, tokenizer, 
     server = await serve(model, sat=adapter_spec(model))
     shared = Recording(CachebackDrafter(leader=1, follower=1))
     for prompt in prompts[:3]:
-        result = await generate(server_stub(server), shared, prompt, max_new_tokens=MAX_NEW,
+        result = await generate(server_stub(server), shared,
+                                SessionRequest(prompt, max_new_tokens=MAX_NEW),
                                 settings=RoundSettings(draft_len=3, tree=2, lookahead=2,
                                                        hints="always"))
         assert result.token_ids == greedy_reference(model, prompt, MAX_NEW)
