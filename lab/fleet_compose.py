@@ -20,6 +20,7 @@ import aiohttp
 from lab.broker import CONFIG_USER, LAB_USER
 from lab.device_entry import TRACES, wait_slot_files
 from lab.fleet import DeviceHandle, FleetStartError
+from lab.health import wait_health
 from lab.scenario import DeviceSlot
 from lab.waiting import wait_until
 from sled.mqtt import Broker
