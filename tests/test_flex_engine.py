@@ -5,31 +5,42 @@ sliding window and with softcap; no host sync inside its forward; the planner's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import math
 import types
 
 import numpy as np
 import pytest
 import torch
+from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import greedy_reference
 from verify_server.blocks import BlockPool, KVShape
 from verify_server.engine import PagedEngine, Row, make_engine, paged_attention
-from verify_server.flex import FlexEngine, FlexStep, flex_attention_forward
+from verify_server import flex as flex_module
+from verify_server.flex import (EAGER_POOL_TOKENS, FlexEngine, FlexStep, compiled_flex,
+                                flex_attention_forward, serving_flex)
+from verify_server.flex_check import AttentionShape, CompiledFlexRefused, refuse_if_unsound
 from verify_server.flex_plan import step_shape
 
 BT = 8
+# The vector codes inductor can compile CPU kernels for here, widest first: every compiled test
+# runs under each (an AVX-512 machine checks the AVX2 code too); per width the one inductor picks
+VECTOR_CODES = sorted({isa.bit_width(): isa for isa in reversed(valid_vec_isa_list())}.values(),
+                      key=lambda isa: -isa.bit_width())
 
 
 def f32(model):
     return copy.deepcopy(model).to(torch.float32).eval()
 
 
-def pools_for(model, blocks: int = 96):
+def pools_for(model, blocks: int = 96, block_tokens: int = BT):
     """One pool, and a paged and a flex engine over it, each on its own copy of the model."""
-    pool = BlockPool(KVShape.of(model), blocks, BT)
-    flex = FlexEngine(copy.deepcopy(model), pool)        # zeroes the pool first
+    pool = BlockPool(KVShape.of(model), blocks, block_tokens)
+    flex = FlexEngine(copy.deepcopy(model), pool)
     paged = PagedEngine(copy.deepcopy(model), pool)
     return pool, paged, flex
 
@@ -62,8 +73,9 @@ def fragmented_sessions(engine, contexts, prompt):
     junk.free()                                           # holes in the middle of the pool
     kvs[0].publish(prompt)
     sharer = engine.new_kv()
-    found = sharer.admit(prompt[:2 * BT] + [9, 8, 7], 60, b"t")
-    assert found == 2 * BT and sharer.table[:2] == kvs[0].table[:2]
+    bt = engine.pool.block_tokens
+    found = sharer.admit(prompt[:2 * bt] + [9, 8, 7], 60, b"t")
+    assert found == 2 * bt and sharer.table[:2] == kvs[0].table[:2]
     prefill(engine, sharer, [9, 8, 7])
     return kvs + [sharer]
 
@@ -267,25 +279,58 @@ def test_steps_of_one_bucket_share_shapes_and_buffers(models):
     assert first.fields["ids"].data_ptr() == second.fields["ids"].data_ptr()
 
 
-def test_a_second_step_of_the_bucket_compiles_nothing_new(models):
-    """The compiled flex function (one per bucket and window) serves a later step of other
-    rows, lengths and trees in the same bucket without a recompile."""
+@contextlib.contextmanager
+def compiled_for(code):
+    """Inductor compiling CPU kernels for the vector code `code` (its width in bits), with no
+    compiled function left from another code."""
+    torch._dynamo.reset()
+    with torch._inductor.config.patch({"cpp.simdlen": code.bit_width()}):
+        yield
+    torch._dynamo.reset()
+
+
+def unchecked(monkeypatch):
+    """The flex engine without its probe of a compiled flex: what it would serve if unchecked."""
+    monkeypatch.setattr(flex_module, "refuse_if_unsound", lambda *args: None)
+
+
+def assert_refused_truly(refusal, code, monkeypatch, build, rows, want) -> None:
+    """A refusal is one line naming the vector code and the engine to use instead, and the
+    refused compiled flex does disagree with the paged engine on the engine's own step."""
+    message = str(refusal)
+    assert "\n" not in message and str(code) in message and "--engine paged" in message
+    unchecked(monkeypatch)
+    got = build().forward(rows)
+    assert max(float((g - w).abs().max()) for g, w in zip(got, want)) > 1e-5
+
+
+@pytest.mark.parametrize("code", VECTOR_CODES, ids=str)
+def test_a_second_step_of_the_bucket_compiles_nothing_new(models, code, monkeypatch):
+    """Under each vector code: the compiled flex function (one per bucket and window) serves a
+    later step of other rows, lengths and trees in the same bucket without a recompile; or,
+    where torch compiles it wrong (8-token blocks, head_dim 16, AVX2 code in torch 2.13), the
+    engine refuses it at start and the refusal is true."""
     import torch._dynamo.utils as dynamo_utils
 
-    torch._dynamo.reset()
-    model = f32(models["llama"])
-    pool = BlockPool(KVShape.of(model), 64, BT)
-    compiled = torch.compile(torch.nn.attention.flex_attention.flex_attention, dynamic=False)
-    flex = FlexEngine(copy.deepcopy(model), pool, flex=compiled)
-    paged = PagedEngine(copy.deepcopy(model), pool)
-    kvs = fragmented_sessions(paged, [20, 12, 30, 9], list(range(3, 40)))
-    want = paged.forward([Row(kvs[0], [1, 2, 3], True), Row(kvs[1], [4], True)])
-    got = flex.forward([Row(kvs[0], [1, 2, 3], True), Row(kvs[1], [4], True)])
-    assert_logits_agree(got, want)
-    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
-    flex.forward([Row(kvs[2], [5, 6], True), Row(kvs[3], [7, 8, 9, 10, 11], True,
-                                                 parents=(0, 1, 1, 2))])
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    with compiled_for(code):
+        model = f32(models["llama"])
+        pool = BlockPool(KVShape.of(model), 64, BT)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        paged = PagedEngine(copy.deepcopy(model), pool)
+        kvs = fragmented_sessions(paged, [20, 12, 30, 9], list(range(3, 40)))
+        first = [Row(kvs[0], [1, 2, 3], True), Row(kvs[1], [4], True)]
+        want = paged.forward(first)
+        build = lambda: FlexEngine(copy.deepcopy(model), pool, flex=compiled)
+        try:
+            flex = build()
+        except CompiledFlexRefused as refusal:
+            assert_refused_truly(refusal, code, monkeypatch, build, first, want)
+            return
+        assert_logits_agree(flex.forward(first), want)
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        flex.forward([Row(kvs[2], [5, 6], True), Row(kvs[3], [7, 8, 9, 10, 11], True,
+                                                     parents=(0, 1, 1, 2))])
+        assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def test_the_planner_fills_what_the_paged_engine_plans(models):
@@ -317,29 +362,74 @@ def test_greedy_gives_each_rows_argmax_and_graphs_need_cuda(models):
         FlexEngine(copy.deepcopy(model), pool, graphs=True)
 
 
-def test_a_step_captured_by_compile_matches_and_its_bucket_compiles_once(models):
-    """capture="compile" (the whole step through torch.compile; on CPU without a graph) gives
-    the paged engine's argmax and logits, and a later step of other rows in the same bucket
-    runs the same compiled step."""
+@pytest.mark.parametrize("code", VECTOR_CODES, ids=str)
+def test_a_step_captured_by_compile_matches_and_its_bucket_compiles_once(models, code):
+    """Under each vector code, at 16-token blocks: capture="compile" (the whole step through
+    torch.compile; on CPU without a graph) gives the paged engine's argmax and logits, and a
+    later step of other rows in the same bucket runs the same compiled step."""
     import torch._dynamo.utils as dynamo_utils
 
-    torch._dynamo.reset()
-    model = f32(models["llama"])
-    pool, paged, _ = pools_for(model)
-    compiled = FlexEngine(copy.deepcopy(model), pool, graphs=True, capture="compile")
-    kvs = fragmented_sessions(paged, [20, 12, 30, 9], list(range(3, 40)))
-    first = [Row(kvs[0], [1, 2, 3], True), Row(kvs[1], [4], True), Row(kvs[2], [5, 6], False)]
-    want = [[] if logits is None else logits.argmax(-1).tolist() for logits in paged.forward(first)]
-    assert compiled.replayable(first) and compiled.greedy(first) == want
-    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
-    second = [Row(kvs[3], [7, 8, 9, 10, 11], True, parents=(0, 1, 1, 2)), Row(kvs[4], [9], True),
-              Row(kvs[1], [4, 5], True)]
-    assert step_shape([r.width for r in second]) == step_shape([r.width for r in first])
-    assert_logits_agree(compiled.forward(second), paged.forward(second))
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
-    assert len(compiled.captured) == 1
+    with compiled_for(code):
+        model = f32(models["llama"])
+        pool, paged, _ = pools_for(model, block_tokens=16)
+        compiled = FlexEngine(copy.deepcopy(model), pool, graphs=True, capture="compile")
+        kvs = fragmented_sessions(paged, [20, 12, 30, 9], list(range(3, 40)))
+        first = [Row(kvs[0], [1, 2, 3], True), Row(kvs[1], [4], True),
+                 Row(kvs[2], [5, 6], False)]
+        want = [[] if logits is None else logits.argmax(-1).tolist()
+                for logits in paged.forward(first)]
+        assert compiled.replayable(first) and compiled.greedy(first) == want
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        second = [Row(kvs[3], [7, 8, 9, 10, 11], True, parents=(0, 1, 1, 2)),
+                  Row(kvs[4], [9], True), Row(kvs[1], [4, 5], True)]
+        assert step_shape([r.width for r in second]) == step_shape([r.width for r in first])
+        assert_logits_agree(compiled.forward(second), paged.forward(second))
+        assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+        assert len(compiled.captured) == 1
     with pytest.raises(ValueError, match="unknown capture 'trees': use graph or compile"):
         FlexEngine(copy.deepcopy(model), pool, capture="trees")
+
+
+def test_a_compiled_flex_that_disagrees_is_refused_in_one_line():
+    """The start-up check refuses any error past the tests' own bound, and NaN; it accepts
+    rounding; it names the engine to use, and a block size that avoids torch's AVX2 defect
+    where the blocks are shorter."""
+    cpu = torch.device("cpu")
+    shapes = [AttentionShape(4, 2, 16, torch.float32, 8), AttentionShape(4, 2, 16, torch.float32, 16)]
+    refuse_if_unsound(lambda shape: 3e-7, shapes, cpu)
+    for error in (2e-5, 1.5, math.nan):
+        with pytest.raises(CompiledFlexRefused) as refused:
+            refuse_if_unsound(lambda shape: error, shapes, cpu)
+        line = str(refused.value)
+        assert "\n" not in line and "serve with --engine paged, or with --kv-block-tokens 16" in line
+        assert "head_dim 16, 4/2 heads, 8-token KV blocks, float32" in line
+    with pytest.raises(CompiledFlexRefused, match=r"16-token KV blocks.*--engine paged$"):
+        refuse_if_unsound(lambda shape: 0.0 if shape.block_tokens == 8 else 1.0, shapes, cpu)
+
+
+def test_the_probe_sees_a_kernel_that_drops_one_key(monkeypatch):
+    """The probe step catches a wrong kernel: a flex that never sees the last key of a block."""
+    def drops_a_key(q, k, v, block_mask=None, **kwargs):
+        k = k.clone()
+        k[:, :, 7::8] = 0.0
+        return flex_attention(q, k, v, block_mask=block_mask, **kwargs)
+
+    shape = AttentionShape(4, 2, 16, torch.float32, 8)
+    assert flex_module.probe_error(flex_attention, shape, torch.device("cpu")) == 0.0
+    assert flex_module.probe_error(drops_a_key, shape, torch.device("cpu")) > 1e-3
+
+
+def test_a_server_runs_compiled_flex_on_a_cpu_and_eager_only_on_a_small_pool():
+    """serving_flex: float32 compiled (checked at start); float64, which torch does not compile
+    on a CPU, eager only where scoring the whole pool stays small."""
+    def pool(dtype, tokens):
+        return BlockPool(KVShape(1, 2, 16, dtype), tokens // 16, 16)
+
+    assert serving_flex(pool(torch.float32, 1 << 20)) is compiled_flex()
+    assert serving_flex(pool(torch.float64, EAGER_POOL_TOKENS)) is flex_attention
+    with pytest.raises(ValueError, match=r"runs float64 targets eagerly.*serve with --engine "
+                                         r"paged, a float32 target, or a KV pool of at most"):
+        serving_flex(pool(torch.float64, 2 * EAGER_POOL_TOKENS))
 
 
 def test_an_empty_plan_writes_only_the_trash_slot():

@@ -458,9 +458,9 @@ def make_engine(model: torch.nn.Module, *, kv_budget_bytes: int | None = None,
     if kind == "auto":
         kind = auto_kind(model, device)
     if kind == "flex":
-        from verify_server.flex import FlexEngine
+        from verify_server.flex import FlexEngine, serving_flex
 
-        return FlexEngine(model, pool, sat)
+        return FlexEngine(model, pool, sat, flex=serving_flex(pool))
     return {"paged": PagedEngine, "padded": PaddedEngine}[kind](model, pool, sat)
 
 

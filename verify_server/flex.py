@@ -18,12 +18,15 @@ the paged one) and keeps the pool, the sessions' KV and the rounds as they are:
   bucket, and one host-to-device copy of one flat int32 buffer carries a whole step's plan;
 - nothing in the forward reads a device value on the host: no boolean indexing, no `.item()`.
 
-On CPU the engine runs eager flex (dense over the pool: a test oracle on small pools, not a fast
-path; `PagedEngine` stays the CPU default). On CUDA the flex kernels skip every block a row does
-not list.
+On CUDA the flex kernels skip every block a row does not list. On CPU `FlexEngine` runs eager flex
+by default (dense over the pool: a test oracle on small pools); a server asked for flex on a CPU
+(`serving_flex`) runs inductor's CPU flex kernel, which also reads only the listed blocks, once
+a probe step has shown it exact there (`verify_server.flex_check`). `PagedEngine` stays the CPU
+default.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -32,9 +35,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from verify_server.blocks import BlockPool
+from verify_server.blocks import BlockPool, KVShape
 from verify_server.engine import NO_MASK, Engine, Row, sat_inputs
+from verify_server.flex_check import AttentionShape, refuse_if_unsound, vector_code
 from verify_server.flex_plan import StepLayout, StepShape, next_pow2, plan_step, step_shape
+from verify_server.kv import SessionKV
 from verify_server.sdsat import SatSpec
 
 ATTENTION_NAME = "sled_flex"
@@ -248,26 +253,25 @@ class FlexEngine(Engine):
                  flex=None, graphs: bool | None = None, kv_width: int | None = None,
                  capture: str = "graph") -> None:
         super().__init__(model, pool, sat)
-        self.activate()
-        # Every slot holds finite values: a row's last block is read whole (its unwritten slots
-        # masked), and a masked weight of 0 times a NaN is still NaN.
-        for tensor in (*pool.keys, *pool.values):
-            tensor.zero_()
+        self.activate()      # the pool is zero: every slot it reads holds a finite value
         cuda = self.device.type == "cuda"
-        if flex is None and cuda:
-            flex = torch.compile(flex_attention, dynamic=False)
+        self.flex = flex or (compiled_flex() if cuda else flex_attention)
+        if self.flex is not flex_attention or capture == "compile":
             _allow_recompiles(RECOMPILES)
-        self.flex = flex or flex_attention
         if capture not in CAPTURES:
             raise ValueError(f"unknown capture {capture!r}: use {' or '.join(CAPTURES)}")
         self.graphs, self.capture = (cuda if graphs is None else graphs), CAPTURES[capture]
         if self.graphs and not cuda and capture == "graph":
             raise ValueError("CUDA graphs need a CUDA device: the flex engine on "
                              f"{self.device} runs without them")
+        compiles = self.flex is not flex_attention or (self.graphs and capture == "compile")
+        if compiles and not cuda:    # inductor's CPU kernel has been wrong (flex_check): probe it
+            checked = compiled_flex() if self.flex is flex_attention else self.flex
+            refuse_if_unsound(functools.partial(probe_error, checked, device=self.device),
+                              AttentionShape.all_of(model, pool.block_tokens), self.device)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs and cuda else None
         self.compiled_step = None
-        if self.graphs and capture == "compile":
-            _allow_recompiles(RECOMPILES)       # one graph per bucket
+        if self.graphs and capture == "compile":      # one graph per bucket
             self.compiled_step = torch.compile(   # static: one specialisation per bucket
                 self.whole_step, fullgraph=True, dynamic=False,
                 mode="reduce-overhead" if cuda else None)
@@ -361,6 +365,99 @@ class FlexEngine(Engine):
         return [[] if row_ids is None else row_ids for row_ids in _per_row(rows, ids, list)]
 
 
+@functools.cache
+def compiled_flex():
+    """flex_attention through torch.compile, static shapes: one kernel per bucket and window.
+    Whole or not at all (fullgraph, and `_allow_recompiles` for the thread that runs it): a call
+    dynamo did not compile would run flex eagerly, scoring every query against the whole pool
+    (tens of GB for a server's pool), so it raises instead."""
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+
+# inductor's CPU flex kernel takes these; other dtypes (float64) run flex eagerly
+CPU_COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Eager flex scores every query against the whole pool: past this many tokens a step's scores
+# outgrow the memory the pool itself takes
+EAGER_POOL_TOKENS = 1 << 16
+
+
+def serving_flex(pool: BlockPool):
+    """The flex attention a server runs over `pool`: compiled, except where torch's compiler does
+    not take the pool's dtype on a CPU; eager flex there, on a pool small enough for it."""
+    if pool.keys[0].device.type == "cuda" or pool.shape.dtype in CPU_COMPILED_DTYPES:
+        return compiled_flex()
+    if pool.capacity_tokens > EAGER_POOL_TOKENS:
+        raise ValueError(
+            f"flex on a CPU runs {str(pool.shape.dtype).removeprefix('torch.')} targets eagerly, "
+            f"scoring every query against the whole KV pool ({pool.capacity_tokens} tokens): "
+            f"serve with --engine paged, a float32 target, or a KV pool of at most "
+            f"{EAGER_POOL_TOKENS} tokens")
+    return flex_attention
+
+
+@functools.lru_cache(maxsize=None)
+@torch.inference_mode()
+def probe_error(flex, shape: AttentionShape, device: torch.device,
+                code: str | None = None) -> float:
+    """The largest difference between `flex` and eager flex on one probe step of every row kind
+    (a chain, a decode row, a tree, a prefill chunk) over a fragmented probe pool with random KV,
+    at `shape`; memoized per vector code (`code`, by default the one inductor picks now)."""
+    if code is None and device.type == "cpu":
+        return probe_error(flex, shape, device, vector_code())
+    generator = torch.Generator().manual_seed(0)
+    contexts = (29, max(shape.block_tokens - 3, 1), 47, shape.block_tokens)
+    blocks = 1 + sum(-(-(n + PROBE_ROOM) // shape.block_tokens) for n in contexts)
+    pool = BlockPool(KVShape(1, shape.kv_heads, shape.head_dim, shape.dtype), blocks,
+                     shape.block_tokens, device)
+    for tensor in (*pool.keys, *pool.values):
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+        tensor[:shape.block_tokens] = 0                # the zero block stays zero
+    kvs = _fragmented(pool, contexts)
+    rows = [Row(kvs[0], [1, 2, 3, 4, 5], True), Row(kvs[1], [6], True),
+            Row(kvs[2], [7, 8, 9, 10, 11], True, parents=(0, 1, 0, 3)),
+            Row(kvs[3], list(range(40)), False)]
+    tokens = sum(row.width for row in rows)
+    bucket = step_shape([row.width for row in rows])
+    q = torch.randn(1, shape.heads, bucket.tokens, shape.head_dim, generator=generator)
+    k, v = (torch.randn(1, shape.kv_heads, bucket.tokens, shape.head_dim, generator=generator)
+            for _ in range(2))
+    kept = [t.clone() for t in (*pool.keys, *pool.values)]
+    outputs = []
+    for attend in (flex_attention, flex):
+        for tensor, saved in zip((*pool.keys, *pool.values), kept):
+            tensor.copy_(saved)
+        step = FlexStep(pool, bucket, pool.num_blocks, device, attend)
+        plan_step(rows, step.layout, step.host, pool.block_tokens, TRASH_SLOT)
+        FlexEngine._upload(step)
+        out, _ = flex_attention_forward(
+            _ProbeLayer, *(x.to(device, shape.dtype) for x in (q, k, v)), None,
+            scaling=shape.head_dim ** -0.5, sliding_window=shape.window, softcap=shape.softcap,
+            sled_flex=step)
+        outputs.append(out[0, :tokens].double())
+    return float((outputs[1] - outputs[0]).abs().max())
+
+
+PROBE_ROOM = 48       # tokens a probe session holds past its context: its row's entries
+
+
+class _ProbeLayer:
+    layer_idx = 0
+
+
+def _fragmented(pool: BlockPool, contexts: Sequence[int]) -> list[SessionKV]:
+    """Sessions with these committed contexts whose block tables interleave (grown a block at a
+    time in turn)."""
+    kvs = [SessionKV(pool) for _ in contexts]
+    for kv, n in zip(kvs, contexts):
+        kv.admit([], n + PROBE_ROOM, b"")
+    for end in range(pool.block_tokens, max(contexts) + pool.block_tokens, pool.block_tokens):
+        for kv, n in zip(kvs, contexts):
+            kv.slots(0, min(end, n))
+    for kv, n in zip(kvs, contexts):
+        kv.commit(n)
+    return kvs
+
+
 # Entries a row may have past the context limit (a draft and SAT blocks after every cut).
 OVERHANG = 512
 
@@ -371,10 +468,14 @@ RECOMPILES = 256
 
 
 def _allow_recompiles(count: int) -> None:
+    """Dynamo's limits, in this thread's context (torch keeps them in context variables: a
+    thread that runs steps must run them in this context, as the scheduler does); past them,
+    an error, never flex run eagerly over the pool."""
     import torch._dynamo.config as dynamo
 
     dynamo.recompile_limit = max(dynamo.recompile_limit, count)
     dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, count)
+    dynamo.fail_on_recompile_limit_hit = True
 
 
 def _row_blocks(model: torch.nn.Module, pool: BlockPool) -> int:
