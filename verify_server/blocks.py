@@ -24,10 +24,12 @@ never finds them, and learns nothing from a hit about what others sent.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -55,6 +57,15 @@ class PoolExhausted(Exception):
     """The pool cannot reserve what a new session needs."""
 
 
+def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor; on a CPU from calloc, whose large blocks come from the kernel already zero
+    and are faulted in on first touch, so an unused pool costs no resident memory."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, np.uint8)).view(dtype).view(*shape)
+
+
 def prefix_hashes(tokens: Sequence[int], block_tokens: int, tenant: bytes) -> list[bytes]:
     """One digest per full block of `tokens`, each covering the whole prefix up to its end. The
     chain's root is the tenant key (the hash's key): only the same tenant gets the same digests."""
@@ -74,14 +85,12 @@ class BlockPool:
         self.block_tokens = block_tokens
         self.num_blocks = num_blocks
         slots = num_blocks * block_tokens
-        # Per layer: keys and values [slots, kv_heads, head_dim]. Only block 0 is zeroed: it is
-        # the block padding reads, never given to a session; every other slot is written before
-        # it is read.
-        self.keys = [torch.empty(slots, shape.kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+        # Per layer: keys and values [slots, kv_heads, head_dim], every slot zero (block 0 is
+        # the block padding reads, never given to a session; the flex engine reads a row's
+        # last block whole, its unwritten slots masked, and a masked 0 times a NaN is NaN)
+        self.keys = [zeros((slots, shape.kv_heads, shape.head_dim), shape.dtype, device)
                      for _ in range(shape.layers)]
-        self.values = [torch.empty_like(k) for k in self.keys]
-        for tensor in (*self.keys, *self.values):
-            tensor[:block_tokens].zero_()
+        self.values = [zeros(k.shape, shape.dtype, device) for k in self.keys]
         self.refs = [0] * num_blocks
         # Free blocks without a published prefix, popped from the end: the last freed first
         # (its pages are resident), never used ones (untouched pages) only after them.

@@ -10,6 +10,7 @@ forward.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,10 @@ class Scheduler:
         self._queue: list[Work] = []
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sled-engine")
+        # The engine thread runs steps in the context the engine was built in: torch keeps its
+        # compiler settings (e.g. the flex engine's recompile limit) in context variables, which
+        # a new thread would otherwise see at their defaults.
+        self._context = contextvars.copy_context()
         self._in_flight: set[Session] = set()
         self._release_after_step: set[Session] = set()
         self._task: asyncio.Task | None = None
@@ -158,8 +163,8 @@ class Scheduler:
         self._in_flight = sessions
         tokens = sum(n for _, n in plan)
         try:
-            results = await loop.run_in_executor(self._executor, _run_step, self.engine, plan,
-                                                 self.pacer)
+            results = await loop.run_in_executor(self._executor, self._context.run, _run_step,
+                                                 self.engine, plan, self.pacer)
         except Exception as exc:  # the forward itself failed: every session in it hears why
             results = [(None, exc)] * len(plan)
         finally:
