@@ -1,7 +1,12 @@
 """Shared fixtures: tiny random targets (float64, so batched and unbatched arithmetic agree to
-far below any argmax gap), an in-process server, and the greedy oracle."""
+far below any argmax gap), an in-process server, and the greedy oracle (for real models, kept
+on disk: cached_reference)."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import json
 import os
 from pathlib import Path
 import signal
@@ -15,8 +20,10 @@ import pytest
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import torch
+import transformers
 
 from lab.tiny import make_model, make_tokenizer, perturbed, save_pair
+from sled.cache import cache_dir, read_manifest, verify_folder, write_atomically
 from verify_server.settings import ServerSettings
 from verify_server.server import start_server
 from verify_server.target import Target
@@ -125,6 +132,89 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: int | l
     """The oracle: transformers generate(do_sample=False) of the target, generated part only."""
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=0, eos_token_id=eos)
+    return out[0, len(prompt):].tolist()
+
+
+# -- the oracle of a real model, computed once and kept on disk ---------------------------------
+
+def cached_reference(model, prompt: list[int], max_new_tokens: int,
+                     eos: int | list[int] | None = None) -> list[int]:
+    """generate(do_sample=False) of MODEL (loaded from a checkpoint folder) on PROMPT, generated
+    part only; EOS None: the checkpoint's own. Kept under $SLED_CACHE/references by everything it
+    depends on, so later runs, and a suite running beside this one, compute nothing."""
+    asked = reference_key(model, prompt, max_new_tokens, eos)
+    path = reference_path(asked)
+    if (kept := read_reference(path, asked)) is not None:
+        return kept
+    with held_lock(path):          # a concurrent suite waits here for this one's answer
+        if (kept := read_reference(path, asked)) is None:
+            kept = generated(model, prompt, max_new_tokens, eos)     # temp file, then os.replace:
+            write_atomically(path, json.dumps({"key": asked, "tokens": kept}).encode())
+    return kept
+
+
+def reference_key(model, prompt: list[int], max_new_tokens: int, eos) -> dict:
+    """Everything a greedy reference depends on: the checkpoint's files, dtype, device, the
+    libraries generate() runs in, and the request (as JSON gives it back: compared on read)."""
+    return json.loads(json.dumps({
+        "checkpoint": checkpoint_identity(checkpoint_of(model)), "dtype": str(model.dtype),
+        "device": str(model.device), "torch": torch.__version__,
+        "transformers": transformers.__version__, "prompt": list(prompt),
+        "max_new_tokens": max_new_tokens, "eos": eos}))
+
+
+def checkpoint_of(model) -> Path:
+    """The folder MODEL was loaded from; a model made in memory has none to key a reference by."""
+    name = model.config.name_or_path
+    if not name or not Path(name).is_dir():
+        raise ValueError(f"{name!r} is not a checkpoint folder: only a model loaded from one "
+                         "has its reference kept")
+    return Path(name).resolve()
+
+
+def checkpoint_identity(folder: Path) -> dict:
+    """The checkpoint's files: their sha256s from sled's manifest when the folder verifies
+    against it (a few stat calls), else each file's size and mtime."""
+    if verify_folder(folder):
+        return {"path": str(folder), "sha256": {name: entry["sha256"] for name, entry
+                                                 in sorted(read_manifest(folder).items())}}
+    return {"path": str(folder), "stat": {p.name: [p.stat().st_size, p.stat().st_mtime_ns]
+                                          for p in sorted(folder.iterdir()) if p.is_file()}}
+
+
+def reference_path(key: dict) -> Path:
+    """Where KEY's reference is kept: named by its checkpoint folder and a digest of all of KEY."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / "references" / f"{Path(key['checkpoint']['path']).name}-{digest}.json"
+
+
+def read_reference(path: Path, key: dict) -> list[int] | None:
+    """The kept tokens when PATH holds a whole answer to KEY; anything else (missing, torn,
+    corrupted, unreadable, another key) is None: computed again."""
+    try:
+        kept = json.loads(path.read_bytes())
+        tokens = kept["tokens"]
+        whole = kept["key"] == key and all(type(t) is int for t in tokens)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return list(tokens) if whole else None
+
+
+@contextlib.contextmanager
+def held_lock(path: Path):
+    """An exclusive lock beside PATH for as long as the block runs (released on close)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def generated(model, prompt: list[int], max_new_tokens: int, eos) -> list[int]:
+    """The computation cached_reference keeps: transformers' own greedy loop."""
+    stop = {} if eos is None else {"eos_token_id": eos}
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt], device=model.device),
+                             max_new_tokens=max_new_tokens, do_sample=False, **stop)
     return out[0, len(prompt):].tolist()
 
 

@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import aiohttp
@@ -175,16 +174,15 @@ def sled_device(cache, *flags: str) -> subprocess.Popen:
 
 
 def test_sled_device_refuses_an_open_bind_before_loading_anything(tmp_path):
-    """The drafter cannot load: a refusal that came after loading would say "cannot start"."""
-    started = time.monotonic()
+    """The drafter cannot load: a refusal that came after loading would say "cannot start"
+    (that, not how soon the line comes, shows nothing was loaded first)."""
     refused = sled_device(tmp_path, "--drafter", "hf:/no/such/drafter")
-    out, err = refused.communicate(timeout=60)
+    out, err = refused.communicate(timeout=120)     # a hang detector
     assert refused.returncode == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sled device: "), err
     assert "api_key" in lines[0] and "api_open = true" in lines[0] and "cannot start" not in err
     assert not out
-    assert time.monotonic() - started < 20
 
 
 async def api_port(device: subprocess.Popen) -> int:

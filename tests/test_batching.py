@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
 import urllib.request
 
 import grpc
@@ -52,4 +53,5 @@ async def test_a_lone_session_is_not_held_back_for_a_batch(serve, models, prompt
     server = await serve(models["llama"])
     [result] = await run_sessions(server, prompts[:1], 1)
     assert server.metrics.value("sled_forward_passes_total") == result.rounds + 1
-    assert all(s.queue_ms < 50 for s in result.round_stats)
+    # A fixed wait would hold every round; a busy machine's hiccups hold only a few.
+    assert statistics.median(s.queue_ms for s in result.round_stats) < 50

@@ -24,7 +24,9 @@ from sled.v1 import verifier_pb2_grpc as pb_grpc
 from test_terminal import PROMPT, TARGET, reference
 
 MAX_NEW = 80
-SAID_WITHIN_S = 3.0     # the loss is on the terminal this soon after the server died
+# The loss is said from the broken stream, not found by keepalive: well under the channel's 30 s
+# keepalive ping (edge_client.security), with room for a loaded machine.
+SAID_WITHIN_S = 15.0
 
 
 class Served:

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from conftest import SLED
+from conftest import SLED, cached_reference
 from lab.server_process import free_port
 from sled.chat_templates import GEMMA3, builtin_chat_template, turn_end_ids, with_chat_template
 from sled.wire.fingerprint import fingerprint_tokenizer
@@ -96,9 +96,7 @@ def reference_reply(target: Target, messages: list[dict]) -> tuple[str, str, dic
     tokenizer = target.tokenizer
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
     assert prompt[0] == tokenizer.bos_token_id and prompt[1] != tokenizer.bos_token_id  # one BOS
-    with torch.inference_mode():
-        out = target.model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
-    new = out[0, len(prompt):].tolist()
+    new = cached_reference(target.model, prompt, MAX_TOKENS)
     ends = set(turn_end_ids(tokenizer)) | set(target.eos_ids)
     cut = next((i for i, token in enumerate(new) if token in ends), None)
     finish = "length" if cut is None else "stop"

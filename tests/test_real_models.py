@@ -3,15 +3,13 @@ with each real edge drafter. Greedy output must equal the target's own generate(
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 
 import grpc
 import pytest
 import torch
 
+from conftest import cached_reference
 from drafters import load_drafter, resolve_spec
-from sled.cache import cache_dir
 from edge_client.session import RoundSettings, Target as ServedTarget, generate
 from edge_client.wire import SessionRequest
 from edge_client.transport import VerifyError
@@ -40,21 +38,8 @@ def prompt_ids(target) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(target, prompt_ids) -> list[list[int]]:
-    """generate(do_sample=False) of the target, one prompt at a time (cached on disk by content)."""
-    weights = (hf_checkpoint(TARGET) / "model.safetensors").stat()
-    key = hashlib.sha256(json.dumps([weights.st_size, weights.st_mtime_ns, prompt_ids, MAX_NEW])
-                         .encode()).hexdigest()[:16]
-    path = cache_dir() / "references" / f"{TARGET}-{key}.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    outputs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            out = target.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)
-            outputs.append(out[0, len(ids):].tolist())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(outputs))
-    return outputs
+    """generate(do_sample=False) of the target, one prompt at a time (kept on disk by content)."""
+    return [cached_reference(target.model, ids, MAX_NEW) for ids in prompt_ids]
 
 
 @pytest.fixture(scope="module")

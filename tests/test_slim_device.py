@@ -14,6 +14,7 @@ import openai
 import pytest
 import torch
 
+from conftest import cached_reference
 from drafters import resolve_spec
 from lab import slim_env
 from lab.server_process import free_port
@@ -107,9 +108,7 @@ def reference_completion(target, prompt: str) -> tuple[str, int]:
     """(text, completion tokens) of the target's generate(do_sample=False) on PROMPT, up to
     and with its EOS."""
     ids = target.tokenizer(prompt).input_ids
-    with torch.inference_mode():
-        out = target.model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
-    new = out[0, len(ids):].tolist()
+    new = cached_reference(target.model, ids, MAX_TOKENS)
     cut = next((i for i, token in enumerate(new) if token in set(target.eos_ids)), None)
     text = target.tokenizer.decode(new[:cut], skip_special_tokens=True,
                                    clean_up_tokenization_spaces=False)

@@ -18,7 +18,8 @@ import pytest
 from lab.server_process import free_port
 
 SLED = [sys.executable, "-m", "sled_cli.main"]
-FIRST_LINE_S = 5.0   # the first progress line comes within ~1-2 s; the margin is for a loaded machine
+# A hang detector, not a speed test: the lines come in ~1-2 s, far later on a loaded machine.
+HANG_S = 120.0
 
 
 def serve_command() -> list[str]:
@@ -26,8 +27,8 @@ def serve_command() -> list[str]:
             "--metrics-port", str(free_port())]
 
 
-def read_until(fd: int, wanted: str, timeout: float) -> tuple[str, float]:
-    """What FD gave until WANTED appeared (or the timeout), and when it appeared."""
+def read_until(fd: int, wanted: str, timeout: float = HANG_S) -> str:
+    """What FD gave until WANTED appeared (or it closed, or the timeout passed)."""
     start, seen = time.monotonic(), b""
     while time.monotonic() - start < timeout:
         ready, _, _ = select.select([fd], [], [], 0.1)
@@ -40,8 +41,8 @@ def read_until(fd: int, wanted: str, timeout: float) -> tuple[str, float]:
                 break
             seen += chunk
             if wanted.encode() in seen:
-                return seen.decode(errors="replace"), time.monotonic() - start
-    return seen.decode(errors="replace"), float("inf")
+                break
+    return seen.decode(errors="replace")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -52,9 +53,9 @@ def stop(proc: subprocess.Popen) -> None:
 def test_serve_shows_plain_progress_lines_into_a_pipe():
     proc = subprocess.Popen(serve_command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        err, after = read_until(proc.stderr.fileno(), "sled serve: loading gemma3-270m", FIRST_LINE_S)
-        assert after < FIRST_LINE_S, f"no progress line within {FIRST_LINE_S} s: {err!r}"
-        err += read_until(proc.stderr.fileno(), "loading the weights of gemma3-270m", 60)[0]
+        err = read_until(proc.stderr.fileno(), "sled serve: loading gemma3-270m")
+        assert "sled serve: loading gemma3-270m" in err, f"no progress line in {HANG_S} s: {err!r}"
+        err += read_until(proc.stderr.fileno(), "loading the weights of gemma3-270m")
     finally:
         stop(proc)
         out = proc.stdout.read()
@@ -71,9 +72,9 @@ def test_serve_shows_a_spinner_on_a_terminal():
                             env={**os.environ, "TERM": "xterm"})
     os.close(follower)
     try:
-        seen, after = read_until(leader, "loading gemma3-270m", FIRST_LINE_S)
-        assert after < FIRST_LINE_S, f"no progress within {FIRST_LINE_S} s: {seen!r}"
-        seen += read_until(leader, "done in", 60)[0]
+        seen = read_until(leader, "loading gemma3-270m")
+        assert "loading gemma3-270m" in seen, f"no progress in {HANG_S} s: {seen!r}"
+        seen += read_until(leader, "done in")
     finally:
         stop(proc)
         os.close(leader)
