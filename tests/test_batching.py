@@ -55,3 +55,20 @@ async def test_a_lone_session_is_not_held_back_for_a_batch(serve, models, prompt
     assert server.metrics.value("sled_forward_passes_total") == result.rounds + 1
     # A fixed wait would hold every round; a busy machine's hiccups hold only a few.
     assert statistics.median(s.queue_ms for s in result.round_stats) < 50
+
+
+async def test_the_engine_thread_runs_steps_under_the_settings_the_server_started_with(
+        serve, models, prompts, monkeypatch):
+    """torch keeps its compiler settings in context variables: a step runs in the engine's
+    thread, which must see what was set where the server started (the flex engine's recompile
+    limit: at the default of 8, flex fell back to eager over the whole pool)."""
+    import torch._dynamo.config as dynamo
+
+    monkeypatch.setattr(dynamo, "recompile_limit", 77)
+    server = await serve(models["llama"])
+    engine = server.scheduler.engine
+    seen, forward = [], engine.forward
+    monkeypatch.setattr(engine, "forward", lambda rows: seen.append(dynamo.recompile_limit)
+                        or forward(rows))
+    await run_sessions(server, prompts, 2, max_new=4)
+    assert seen and set(seen) == {77}
