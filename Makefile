@@ -42,16 +42,20 @@ test: $(STAMP) mosquitto docker models
 models: $(STAMP)
 	$(BIN)/sled models prepare --onnx
 
+# apt-get waits for another apt-get to finish (two `make test` side by side both install) instead
+# of failing at once on the dpkg lock.
+APT := apt-get -o DPkg::Lock::Timeout=600
+
 # The MQTT tests start a real Mosquitto broker; install it from the Debian packages when missing
 # (as root, else through passwordless sudo). The demo does not need it.
 mosquitto:
 	@if command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ]; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q mosquitto || \
-		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q mosquitto; }; \
+		DEBIAN_FRONTEND=noninteractive $(APT) install -y -q mosquitto || \
+		{ $(APT) update -q && DEBIAN_FRONTEND=noninteractive $(APT) install -y -q mosquitto; }; \
 	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
-		sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -q mosquitto || \
-		{ sudo -n apt-get update -q && sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -q mosquitto; }; \
+		sudo -n env DEBIAN_FRONTEND=noninteractive $(APT) install -y -q mosquitto || \
+		{ sudo -n $(APT) update -q && sudo -n env DEBIAN_FRONTEND=noninteractive $(APT) install -y -q mosquitto; }; \
 	else \
 		echo "Mosquitto is missing and cannot be installed from here (not root, no passwordless sudo)."; \
 		echo "Install it, then run make test again:  sudo apt-get install mosquitto  (Debian/Ubuntu)"; \
@@ -76,9 +80,9 @@ docker:
 	else \
 		updated=""; \
 		for pkg in $$missing; do \
-			$$run env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$pkg >/dev/null 2>&1 || \
-			{ [ -z "$$updated" ] && updated=1 && $$run apt-get update -q >/dev/null 2>&1; \
-			  $$run env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$pkg >/dev/null 2>&1; } || \
+			$$run env DEBIAN_FRONTEND=noninteractive $(APT) install -y -q $$pkg >/dev/null 2>&1 || \
+			{ [ -z "$$updated" ] && updated=1 && $$run $(APT) update -q >/dev/null 2>&1; \
+			  $$run env DEBIAN_FRONTEND=noninteractive $(APT) install -y -q $$pkg >/dev/null 2>&1; } || \
 			echo "$$pkg could not be installed from the Debian packages; the compose lab test fails until it is."; \
 		done; \
 	fi; \
