@@ -60,13 +60,19 @@ PROMPT_TEXTS = [
 SLED = [sys.executable, "-m", "sled_cli.main"]
 
 
-def rss_mib() -> float:
-    """This process's resident memory now, MiB (/proc/self/status VmRSS)."""
-    with open("/proc/self/status") as status:
+def status_kib(field: str, pid: int | str = "self") -> int:
+    """One KiB field of a process's /proc/PID/status, e.g. VmRSS (resident now) or VmHWM (its
+    peak)."""
+    with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def rss_mib() -> float:
+    """This process's resident memory now, MiB."""
+    return status_kib("VmRSS") / 1024
 
 
 def run_sled(*args: str, timeout: float) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import PROMPT_TEXTS, greedy_reference
+from conftest import PROMPT_TEXTS, greedy_reference, status_kib
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
 from edge_client.wire import SessionRequest
@@ -28,15 +28,6 @@ BLOCK_TOKENS = 16      # sled serve's default
 DEVICES = 16
 NEW_TOKENS = 24
 GIB = 1 << 30
-
-
-def peak_rss_bytes(pid: int) -> int:
-    """A process's peak resident memory (/proc/PID/status VmHWM)."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
 
 
 async def test_sixteen_devices_through_sled_serve_engine_flex_get_generates_tokens(
@@ -56,7 +47,7 @@ async def test_sixteen_devices_through_sled_serve_engine_flex_get_generates_toke
                      SessionRequest(prompt, max_new_tokens=NEW_TOKENS),
                      settings=RoundSettings(draft_len=4))
             for prompt in prompts))
-        peak = peak_rss_bytes(server.proc.pid)
+        peak = status_kib("VmHWM", server.proc.pid) * 1024
         pool_bytes = (server.metric("sled_kv_blocks_total") * BLOCK_TOKENS
                       * KVShape.of(target).bytes_per_token)
         log = server.child.log.read_text()

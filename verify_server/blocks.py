@@ -62,7 +62,7 @@ def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) 
     and are faulted in on first touch, so an unused pool costs no resident memory."""
     if torch.device(device).type != "cpu":
         return torch.zeros(*shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.zeros(nbytes, np.uint8)).view(dtype).view(*shape)
 
 

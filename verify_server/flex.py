@@ -256,8 +256,6 @@ class FlexEngine(Engine):
         self.activate()      # the pool is zero: every slot it reads holds a finite value
         cuda = self.device.type == "cuda"
         self.flex = flex or (compiled_flex() if cuda else flex_attention)
-        if self.flex is not flex_attention or capture == "compile":
-            _allow_recompiles(RECOMPILES)
         if capture not in CAPTURES:
             raise ValueError(f"unknown capture {capture!r}: use {' or '.join(CAPTURES)}")
         self.graphs, self.capture = (cuda if graphs is None else graphs), CAPTURES[capture]
@@ -265,6 +263,8 @@ class FlexEngine(Engine):
             raise ValueError("CUDA graphs need a CUDA device: the flex engine on "
                              f"{self.device} runs without them")
         compiles = self.flex is not flex_attention or (self.graphs and capture == "compile")
+        if compiles:
+            _allow_recompiles(RECOMPILES)
         if compiles and not cuda:    # inductor's CPU kernel has been wrong (flex_check): probe it
             checked = compiled_flex() if self.flex is flex_attention else self.flex
             refuse_if_unsound(functools.partial(probe_error, checked, device=self.device),
