@@ -79,3 +79,14 @@ async def test_server_rss_does_not_grow_with_sessions(serve, models, prompts):
     # Each of these sessions writes 3 blocks (48 KiB of float64 KV): touching fresh blocks
     # would add about 15 MiB here; reusing written ones adds well under a MiB.
     assert growth < 5, f"RSS grew {growth:.1f} MiB over 320 sessions"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_cpu_pool_is_zero_and_costs_no_memory_until_written():
+    """Every slot reads zero (the flex engine reads a row's last block whole), yet a 1 GiB pool
+    is not resident until its blocks are written."""
+    gc.collect()
+    before = rss_mib()
+    pool = BlockPool(KVShape(2, 4, 64, torch.float32), num_blocks=16384, block_tokens=16)
+    assert pool.nbytes >= 1 << 30 and rss_mib() - before < 64
+    assert all(not tensor[::997].any() for tensor in (*pool.keys, *pool.values))
