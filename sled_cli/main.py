@@ -134,26 +134,54 @@ COMMANDS = {
 }
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. Given argv, only the command it names gets its flags: that one
+    command's module is imported (its extras checked first), the rest are names and help lines
+    from COMMANDS, so `sled --help` and every command start without importing the others.
+    Without argv, every command gets its flags."""
     root = argparse.ArgumentParser(prog="sled", description=__doc__.splitlines()[0])
     root.add_argument("-v", "--verbose", action="store_true")
-    _add_commands(root, COMMANDS, "command")
+    _add_commands(root, COMMANDS, "command", None if argv is None else _command_path(argv))
     return root
 
 
-def _add_commands(parser: argparse.ArgumentParser, table: dict, dest: str) -> None:
-    """One subparser per entry of `table`; a group nests its own."""
+def _add_commands(parser: argparse.ArgumentParser, table: dict, dest: str,
+                  path: list[str] | None) -> None:
+    """One subparser per entry of `table`; a group nests its own. A command gets its flags when
+    `path` (the command words of argv) names it, or when there is no path."""
     sub = parser.add_subparsers(dest=dest, required=True)
     for name, entry in table.items():
+        named = path is None or (path[:1] == [name])
         if isinstance(entry, Group):
-            _add_commands(sub.add_parser(name, help=entry.help), entry.commands, "action")
+            _add_commands(sub.add_parser(name, help=entry.help), entry.commands, "action",
+                          None if path is None else path[1:] if named else [])
             continue
         command = sub.add_parser(name, help=entry.help, add_help=not entry.own_argv,
                                  formatter_class=HelpFormatter)
-        if not entry.own_argv:
+        if named and not entry.own_argv:
+            if path is not None:     # the command that runs: its extras before its imports
+                for extra in entry.needs:
+                    require_extra(extra, "this command")
             importlib.import_module(entry.module).add_arguments(command)
             checked_numbers(command)
         command.set_defaults(entry=entry)
+
+
+def _command_path(argv: list[str]) -> list[str]:
+    """The command words of argv (["bench", "serve"]), as far as COMMANDS knows them. Flags before
+    a command's name are skipped: the root's and a group's take no value."""
+    words, table = [], COMMANDS
+    for word in argv:
+        if word.startswith("-"):
+            continue
+        entry = table.get(word)
+        if entry is None:
+            break
+        words.append(word)
+        if not isinstance(entry, Group):
+            break
+        table = entry.commands
+    return words
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,9 +203,7 @@ def _dispatch(argv: list[str]) -> int:
     entry = COMMANDS.get(argv[0]) if argv else None
     if isinstance(entry, Command) and entry.own_argv:
         return importlib.import_module(entry.module).run(argv[1:])
-    args = parser().parse_args(argv)
-    for extra in args.entry.needs:
-        require_extra(extra, "this command")
+    args = parser(argv).parse_args(argv)     # checks the command's extras (needs)
     configure_logging(logging.INFO if args.verbose or args.entry.verbose else logging.WARNING)
     result = importlib.import_module(args.entry.module).run(args)
     return asyncio.run(result) if inspect.iscoroutine(result) else result
