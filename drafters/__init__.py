@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from drafters.base import Drafter, Proposal, SparseQ
+from drafters.capabilities import Capabilities, capabilities_of
 from sled.extras import require_extra
 from sled.plugins import plugin, plugin_names
 
@@ -105,9 +106,8 @@ def _load_xtok(spec: str, q_support: int) -> Drafter:
 def bind_target_tokenizer(drafter, tokenizer) -> None:
     """Hand the target's tokenizer to a drafter that drafts across tokenizers (xtok:), once it
     is known; other drafters need none."""
-    bind = getattr(drafter, "bind_target_tokenizer", None)
-    if bind is not None:
-        bind(tokenizer)
+    if capabilities_of(drafter).target_tokenizer:
+        drafter.bind_target_tokenizer(tokenizer)
 
 
 def require_runtime(spec: str) -> None:
@@ -164,5 +164,5 @@ def _loading(spec: str, resolved: str):
     return nullcontext()
 
 
-__all__ = ["Drafter", "Proposal", "SparseQ", "bind_target_tokenizer", "load_drafter",
-           "resolve_spec"]
+__all__ = ["Capabilities", "Drafter", "Proposal", "SparseQ", "bind_target_tokenizer",
+           "capabilities_of", "load_drafter", "resolve_spec"]

@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from drafters.capabilities import Capabilities, capabilities_of
 from sled.cache import write_atomically
 from sled.wire.sampling import Sampling, warp
 from sled.wire.tree import chain_parents, is_chain
@@ -44,6 +45,9 @@ class Drafter(Protocol):
     # sha256 of the drafter's tokenizer (sled.wire.fingerprint), or None when it has none of its own
     # (the n-gram drafter drafts in the target's ids).
     tokenizer_fingerprint: str | None
+    # what it can do beyond propose() and rollback() (drafters.capabilities), read through
+    # capabilities_of(): declared on its class
+    capabilities: Capabilities
 
     def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
                 generator: np.random.Generator | None = None) -> Proposal:
@@ -55,28 +59,15 @@ class Drafter(Protocol):
         ...
 
 
-# A drafter whose `reports_confidence` is true also takes two keywords in propose():
-# min_confidence (stop the draft after the first token whose confidence is below it; 0 = never)
-# and with_confidence (fill Proposal.confidence even when not stopping). Others take neither.
+# Shorthands of capabilities_of(drafter).confidence and .trees, for the lab's callers.
 def reports_confidence(drafter) -> bool:
-    """Whether drafter.propose() takes min_confidence / with_confidence (see above)."""
-    return bool(getattr(drafter, "reports_confidence", False))
+    """Whether drafter.propose() takes min_confidence / with_confidence (Capabilities.confidence)."""
+    return capabilities_of(drafter).confidence
 
 
-# A drafter that learns from committed text (Cacheback) has observe(context): a session shows it
-# its prompt and committed tokens before each draft and its whole output at the end.
-def observes_context(drafter) -> bool:
-    """Whether the drafter has observe(context) (see above)."""
-    return callable(getattr(drafter, "observe", None))
-
-
-# A drafter whose `drafts_trees` is true also takes tree=N in propose(): up to N candidates per
-# draft position, returned as a tree (Proposal.parents), at most N * draft_len tokens and
-# draft_len deep. A tree's candidates are deterministic (q None): a drafter that samples with a
-# q drafts a chain instead. Others always draft a chain.
 def drafts_trees(drafter) -> bool:
-    """Whether drafter.propose() takes tree=N (see above)."""
-    return bool(getattr(drafter, "drafts_trees", False))
+    """Whether drafter.propose() takes tree=N (Capabilities.trees)."""
+    return capabilities_of(drafter).trees
 
 
 def tree_proposal(tokens: list[int], parents: list[int]) -> Proposal:
@@ -87,7 +78,7 @@ def tree_proposal(tokens: list[int], parents: list[int]) -> Proposal:
 def confidence_options(drafter, min_confidence: float) -> dict:
     """The keywords to pass propose() for an early stop at min_confidence: none when it is 0 or
     the drafter has no confidence to stop on (n-gram, a trace recorded without confidences)."""
-    if min_confidence > 0 and reports_confidence(drafter):
+    if min_confidence > 0 and capabilities_of(drafter).confidence:
         return {"min_confidence": min_confidence}
     return {}
 
@@ -179,9 +170,9 @@ class KVDrafter:
     q_support: int = 32
     capacity: int | None = None          # most tokens the runtime's cache holds
     capacity_name: str = "context"       # what the runtime calls that limit
-    reports_confidence: bool = True      # propose() takes min_confidence / with_confidence
-    drafts_trees: bool = True            # propose() takes tree=N (siblings where it is unsure)
-    checks_guesses: bool = False         # has _run_tail: greedy_after() in one evaluation
+    # min_confidence / with_confidence, and tree=N (siblings where it is unsure); a runtime with
+    # _run_tail adds checks_guesses (greedy_after() in one evaluation)
+    capabilities = Capabilities(confidence=True, trees=True)
 
     def __init__(self) -> None:
         self._seen: list[int] = []       # tokens whose keys/values are cached

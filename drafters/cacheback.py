@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from drafters.base import Proposal, tree_proposal
+from drafters.capabilities import Capabilities
 from sled.wire.sampling import Sampling
 from sled.wire.tree import Trie
 
@@ -62,7 +63,8 @@ class FollowerTable:
 
 class CachebackDrafter:
     tokenizer_fingerprint = None  # drafts in the target's own ids
-    drafts_trees = True           # propose() takes tree=N: one branch per recent follower
+    # propose() takes tree=N (one branch per recent follower); observe() feeds the table
+    capabilities = Capabilities(trees=True, observes=True)
 
     def __init__(self, leader: int = 2, follower: int = 4, size: int = 65536, width: int = 4) -> None:
         for name, value in (("leader", leader), ("follower", follower), ("size", size), ("width", width)):

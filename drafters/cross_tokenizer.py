@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from drafters.base import Proposal
+from drafters.capabilities import Capabilities
 from drafters.text_codecs import REPLACEMENT, TargetText, TextCodec, codec_of, text_after
 from sled.wire.sampling import Sampling
 
@@ -43,6 +44,8 @@ HEAL = 3        # most trailing whitespace ids of a context that are drafted aga
 
 class CrossTokenizerDrafter:
     tokenizer_fingerprint = None     # drafts in the target's own ids
+    # once it has the target's tokenizer; its own propose() takes no options of the inner one's
+    capabilities = Capabilities(target_tokenizer=True)
 
     def __init__(self, inner, inner_text: TextCodec, target_tokenizer=None) -> None:
         self.inner = inner

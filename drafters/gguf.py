@@ -21,6 +21,7 @@ import llama_cpp
 import numpy as np
 
 from drafters.base import KVDrafter, drafter_threads, read_fingerprint, write_fingerprint
+from drafters.capabilities import Capabilities
 from sled.cache import cache_dir
 from sled.wire.fingerprint import fingerprint_vocab
 from sled.gguf_metadata import read_metadata
@@ -38,7 +39,7 @@ N_BATCH = 128
 
 class GGUFDrafter(KVDrafter):
     capacity_name = "n_ctx"
-    checks_guesses = True
+    capabilities = KVDrafter.capabilities | Capabilities(checks_guesses=True)
 
     def __init__(self, path: str | Path, n_threads: int | None = None, n_ctx: int = 4096,
                  q_support: int = 32) -> None:

@@ -6,13 +6,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from drafters.base import KVDrafter
+from drafters.capabilities import Capabilities
 from sled.wire.fingerprint import fingerprint_tokenizer
 
 
 class HFDrafter(KVDrafter):
     """Runs a transformers model; its DynamicCache holds the KV of the tokens seen."""
 
-    checks_guesses = True
+    capabilities = KVDrafter.capabilities | Capabilities(checks_guesses=True)
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, name: str = "hf",
                  q_support: int = 32) -> None:

@@ -18,15 +18,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from drafters.base import KVDrafter, Proposal, common_prefix, observes_context
+from drafters.base import KVDrafter, Proposal, common_prefix
+from drafters.capabilities import Capabilities, capabilities_of, passed_on
 from sled.wire.sampling import Sampling
 
 GREEDY = Sampling()
 
 
 class HierDrafter:
+    # what it forwards of the cheap drafter's: its observe(); its own propose() takes no options
+    FORWARDS = Capabilities(observes=True)
+
     def __init__(self, cheap, model: KVDrafter) -> None:
-        if not getattr(model, "checks_guesses", False):
+        if not capabilities_of(model).checks_guesses:
             raise ValueError(f"hier: the checking drafter {model.name!r} cannot check guesses in "
                              "one evaluation; use an hf: or gguf: drafter")
         self.cheap, self.model = cheap, model
@@ -34,8 +38,10 @@ class HierDrafter:
         self.tokenizer_fingerprint = model.tokenizer_fingerprint
         self.checks = 0          # batched evaluations of the model drafter
         self.checked = 0         # cheap guesses it checked
-        if observes_context(cheap):
-            self.observe = cheap.observe
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return passed_on(self.cheap, self.FORWARDS)
 
     def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
                 generator: np.random.Generator | None = None) -> Proposal:
@@ -55,3 +61,7 @@ class HierDrafter:
     def rollback(self, length: int) -> None:
         self.cheap.rollback(length)
         self.model.rollback(length)
+
+    def observe(self, context: Sequence[int]) -> None:
+        """The cheap drafter's observe() (capabilities.observes)."""
+        self.cheap.observe(context)

@@ -10,11 +10,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from drafters.base import Proposal
+from drafters.capabilities import Capabilities
 from sled.wire.sampling import Sampling
 
 
 class NgramDrafter:
     tokenizer_fingerprint = None  # drafts in the target's own ids
+    capabilities = Capabilities()  # a chain, all of it always: nothing to stop on or branch
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:

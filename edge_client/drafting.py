@@ -12,31 +12,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from drafters.base import Drafter, Proposal, drafts_trees, observes_context, reports_confidence
+from drafters.base import Drafter, Proposal
+from drafters.wrapper import Wrapper
 from sled.wire.sampling import Sampling
 
 
-class SharedDrafter:
+class SharedDrafter(Wrapper):
+    """Proposals take turns under a lock. Not under it: an emulated drafter's apropose()
+    (stateless), and observe() (a drafter that observes locks its own table)."""
+
     def __init__(self, drafter: Drafter) -> None:
-        self.inner = drafter
-        self.name = drafter.name
-        self.alias = getattr(drafter, "alias", None)     # the built-in alias it was loaded from
-        self.tokenizer_fingerprint = drafter.tokenizer_fingerprint
+        super().__init__(drafter)
         self._lock = threading.Lock()
-        if hasattr(drafter, "apropose"):      # emulated drafters: stateless, awaited directly
-            self.apropose = drafter.apropose
-        if observes_context(drafter):         # it locks its own table
-            self.observe = drafter.observe
-
-    @property
-    def reports_confidence(self) -> bool:
-        """Whether the shared drafter takes min_confidence (an early stop)."""
-        return reports_confidence(self.inner)
-
-    @property
-    def drafts_trees(self) -> bool:
-        """Whether the shared drafter takes tree=N."""
-        return drafts_trees(self.inner)
 
     def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
                 generator: np.random.Generator | None = None, **options) -> Proposal:

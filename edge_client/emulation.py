@@ -21,7 +21,9 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from drafters.base import Drafter, Proposal, drafts_trees, observes_context, reports_confidence
+from drafters.base import Drafter, Proposal
+from drafters.capabilities import Capabilities, capabilities_of
+from drafters.wrapper import Wrapper
 from edge_client.transport import Stream, Transport, VerifyError
 from sled.plugins import plugin
 from sled.wire.tree import depths
@@ -68,7 +70,7 @@ def link_opener(spec: str, seed: int) -> Transport:
     return _plugin("link")(spec, seed)
 
 
-class PacedDrafter:
+class PacedDrafter(Wrapper):
     """A drafter slowed to a board's speed: a proposal of k tokens that took t seconds here is
     returned after max(0, profile.draft_seconds(k) - t), the board's assumed time per model
     token. measured=True scales the work this drafter really did instead: the proposal returns
@@ -79,33 +81,22 @@ class PacedDrafter:
     there. The tokens are the inner drafter's own. host_s and board_s add up the time each
     proposal took here and on the board; drafted counts the tokens."""
 
+    OWN = Capabilities(awaitable=True)      # sessions await apropose(), paced
+
     def __init__(self, drafter: Drafter, profile: Board, measured: bool = False,
                  on_paced: Callable[[bool], None] | None = None) -> None:
-        self.inner = drafter
+        super().__init__(drafter)
         self.profile = profile
         self.measured = measured
         self.on_paced = on_paced      # called after every proposal: late (True) or on time
-        self.name = drafter.name
-        self.alias = getattr(drafter, "alias", None)
-        self.tokenizer_fingerprint = drafter.tokenizer_fingerprint
         self._drafted_to: list[int] | None = None      # context + proposal of the last proposal
         self.host_s = self.board_s = 0.0
         self.drafted = 0
-        if observes_context(drafter):
-            self.observe = drafter.observe
-
-    @property
-    def reports_confidence(self) -> bool:
-        return reports_confidence(self.inner)
-
-    @property
-    def drafts_trees(self) -> bool:
-        return drafts_trees(self.inner)
 
     def propose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
                 generator: np.random.Generator | None = None, **options) -> Proposal:
         """Unpaced (a caller in a thread); sessions await apropose()."""
-        return self.inner.propose(context, draft_len, sampling, generator, **options)
+        return super().propose(context, draft_len, sampling, generator, **options)
 
     async def apropose(self, context: Sequence[int], draft_len: int, sampling: Sampling,
                        generator: np.random.Generator | None = None, **options) -> Proposal:
@@ -127,9 +118,8 @@ class PacedDrafter:
         return proposal
 
     def _inner_proposal(self, context, draft_len, sampling, generator, options) -> Awaitable[Proposal]:
-        inner_apropose = getattr(self.inner, "apropose", None)
-        if inner_apropose is not None:
-            return inner_apropose(context, draft_len, sampling, generator, **options)
+        if capabilities_of(self.inner).awaitable:
+            return self.inner.apropose(context, draft_len, sampling, generator, **options)
         return asyncio.to_thread(self.inner.propose, context, draft_len, sampling, generator, **options)
 
     def board_seconds(self, draft_len: int, took: float, warm: bool = False) -> float:
@@ -142,9 +132,6 @@ class PacedDrafter:
         """The board's time for draft_len tokens; warm: without the per-round overhead."""
         overhead = self.profile.draft_seconds(0) if warm else 0.0
         return self.profile.draft_seconds(draft_len) - overhead
-
-    def rollback(self, length: int) -> None:
-        self.inner.rollback(length)
 
 
 def late(elapsed_s: float, board_s: float) -> bool:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from drafters.base import (Drafter, Proposal, SparseQ, confidence_options, drafts_trees,
-                           observes_context, tree_proposal)
+from drafters.base import Drafter, Proposal, SparseQ, confidence_options, tree_proposal
+from drafters.capabilities import capabilities_of
 from edge_client.speculation import Speculation
 from sled.wire.sampling import DRAFTER_SEED_OFFSET, Sampling, new_generator
 from sled.wire.tree import chain_parents, cut
@@ -37,7 +37,7 @@ class Proposer:
     from the request's seed, apart from the server's), its early stop, and run in a thread; a
     drafter with an async apropose() (an emulated device) is awaited directly instead.
     tree=N > 1: drafts may be trees of up to N candidates per position, from a drafter that
-    drafts trees (drafts_trees; a sampling session's trees are deterministic candidates), cut to
+    drafts trees (Capabilities.trees; a sampling session's trees are deterministic candidates), cut to
     max_draft_tokens tokens (the server's ServerLimits.max_draft_tokens: it refuses a longer
     draft)."""
 
@@ -50,9 +50,9 @@ class Proposer:
         self.options = confidence_options(drafter, min_confidence)
         # a sampling session's trees carry no q (deterministic candidates): a drafter that samples
         # drafts its chain with q instead (KVDrafter branches only when greedy)
-        self.tree = {"tree": tree} if tree > 1 and drafts_trees(drafter) else {}
+        self.capabilities = capabilities_of(drafter)
+        self.tree = {"tree": tree} if tree > 1 and self.capabilities.trees else {}
         self.max_draft_tokens = max_draft_tokens
-        self._apropose = getattr(drafter, "apropose", None)
 
     async def propose(self, context: list[int], draft_len: int,
                       sampling: Sampling | None = None, branch: bool = False) -> Proposal:
@@ -60,8 +60,8 @@ class Proposer:
         come back (Proposal.parents) when the session drafts trees."""
         how = self.sampling if sampling is None else sampling
         options = {**self.options, **self.tree} if branch else self.options
-        if self._apropose is not None:
-            return await self._apropose(context, draft_len, how, self.generator, **options)
+        if self.capabilities.awaitable:
+            return await self.drafter.apropose(context, draft_len, how, self.generator, **options)
         return await asyncio.to_thread(self.drafter.propose, context, draft_len, how, self.generator,
                                        **options)
 
@@ -96,8 +96,8 @@ class Proposer:
         self.drafter.rollback(length)
 
     def observe(self, context: list[int]) -> None:
-        """Show a drafter that learns from committed text (observes_context) this session's."""
-        if observes_context(self.drafter):
+        """Show a drafter that learns from committed text (Capabilities.observes) this session's."""
+        if self.capabilities.observes:
             self.drafter.observe(context)
 
 

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from conftest import greedy_reference
+from drafters.capabilities import Capabilities
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
 from edge_client.wire import SessionRequest
@@ -292,6 +293,7 @@ def test_draft_length_policy():
 
 class StallingDrafter:
     """An HF drafter that stalls once, before its second draft, longer than the idle timeout."""
+    capabilities = Capabilities(awaitable=True)
 
     def __init__(self, model, stall_s: float) -> None:
         self.inner, self.stall_s, self.calls = HFDrafter(model), stall_s, 0
@@ -337,6 +339,7 @@ async def test_kv_gauges_return_to_zero_after_shared_prefix_sessions(serve, mode
 
 class SlowDrafter(HFDrafter):
     """Drafts take a while, so a server restart lands in the middle of the sessions."""
+    capabilities = HFDrafter.capabilities | Capabilities(awaitable=True)
 
     async def apropose(self, context, k, sampling, generator):
         await asyncio.sleep(0.02)

@@ -16,6 +16,7 @@ import torch
 from conftest import greedy_reference
 from drafters.base import KVDrafter, Proposal, unsure_alternatives
 from drafters.cacheback import CachebackDrafter
+from drafters.capabilities import Capabilities, passed_on
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
 from edge_client.wire import SessionRequest
@@ -205,9 +206,10 @@ class Recording:
     def __init__(self, inner):
         self.inner, self.trees = inner, 0
         self.name, self.tokenizer_fingerprint = inner.name, inner.tokenizer_fingerprint
-        self.drafts_trees = True
-        if hasattr(inner, "observe"):
-            self.observe = inner.observe
+        self.capabilities = passed_on(inner, Capabilities(trees=True, observes=True))
+
+    def observe(self, context):
+        self.inner.observe(context)
 
     def propose(self, context, draft_len, sampling, generator=None, **options):
         proposal = self.inner.propose(context, draft_len, sampling, generator, **options)
@@ -243,7 +245,7 @@ async def test_tree_drafts_match_generate_under_concurrency(serve, models, draft
 
 class Oracle:
     """Drafts a tree whose first branch is wrong and whose second is the target's own text."""
-    name, tokenizer_fingerprint, drafts_trees = "oracle-tree", None, True
+    name, tokenizer_fingerprint, capabilities = "oracle-tree", None, Capabilities(trees=True)
 
     def __init__(self, prompt, reference):
         self.full = list(prompt) + list(reference)
@@ -348,7 +350,7 @@ def test_recursive_rejection_sampling_emits_each_token_with_its_target_probabili
 class SiblingsAlways:
     """A deterministic tree drafter for sampling sessions: the noisy model's greedy chain with its
     runner-ups beside every token (the tiny model is never sure)."""
-    name, tokenizer_fingerprint, drafts_trees = "siblings", None, True
+    name, tokenizer_fingerprint, capabilities = "siblings", None, Capabilities(trees=True)
 
     def __init__(self, drafter):
         self.drafter = drafter

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from drafters.base import Proposal, stop_index
+from drafters.capabilities import Capabilities
 from edge_client.emulation import late
 from lab.traces.format import Trace, TraceSet
 from sled.wire.sampling import Sampling
@@ -41,9 +42,9 @@ class TraceDrafter:
         self._drafted_to: list[int] | None = None   # context + proposal of the last proposal
 
     @property
-    def reports_confidence(self) -> bool:
+    def capabilities(self) -> Capabilities:
         """Early stops need the recorded confidences; older traces have none."""
-        return self.trace.confidences is not None
+        return Capabilities(confidence=self.trace.confidences is not None, awaitable=True)
 
     def propose(self, context: Sequence[int], k: int, sampling: Sampling,
                 generator: np.random.Generator | None = None, *, min_confidence: float = 0.0,
@@ -156,8 +157,9 @@ class TraceSetDrafter:
                                  key=lambda i: -len(traces.traces[i].prompt_ids))
 
     @property
-    def reports_confidence(self) -> bool:
-        return all(replay.reports_confidence for replay in self._replays)
+    def capabilities(self) -> Capabilities:
+        return Capabilities(confidence=all(replay.capabilities.confidence
+                                           for replay in self._replays), awaitable=True)
 
     def propose(self, context: Sequence[int], k: int, sampling: Sampling,
                 generator: np.random.Generator | None = None, **options) -> Proposal:
