@@ -21,10 +21,11 @@ from verify_server.flex_plan import common_shapes
 from verify_server.metrics import Metrics
 from verify_server.pacing import StepPacer
 from verify_server.scheduler import Scheduler
-from verify_server.service import Undecodable, VerifierService
+from verify_server.service import VerifierService
 from verify_server.settings import ServerSettings
 from verify_server.step_costs import load_profile
 from verify_server.target import Target
+from verify_server.transport import Undecodable
 
 if TYPE_CHECKING:
     from verify_server.announce import AnnounceConfig
@@ -48,7 +49,7 @@ class RunningServer:
         return f"127.0.0.1:{self.port}"
 
     async def stop(self, grace: float | None = 1.0) -> None:
-        self.service.accepting = False
+        self.service.core.accepting = False
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         if self.evictions is not None:
@@ -114,7 +115,8 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     await server.start()
     log.info("serving %s on %s:%d (%s; %s)", target.model_id, host, bound, describe_access(settings),
              describe_sat(target.sat))
-    evictions = asyncio.get_running_loop().create_task(service.run_evictions(), name="sled-evictions")
+    evictions = asyncio.get_running_loop().create_task(service.core.run_evictions(),
+                                                       name="sled-evictions")
     return RunningServer(server, bound, service, scheduler, metrics, health_servicer, evictions)
 
 

@@ -1,0 +1,189 @@
+"""The server's core (verify_server.core) driven alone, with no gRPC server: a whole session from
+its Open to its close, admission against each device's share of the KV cache, eviction of an
+idle session, and that nothing of the core takes a gRPC object."""
+from __future__ import annotations
+
+import ast
+import inspect
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from sled.v1 import verifier_pb2 as pb
+from tests.conftest import greedy_reference
+from verify_server import core as core_module
+from verify_server.auth import Identity
+from verify_server.core import VerifierCore
+from verify_server.engines import make_engine
+from verify_server.errors import Reason, SessionError
+from verify_server.metrics import Metrics
+from verify_server.scheduler import Scheduler
+from verify_server.settings import ServerSettings
+from verify_server.target import Target
+
+PEER = "ipv4:10.0.0.7:51234"
+DEV_1 = Identity(device="dev-1", authenticated=True, key="dev-1")
+DEV_2 = Identity(device="dev-2", authenticated=True, key="dev-2")
+DEV_3 = Identity(device="dev-3", authenticated=True, key="dev-3")
+MAX_NEW = 12
+
+
+@pytest.fixture
+async def make_core(models, tokenizer):
+    """make_core(kv_budget_bytes, **settings) -> a VerifierCore over a running scheduler of the
+    tiny Llama target (stopped after the test)."""
+    schedulers = []
+
+    async def make(kv_budget_bytes: int = 16 << 20, **settings) -> VerifierCore:
+        target = Target.from_model(models["llama"], tokenizer, "tiny")
+        engine = make_engine(target.model, kv_budget_bytes=kv_budget_bytes, kind="paged")
+        metrics = Metrics()
+        server_settings = ServerSettings(**settings)
+        scheduler = Scheduler(engine, metrics, server_settings.max_batch_sessions,
+                              server_settings.max_step_tokens)
+        scheduler.start()
+        schedulers.append(scheduler)
+        return VerifierCore(target, scheduler, server_settings, metrics)
+
+    yield make
+    for scheduler in schedulers:
+        await scheduler.stop()
+
+
+def open_request(core: VerifierCore, prompt: list[int], max_new_tokens: int = MAX_NEW) -> pb.Open:
+    return pb.Open(prompt_ids=prompt, max_new_tokens=max_new_tokens,
+                   tokenizer_fingerprint=core.target.fingerprint)
+
+
+async def opened(core: VerifierCore, prompt: list[int], identity: Identity = DEV_1,
+                 max_new_tokens: int = MAX_NEW):
+    """A session opened and prefilled, waiting for its device's first draft (as a stream leaves
+    it once its Opened is sent)."""
+    session = core.open(None, open_request(core, prompt, max_new_tokens), identity, PEER)
+    reply = await core.prefill(session, deadline=None)
+    session.wait_for_device()
+    return session, reply
+
+
+def kv_free(core: VerifierCore) -> bool:
+    return core.pool.committed_blocks == 0 and core.pool.held_tokens == 0
+
+
+async def test_a_session_through_the_core_emits_the_targets_own_greedy_output(
+        make_core, models, prompts):
+    core = await make_core()
+    prompt = prompts[0]
+    reference = greedy_reference(models["llama"], prompt, MAX_NEW)
+    session, reply = await opened(core, prompt)
+    assert reply.session_id == session.id and reply.prompt_tokens == len(prompt)
+    assert core.sessions == {session.id: session}
+    assert core.kv_reserved == {DEV_1.key: len(prompt) + MAX_NEW}
+    assert core.quotas.usage[DEV_1.key].sessions == 1
+    emitted: list[int] = []
+    wrong = (reference[0] + 1) % core.target.vocab_size
+    verdict = await core.verify(session, pb.Draft(round=0, token_ids=[wrong, wrong]), None)
+    assert (verdict.accepted, list(verdict.emitted_ids)) == (0, reference[:1])   # the correction
+    emitted += verdict.emitted_ids
+    while not session.finished:
+        draft = reference[len(emitted):len(emitted) + 3]
+        verdict = await core.verify(session, pb.Draft(round=session.round, token_ids=draft), None)
+        assert verdict.accepted == verdict.verified > 0          # the target's own tokens: kept
+        assert verdict.suggested_draft_len >= 1
+        emitted += verdict.emitted_ids
+    assert emitted == reference == session.generated
+    assert verdict.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS)
+    # finished: its KV goes at once, its slot when the stream closes
+    assert kv_free(core) and core.kv_reserved == {} and session.id in core.sessions
+    core.close(session)
+    assert core.sessions == {} and core.quotas.usage[DEV_1.key].sessions == 0
+    assert kv_free(core) and core.kv_reserved == {}
+
+
+async def test_a_server_mode_session_decodes_the_targets_greedy_output(make_core, models, prompts):
+    core = await make_core()
+    prompt = prompts[1]
+    request = open_request(core, prompt)
+    request.mode = pb.GENERATION_MODE_SERVER
+    session = core.open(None, request, DEV_1, PEER)
+    await core.prefill(session, deadline=None)
+    verdicts = [verdict async for verdict in core.decode(session, time.perf_counter() + 60)]
+    assert [t for v in verdicts for t in v.emitted_ids] == greedy_reference(models["llama"],
+                                                                            prompt, MAX_NEW)
+    core.close(session)
+    assert core.sessions == {} and kv_free(core) and core.kv_reserved == {}
+
+
+async def test_admission_refuses_past_a_devices_share_and_past_the_pool(make_core, prompts):
+    core = await make_core(kv_budget_bytes=1 << 20, kv_share=0.5)   # 1008 tokens, 504 a device
+    assert core.kv_share_tokens() == core.pool.capacity_tokens // 2
+    first, _ = await opened(core, prompts[0], DEV_1, max_new_tokens=300)
+    with pytest.raises(SessionError) as refused:
+        core.open(None, open_request(core, prompts[1], 300), DEV_1, PEER)
+    assert refused.value.reason == Reason.REASON_KV_BUDGET
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"device dev-1's share of the KV cache is {core.kv_share_tokens()} tokens" \
+        in refused.value.message
+    # the refused Open left nothing behind: no session, no quota count, no reservation
+    assert list(core.sessions) == [first.id] and core.quotas.usage[DEV_1.key].sessions == 1
+    assert core.kv_reserved == {DEV_1.key: len(prompts[0]) + 300}
+    second, _ = await opened(core, prompts[1], DEV_2, max_new_tokens=300)   # its own share
+    assert core.kv_reserved[DEV_2.key] == len(prompts[1]) + 300
+    with pytest.raises(SessionError) as full:          # within its share, not within the pool
+        core.open(None, open_request(core, prompts[2], 450), DEV_3, PEER)
+    assert full.value.reason == Reason.REASON_KV_BUDGET
+    assert "the KV cache is full" in full.value.message
+    assert "device dev-3's sessions hold 0 of its share" in full.value.message
+    assert set(core.sessions) == {first.id, second.id} and DEV_3.key not in core.kv_reserved
+    assert core.quotas.usage[DEV_3.key].sessions == 0
+    for session in (first, second):
+        core.close(session)
+    assert kv_free(core) and core.kv_reserved == {} and core.sessions == {}
+
+
+async def test_an_idle_session_is_evicted_through_the_core(make_core, prompts):
+    core = await make_core(idle_timeout=5.0)
+    idle, _ = await opened(core, prompts[0])
+    busy, _ = await opened(core, prompts[1], DEV_2)
+    busy.heard_from_device()                           # its draft is being verified
+    assert core.evict_idle(time.monotonic() + 1) == []
+    assert core.evict_idle(time.monotonic() + 6) == [idle]
+    assert idle.evicted.is_set() and idle.evicted_after > 5
+    assert list(core.sessions) == [busy.id] and core.kv_reserved == {DEV_2.key: busy.kv_reserved}
+    assert core.quotas.usage[DEV_1.key].sessions == 0
+    assert core.metrics.value("sled_evicted_sessions_total") == 1
+    with pytest.raises(SessionError) as refused:      # the device comes back: too late
+        await core.verify(idle, pb.Draft(round=0, token_ids=[prompts[0][0]]), None)
+    assert refused.value.reason == Reason.REASON_EVICTED
+    core.close(idle)                                  # its stream ends: nothing is freed twice
+    core.close(busy)
+    assert core.sessions == {} and kv_free(core) and core.kv_reserved == {}
+    assert core.quotas.usage[DEV_2.key].sessions == 0
+
+
+def test_the_core_takes_no_grpc_object():
+    """The core works from plain values: no gRPC import, no call context in any signature.
+    (verify_server.errors maps refusals to grpc.StatusCode, so grpc itself is loaded.)"""
+    tree = ast.parse(Path(core_module.__file__).read_text())
+    modules = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+               for alias in node.names]
+    modules += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    assert "verify_server.session" in modules          # the walk sees the core's imports
+    assert not [module for module in modules if "grpc" in module], modules
+    functions = [core_module.round_deadline, core_module.hold, core_module.release,
+                 *(f for _, f in inspect.getmembers(VerifierCore, inspect.isfunction))]
+    assert len(functions) > 15
+    for function in functions:
+        for name, parameter in inspect.signature(function).parameters.items():
+            assert name not in ("context", "request_iterator", "requests"), function
+            assert "grpc" not in str(parameter.annotation), function
+
+
+def test_a_rounds_deadline_is_the_earlier_of_the_calls_and_its_own():
+    now = time.perf_counter()
+    assert core_module.round_deadline(None) is None
+    assert core_module.round_deadline(now + 10) == now + 10
+    assert now + 0.5 <= core_module.round_deadline(None, 500) < now + 5
+    assert now + 0.5 <= core_module.round_deadline(now + 10, 500) < now + 5
+    assert core_module.round_deadline(now + 0.1, 5000) == now + 0.1

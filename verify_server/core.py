@@ -1,0 +1,345 @@
+"""The server's core, apart from gRPC: the session table, every device's share of the KV cache
+and its quotas, and each session's rounds through the scheduler.
+
+    session = core.open(None, request, identity, peer)       # checked, counted, KV admitted
+    opened = await core.prefill(session, deadline)            # the prompt in: pb.Opened
+    verdict = await core.verify(session, draft, deadline)     # a device's draft: pb.Verdict
+    async for verdict in core.decode(session, deadline): ...  # server modes: the server drafts
+    core.close(session)                                       # whatever ended the stream
+
+It works from plain values: a deadline (a perf_counter time, or None), the device's
+auth.Identity and its peer address. A refusal is a SessionError, which the transport
+(verify_server.service) turns into the call's status; a call that goes away cancels the
+coroutine awaiting its work (asyncio), and the transport closes its session.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from sled.wire.tree import cut
+from sled.v1 import verifier_pb2 as pb
+from verify_server import errors, validation
+from verify_server.auth import Gate, Identity
+from verify_server.engines.blocks import PoolExhausted
+from verify_server.draft_advice import suggest_draft_len
+from verify_server.errors import Reason, SessionError
+from verify_server.metrics import Metrics
+from verify_server.quotas import Quotas
+from verify_server.rounds import finish_round, timings
+from verify_server.scheduler import Scheduler
+from verify_server.session import Session
+from verify_server.settings import ServerSettings
+from verify_server.target import Target
+from verify_server.tenant import tenant_key
+from verify_server.work import Verify, sat_step_tokens
+
+log = logging.getLogger("sled.server")
+
+
+def round_deadline(deadline: float | None, deadline_ms: int = 0) -> float | None:
+    """The earlier of the call's deadline and a round's own (deadline_ms from now)."""
+    if not deadline_ms:
+        return deadline
+    own = time.perf_counter() + deadline_ms / 1e3
+    return own if deadline is None else min(deadline, own)
+
+
+class VerifierCore:
+    """Owns the sessions and what each device holds: Generate streams, GetTokenizer calls,
+    reserved KV tokens and its quota usage (each table keyed by auth.Identity.key)."""
+
+    def __init__(self, target: Target, scheduler: Scheduler, settings: ServerSettings,
+                 metrics: Metrics, gate: Gate | None = None) -> None:
+        self.target = target
+        self.scheduler = scheduler
+        self.settings = settings
+        self.metrics = metrics
+        self.gate = gate or Gate()        # its grants: how many devices share the KV cache
+        self.sessions: dict[str, Session] = {}
+        self.accepting = True
+        self.pool = scheduler.engine.pool
+        self.tokenizer_calls = 0          # GetTokenizer replies being written (the server's slots)
+        self.tokenizer_calls_of: dict[str, int] = {}   # GetTokenizer calls not over, by device key
+        self.streams: dict[str, int] = {}   # Generate streams held, by device key (Identity.key)
+        self.kv_reserved: dict[str, int] = {}   # KV tokens reserved by open sessions, by device key
+        self.quotas = Quotas(settings.quota_sessions, settings.quota_tokens_per_s,
+                             settings.quota_burst_s, settings.quota_wait_s)
+        metrics.active_sessions.set_function(lambda: len(self.sessions))
+
+    # --- what a device holds: streams and GetTokenizer calls ------------------------------------
+
+    def count_stream(self, identity: Identity) -> str:
+        """One more stream of this device, from its first byte; RESOURCE_EXHAUSTED (REASON_QUOTA)
+        past max_streams_per_device. Returns the key to uncount when the stream ends."""
+        held, limit = self.streams.get(identity.key, 0), self.settings.max_streams_per_device
+        if held >= limit:
+            raise errors.exhausted(Reason.REASON_QUOTA, f"device {identity.device} holds {held} "
+                                   f"Generate streams (limit {limit}): end one first")
+        hold(self.streams, identity.key, 1)
+        return identity.key
+
+    def uncount_stream(self, key: str) -> None:
+        release(self.streams, key, 1)
+
+    def tokenizer_busy(self, identity: Identity) -> str:
+        """Why a GetTokenizer call cannot be served now ("" when it can)."""
+        held = self.tokenizer_calls_of.get(identity.key, 0)
+        per_device = self.settings.max_tokenizer_calls_per_device
+        if identity.authenticated and held >= per_device:   # a host's devices cannot be told apart
+            return (f"device {identity.device} holds {held} GetTokenizer replies (limit "
+                    f"{per_device} per device): read or end them first")
+        limit = self.settings.max_tokenizer_calls
+        if self.tokenizer_calls >= limit:
+            return (f"{self.tokenizer_calls} GetTokenizer replies are being sent (limit {limit}): "
+                    "retry in a moment")
+        return ""
+
+    def tokenizer_call_started(self, key: str) -> None:
+        """A reply takes one of the server's slots and counts against its device until over."""
+        self.tokenizer_calls += 1
+        hold(self.tokenizer_calls_of, key, 1)
+
+    def tokenizer_reply_written(self) -> None:
+        """Nothing more of a reply is written: its slot is free (the call may not be over)."""
+        self.tokenizer_calls -= 1
+
+    def tokenizer_call_over(self, key: str) -> None:
+        release(self.tokenizer_calls_of, key, 1)
+
+    # --- a session's life ------------------------------------------------------------------------
+
+    def open(self, session: Session | None, request: pb.Open, identity: Identity,
+             peer: str) -> Session:
+        """The session an Open asks for: checked, counted against its device's session quota,
+        its KV admitted (and its cached prefix found), in the table."""
+        validation.check_no_session(session)
+        sampling = validation.check_open(request, self.target, self.settings, len(self.sessions),
+                                         self.accepting)
+        loose = validation.check_loose(request, sampling)
+        self.quotas.open(identity, len(request.prompt_ids))
+        try:
+            session = Session.from_open(request, sampling, self.target.eos_ids,
+                                        self.scheduler.engine.new_kv(), loose)
+            session.device = identity
+            proven = identity.key if identity.authenticated else None
+            self._admit(session, tenant_key(peer, request.cache_salt, proven))
+        except BaseException:
+            self.quotas.close(identity)
+            raise
+        self.sessions[session.id] = session
+        self._count_open(session)
+        return session
+
+    def _count_open(self, session: Session) -> None:
+        self.metrics.sessions.inc()
+        if session.loose is not None:
+            self.metrics.loose_sessions.inc()
+        self.metrics.device_sessions.labels(self.metrics.device_label(session.device.device)).inc()
+        log.debug("session %s opened by %s", session.id, session.device.device)
+
+    async def prefill(self, session: Session, deadline: float | None) -> pb.Opened:
+        """The prompt into the session's KV (what its cached prefix lacks)."""
+        await self._pace(session, len(session.prompt_ids) - session.cached_prompt_tokens)
+        info = await self.scheduler.prefill(session, deadline)
+        return pb.Opened(session_id=session.id, prompt_tokens=len(session.prompt_ids),
+                         max_new_tokens=session.max_new_tokens, timings=timings(info),
+                         cached_prompt_tokens=session.cached_prompt_tokens,
+                         loose=session.loose is not None)
+
+    async def verify(self, session: Session | None, draft: pb.Draft,
+                     deadline: float | None) -> pb.Verdict:
+        """A device's draft: checked, verified in the next batched forward, the round finished.
+        deadline: the call's; the draft's deadline_ms counts from when its work is queued."""
+        tokens = validation.check_draft(draft, session, self.target, self.settings)
+        parents = validation.check_tree(draft, session, self.scheduler.engine.branches)
+        session.heard_from_device()
+        q = validation.draft_q(draft, tokens, session.sampling, self.target.vocab_size,
+                               self.settings.max_q_support)
+        room = session.verifiable(len(tokens))
+        if parents is not None:      # what fits the session's room: as deep and as many as a chain
+            tokens, parents = cut(tokens, parents, max_depth=room, max_nodes=room)
+        draft_len = min(room, len(tokens))
+        await self._pace(session, draft_len + 1 + draft.lookahead)
+        outcome, info = await self.scheduler.verify(
+            session, tokens[:draft_len], q[:draft_len] if q is not None else None,
+            round_deadline(deadline, draft.deadline_ms), draft.lookahead, parents or None)
+        verdict = finish_round(session, outcome, draft_len, info, self.metrics, self.advise)
+        if session.finished:   # its KV goes now; its slot when the device closes or idles out
+            self.end(session)
+        session.wait_for_device()
+        return verdict
+
+    async def decode(self, session: Session, deadline: float | None) -> AsyncIterator[pb.Verdict]:
+        """Server modes: the server produces the tokens, batched with every other session's work.
+
+        GENERATION_MODE_SERVER decodes one token per pass. GENERATION_MODE_SERVER_SAT drafts with
+        SATs: each pass verifies the previous SAT guesses and appends a block of m fresh SAT
+        slots after every place the draft may be cut (engine.Row: anchors), so whatever is
+        accepted, the block that follows exactly the accepted tokens is the next draft:
+
+            pass 1: [x, S S S]                    -> emits t1, guesses g1 g2 g3
+            pass 2: [t1, g1 g2 g3, S S S (after t1) | S S S (after g1) | S S S (after g2) |
+                     S S S (after g3)]            -> accepts g1 g2, emits g1 g2 c (c corrects g3),
+                                                     guesses: the block after g2
+            pass 3: [c, h1 h2 h3, ...]
+
+        An engine that cannot attend such blocks (the padded one) appends one block after the
+        whole draft; then a cut draft leaves the next pass with an empty draft (one token).
+
+        The next pass is queued before this one's verdict goes out, so a slow reader never makes
+        its session miss a batch."""
+        lookahead = self.target.sat_slots if session.mode == pb.GENERATION_MODE_SERVER_SAT else 0
+        every_cut = bool(lookahead) and self.scheduler.engine.branches
+
+        def next_pass(guesses: list[int]) -> tuple[asyncio.Future, int]:
+            draft = guesses[:session.verifiable(len(guesses))]
+            work = Verify(session, None, deadline, draft=draft, lookahead=lookahead,
+                          every_cut=every_cut)
+            return self.scheduler.enqueue(work), len(draft)
+
+        await self._pace(session, sat_step_tokens(0, lookahead, every_cut))
+        step, draft_len = next_pass([])
+        while True:
+            outcome, info = await step
+            verdict = finish_round(session, outcome, draft_len, info, self.metrics)
+            if not session.finished:
+                try:
+                    await self._pace(session, sat_step_tokens(len(outcome.hints), lookahead,
+                                                              every_cut))
+                except SessionError:
+                    yield verdict       # committed: it goes out first
+                    raise
+                step, draft_len = next_pass(outcome.hints)
+            session.wait_for_device()       # a device that stops reading idles out too
+            yield verdict
+            session.heard_from_device()
+            if session.finished:
+                return
+            if session.evicted_after is not None:   # its queued pass was dropped with its KV
+                raise validation.evicted(session, self.settings.idle_timeout)
+
+    def advise(self, session: Session) -> int:
+        """The draft length this session's device should send next."""
+        return suggest_draft_len(session.acceptance, len(self.sessions),
+                                 self.scheduler.max_step_tokens, self.settings.max_draft_tokens)
+
+    async def _pace(self, session: Session, tokens: int) -> None:
+        """Hold (or refuse) the session's next work to keep its device within its tokens/s
+        quota, and count the tokens against the device."""
+        if session.device is None:
+            return
+        await self.quotas.pace(session.device, tokens)
+        self.metrics.device_tokens.labels(self.metrics.device_label(session.device.device)).inc(
+            tokens)
+
+    def end(self, session: Session) -> None:
+        """The session is done (finished, failed or disconnected): its KV goes now."""
+        self.scheduler.release(session)
+        self._unreserve(session)
+
+    def close(self, session: Session | None) -> None:
+        """The stream is over: the session goes, whatever ended it."""
+        if session is not None:
+            self.end(session)
+            self._forget(session)
+
+    def _forget(self, session: Session) -> None:
+        """The session leaves the table, and its device's session quota, once."""
+        if self.sessions.pop(session.id, None) is not None and session.device is not None:
+            self.quotas.close(session.device)
+
+    # --- KV admission ------------------------------------------------------------------------
+
+    def _admit(self, session: Session, tenant: bytes) -> None:
+        """Reserve the session's KV (prompt + max_new_tokens) within its device's share,
+        sharing the cached prefix blocks of its tenant (verify_server.tenant) only."""
+        needed = self.kv_needed(session)
+        device = session.device
+        held, share = self.kv_reserved.get(device.key, 0), self.kv_share_tokens()
+        shared = share < self.pool.capacity_tokens       # else the pool's own bound is the share
+        if shared and held + needed > share:
+            raise errors.exhausted(
+                Reason.REASON_KV_BUDGET,
+                f"device {device.device}'s share of the KV cache is {share} tokens and its sessions "
+                f"hold {held}: this one needs {needed}; end a session, or lower max_new_tokens")
+        try:
+            session.cached_prompt_tokens = session.kv.admit(session.prefill_tokens(), needed, tenant)
+        except PoolExhausted:
+            own = f" (device {device.device}'s sessions hold {held} of its share of {share})" \
+                if shared else ""
+            raise errors.exhausted(   # what the device holds, never the server's totals
+                Reason.REASON_KV_BUDGET,
+                f"the KV cache is full: this session needs {needed} tokens{own}; retry later, "
+                "lower max_new_tokens, or use a server with a larger --kv-budget") from None
+        session.kv_reserved = needed
+        hold(self.kv_reserved, device.key, needed)
+        self.metrics.prefix_hit_tokens.inc(session.cached_prompt_tokens)
+
+    def kv_needed(self, session: Session) -> int:
+        """KV tokens the session may fill: its prompt, max_new_tokens, and the SAT slots of a
+        pass (one block, or one after every cut of a SAT draft)."""
+        slots = self.target.sat_slots
+        extra = slots * (slots + 1) if session.mode == pb.GENERATION_MODE_SERVER_SAT else slots
+        return len(session.prompt_ids) + session.max_new_tokens + extra
+
+    def kv_share_tokens(self) -> int:
+        """KV tokens one device may reserve: kv_share of the budget, by default an equal part
+        for each device of the token file (all of it without one: devices are told apart only
+        by token)."""
+        share = self.settings.kv_share
+        if share is None:
+            devices = len(self.gate.grants) if self.gate.required else 1
+            share = 1.0 / max(devices, 1)
+        return int(self.pool.capacity_tokens * share)
+
+    def _unreserve(self, session: Session) -> None:
+        """Its KV no longer counts against its device's share (once)."""
+        if session.kv_reserved and session.device is not None:
+            release(self.kv_reserved, session.device.key, session.kv_reserved)
+        session.kv_reserved = 0
+
+    # --- idle sessions -----------------------------------------------------------------------
+
+    def evict_idle(self, now: float | None = None) -> list[Session]:
+        """Free the slot and KV of every session that has waited on its device longer than the
+        timeout; a finished one waiting for its device's close counts from its last verdict."""
+        timeout = self.settings.idle_timeout
+        if not timeout:
+            return []
+        now = time.monotonic() if now is None else now
+        idle = [s for s in self.sessions.values() if s.idle_for(now) > timeout]
+        for session in idle:
+            self._evict(session, session.idle_for(now))
+        return idle
+
+    def _evict(self, session: Session, idle_s: float) -> None:
+        session.evicted_after = idle_s
+        self.close(session)
+        self.metrics.evicted.inc()
+        session.evicted.set()             # its stream's handler ends the stream
+        log.info("session %s of %s evicted after %.1f s idle", session.id,
+                 session.device.device if session.device else "-", session.evicted_after)
+
+    async def run_evictions(self) -> None:
+        """Background task: look for idle sessions a few times per timeout."""
+        if not self.settings.idle_timeout:
+            return
+        while True:
+            await asyncio.sleep(max(self.settings.idle_timeout / 4, 0.05))
+            self.evict_idle()
+            self.quotas.sweep()
+
+
+def hold(table: dict[str, int], key: str, amount: int) -> None:
+    """What a device holds (streams, tokenizer calls, KV tokens) grows by amount."""
+    table[key] = table.get(key, 0) + amount
+
+
+def release(table: dict[str, int], key: str, amount: int) -> None:
+    """... and shrinks; a device holding nothing leaves the table."""
+    left = table.pop(key, 0) - amount
+    if left > 0:
+        table[key] = left
