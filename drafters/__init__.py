@@ -15,12 +15,21 @@ load_drafter is the one place a spec becomes a drafter: every caller accepts eve
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+from difflib import get_close_matches
 from pathlib import Path
 
 from drafters.base import Drafter, Proposal, SparseQ
+from drafters.cacheback import CachebackDrafter, parse_options
 from drafters.capabilities import Capabilities, capabilities_of
+from drafters.cross_tokenizer import CrossTokenizerDrafter
+from drafters.hier import HierDrafter
+from drafters.ngram import NgramDrafter
+from drafters.onnx_export import resolve_onnx
 from sled.extras import require_extra
+from sled.models import BUILTIN, gguf_path
 from sled.plugins import plugin, plugin_names
+from sled.progress import phase
 
 SPECS = ("ngram, ngram:N, cacheback[:NAME=N...], hier:CHEAP>MODEL, xtok:MODEL, hf:PATH_OR_ID, "
          "onnx:ALIAS_OR_DIR or gguf:ALIAS_OR_FILE")
@@ -31,11 +40,8 @@ PLUGINS = "sled.drafters"           # the entry point group of drafter kinds oth
 def resolve_spec(spec: str) -> str:
     """gguf:ALIAS -> gguf:/path/to/the.gguf for a built-in alias; onnx:ALIAS (int4) or
     onnx:ALIAS-PRECISION -> onnx:/its/cached/export (exported on first use); others unchanged."""
-    from sled.models import BUILTIN, gguf_path
-
     kind, _, arg = spec.partition(":")
     if kind == "onnx" and arg:
-        from drafters.onnx_export import resolve_onnx
         return f"onnx:{resolve_onnx(arg)}"
     return f"gguf:{gguf_path(arg)}" if kind == "gguf" and arg in BUILTIN else spec
 
@@ -43,10 +49,6 @@ def resolve_spec(spec: str) -> str:
 def check_alias(kind: str, arg: str) -> None:
     """A bare name after gguf: or onnx: that is neither a file nor a built-in alias (a typo such
     as gguf:gemma3-270): say so and list the aliases. A path is left to the drafter to report."""
-    from difflib import get_close_matches
-
-    from sled.models import BUILTIN
-
     bare = Path(arg).name == arg and not arg.endswith(".gguf")
     if kind not in ("gguf", "onnx") or not arg or not bare or Path(arg).exists():
         return
@@ -76,8 +78,6 @@ def load_drafter(spec: str, q_support: int = 32) -> Drafter:
 
 def _load_hier(spec: str, q_support: int) -> Drafter:
     """hier:CHEAP>MODEL: both loaded as any spec is."""
-    from drafters.hier import HierDrafter
-
     cheap, sep, model = spec.removeprefix("hier:").partition(">")
     if not sep or not cheap or not model or cheap.startswith("hier:") or model.startswith("hier:"):
         raise ValueError(f"bad drafter spec {spec!r}: use hier:CHEAP>MODEL, e.g. "
@@ -87,8 +87,6 @@ def _load_hier(spec: str, q_support: int) -> Drafter:
 
 def _load_xtok(spec: str, q_support: int) -> Drafter:
     """xtok:MODEL: the model drafter loaded as any spec is, with its own tokenizer."""
-    from drafters.cross_tokenizer import CrossTokenizerDrafter
-
     model = spec.removeprefix("xtok:")
     kind, _, arg = model.partition(":")
     if not model:
@@ -120,18 +118,18 @@ def require_runtime(spec: str) -> None:
 def _load_resolved(spec: str, resolved: str, q_support: int) -> Drafter:
     kind, _, arg = resolved.partition(":")
     if kind == "ngram":
-        from drafters.ngram import NgramDrafter
         try:
             return NgramDrafter(max_ngram=int(arg)) if arg else NgramDrafter()
         except ValueError as exc:  # "ngram:x", "ngram:0": say which spec was wrong
             raise ValueError(f"bad drafter spec {spec!r}: {exc}; "
                              "use ngram or ngram:N with N >= 1") from None
     if kind == "cacheback":
-        from drafters.cacheback import CachebackDrafter, parse_options
         try:
             return CachebackDrafter(**parse_options(arg))
         except ValueError as exc:
             raise ValueError(f"bad drafter spec {spec!r}: {exc}") from None
+    # Each runtime is imported only when its drafter is chosen: onnxruntime-genai and
+    # llama-cpp-python are extras a device may lack, and torch/transformers stay off the device.
     if kind == "hf" and arg:
         from drafters.hf import HFDrafter
         return HFDrafter.load(arg, q_support=q_support)
@@ -154,10 +152,6 @@ def _plugin_hint() -> str:
 
 def _loading(spec: str, resolved: str):
     """A progress line (sled.progress) while a model drafter loads; nothing for the others."""
-    from contextlib import nullcontext
-
-    from sled.progress import phase
-
     kind, _, arg = resolved.partition(":")
     if kind in ("hf", "onnx", "gguf") and arg:
         return phase("drafter", f"loading the drafter {spec}")

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+import tokenizers
 
 from drafters.capabilities import Capabilities, capabilities_of
 from sled.cache import write_atomically
+from sled.wire.fingerprint import fingerprint_vocab
 from sled.wire.sampling import Sampling, warp
 from sled.wire.tree import chain_parents, is_chain
 
@@ -262,10 +264,6 @@ def tokenizer_json_fingerprint(path: Path) -> str:
     """sled.wire.fingerprint of a tokenizer.json read with the `tokenizers` library: the same
     (id, token) table transformers' tokenizer of that file reports, added tokens included,
     without importing transformers (a few seconds for gemma3's 33 MB file, not ten)."""
-    import tokenizers
-
-    from sled.wire.fingerprint import fingerprint_vocab
-
     tokenizer = tokenizers.Tokenizer.from_file(str(path))
     return fingerprint_vocab(tokenizer.get_vocab(with_added_tokens=True))
 

@@ -20,6 +20,7 @@ model.onnx's external tensors all lie inside their data files), and is then give
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -30,7 +31,13 @@ import tempfile
 from collections import deque
 from pathlib import Path
 
-from sled.cache import adopt, partial_dir, publish, verify_folder, write_manifest
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+
+from sled.cache import adopt, cache_dir, partial_dir, publish, verify_folder, write_manifest
+from sled.extras import require_extra
+from sled.models import BUILTIN, hf_checkpoint
+from sled.progress import phase
 
 PRECISIONS = ("int4", "int8", "fp32")
 _LAYER = re.compile(r"(?:Reading layer |model[./]layers\.)(\d+)")  # reading, saving, quantizing
@@ -38,8 +45,6 @@ _LAYER = re.compile(r"(?:Reading layer |model[./]layers\.)(\d+)")  # reading, sa
 
 def alias_dir(alias: str, precision: str = "int4") -> Path:
     """Where the export of a built-in model is cached."""
-    from sled.cache import cache_dir
-
     return cache_dir() / "onnx" / f"{alias}-{precision}"
 
 
@@ -58,7 +63,7 @@ def export_is_whole(out: Path) -> bool:
     (not judged without the onnx package, an export extra: then it is not adopted)."""
     if not (out / "model.onnx").is_file():
         return False
-    try:
+    try:   # the onnx package: the export extra, absent from a device's install
         import onnx
         from onnx.external_data_helper import ExternalDataInfo, uses_external_data
     except ImportError:
@@ -80,8 +85,6 @@ def export_is_whole(out: Path) -> bool:
 
 def resolve_onnx(arg: str) -> str:
     """"smollm2-135m" (int4) or "smollm2-135m-int8" -> its cached export; a folder unchanged."""
-    from sled.models import BUILTIN
-
     if arg in BUILTIN:
         return str(export_alias(arg))
     for precision in PRECISIONS:
@@ -93,11 +96,6 @@ def resolve_onnx(arg: str) -> str:
 def export(source: str, out: str | Path, precision: str = "int4",
            execution_provider: str = "cpu") -> Path:
     """Export SOURCE (an HF checkpoint folder or a built-in alias) into the folder OUT."""
-    from rich.console import Console
-
-    from sled.extras import require_extra
-    from sled.models import BUILTIN, hf_checkpoint
-
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     require_extra("export", f"exporting {source} to ONNX")   # the model builder's modules
@@ -125,18 +123,12 @@ def export(source: str, out: str | Path, precision: str = "int4",
 def _said(console, message: str):
     """A terminal gets the builder's progress bar; anywhere else (a pipe, a log) the plain line
     of sled.progress says what the wait is for, at once."""
-    import contextlib
-
-    from sled.progress import phase
-
     return contextlib.nullcontext() if console.is_terminal else phase("onnx.export", message)
 
 
 def _run_builder(source: str, checkpoint: Path, partial: Path, precision: str,
                  execution_provider: str, console) -> None:
     """The model builder in a child process, its output shown as a progress bar."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
-
     layers = json.loads((checkpoint / "config.json").read_text()).get("num_hidden_layers", 1)
     tail: deque[str] = deque(maxlen=40)  # the builder's last lines, shown if it fails
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
@@ -184,6 +176,7 @@ def _stage(line: str) -> str | None:
 
 def build(checkpoint: str, out: str, precision: str, execution_provider: str) -> None:
     """The child's side: run the model builder in this process, with the compatibility fixes."""
+    # onnxruntime-genai's builder (the export extra) imports torch and transformers: the child only
     from onnxruntime_genai.models.builder import create_model, parse_extra_options
 
     config = json.loads(Path(checkpoint, "config.json").read_text())

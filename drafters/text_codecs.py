@@ -66,7 +66,7 @@ class LlamaCodec:
     """llama.cpp's tokenizer of a GGUF file (llama_cpp.Llama)."""
 
     def __init__(self, llm) -> None:
-        import llama_cpp
+        import llama_cpp   # the gguf extra: a device may have the onnx runtime only
 
         self.llm = llm
         self.bos = llm.tokenize(b"", add_bos=True, special=False)   # [] when the model adds none
@@ -105,7 +105,7 @@ class OnnxCodec:
     """onnxruntime-genai's tokenizer of an export folder; its EOS ids from genai_config.json."""
 
     def __init__(self, model, folder: Path) -> None:
-        import onnxruntime_genai as og
+        import onnxruntime_genai as og   # the onnx extra: a device may have llama.cpp only
 
         self.tokenizer = og.Tokenizer(model)
         self.bos = [int(t) for t in self.tokenizer.encode("")]   # what it adds to any text
@@ -132,6 +132,6 @@ def codec_of(drafter) -> TextCodec:
     if kind == "onnx":
         return OnnxCodec(drafter.model, drafter.path)
     if kind == "hf":
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer   # only with an hf: drafter: the device has none
         return HFCodec(AutoTokenizer.from_pretrained(where))
     raise ValueError(f"{drafter.name} has no tokenizer of its own to re-tokenize with")
