@@ -18,7 +18,7 @@ from edge_client.drafting import SharedDrafter
 from edge_client.salt import device_salt
 from edge_client.servers import NoServer, ServerDirectory
 from edge_client.settings import DeviceSettings, SettingsError
-from edge_client.tokenizer import tokenizer_fingerprint
+from edge_client.tokenizer import DeviceTokenizer, tokenizer_fingerprint
 from sled.cache import CacheError
 from sled.wire.fingerprint import short
 from sled.printable import printable
@@ -115,8 +115,6 @@ class Bootstrap:
 
 def load_tokenizer(path: str):
     """The tokenizer of a local folder (what transformers' save_pretrained writes)."""
-    from edge_client.tokenizer import DeviceTokenizer
-
     folder = Path(path).expanduser()
     if not folder.exists():
         raise SettingsError(f"tokenizer folder {path} does not exist")

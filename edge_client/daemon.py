@@ -18,6 +18,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Callable
 
+import drafters
 from drafters.base import Drafter
 from edge_client.bootstrap import Bootstrap
 from edge_client.device_generation import RequestRunner, Telemetry
@@ -27,7 +28,7 @@ from edge_client.emulation import LinkEmulation
 from edge_client.security import ChannelSecurity
 from edge_client.server_choice import ServerChoice
 from edge_client.servers import ServerDirectory
-from edge_client.settings import DeviceSettings, SettingsError
+from edge_client.settings import LIVE_KEYS, DeviceSettings, SettingsError
 
 # what other modules import from here (the request and its error live in device_requests)
 __all__ = ["Device", "DeviceError", "Request"]
@@ -45,8 +46,6 @@ class Device:
     def __init__(self, settings: DeviceSettings,
                  load_drafter: Callable[[str], Drafter] | None = None,
                  tokenizer=None) -> None:
-        from drafters import load_drafter as default_loader
-
         self.settings = settings
         # TLS files that cannot be read stop here (ValueError: one line)
         self.directory = ServerDirectory(settings.servers,
@@ -55,7 +54,7 @@ class Device:
         self.window = Window()
         self.started = time.monotonic()
         self.presence = DeviceState(settings.id)
-        self.bootstrap = Bootstrap(self.directory, load_drafter or default_loader, tokenizer,
+        self.bootstrap = Bootstrap(self.directory, load_drafter or drafters.load_drafter, tokenizer,
                                    model_id=settings.model_name)
         self.choice = ServerChoice(self.directory, self.presence, lambda: self.settings)
         # the lab's user-space link (its cuts too), seeded per device so runs repeat
@@ -128,8 +127,6 @@ class Device:
     async def apply(self, changes: dict) -> DeviceSettings:
         """Validate and apply a settings change without a restart; new requests use it at once.
         A bad change raises SettingsError and leaves everything as it was."""
-        from edge_client.settings import LIVE_KEYS
-
         fixed = sorted(set(changes) - LIVE_KEYS)
         if fixed:
             raise SettingsError(f"{', '.join(fixed)} cannot change while running: restart sled device "
