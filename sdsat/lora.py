@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from peft import get_peft_model
 
 from verify_server.sat_lora import from_peft, load_deltas, peft_config
 from verify_server.sdsat import SatSpec
@@ -161,8 +162,6 @@ class LoraRun:
                  start: SatSpec | None = None):
         """start: an adapter to go on training (its slots, rank and alpha must be the config's);
         None: mean-embedding slots and peft's initial deltas."""
-        from peft import get_peft_model
-
         torch.manual_seed(config.seed)                    # peft's lora_A initialisation
         self.config, self.data = config, data
         self.fingerprint = hashlib.sha256(data.sequences.numpy().tobytes()).hexdigest()

@@ -24,6 +24,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sled.cache import cache_dir
+from sled.gguf_metadata import read_metadata
+
 GEMMA3 = (
     "{{ bos_token }}\n"
     "{%- if messages[0]['role'] == 'system' -%}\n"
@@ -76,15 +79,13 @@ _REPLY_MARK = "sled-reply-mark"
 def gguf_chat_template(path: Path) -> str | None:
     """The chat template a GGUF file carries in its metadata, None when it has none (a
     ValueError of one line when the file cannot be read)."""
-    from sled.gguf_metadata import read_metadata
-
     template = read_metadata(path, (CHAT_TEMPLATE_KEY,)).get(CHAT_TEMPLATE_KEY)
     return str(template) if template is not None else None
 
 
 def builtin_chat_template(alias: str) -> str | None:
     """The chat template of a built-in model: the one written for it, else its GGUF's own."""
-    from sled.models import BUILTIN, gguf_path
+    from sled.models import BUILTIN, gguf_path   # a cycle: sled.models imports this module
 
     model = BUILTIN.get(alias)
     if model is None:
@@ -94,8 +95,7 @@ def builtin_chat_template(alias: str) -> str | None:
 
 def builtin_alias(model_id: str) -> str | None:
     """The built-in alias a model id names: the alias itself, or its converted checkpoint."""
-    from sled.cache import cache_dir
-    from sled.models import BUILTIN
+    from sled.models import BUILTIN   # a cycle: sled.models imports this module
 
     if model_id in BUILTIN:
         return model_id

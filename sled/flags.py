@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import math
 
+from sled.models import BUILTIN
+from sled.wire.loose import Loose
+
 
 def _number(text: str, kind: type, wanted: str):
     try:
@@ -41,8 +44,6 @@ fraction = _checked(float, "a number in [0, 1)", lambda v: 0 <= v < 1)
 
 def loose_flag(text: str):
     """--loose WINDOW:ENTROPY -> sled.wire.loose.Loose (a bad value is a usage error: exit 2)."""
-    from sled.wire.loose import Loose
-
     try:
         return Loose.parse(text)
     except ValueError as exc:
@@ -62,8 +63,6 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def builtin_aliases() -> str:
     """The built-in model aliases, comma separated, for --model/--drafter help."""
-    from sled.models import BUILTIN
-
     return ", ".join(BUILTIN)
 
 

@@ -35,6 +35,7 @@ from importlib import metadata
 from pathlib import Path
 
 from sled.cache import cache_dir
+from sled.models import gguf_path
 
 PACKAGE = "llama-cpp-python"
 DEFAULT_SPEC = "llama-cpp-python>=0.3.36,<0.4"    # pyproject's gguf extra, where sled is not installed
@@ -328,8 +329,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def builtin_gguf() -> Path:
     """The GGUF the install check decodes: SmolLM2-135M, shipped inside a package."""
-    from sled.models import gguf_path
-
     try:
         return gguf_path("smollm2-135m")
     except Exception as exc:     # the models extra is not installed: say how to point at a file

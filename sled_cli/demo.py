@@ -1,6 +1,7 @@
 """`sled demo`: a server and three devices on this machine (lab.demo)."""
 from __future__ import annotations
 
+from lab.demo import run_demo
 from sled.flags import positive_int
 
 
@@ -15,6 +16,4 @@ def add_arguments(parser) -> None:
 
 
 async def run(args) -> int:
-    from lab.demo import run_demo
-
     return await run_demo(args.prompts, args.max_new_tokens, args.emulated_devices)

@@ -11,6 +11,14 @@ import logging
 import signal
 import sys
 
+from edge_client.daemon import Device
+from edge_client.mqtt import DeviceMqtt
+from edge_client.openai_api import check_exposure, start_api
+from edge_client.settings import SettingsError, cli_help, load_settings
+from sled.flags import one_line
+from sled_cli.logs import configure_logging
+from sled_cli.main import interrupted
+
 USAGE = """usage: sled device [--config FILE.toml|FILE.yaml] [--KEY VALUE ...]
 
 Runs the device daemon. Every setting is a key in the config file, a SLED_DEVICE_* variable
@@ -21,10 +29,6 @@ log = logging.getLogger("sled.device")
 
 
 def run_device_daemon(argv: list[str]) -> int:
-    from edge_client.settings import SettingsError, cli_help, load_settings
-    from sled.flags import one_line
-    from sled_cli.logs import configure_logging
-
     if "-h" in argv or "--help" in argv:
         print(USAGE + cli_help())
         return 0
@@ -62,9 +66,6 @@ async def serve_device(settings, ready: asyncio.Event | None = None) -> int:
     """Run until SIGINT/SIGTERM: the device, its local API and (optionally) MQTT. Exit status 0
     after SIGTERM, 130 after Ctrl-C (SIGINT), with one line. An API open to the network with
     no api_key (and no api_open) is refused before the drafter loads (SettingsError)."""
-    from edge_client.daemon import Device
-    from edge_client.openai_api import check_exposure, start_api
-
     await asyncio.to_thread(check_exposure, settings.host, settings)
     try:
         device = Device(settings)
@@ -75,8 +76,6 @@ async def serve_device(settings, ready: asyncio.Event | None = None) -> int:
     runner, port = await start_api(device, settings.host, settings.port)
     tasks = []
     if settings.mqtt.enabled:
-        from edge_client.mqtt import DeviceMqtt
-
         tasks.append(asyncio.create_task(DeviceMqtt(device).run()))
     print(f"sled device {settings.id}: OpenAI-compatible API on http://{settings.host}:{port}/v1 "
           f"({device.state}: {device.reason})", flush=True)
@@ -100,8 +99,6 @@ async def serve_device(settings, ready: asyncio.Event | None = None) -> int:
         await runner.cleanup()
         await device.close()
     if signals[:1] == [signal.SIGINT]:
-        from sled_cli.main import interrupted
-
         return interrupted("sled device")
     return 0
 

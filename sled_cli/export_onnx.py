@@ -4,7 +4,9 @@ from __future__ import annotations
 import logging
 import sys
 
+from drafters.onnx_export import alias_dir, export
 from sled.flags import builtin_aliases
+from sled.models import BUILTIN
 
 log = logging.getLogger("sled.export_onnx")
 
@@ -20,9 +22,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from drafters.onnx_export import alias_dir, export
-    from sled.models import BUILTIN
-
     if args.out is None and args.source not in BUILTIN:
         print("sled export-onnx: OUT_DIR is required unless SOURCE is a built-in model "
               f"({builtin_aliases()})", file=sys.stderr)

@@ -9,8 +9,21 @@ import sys
 
 import grpc
 
+from drafters import bind_target_tokenizer, load_drafter
+from edge_client.connection import Connection
+from edge_client.result import INTERRUPTED, LOST, SERVER_LOST, GenerationResult
+from edge_client.security import ChannelSecurity
+from edge_client.server_side import generate_server_side
+from edge_client.session import RoundSettings, SessionHooks, Target, device_session
+from edge_client.text import OutputText
+from edge_client.transport import ServerLost, VerifyError, lost_server
+from edge_client.wire import SessionRequest
+from sled.cache import CacheError
 from sled.flags import (builtin_aliases, loose_flag, non_negative_float, non_negative_int,
                             open_probability, positive_int)
+from sled.printable import printable
+from sled.v1 import verifier_pb2 as pb
+from sled.wire.sampling import Sampling
 
 
 def add_arguments(parser) -> None:
@@ -77,8 +90,6 @@ async def run(args) -> int:
     """Connect, generate, print. Ctrl-C (the cancelled task) and a server that does not come
     back still print the committed tokens, then one line: exit 130 and 5. A Ctrl-C after the
     output has ended (while the connection closes) prints nothing more: the exit code stays."""
-    from edge_client.result import INTERRUPTED
-
     shown = Shown(args)
     try:
         return await _generate(args, shown)
@@ -87,11 +98,6 @@ async def run(args) -> int:
 
 
 async def _generate(args, shown: "Shown") -> int:
-    from drafters import bind_target_tokenizer
-    from edge_client.connection import Connection
-    from sled.cache import CacheError
-    from sled.v1 import verifier_pb2 as pb
-
     server_modes = {"server": pb.GENERATION_MODE_SERVER, "sat": pb.GENERATION_MODE_SERVER_SAT}
     try:
         security = _security(args)
@@ -119,13 +125,6 @@ async def _generate(args, shown: "Shown") -> int:
 async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, shown: "Shown") -> int:
     """Run the session to its end and print it: 0; a refusal: 4; a lost server: 5 (partial
     output kept)."""
-    from edge_client.result import SERVER_LOST
-    from edge_client.server_side import generate_server_side
-    from edge_client.session import SessionHooks, Target, device_session
-    from edge_client.transport import ServerLost, VerifyError, lost_server
-    from edge_client.wire import SessionRequest
-    from sled.printable import printable
-
     args = shown.args
     try:
         if drafter is None:   # a thin device: the server generates (and drafts with SATs)
@@ -156,8 +155,6 @@ async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, sh
 
 def _security(args):
     """TLS and the token, as the access flags ask (ValueError names a file that cannot be read)."""
-    from edge_client.security import ChannelSecurity
-
     return ChannelSecurity.from_files(args.server_ca, args.client_cert, args.client_key,
                                       args.token, [args.server_name] if args.server_name else [])
 
@@ -165,10 +162,6 @@ def _security(args):
 def _round_inputs(args, server_modes):
     """The sampling, the round settings and the drafter (None in a server mode) the flags ask
     for; ValueError or OSError says which flag is wrong."""
-    from drafters import load_drafter
-    from edge_client.session import RoundSettings
-    from sled.wire.sampling import Sampling
-
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed)
     if args.loose is not None and (not sampling.greedy or args.drafter in server_modes):
@@ -196,8 +189,6 @@ class Shown:
 
     def stream(self, tokens: list[int]) -> None:
         """A verdict's committed tokens: printed as text as soon as each character is whole."""
-        from edge_client.text import OutputText
-
         if self.output is None:
             # the output as tokenizer.decode() writes it
             self.output = OutputText(self.tokenizer, skip_special_tokens=False,
@@ -209,8 +200,6 @@ class Shown:
 
     def server_event(self, event) -> None:
         """The session lost its server, or got one back: say so at once."""
-        from edge_client.result import LOST
-
         if event.kind == LOST:
             self.say(f"lost the server at {self.args.server} after "
                      f"{_count(event.committed, 'token')}; waiting up to {event.wait_s:g} s for it (or another) to resume")
@@ -247,8 +236,6 @@ class Shown:
         """A generation cut short: the committed tokens as output, then why it ended (waited:
         the session waited for a lost server in vain); 130 interrupted, 5 server lost. Once the
         output has ended, nothing is printed: the exit code already decided."""
-        from edge_client.result import INTERRUPTED, GenerationResult
-
         if self.code is not None:
             return self.code
         self.code = 130 if finish_reason == INTERRUPTED else 5

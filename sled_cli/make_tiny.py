@@ -1,6 +1,8 @@
 """`sled make-tiny FOLDER`: a tiny random target + drafter pair with a real tokenizer (testing)."""
 from __future__ import annotations
 
+from lab.tiny import save_pair
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("folder", help="where the pair is written")
@@ -9,8 +11,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from lab.tiny import save_pair
-
     for path in save_pair(args.folder, args.arch):
         print(path)
     return 0

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import sys
 
+from rich.console import Console
+from rich.table import Table
+
+from sled.models import BUILTIN, converted_checkpoint
+
 COLUMNS = ("alias", "model", "package", "gguf", "transformers copy")
 
 
@@ -15,8 +20,6 @@ def add_arguments(parser) -> None:
 
 def rows() -> list[tuple[str, ...]]:
     """One row of COLUMNS per built-in model."""
-    from sled.models import BUILTIN, converted_checkpoint
-
     out = []
     for model in BUILTIN.values():
         try:
@@ -34,9 +37,6 @@ def run(args) -> int:
         for row in [COLUMNS, *rows()]:
             print("\t".join(row))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="built-in offline models")
     for column in COLUMNS:
         table.add_column(column)

@@ -4,6 +4,11 @@ Each step is skipped when its result is already in the sled cache; the steps tha
 their own progress (the conversion a spinner, the ONNX export a bar over the model's layers)."""
 from __future__ import annotations
 
+from rich.console import Console
+
+from drafters.onnx_export import export_alias
+from sled.models import BUILTIN, gguf_path, hf_checkpoint
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("aliases", nargs="*", help="default: all")
@@ -12,22 +17,15 @@ def add_arguments(parser) -> None:
 
 def steps(aliases: list[str], onnx: bool) -> list[tuple[str, str, object]]:
     """(alias, what, make) for each result to prepare, in the order they depend on each other."""
-    from sled.models import gguf_path, hf_checkpoint
-
     out = []
     for alias in aliases:
         out += [(alias, "gguf", gguf_path), (alias, "transformers", hf_checkpoint)]
         if onnx:
-            from drafters.onnx_export import export_alias
             out.append((alias, "onnx", export_alias))
     return out
 
 
 def run(args) -> int:
-    from rich.console import Console
-
-    from sled.models import BUILTIN
-
     console = Console(soft_wrap=True)
     unknown = [alias for alias in args.aliases if alias not in BUILTIN]
     if unknown:

@@ -11,8 +11,8 @@ STUB_ROOT = REPO                   # the stubs land in the sled package: sled/v1
 
 def generate(out_dir: Path, proto_root: Path = PROTO_ROOT) -> list[Path]:
     """Run protoc (from grpcio-tools) over every .proto under proto_root, writing into out_dir."""
-    from grpc_tools import protoc
-    import grpc_tools
+    from grpc_tools import protoc   # optional: the dev extra
+    import grpc_tools   # optional: the dev extra
 
     protos = sorted(str(p.relative_to(proto_root)) for p in proto_root.rglob("*.proto"))
     include = str(Path(grpc_tools.__file__).parent / "_proto")

@@ -1,6 +1,8 @@
 """`sled run-device`: run a workload as one device; JSON lines of progress (lab.device_runner)."""
 from __future__ import annotations
 
+from lab.device_runner import run_workload
+from lab.workload import load_workload
 from sled.flags import builtin_aliases, positive_int
 
 
@@ -19,9 +21,6 @@ def add_arguments(parser) -> None:
 
 
 async def run(args) -> int:
-    from lab.device_runner import run_workload
-    from lab.workload import load_workload
-
     return await run_workload(args.server, args.drafter, load_workload(args.workload),
                               name=args.name, max_new_tokens=args.max_new_tokens,
                               draft_len=args.draft_len)

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sdsat.corpus import load_documents
+from sdsat.distill import DistillSpec, build_distill_set
+from sdsat.lora import LoraTrainConfig, check_start, train_sat_lora
+from sdsat.train import LOG_FILE, PLOT_FILE, Checkpoints, TrainingFolder
+from sled.progress import plain_line
+from sled.wire.fingerprint import fingerprint_tokenizer
+from sled_cli.sdsat_train import finish, load, on_step, plot_log, progress_bar
+from verify_server.sdsat import load_adapter
+
 DEFAULT_LORA_LR = 2e-3
 
 
 def train_lora(args, console) -> int:
-    from sled.wire.fingerprint import fingerprint_tokenizer
-    from sled_cli.sdsat_train import finish, load, on_step, plot_log, progress_bar
-    from sdsat.corpus import load_documents
-    from sdsat.lora import LoraTrainConfig, train_sat_lora
-    from sdsat.train import LOG_FILE, PLOT_FILE, Checkpoints, TrainingFolder
-
     config = LoraTrainConfig(
         slots=args.slots, rank=args.rank, alpha=args.alpha, steps=args.steps, batch=args.batch,
         cuts=args.cuts, lr=args.lr or DEFAULT_LORA_LR, embedding_lr=args.embedding_lr,
@@ -56,10 +59,6 @@ def train_lora(args, console) -> int:
 
 def _distill(args, console, model, tokenizer, documents, checkpoint_dir: Path):
     """The greedy continuations, generated (or continued from the checkpoint folder's copy)."""
-    from sled.progress import plain_line
-    from sled_cli.sdsat_train import progress_bar
-    from sdsat.distill import DistillSpec, build_distill_set
-
     with progress_bar("greedy continuations") as progress:
         task = progress.add_task("distill", total=args.prompts, status="")
 
@@ -79,9 +78,6 @@ def _distill(args, console, model, tokenizer, documents, checkpoint_dir: Path):
 def _start(path: str | None, config):
     """The adapter --init-adapter names, loaded and checked against the run (None without the
     flag)."""
-    from verify_server.sdsat import load_adapter
-    from sdsat.lora import check_start
-
     if path is None:
         return None
     if not Path(path).is_file():

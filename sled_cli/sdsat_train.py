@@ -6,8 +6,20 @@ import math
 import shutil
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lab.bench.report import save_figure, subplots
+from sdsat.corpus import load_documents, split_heldout, tokenize_documents
+from sdsat.train import LOG_FILE, PLOT_FILE, Checkpoints, SatTrainConfig, TrainingFolder, train_sat
 from sled.flags import (builtin_aliases, fraction, non_negative_float, non_negative_int,
                             positive_float, positive_int)
+from sled.models import resolve_model
+from sled.progress import plain_line
+from sled.wire.fingerprint import fingerprint_tokenizer
+from verify_server.target import DTYPES
 
 
 def add_arguments(parser) -> None:
@@ -67,8 +79,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-
     console = Console(stderr=True)
     try:
         return _train(args, console)
@@ -80,13 +90,10 @@ def run(args) -> int:
 def _train(args, console) -> int:
     """Load, tokenize, train, then write the run's folder and plot."""
     if args.mode == "lora":
+        # a cycle: sled_cli.sdsat_lora imports this module
         from sled_cli.sdsat_lora import train_lora
 
         return train_lora(args, console)
-    from sled.wire.fingerprint import fingerprint_tokenizer
-    from sdsat.corpus import load_documents, split_heldout, tokenize_documents
-    from sdsat.train import LOG_FILE, PLOT_FILE, Checkpoints, TrainingFolder, train_sat
-
     config = _config(args)
     documents = load_documents(args.corpus)
     model, tokenizer = load(args.model, args.dtype)
@@ -126,9 +133,6 @@ def finish(args, console, checkpoint_dir: Path, log: list[dict], slots: int, wri
 
 def _config(args):
     """The training settings from the flags (ValueError names the bad one)."""
-    from sdsat.train import SatTrainConfig
-    from verify_server.target import DTYPES
-
     config = SatTrainConfig(slots=args.slots, mode=args.mode, steps=args.steps, batch=args.batch,
                             lr=args.lr, kl_weight=args.kl_weight, seed=args.seed,
                             eval_every=args.eval_every or max(1, args.steps // 20),
@@ -140,11 +144,6 @@ def _config(args):
 
 def load(model: str, dtype: str):
     """(model in eval mode, tokenizer) from a built-in alias or a checkpoint path."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from sled.models import resolve_model
-    from verify_server.target import DTYPES
-
     path = resolve_model(model)
     return (AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval(),
             AutoTokenizer.from_pretrained(path))
@@ -153,8 +152,6 @@ def load(model: str, dtype: str):
 def on_step(progress, steps: int):
     """train_sat's on_step: the bar's position, the last loss and held-out acceptance. A resumed
     run's bar starts at its step; away from a terminal each evaluation is also a plain line."""
-    from sled.progress import plain_line
-
     task = progress.add_task("train", total=steps, status="")
     status = {"acc": float("nan"), "run": float("nan"), "first": True}
 
@@ -173,8 +170,6 @@ def on_step(progress, steps: int):
 
 def plot_log(path: Path, log: list[dict], title: str) -> Path:
     """Loss, per-slot held-out acceptance and accepted run length against the step."""
-    from lab.bench.report import save_figure, subplots
-
     fig, axes = subplots(3, figsize=(15, 4))
     trained = [e for e in log if "loss" in e]
     steps = [e["step"] for e in log]
@@ -197,8 +192,5 @@ def plot_log(path: Path, log: list[dict], title: str) -> Path:
 
 
 def progress_bar(label: str):
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
-
     return Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"))

@@ -12,13 +12,18 @@ import os
 import socket
 import sys
 
+from sled.extras import require_extra
 from sled.flags import one_line
+from sled.models import first_use_note
+from sled.mqtt import Broker
+from sled.progress import phase
+from verify_server.announce import AnnounceConfig
+from verify_server.auth import access_of
 from verify_server.flags import add_arguments  # noqa: F401 (sled's main builds the parser from it)
 from verify_server.settings import ServerSettings, SettingsError, load_settings
+from verify_server.synthetic import is_synthetic, shape_of
 
 def run(args: argparse.Namespace) -> int:
-    from sled.extras import require_extra
-
     require_extra("server", "the verify server")
     flags = {name: getattr(args, name) for name in ServerSettings.model_fields if hasattr(args, name)}
     try:
@@ -28,16 +33,12 @@ def run(args: argparse.Namespace) -> int:
                                 "in --config FILE")
         announce = announce_config(settings)
         check_synthetic(settings.model)
-        from verify_server.auth import access_of
-
         access_of(settings)     # TLS and token files: one line now, not after the target loads
     except ValueError as exc:
         print(f"sled serve: {one_line(exc)}", file=sys.stderr)
         return 2
-    from sled.models import first_use_note
-    from sled.progress import phase
-
     with phase("target", f"loading {settings.model}{first_use_note(settings.model)}"):
+        # torch and transformers load here: part of the timed target phase, under its spinner
         from verify_server.server import serve_forever
         from verify_server.target import load_target
         target = load_target(settings)
@@ -60,7 +61,7 @@ def steady_emulation(settings: ServerSettings, target) -> None:
     OMP_NUM_THREADS says otherwise: a step split across threads waits for the slowest, and on a
     machine whose cores the devices share that one is often descheduled, which overruns the
     profile's time (8 lab devices: 60 of 637 steps overran on 2 threads, 2 of 641 on one)."""
-    import torch
+    import torch   # loaded with the target (run), not at start
 
     if settings.emulate and target.model.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
@@ -71,8 +72,6 @@ def steady_emulation(settings: ServerSettings, target) -> None:
 
 def check_synthetic(model: str) -> None:
     """A synthetic:NAME target names a known shape (ValueError before anything loads)."""
-    from verify_server.synthetic import is_synthetic, shape_of
-
     if is_synthetic(model):
         shape_of(model)
 
@@ -81,9 +80,6 @@ def announce_config(settings: ServerSettings):
     """The MQTT announcement settings; None without mqtt_host."""
     if not settings.mqtt_host:
         return None
-    from sled.mqtt import Broker
-    from verify_server.announce import AnnounceConfig
-
     s = settings
     tls = s.mqtt_tls or bool(s.mqtt_ca_file or s.mqtt_cert_file)
     broker = Broker(s.mqtt_host, s.mqtt_port or (8883 if tls else 1883), username=s.mqtt_username,

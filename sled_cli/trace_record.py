@@ -5,11 +5,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from rich.console import Console
+
+from lab.bench.harness import add_recording_flags
+from lab.traces.record import default_specs, record_trace_set
+from sled.flags import builtin_aliases
+
 
 def add_arguments(parser) -> None:
-    from lab.bench.harness import add_recording_flags
-    from sled.flags import builtin_aliases
-
     parser.add_argument("--model", default=None,
                         help=f"target: a built-in alias ({builtin_aliases()}) or a checkpoint path "
                              "(default: a tiny random one)")
@@ -19,10 +22,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-
-    from lab.traces.record import default_specs, record_trace_set
-
     console = Console(stderr=True)
     model, drafter = default_specs(args.model, args.drafter)
     try:

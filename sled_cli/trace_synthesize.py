@@ -7,11 +7,20 @@ import asyncio
 import sys
 from pathlib import Path
 
+import grpc
+
+from edge_client.connection import Connection
+from edge_client.server_side import generate_server_side
+from edge_client.wire import SessionRequest
+from lab.bench.harness import add_max_draft_len_flag, add_workload_flags
+from lab.traces.format import TraceSet
+from lab.traces.synthetic import (SyntheticDrafter, acceptance_profile, check_profile,
+                                  synthetic_trace_set)
+from lab.workload import prompt_texts
+from sled.flags import non_negative_float, non_negative_int, positive_int
+
 
 def add_arguments(parser) -> None:
-    from lab.bench.harness import add_max_draft_len_flag, add_workload_flags
-    from sled.flags import non_negative_float, non_negative_int, positive_int
-
     parser.add_argument("--server", required=True, help="HOST:PORT of the sled server whose "
                         "target the traces are for (plaintext)")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -31,9 +40,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from lab.traces.format import TraceSet
-    from lab.traces.synthetic import acceptance_profile, check_profile
-
     try:
         if args.calibrate:
             profile = acceptance_profile(TraceSet.load(args.calibrate), args.max_draft_len)
@@ -48,14 +54,6 @@ def run(args) -> int:
 
 
 async def _synthesize(args, profile: list[float], source: str) -> int:
-    import grpc
-
-    from edge_client.connection import Connection
-    from edge_client.server_side import generate_server_side
-    from edge_client.wire import SessionRequest
-    from lab.traces.synthetic import SyntheticDrafter, synthetic_trace_set
-    from lab.workload import prompt_texts
-
     async with Connection(args.server) as conn:
         try:
             info = await conn.model_info(timeout=15, wait_for_ready=False)

