@@ -32,10 +32,19 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+import yaml
+from rich.console import Console
+
+from lab.broker import BrokerFiles, Listener
 from sled.pki import write_secret
-from lab.device_entry import PASSWORD_FILE, wait_slot_files
-from lab.images import DOCKER, ROOT, TORCH, BuildError, run_step
+from lab.device_entry import GGUF_FILES, PASSWORD_FILE, wait_slot_files
+from lab.images import (DOCKER, ROOT, TORCH, BuildError, base_image, build_images, project_wheel,
+                        remove_images, run_step, wheelhouse)
+from lab.profiles import device_profile
+from lab.scenario import TINY_TARGET, ScenarioError, load_scenario, scenario_path
 from lab.workload import is_prompt_file
+from sled.cache import cache_dir
+from sled.models import BUILTIN, converted_checkpoint
 
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 GPU_FILE = ROOT / "docker-compose.gpu.yml"
@@ -68,8 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lab.scenario import ScenarioError, load_scenario, scenario_path
-
     missing = [p.name for p in (COMPOSE_FILE, DOCKER) if not p.exists()]
     if missing:
         print(f"sled lab compose: {' and '.join(missing)} not found next to the lab package "
@@ -117,10 +124,6 @@ def docker_ready() -> None:
 def models_ready(scenario) -> None:
     """The built-in models the containers read from the host's cache are there (the containers
     have no models extra to assemble or convert them)."""
-    from lab.device_entry import GGUF_FILES
-    from sled.cache import cache_dir
-    from sled.models import BUILTIN, converted_checkpoint
-
     missing = []
     if scenario.target in BUILTIN and converted_checkpoint(scenario.target) is None:
         missing.append(f"the target {scenario.target}")
@@ -139,10 +142,6 @@ def models_ready(scenario) -> None:
 
 def target_ready(scenario) -> None:
     """The server container sees only the sled cache: a target given as a path is refused."""
-    from sled.models import BUILTIN
-
-    from lab.scenario import TINY_TARGET
-
     target = scenario.target
     if target == TINY_TARGET:
         raise BuildError("models", "target: tiny (the tiny random target an emulated server "
@@ -184,8 +183,6 @@ class ComposeLab:
         return argv + list(words)
 
     def run_all(self, args: argparse.Namespace) -> int:
-        from lab.images import base_image, build_images, project_wheel, remove_images, wheelhouse
-
         progress = Steps()
         progress.step("docker", docker_ready)
         progress.step("models", target_ready, self.scenario)
@@ -254,8 +251,6 @@ class Steps:
     """Each step on its own line with its time (rich), or BuildError with the step's name."""
 
     def __init__(self) -> None:
-        from rich.console import Console
-
         self.console = Console(stderr=True)
 
     def step(self, name: str, fn, *args):
@@ -273,8 +268,6 @@ class Steps:
 
 def write_run_folder(lab: ComposeLab) -> None:
     """Broker files, the scenario, .env and the override for this fleet."""
-    from lab.broker import BrokerFiles, Listener
-
     run_dir = lab.run_dir
     shutil.rmtree(run_dir, ignore_errors=True)
     (run_dir / "state" / "slots").mkdir(parents=True)
@@ -290,13 +283,9 @@ def write_run_folder(lab: ComposeLab) -> None:
     (run_dir / OVERRIDE).write_text(override_text(lab))
 
 
-
-
 def write_scenario(lab: ComposeLab, run_dir: Path) -> None:
     """scenario.yaml for the containers; a prompt-file workload is copied to workload/ beside it
     and the copy's workload.source names it as the containers see it (/lab/workload/...)."""
-    import yaml
-
     data = yaml.safe_load(lab.scenario_file.read_text())
     (run_dir / "workload").mkdir()
     source = lab.scenario.workload.source
@@ -313,8 +302,6 @@ def write_scenario(lab: ComposeLab, run_dir: Path) -> None:
 
 
 def compose_env(lab: ComposeLab, server_password: str) -> dict[str, str]:
-    from sled.cache import cache_dir
-
     return {
         "COMPOSE_PROJECT_NAME": lab.project,
         "SLED_SERVER_IMAGE": lab.tags.get("server", "sled-lab-server:latest"),
@@ -376,8 +363,6 @@ def cuda_torch_ready(server_image: str) -> None:
 
 def apply_limits(folder: Path, count: int) -> None:
     """`docker update` each device container to its device profile's CPU quota and memory."""
-    from lab.profiles import device_profile
-
     host_cpus = os.cpu_count() or 1
     for slot in read_slot_files(folder, count):
         profile = device_profile(slot["device"])

@@ -20,6 +20,20 @@ overran it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+from rich.table import Table
+
+from edge_client.server_side import generate_server_side
+from edge_client.wire import SessionRequest
+from lab.bench.harness import serving
+from lab.bench.serve import emulation_lines, emulation_summary, sweep
+from lab.profiles import device_profile, link_profile
+from lab.tiny import cached_pair
+from lab.traces.format import TraceSet
+from lab.traces.synthetic import profile_for_share, synthetic_trace
+from verify_server.step_costs import load_profile
 
 PROFILE = "h100-llama8b-hf-graph"
 FLEETS = (3, 512)
@@ -41,15 +55,6 @@ async def run_emulated(acceptance: dict[str, float], prompts: list[str],
                        max_new_tokens: int, fleets=FLEETS, console=None) -> EmulatedRun:
     """Both modes at every fleet size, through `sled bench serve`'s sweep; acceptance: drafter
     name -> the share of its drafted tokens the target accepted."""
-    from types import SimpleNamespace
-
-    from lab.bench.harness import serving
-    from lab.bench.serve import emulation_summary, sweep
-    from lab.profiles import device_profile, link_profile
-    from lab.tiny import cached_pair
-    from lab.traces.format import TraceSet
-    from verify_server.step_costs import load_profile
-
     async with serving(cached_pair()[0], ["--emulate", PROFILE, *SERVER_ARGS], console,
                        status=f"starting a server emulating {PROFILE}") as served:
         traces = TraceSet(served.info.model_id, "demo drafters", MAX_K,
@@ -68,12 +73,6 @@ async def _traces(served, acceptance: dict[str, float], prompts: list[str], max_
     drafts like drafter j mod len(acceptance), along the server's own output. A drafter's
     accepted share becomes the per-position acceptance that keeps that share of a k-token
     draft (lab.traces.synthetic.profile_for_share)."""
-    import numpy as np
-
-    from edge_client.server_side import generate_server_side
-    from edge_client.wire import SessionRequest
-    from lab.traces.synthetic import profile_for_share, synthetic_trace
-
     rng = np.random.default_rng(0)
     traces = []
     for prompt in await served.prompt_ids(prompts):
@@ -86,8 +85,6 @@ async def _traces(served, acceptance: dict[str, float], prompts: list[str], max_
 
 
 def emulated_table(run: EmulatedRun):
-    from rich.table import Table
-
     table = Table(title=f"EMULATED: the same kind of fleet against an H100 serving an 8B model "
                         f"({PROFILE}); devices at a Pi 5's pace over wifi")
     for column in ("", "devices", "tok/s, all", "tok/s per device (p50)", "passes/token",
@@ -103,8 +100,6 @@ def emulated_table(run: EmulatedRun):
 
 
 def emulated_notes(run: EmulatedRun) -> list[str]:
-    from lab.bench.serve import emulation_lines
-
     return [*emulation_lines(run.profile, run.summary),
             "each emulated device keeps the share of its drafts its drafter kept above; the "
             "server is a tiny random target held to the H100's step times, so these outputs "

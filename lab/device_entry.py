@@ -27,8 +27,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lab.profiles import link_profile
+from lab.scenario import ScenarioError, load_scenario
 from lab.traces.calibrated import is_calibrated, trace_file, trace_spec
 from lab.waiting import wait_until_sync
+from sled.cache import cache_dir
 
 API_PORT = 8000
 SERVER = "server:50051"
@@ -58,8 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lab.scenario import ScenarioError, load_scenario
-
     try:
         slots = load_scenario(args.scenario).slots()
     except ScenarioError as exc:
@@ -155,8 +156,6 @@ def host_address() -> str:
 def netem_args(link_spec: str, interface: str) -> list[str]:
     """tc's arguments for a link profile: the whole round trip on this side's egress (replies
     come back undelayed, so a round trip takes rtt), jitter, and the rate when it has one."""
-    from lab.profiles import link_profile
-
     p = link_profile(link_spec)
     argv = ["tc", "qdisc", "replace", "dev", interface, "root", "netem",
             "delay", f"{p.rtt_ms:g}ms"]
@@ -188,8 +187,6 @@ def drafter_spec(spec: str, cache: Path, traces: Path) -> str:
 
 
 def daemon_env(slot, emulation: str, password: str, traces: Path) -> dict[str, str]:
-    from sled.cache import cache_dir
-
     env = {
         "SLED_DEVICE_ID": slot.id,
         "SLED_DEVICE_DRAFTER": drafter_spec(slot.drafter, cache_dir(), traces),

@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import time
 
+from drafters import bind_target_tokenizer, load_drafter
+from edge_client.connection import Connection
+from edge_client.session import RoundSettings, SessionHooks, Target, generate
+from edge_client.transport import VerifyError
+from edge_client.wire import SessionRequest
+
 
 async def run_workload(server: str, drafter_spec: str, prompts: list[str], *, name: str,
                        max_new_tokens: int, draft_len: int) -> int:
     """Every prompt in turn as device `name`; a line per progress callback, per prompt and at the
     end, each with the running totals. Exit code: 0, or 4 when the server refused a session."""
-    from drafters import bind_target_tokenizer, load_drafter
-    from edge_client.connection import Connection
-    from edge_client.session import RoundSettings, SessionHooks, Target, generate
-    from edge_client.transport import VerifyError
-    from edge_client.wire import SessionRequest
-
     drafter = load_drafter(drafter_spec)
     totals = {"device": name, "drafter": drafter_spec, "prompts": 0, "tokens": 0, "rounds": 0,
               "verified": 0, "accepted": 0, "seconds": 0.0, "outputs": []}

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from lab.oracle import compare, decode_text, target_tokenizer
+from sled.wire.topics import DEFAULT_PREFIX
 
 ATTEMPTS = 3                  # sends of one request at most
 RETRY_PAUSE_S = 1.0           # before sending a failed request again
@@ -124,8 +125,8 @@ async def all_or_none(*coroutines) -> list:
 
 
 def make_sender(via: str, fleet, scenario, references, clock, tokenizer):
-    from lab.drive_openai import OpenAISender
-    from lab.drive_mqtt import MqttSender
+    from lab.drive_openai import OpenAISender   # a cycle: lab.drive_openai imports this module
+    from lab.drive_mqtt import MqttSender   # a cycle: lab.drive_mqtt imports this module
 
     if via == "mqtt":
         return MqttSender(fleet.broker, topic_prefix(fleet), clock, sampling_fields(scenario),
@@ -138,7 +139,6 @@ def make_sender(via: str, fleet, scenario, references, clock, tokenizer):
 
 
 def topic_prefix(fleet) -> str:
-    from sled.wire.topics import DEFAULT_PREFIX
     return getattr(fleet, "topic_prefix", None) or getattr(fleet, "prefix", None) or DEFAULT_PREFIX
 
 

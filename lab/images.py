@@ -21,6 +21,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
+import zipfile
 from pathlib import Path
 
 from sled import llama_build
@@ -113,8 +115,6 @@ def python_ready(version: tuple = tuple(sys.version_info[:2])) -> None:
 def requirements(extras: tuple[str, ...], pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     """The project's dependencies with these extras, as pyproject.toml names them (an extra
     that names the project itself, sled[a,b], is expanded)."""
-    import tomllib
-
     project = tomllib.loads(pyproject.read_text())["project"]
     optional, name = project.get("optional-dependencies", {}), project["name"]
     wanted, seen, out = list(extras), set(), list(project["dependencies"])
@@ -179,8 +179,6 @@ def wheelhouse_key(torch: str = TORCH) -> str:
 
 def wheel_content_hash(wheel: Path) -> str:
     """The wheel's files, not its zip (whose timestamps change with every build)."""
-    import zipfile
-
     digest = hashlib.sha256()
     with zipfile.ZipFile(wheel) as archive:
         for name in sorted(archive.namelist()):

@@ -20,14 +20,19 @@ import difflib
 import io
 from dataclasses import dataclass
 
+import torch
+from transformers import AutoTokenizer
+
+from sled.models import resolve_model
+from verify_server.flags import add_arguments
+from verify_server.settings import ServerSettings, load_settings
+from verify_server.target import load_target as load_served
+
 
 def served_settings(target: str, server_args: list[str] | None = None):
     """The ServerSettings `sled serve --model TARGET SERVER_ARGS` runs with: the flags read by
     sled serve's own parser, then its loader (--config file, SLED_SERVE_* variables, flags).
     ValueError (one line) for flags sled serve would refuse."""
-    from verify_server.flags import add_arguments
-    from verify_server.settings import ServerSettings, load_settings
-
     parser = argparse.ArgumentParser(prog="sled serve", add_help=False)
     add_arguments(parser)
     try:
@@ -42,9 +47,6 @@ def served_settings(target: str, server_args: list[str] | None = None):
 def load_target(target: str, dtype: str = "float32", settings=None):
     """The verify server's Target for a `sled serve --model` value (SETTINGS: the server's own,
     from served_settings; else the defaults with DTYPE)."""
-    from verify_server.target import load_target as load_served
-    from verify_server.settings import ServerSettings
-
     settings = settings if settings is not None else ServerSettings(model=target, dtype=dtype)
     served = load_served(settings)
     served.cap_context(settings.context_length)
@@ -79,8 +81,6 @@ def greedy_references(target: str, prompts: list[str], max_tokens: int,
 
 def greedy_ids(served, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """One prompt's generated ids: EOS ends it (kept, as the device sends it), else max_tokens."""
-    import torch
-
     inputs = torch.tensor([prompt_ids], device=served.model.device)
     eos = list(served.eos_ids) or None
     room = max(0, served.context_length - len(prompt_ids))    # the served context ends a session
@@ -104,9 +104,6 @@ def reference_texts(tokenizer, references: list[list[int]]) -> list[str]:
 
 def target_tokenizer(target: str):
     """The served target's tokenizer alone (no weights): for decoding references."""
-    from transformers import AutoTokenizer
-
-    from sled.models import resolve_model
     return AutoTokenizer.from_pretrained(resolve_model(target))
 
 

@@ -17,6 +17,7 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
+from lab.report.summary import lossless_detail
 from lab.scenario import Scenario
 
 
@@ -85,8 +86,6 @@ class Results:
 def greedy_mismatches(document: dict) -> int:
     """Requests whose greedy output differed from the target's (an errored request whose tokens
     are a prefix of the reference is not judged): the report's own count."""
-    from lab.report.summary import lossless_detail
-
     return lossless_detail(document)["mismatched"]
 
 

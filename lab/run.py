@@ -19,12 +19,21 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import aiomqtt
+from rich.console import Console
+from rich.live import Live
 
+from lab import drive, scrape
 from lab.faults import publish_configs, run_faults
 from lab.health import wait_health
 from lab.fleet import Fleet, FleetStartError
+from lab.fleet_compose import ComposeFleet
+from lab.fleet_local import LocalFleet
+from lab.oracle import served_settings, target_references
+from lab.report import build_report, load_report
 from lab.results import Results, greedy_mismatches, phase_totals
 from lab.scenario import Scenario, ScenarioError, load_scenario
+from lab.traces.calibrated import write_traces
+from lab.workload import load_workload
 
 PREFIX = "sled"
 # "chat": short questions a phone or a kiosk would ask (the workload's built-in chat set).
@@ -59,9 +68,6 @@ class PhaseProgress:
     @contextlib.asynccontextmanager
     async def live(self):
         """A rich live line on stderr, refreshed twice a second while the phase runs."""
-        from rich.console import Console
-        from rich.live import Live
-
         with Live(self.line(), console=Console(stderr=True), transient=True) as live:
             async def refresh() -> None:
                 while True:
@@ -95,8 +101,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lab.report import load_report
-
     try:
         scenario = load_scenario(args.scenario)
         prompts = scenario_prompts(scenario)
@@ -117,8 +121,6 @@ def _fail(message: str, code: int) -> int:
 
 def scenario_prompts(scenario: Scenario) -> list[str]:
     """The workload's prompts, at most workload.limit."""
-    from lab.workload import load_workload
-
     source, limit = scenario.workload.source, scenario.workload.limit
     prompts = load_workload(source)
     return list(prompts[:limit] if limit else prompts)
@@ -126,11 +128,7 @@ def scenario_prompts(scenario: Scenario) -> list[str]:
 
 def make_fleet(kind: str, scenario: Scenario, folder: Path) -> Fleet:
     if kind == "compose":
-        from lab.fleet_compose import ComposeFleet    # Docker only when asked for
-
         return ComposeFleet(scenario, folder)
-    from lab.fleet_local import LocalFleet
-
     # An emulated server stands for a machine of its own: its steps must keep the profile's pace,
     # so the device daemons sharing this machine's cores run only when it leaves one free (64
     # devices at nice 10 overran 46% of the H100's steps; in the background, sled's 0.8%).
@@ -141,8 +139,6 @@ def make_fleet(kind: str, scenario: Scenario, folder: Path) -> Fleet:
 def write_calibrated_traces(scenario: Scenario, references, traces_dir: Path) -> None:
     """Each calibrated pair's traces, along the target's references, into the fleet's traces
     folder, where its devices' daemons read them (lab.traces.calibrated)."""
-    from lab.traces.calibrated import write_traces
-
     if references is None:
         return
     for path in write_traces([slot.drafter for slot in scenario.slots()], references.prompt_ids,
@@ -187,8 +183,6 @@ async def greedy_references(scenario: Scenario, prompts: list[str]):
     when the scenario samples)."""
     if not scenario.sampling.greedy:
         return None
-    from lab.oracle import served_settings, target_references
-
     target = scenario.served_target()
     served = served_settings(target, scenario.server.flags)   # what the server verifies with
     phase_line(f"greedy references: {len(prompts)} prompts on {scenario.target} "
@@ -215,8 +209,6 @@ async def run_phases(fleet: Fleet, scenario: Scenario, prompts, references, resu
 async def run_phase(fleet: Fleet, scenario: Scenario, system: str, n: int, prompts, references,
                     results: Results, faults) -> None:
     """One phase: drive the first n devices while the sampler scrapes and faults happen."""
-    from lab import drive, scrape
-
     devices = fleet.devices[:n]
     await set_mode(fleet, devices, "server" if system == "centralized" else "draft")
     progress = PhaseProgress(f"{system} x{n}", n * (scenario.requests or 0))
@@ -265,8 +257,6 @@ def server_power(scenario: Scenario) -> dict:
 def finish(results: Results, folder: Path, beside: dict | None = None) -> int:
     """Write the report; 1 when any greedy output differed from the target's, 3 when a fault
     step or a request failed."""
-    from lab.report import build_report
-
     document = results.document()
     report = build_report(document, folder, beside)
     mismatches = greedy_mismatches(document)

@@ -12,8 +12,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lab.costs import assumptions
 from lab.profiles import device_profile, link_profile
 from lab.traces.calibrated import is_calibrated, load_calibration
+from lab.workload import is_prompt_file
+from verify_server.step_costs import shipped_profiles
 
 SCENARIOS = Path(__file__).with_name("scenarios")
 
@@ -120,8 +123,6 @@ class ServerSection(_Strict):
         """A shipped profile by name: the server may run in a container, which sees no file
         of the host's (a profile file goes to `sled serve --emulate FILE` or `sled bench
         serve --emulate FILE`)."""
-        from verify_server.step_costs import shipped_profiles
-
         if value and value not in shipped_profiles():
             raise ValueError(f"unknown step profile {value!r}: server.emulate names a shipped "
                              f"profile ({', '.join(shipped_profiles())}), not a file, which a "
@@ -158,8 +159,6 @@ class Scenario(_Strict):
     @field_validator("costs")
     @classmethod
     def _known_costs(cls, value: dict) -> dict:
-        from lab.costs import assumptions
-
         assumptions(value)          # an unknown key or a bad value stops here, not after the run
         return value
 
@@ -203,6 +202,8 @@ class Scenario(_Strict):
         sled's cache (written on first use), for emulated servers whose text means nothing."""
         if self.target != TINY_TARGET:
             return self.target
+        # not at the top: lab.tiny imports torch, and a device container (lab.device_entry) reads
+        # scenarios
         from lab.tiny import cached_pair
 
         return cached_pair()[0]
@@ -242,8 +243,6 @@ def load_scenario(spec: str | Path) -> Scenario:
 
 def _beside(source: str, scenario_file: Path) -> str:
     """A relative prompt file is read from the scenario file's folder."""
-    from lab.workload import is_prompt_file
-
     prompts = Path(source).expanduser()
     if not is_prompt_file(source) or prompts.is_absolute():
         return source

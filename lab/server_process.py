@@ -17,6 +17,7 @@ import grpc
 
 from lab.fleet import FleetStartError
 from lab.waiting import wait_until
+from sled.printable import printable
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 
@@ -59,8 +60,6 @@ class Child:
 
     def tail(self, chars: int = 600) -> str:
         """The end of its log on one line (for a crash report)."""
-        from sled.printable import printable
-
         try:
             text = self.log.read_text(errors="replace")[-chars:]
         except OSError:

@@ -2,10 +2,16 @@
 overhead benchmark. They need no download; their output is meaningless but fully deterministic."""
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast)
+
+from sled.cache import cache_dir, partial_dir
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
@@ -21,9 +27,6 @@ SPECIALS = ["<pad>", "<s>", "</s>"]
 
 def make_tokenizer(vocab_size: int = 320):
     """A byte-level BPE tokenizer trained on CORPUS (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -38,8 +41,6 @@ def make_tokenizer(vocab_size: int = 320):
 def make_model(arch: str, vocab_size: int, seed: int = 0, layers: int = 2, hidden: int = 64,
                dtype: torch.dtype = torch.float32, sliding_window: int = 16):
     """A tiny randomly initialised causal LM: arch is "llama" or "gemma3"."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
-
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -61,8 +62,6 @@ def make_model(arch: str, vocab_size: int, seed: int = 0, layers: int = 2, hidde
 
 def perturbed(model, scale: float, seed: int = 1):
     """A copy of `model` with relative noise on every weight: a drafter that agrees often, not always."""
-    import copy
-
     clone = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -89,8 +88,6 @@ def save_pair(folder: Path, arch: str = "llama", dtype: torch.dtype = torch.floa
 def _save_whole(path: Path, model, tokenizer) -> None:
     """Model and tokenizer written beside PATH, then renamed into place: another process (a
     parallel test worker, a second bench) never sees a config.json without its weights."""
-    from sled.cache import partial_dir
-
     if (path / "config.json").exists():
         return
     partial = partial_dir(path)
@@ -110,7 +107,5 @@ def _save_whole(path: Path, model, tokenizer) -> None:
 
 def cached_pair() -> tuple[str, str]:
     """The tiny target and drafter in sled's cache (written on first use): benchmarks' default."""
-    from sled.cache import cache_dir
-
     target, drafter = save_pair(cache_dir() / "tiny")
     return str(target), str(drafter)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lab.humaneval import problems
+
 # The built-in "chat" workload: short questions a person asks an assistant.
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -27,8 +29,6 @@ def is_prompt_file(source: str) -> bool:
 
 
 def humaneval_prompts(limit: int | None = None) -> list[str]:
-    from lab.humaneval import problems
-
     return [problem["prompt"] for problem in problems(limit)]
 
 
@@ -59,7 +59,7 @@ def load_workload(spec: str) -> list[str]:
 
 def prompt_texts(spec: str, limit: int | None = None) -> list[str]:
     """A workload spec's prompts, at most `limit`; "tiny" is the tiny pair's corpus."""
-    from lab.tiny import CORPUS
+    from lab.tiny import CORPUS   # imports torch: never on a device (sled run-device)
 
     texts = list(dict.fromkeys(CORPUS)) if spec == "tiny" else load_workload(spec)
     return texts[:limit]

@@ -274,10 +274,10 @@ def test_the_footprint_budgets_are_the_documented_ones():
 def test_a_slim_venv_gets_a_built_in_drafter_as_its_file(monkeypatch):
     """A venv without the model packages cannot resolve gguf:ALIAS: it is given the file the
     alias resolves to here; the full environment keeps the alias."""
-    import drafters
+    from lab.bench import footprint
     from lab.bench.footprint import Env, _daemon_spec
 
-    monkeypatch.setattr(drafters, "resolve_spec", lambda spec: "gguf:/cache/gemma.gguf")
+    monkeypatch.setattr(footprint, "resolve_spec", lambda spec: "gguf:/cache/gemma.gguf")
     slim, full = Env("slim gguf", "python", extras="gguf"), Env("full", "python")
     assert _daemon_spec(slim, "gguf:gemma3-270m") == "gguf:/cache/gemma.gguf"
     assert _daemon_spec(full, "gguf:gemma3-270m") == "gguf:gemma3-270m"

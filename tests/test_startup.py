@@ -150,7 +150,8 @@ async def test_the_startup_bench_times_the_devices_copy_of_the_targets_tokenizer
     generate` gets them (fetched once, then from the device's cache)."""
     import asyncio
 
-    from lab.bench.startup import DEVICE_PHASES, _device_tokenizer, _print
+    from lab.bench.startup import DEVICE_PHASES, _print
+    from lab.bench.startup_child import _device_tokenizer
     from sled.cache import manifest_fingerprint, tokenizer_dir
     from sled.wire.fingerprint import fingerprint_tokenizer
 

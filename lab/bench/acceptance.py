@@ -9,13 +9,19 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from rich.progress import Progress
+from rich.table import Table
+
+from drafters import bind_target_tokenizer, load_drafter
+from edge_client.session import RoundSettings, Target, generate
+from edge_client.wire import SessionRequest
 from lab.bench import harness
 from lab.bench.report import save_figure, subplots
+from lab.workload import prompt_texts
+from sled.flags import positive_int
 
 
 def add_arguments(parser) -> None:
-    from sled.flags import positive_int
-
     parser.add_argument("--target", default="gemma3-270m", help="alias or checkpoint path")
     parser.add_argument("--drafters", default="gguf:gemma3-270m,onnx:gemma3-270m,ngram",
                         help="comma-separated drafter specs")
@@ -31,10 +37,6 @@ def run(args) -> int:
 
 async def _measure(served, spec: str, prompts: list[list[int]], draft_len: int, max_new: int,
                    devices: int) -> dict:
-    from drafters import bind_target_tokenizer, load_drafter
-    from edge_client.session import RoundSettings, Target, generate
-    from edge_client.wire import SessionRequest
-
     stub, fingerprint = served.stub, served.fingerprint
     drafters = [load_drafter(spec) for _ in range(devices)]
     tokenizer = await served.conn.tokenizer()
@@ -60,8 +62,6 @@ async def _measure(served, spec: str, prompts: list[list[int]], draft_len: int, 
 
 
 async def bench(args) -> int:
-    from lab.workload import prompt_texts
-
     console = harness.bench_console()
     specs = harness.split_list(args.drafters)
     with harness.flag_errors():
@@ -80,8 +80,6 @@ async def bench(args) -> int:
 async def _sweep(served, specs: list[str], draft_lens: list[int], prompts: list[list[int]], args,
                  console) -> list[dict]:
     """Every drafter at every k, one after another."""
-    from rich.progress import Progress
-
     rows = []
     with Progress(console=console) as progress:
         task = progress.add_task("drafter x k", total=len(specs) * len(draft_lens))
@@ -95,8 +93,6 @@ async def _sweep(served, specs: list[str], draft_lens: list[int], prompts: list[
 
 
 def _table(rows: list[dict], args):
-    from rich.table import Table
-
     table = Table(title=f"acceptance on {args.workload}, target {args.target}, "
                         f"{args.max_new_tokens} new tokens, greedy")
     for column in ("drafter", "k", "acceptance", "mean accepted", "tokens/round", "rounds"):

@@ -19,17 +19,21 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 
+from rich.progress import Progress
+from rich.table import Table
+
+from edge_client.draft_policy import DraftPolicy
 from edge_client.session import RoundSettings
 from lab.bench import harness
 from lab.bench.report import save_figure, short_name, subplots
+from lab.profiles import device_profile, link_profile
 from lab.traces.fleet import TraceFleet
+from sled.flags import fraction, non_negative_float, positive_int
 
 PARTS = ("adaptive", "pipeline")
 
 
 def add_arguments(parser) -> None:
-    from sled.flags import fraction, non_negative_float, positive_int
-
     harness.add_replay_flags(parser)
     parser.add_argument("--device-profile", default="pi5", help="pi4, pi5, orin-nano, instant; "
                         "NAME:draft_ms_per_token=X,round_overhead_ms=Y")
@@ -153,12 +157,9 @@ def configurations(parts: list[str], links: list[str], draft_lens: list[int], rt
     return configs
 
 
-
 def unit_fleet(served, config: Config, device, settings: dict) -> TraceFleet:
     """The emulated devices that run one configuration's units: `settings` holds the sweep's
     max_draft_len and min_confidence."""
-    from lab.profiles import link_profile
-
     return TraceFleet(served.stub, served.fingerprint, device, link_profile(config.link),
                       RoundSettings(draft_len=config.draft_len, pipeline=config.pipeline,
                                     **settings))
@@ -252,10 +253,6 @@ async def sweep(served, traces, configs: list[Config], args, device, max_draft_l
     one DraftPolicy (its acceptance and timing estimates) across its sessions, as a device
     daemon would; it only matters where a policy decides something (adaptive k, pipelining).
     """
-    from rich.progress import Progress
-
-    from edge_client.draft_policy import DraftPolicy
-
     n, pool = args.devices, traces.traces
     units = [[pool[(u + j) % len(pool)] for j in range(n)] for u in range(len(pool) * args.reps)]
     settings = dict(max_draft_len=max_draft_len, min_confidence=args.min_confidence)
@@ -282,8 +279,6 @@ async def sweep(served, traces, configs: list[Config], args, device, max_draft_l
 
 def parse_args(args) -> dict:
     """The sweep's settings from the command line; ValueError names the bad flag."""
-    from lab.profiles import device_profile, link_profile
-
     parts = args.parts.split(",")
     if not parts or set(parts) - set(PARTS):
         raise ValueError(f"--parts takes a comma-separated subset of {','.join(PARTS)}")
@@ -310,8 +305,6 @@ def parse_args(args) -> dict:
 
 
 def _adaptive_table(rows: list[dict], draft_lens: list[int], setup: str):
-    from rich.table import Table
-
     table = Table(title=f"adaptive draft length vs fixed k: {setup}", caption=(
         "tokens/s per device; ratio: adaptive / the best fixed k, with its 95% bootstrap interval "
         "over prompts; mean k: adaptive's mean draft length"))
@@ -328,8 +321,6 @@ def _adaptive_table(rows: list[dict], draft_lens: list[int], setup: str):
 
 
 def _pipeline_table(rows: list[dict], setup: str, draft_len):
-    from rich.table import Table
-
     table = Table(title=f"pipelined drafting, draft length {draft_len}: {setup}", caption=(
         "tokens/s per device; ahead: share of draft tokens drafted while the previous verdict "
         "was in flight; 95% bootstrap interval of the gain over prompts"))

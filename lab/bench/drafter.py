@@ -18,15 +18,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+from rich.table import Table
+from transformers import AutoTokenizer
+
+from drafters import resolve_spec
+from drafters.gguf import GGUFDrafter, open_llama
+from drafters.onnx import ONNXDrafter
 from lab.bench import harness
+from sled.flags import non_negative_int, positive_int
+from sled.wire.sampling import Sampling
 
 RUNTIMES = {"gguf": "llama.cpp", "onnx": "onnxruntime-genai"}
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
 def add_arguments(parser) -> None:
-    from sled.flags import non_negative_int, positive_int
-
     parser.add_argument("--model", required=True,
                         help="gguf:ALIAS, gguf:FILE, onnx:ALIAS or onnx:DIR")
     parser.add_argument("--threads", type=positive_int, default=None,
@@ -44,8 +51,6 @@ def run(args) -> int:
 
 
 def bench(args) -> int:
-    from drafters import resolve_spec
-
     kind, _, path = resolve_spec(args.model).partition(":")
     if kind not in ("gguf", "onnx") or not path:
         raise harness.Stop(f"need gguf:ALIAS, gguf:FILE, onnx:ALIAS or onnx:DIR, got {args.model!r}")
@@ -101,8 +106,6 @@ def native_run(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:
 
 def drafter_run(drafter, prompt: list[int], n: int, k: int, accept: int) -> tuple[float, int, list[int]]:
     """Rounds of k drafts until n tokens are committed: seconds, tokens drafted, committed tokens."""
-    from sled.wire.sampling import Sampling
-
     greedy = Sampling()
     drafter.rollback(0)
     context = list(prompt)
@@ -119,8 +122,6 @@ def drafter_run(drafter, prompt: list[int], n: int, k: int, accept: int) -> tupl
 
 def _gguf(setup: Setup):
     """The GGUF drafter, the prompt, and llama.cpp's own loop on the same file and threads."""
-    from drafters.gguf import GGUFDrafter, open_llama
-
     drafter = GGUFDrafter(setup.path, n_threads=setup.threads)
     llm = open_llama(Path(setup.path), setup.threads, drafter.n_ctx)
     prompt = llm.tokenize(PROMPT.encode(), add_bos=True)
@@ -130,10 +131,6 @@ def _gguf(setup: Setup):
 def _onnx(setup: Setup):
     """The ONNX drafter, the prompt, and onnxruntime-genai's own loop on the drafter's og.Model
     (the same session and threads)."""
-    from transformers import AutoTokenizer
-
-    from drafters.onnx import ONNXDrafter
-
     drafter = ONNXDrafter(setup.path, n_threads=setup.threads)
     prompt = AutoTokenizer.from_pretrained(setup.path)(PROMPT).input_ids
     return drafter, prompt, lambda n: onnx_native_run(drafter.model, prompt, n, drafter.max_length)
@@ -161,8 +158,6 @@ def _race(race: Race, console, native, drafter, prompt: list[int], setup: Setup,
 def _gguf_summary(race: Race, setup: Setup, args):
     """Median (the typical run) and best (the run least disturbed by anything else on the
     machine) of each: (table, JSON fields, file name)."""
-    from rich.table import Table
-
     median = {"native": statistics.median(race.native_tps), "drafter": statistics.median(race.drafter_tps)}
     best = {"native": max(race.native_tps), "drafter": max(race.drafter_tps)}
     table = Table(title=f"{Path(setup.path).name}, {setup.threads} thread(s)",
@@ -183,8 +178,6 @@ def _gguf_summary(race: Race, setup: Setup, args):
 
 def _onnx_summary(race: Race, setup: Setup, args):
     """p50, min and max of each and of their per-repetition ratio: (table, JSON fields, name)."""
-    from rich.table import Table
-
     ratios = [d / n for d, n in zip(race.drafter_tps, race.native_tps)]
     name = Path(setup.path).name
     table = Table(title=f"{name}: {args.tokens} tokens, {setup.threads} thread(s), "
@@ -219,8 +212,7 @@ def onnx_native_run(model, prompt: list[int], n: int, max_length: int) -> tuple[
 
     Greedy search stops early at EOS; the tokens/s then counts the tokens it did generate.
     """
-    import numpy as np
-    import onnxruntime_genai as og
+    import onnxruntime_genai as og   # optional: the onnx extra
 
     params = og.GeneratorParams(model)
     params.set_search_options(do_sample=False, max_length=max_length)

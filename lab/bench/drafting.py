@@ -21,15 +21,26 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from rich.progress import Progress
+from rich.table import Table
+
+from drafters import bind_target_tokenizer, load_drafter
+from drafters.base import drafts_trees
+from edge_client.emulation import PacedDrafter
+from edge_client.session import RoundSettings, Target, generate
+from edge_client.wire import SessionRequest
 from lab.bench import harness
 from lab.bench.report import save_figure, short_name, subplots
+from lab.link import link_transport
+from lab.profiles import Link, device_profile, link_profile
+from lab.workload import prompt_texts
+from sled.flags import positive_int
+from sled.progress import plain_line
 
 DRAFTERS = "ngram,cacheback,hier:cacheback>gguf:gemma3-270m,gguf:gemma3-270m"
 
 
 def add_arguments(parser) -> None:
-    from sled.flags import positive_int
-
     harness.add_server_flags(parser, model_default="gemma3-270m",
                              model_help="the target: alias or checkpoint path")
     parser.add_argument("--drafters", default=DRAFTERS, help="comma-separated drafter specs")
@@ -81,9 +92,6 @@ class Tally:
 
 
 async def bench(args) -> int:
-    from lab.profiles import device_profile, link_profile
-    from lab.workload import prompt_texts
-
     console = harness.bench_console()
     with harness.flag_errors():
         specs = harness.split_list(args.drafters)
@@ -115,8 +123,6 @@ def _drafters(specs: list[str], tree: int, tokenizer, board) -> dict:
     """Config -> its own drafter, paced to the board: each drafter as chains, and as trees when
     it drafts them. A fresh one per configuration, so no table learns from another's sessions
     (a bad spec stops the benchmark: exit 2)."""
-    from drafters.base import drafts_trees
-
     pacers = {}
     for spec in specs:
         pacers[Config(spec, 1)] = chained = _paced(spec, tokenizer, board)
@@ -126,9 +132,6 @@ def _drafters(specs: list[str], tree: int, tokenizer, board) -> dict:
 
 
 def _paced(spec: str, tokenizer, board):
-    from drafters import bind_target_tokenizer, load_drafter
-    from edge_client.emulation import PacedDrafter
-
     with harness.flag_errors():
         drafter = load_drafter(spec)
     bind_target_tokenizer(drafter, tokenizer)       # an xtok: drafter drafts in the target's ids
@@ -138,10 +141,6 @@ def _paced(spec: str, tokenizer, board):
 async def _run_workload(served, pacers: dict, prompts: list[list[int]], workload: str, link, args,
                         console) -> dict:
     """Every prompt through every configuration, rotating their order per prompt."""
-    from rich.progress import Progress
-
-    from sled.progress import plain_line
-
     configs = list(pacers)
     tallies = {config: Tally() for config in configs}
     with Progress(console=console) as progress:
@@ -157,11 +156,6 @@ async def _run_workload(served, pacers: dict, prompts: list[list[int]], workload
 
 
 async def _session(served, drafter, config: Config, prompt: list[int], link_profile, args):
-    from edge_client.session import RoundSettings, Target, generate
-    from edge_client.wire import SessionRequest
-    from lab.link import link_transport
-    from lab.profiles import Link
-
     settings = RoundSettings(draft_len=args.draft_len, tree=config.tree,
                              max_draft_tokens=served.info.limits.max_draft_tokens)
     return await generate(served.stub, drafter,
@@ -196,8 +190,6 @@ def _differences(workload: str, configs: list[Config], tallies: dict) -> list[st
 
 
 def _table(rows: list[dict], args):
-    from rich.table import Table
-
     table = Table(title=f"drafters on {args.model}, k={args.draft_len}, greedy, {args.device} "
                         f"board over {args.link}")
     columns = ("workload", "drafter", "acceptance", "tokens/round", "draft ms/token here",

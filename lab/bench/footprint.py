@@ -18,6 +18,8 @@ run's numbers (e.g. before a change) beside these, with ratios.
 """
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import os
 import re
@@ -31,8 +33,17 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
+from rich.markup import escape
+from rich.table import Table
+
+from drafters import resolve_spec
+from lab import slim_env
 from lab.bench import harness
 from lab.bench.report import save_figure, short_name, subplots
+from lab.server_process import free_port
+from sled.flags import positive_int
+from sled.models import resolve_model
 
 DRAFTERS = "ngram,gguf:gemma3-270m,onnx:gemma3-270m"
 # A drafter kind runs where its runtime is importable; ngram everywhere.
@@ -51,14 +62,10 @@ SLIM = ("gguf", "onnx", "none")     # the extras a device installs alone
 
 
 def _no_extra(text: str) -> str:
-    import argparse
-
     raise argparse.ArgumentTypeError(f"{text!r} is not a device extra (gguf, onnx or none)")
 
 
 def add_arguments(parser) -> None:
-    from sled.flags import positive_int
-
     parser.add_argument("--target", default="gemma3-270m", help="the server's target alias or path")
     parser.add_argument("--drafters", default=DRAFTERS, help="drafter specs, comma-separated")
     parser.add_argument("--python", default=sys.executable,
@@ -95,8 +102,6 @@ class Env:
 
 
 async def bench(args) -> int:
-    from sled.models import resolve_model
-
     console = harness.bench_console(150)
     specs = [spec.strip() for spec in args.drafters.split(",") if spec.strip()]
     compare = _load_compare(args.compare)
@@ -127,10 +132,6 @@ def _check_paths(args) -> None:
 
 def _environments(args, venvs: Path, console) -> list[Env]:
     """--python's environment, then a slim venv per --slim extra (built, or reused in --venvs)."""
-    from rich.markup import escape
-
-    from lab import slim_env
-
     envs = [Env(args.label, args.python, args.source)]
     extras = [e.strip() for e in args.slim.split(",") if e.strip() and e.strip() != "none"]
     for extra in extras:
@@ -168,16 +169,12 @@ def _daemon_spec(env: Env, spec: str) -> str:
     kind, _, arg = spec.partition(":")
     if env.extras == "all" or kind not in RUNTIME or "/" in arg:
         return spec
-    from drafters import resolve_spec
-
     return resolve_spec(spec)
 
 
 async def _measure(env: Env, spec: str, address: str, args, console, scratch: str) -> dict:
     """Start the daemon --reps times (the fastest start is kept); on the last start its RSS at
     idle and after the concurrent requests."""
-    import asyncio
-
     daemon_spec = _daemon_spec(env, spec)
     if daemon_spec != spec:
         console.print(f"{env.name}: {spec} given as {daemon_spec} (the built-in aliases need "
@@ -210,8 +207,6 @@ class Daemon:
     """`sled device` from ENV with a drafter against a server; stderr read as it comes."""
 
     def __init__(self, env: Env, spec: str, address: str, config: Path) -> None:
-        from lab.server_process import free_port
-
         self.port = free_port()
         config.write_text(json.dumps({"id": "footprint", "servers": [address], "drafter": spec,
                                       "host": "127.0.0.1", "port": self.port}))   # JSON is YAML
@@ -285,10 +280,6 @@ class Daemon:
 
 async def _load(port: int, model: str, requests: int, max_tokens: int) -> None:
     """REQUESTS greedy /v1/completions at once, each MAX_TOKENS tokens."""
-    import asyncio
-
-    import aiohttp
-
     async def one(session, prompt: str) -> None:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
         async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as reply:
@@ -308,8 +299,6 @@ def _model_mb(spec: str) -> float | None:
     kind, _, arg = spec.partition(":")
     if kind != "gguf":
         return None
-    from drafters import resolve_spec
-
     path = Path(resolve_spec(spec).partition(":")[2])
     return round(path.stat().st_size / MB, 1) if path.exists() else None
 
@@ -347,8 +336,6 @@ def _rows(data: dict, compare: dict | None) -> list[tuple[dict, dict | None]]:
 
 
 def _print(console, data: dict, compare: dict | None) -> None:
-    from rich.table import Table
-
     title = (f"sled device footprint against {short_name(data['target'])}: {data['requests']} "
              f"concurrent requests of {data['max_tokens']} tokens ({data['machine']})")
     table = Table(title=title)
@@ -381,8 +368,6 @@ def _earlier_cells(run: dict, old: dict | None) -> list[str]:
 
 
 def _print_sizes(console, data: dict, compare: dict | None) -> None:
-    from rich.table import Table
-
     table = Table(title="installed environment (site-packages, MB)")
     for name in ("environment", "torch", "transformers", "total", "without llama-cpp-python",
                  "budget", "largest"):

@@ -25,7 +25,21 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import grpc
+import psutil
+from hypothesis import HealthCheck, Phase, given, seed as seeded, settings, strategies as st
+from rich.progress import Progress
+from rich.table import Table
+
 from lab.bench import harness
+from lab.fuzz import (RSS_GROWTH_MIB, STREAM_TIMEOUT_S, NormalSession, Wire, exchange, fuzz_traffic,
+                      raw_generate, unclear_ending)
+from lab.oracle import greedy_references
+from lab.tiny import cached_pair
+from sled.flags import non_negative_int, positive_int
+from sled.models import resolve_model
+from sled.v1 import verifier_pb2 as pb
+from sled.v1.verifier_pb2_grpc import VerifierStub
 
 BATCH = 100                     # examples per hypothesis run; a new seed for each
 LIMITS = {"--context-length": 64, "--max-draft-tokens": 4, "--max-q-support": 4, "--kv-budget": "64MiB"}
@@ -36,8 +50,6 @@ UNCLEAR_KEPT = 10               # unclear endings quoted in the results
 
 
 def add_arguments(parser) -> None:
-    from sled.flags import non_negative_int, positive_int
-
     parser.add_argument("--messages", type=positive_int, default=10_000,
                         help="DeviceMessages to send in fuzzed streams")
     parser.add_argument("--seed", type=non_negative_int, default=0,
@@ -67,8 +79,6 @@ class Tally:
     crash: str | None = None
 
     def add(self, ending) -> None:
-        from lab.fuzz import unclear_ending
-
         self.streams += 1
         self.messages += ending.sent
         self.endings[ending.code.name] += 1
@@ -79,10 +89,6 @@ class Tally:
 
 async def bench(args) -> int:
     """The reference, the server, the fuzz beside the normal session, the table and the JSON."""
-    from sled.models import resolve_model
-
-    from lab.tiny import cached_pair
-
     console = harness.bench_console()
     model = resolve_model(args.model) if args.model else cached_pair()[0]
     flags = server_args(args)
@@ -99,8 +105,6 @@ async def bench(args) -> int:
 
 async def _reference(model: str, flags: list[str], console) -> list[int]:
     """The target's greedy output for the normal session's prompt, as the server computes it."""
-    from lab.oracle import greedy_references
-
     with console.status("the target's greedy reference"), harness.flag_errors():
         return (await asyncio.to_thread(greedy_references, model, [NORMAL_PROMPT],
                                         NORMAL_TOKENS, flags))[0]
@@ -109,10 +113,6 @@ async def _reference(model: str, flags: list[str], console) -> list[int]:
 async def _fuzz_beside_normal(served, reference: list[int], args, console) -> dict:
     """Warm up with one normal generation, take the RSS baseline, fuzz with the normal session
     running, stop it, and read what is left."""
-    import psutil
-
-    from lab.fuzz import NormalSession
-
     log = served.server.child      # tail(): the end of its log
     prompt_ids = (await served.prompt_ids([NORMAL_PROMPT]))[0]
     normal = NormalSession(served.stub, prompt_ids, reference)
@@ -139,12 +139,6 @@ async def _fuzz_beside_normal(served, reference: list[int], args, console) -> di
 
 async def _fuzz(served, args, console, log) -> Tally:
     """Streams until --messages were written or the server crashed, with a progress bar."""
-    import grpc
-    from rich.progress import Progress
-
-    from lab.fuzz import Wire, fuzz_traffic, raw_generate
-    from sled.v1.verifier_pb2_grpc import VerifierStub
-
     tally, stop = Tally(), threading.Event()
     loop = asyncio.get_running_loop()
     async with grpc.aio.insecure_channel(served.server.address) as channel:
@@ -174,8 +168,6 @@ async def _fuzz(served, args, console, log) -> Tally:
 
 async def _stream(served, generate, frames: list, tally: Tally, log) -> None:
     """One fuzzed stream, tallied; the child's exit is a crash (told with its last log lines)."""
-    from lab.fuzz import STREAM_TIMEOUT_S, exchange
-
     tally.add(await exchange(generate(timeout=STREAM_TIMEOUT_S), frames))
     code = served.server.proc.poll()
     if code is not None:
@@ -186,10 +178,6 @@ async def _stream(served, generate, frames: list, tally: Tally, log) -> None:
 def _draw_streams(traffic, seed: int, each, done) -> None:
     """Hypothesis draws streams, typed message sequences or raw frames as (raw, frames), and
     hands each to EACH, BATCH examples per seed (seed, seed + 1, ...) until DONE()."""
-    from hypothesis import HealthCheck, Phase, given, settings
-    from hypothesis import seed as seeded
-    from hypothesis import strategies as st
-
     streams = st.one_of(traffic.messages.map(lambda messages: (False, messages)),
                         traffic.frames.map(lambda frames: (True, frames)))
     batch = 0
@@ -229,10 +217,6 @@ def _held(server) -> dict:
 
 async def _healthy(served) -> bool:
     """The server still answers GetModelInfo."""
-    import grpc
-
-    from sled.v1 import verifier_pb2 as pb
-
     try:
         await served.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
         return True
@@ -261,8 +245,6 @@ def _rss(start: int, end: int | None) -> dict:
 def _problems(results: dict) -> list[str]:
     """What makes the run fail as the server's fault: crashes, unclear endings, leaks, a
     normal session that could not go on."""
-    from lab.fuzz import RSS_GROWTH_MIB
-
     problems = [results["crash"]] if results["crash"] else []
     if results["unclear"]:
         problems.append(f"{results['unclear']} unclear endings, the first: "
@@ -292,8 +274,6 @@ def _verdict(console, results: dict) -> int:
 
 
 def _table(console, results: dict) -> None:
-    from rich.table import Table
-
     table = Table(title=f"fuzz: {results['streams']} streams against one `sled serve` child "
                         f"({results['model']}, seed {results['seed']}, {results['seconds']:.0f} s)")
     for column in ("measurement", "figure", "detail"):

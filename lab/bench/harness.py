@@ -10,6 +10,7 @@ benchmark did not expect).
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import inspect
 import logging
@@ -21,7 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import grpc
+from rich.console import Console
+
+from edge_client.connection import Connection
+from edge_client.transport import VerifyError
 from lab.bench.report import write_json
+from lab.traces.record import traces_for
+from sled.cache import CacheError
+from sled.flags import positive_int
+from sled.models import resolve_model
+from sled.printable import printable
 
 T = TypeVar("T")
 
@@ -41,10 +52,6 @@ def run_bench(name: str, bench, args) -> int:
     """`sled bench NAME`: bench(args), a coroutine function or a plain one, to its exit code.
     A call the server ends with an error status the benchmark did not expect is one line and
     exit 3 (its traceback goes to the debug log)."""
-    import grpc
-
-    from sled.printable import printable
-
     try:
         result = bench(args)
         return asyncio.run(result) if inspect.iscoroutine(result) else result
@@ -72,8 +79,6 @@ def flag_errors():
 def server_errors():
     """A refused session or an inconsistent server (VerifyError, ValueError) stops the
     benchmark with exit code 3."""
-    from edge_client.transport import VerifyError
-
     try:
         yield
     except (VerifyError, ValueError) as exc:
@@ -120,8 +125,6 @@ def add_recording_flags(parser, *, max_new_tokens: int = 48) -> None:
     parser.add_argument("--drafter", default=None, help="ngram, hf:PATH, gguf:ALIAS, onnx:ALIAS "
                         "(default: the tiny pair's drafter, or ngram with --model)")
     add_workload_flags(parser, default="humaneval:8", max_new_tokens=max_new_tokens)
-    from sled.flags import positive_int
-
     parser.add_argument("--prompts", type=positive_int, default=None,
                         help="use at most this many prompts")
     add_max_draft_len_flag(parser)
@@ -130,8 +133,6 @@ def add_recording_flags(parser, *, max_new_tokens: int = 48) -> None:
 def add_workload_flags(parser, *, default: str, max_new_tokens: int) -> None:
     parser.add_argument("--workload", default=default,
                         help="humaneval[:N], a prompt file or tiny")
-    from sled.flags import positive_int
-
     parser.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
                         help="new tokens per prompt")
 
@@ -139,10 +140,6 @@ def add_workload_flags(parser, *, default: str, max_new_tokens: int) -> None:
 def add_draft_len_flag(parser, *, default: int = 4, help: str = "draft length (tokens per "
                        "draft)", old: str = "--k") -> None:
     """--draft-len; OLD, its name before, still read but no longer shown."""
-    import argparse
-
-    from sled.flags import positive_int
-
     parser.add_argument("--draft-len", dest="draft_len", type=positive_int, default=default,
                         help=help)
     parser.add_argument(old, dest="draft_len", type=positive_int, default=argparse.SUPPRESS,
@@ -151,10 +148,6 @@ def add_draft_len_flag(parser, *, default: int = 4, help: str = "draft length (t
 
 def add_draft_lens_flag(parser, *, default: str, help: str) -> None:
     """--draft-lens, comma-separated draft lengths; --k, its name before, still read."""
-    import argparse
-
-    from sled.flags import positive_int
-
     parser.add_argument("--draft-lens", dest="draft_lens", default=default,
                         type=listed(positive_int), help=help)
     parser.add_argument("--k", dest="draft_lens", default=argparse.SUPPRESS,
@@ -165,10 +158,6 @@ def add_max_draft_len_flag(parser, *, default: int = 8,
                            help: str = "tokens proposed per position") -> None:
     """--max-draft-len: how long the drafts a trace records are; --max-k, its name before, still
     read."""
-    import argparse
-
-    from sled.flags import positive_int
-
     parser.add_argument("--max-draft-len", dest="max_draft_len", type=positive_int,
                         default=default, help=help)
     parser.add_argument("--max-k", dest="max_draft_len", type=positive_int,
@@ -187,8 +176,6 @@ def server_flags(args) -> list[str]:
 def listed(item, *words: str):
     """A type= for a comma-separated flag: every item passes ITEM (a sled.flags type) or is
     one of WORDS, or the parser stops with one line (exit 2); the text is kept as given."""
-    import argparse
-
     def parse(text: str) -> str:
         for part in text.split(","):
             if part.strip() not in words:
@@ -204,8 +191,6 @@ def listed(item, *words: str):
 def one_of(item, *words: str):
     """A type= for a flag that is one value passing ITEM or one of WORDS (e.g. 4 or auto);
     the text is kept as given."""
-    import argparse
-
     def parse(text: str) -> str:
         if text not in words:
             try:
@@ -261,8 +246,6 @@ class Served:
     async def prompt_ids(self, texts: list[str]) -> list[list[int]]:
         """Prompts in the target's tokens (the tokenizer comes from the server); a tokenizer
         that is refused (or cannot be kept) stops the benchmark with exit code 3."""
-        from sled.cache import CacheError
-
         try:
             tokenizer = await self.conn.tokenizer()
         except CacheError as exc:
@@ -276,7 +259,8 @@ async def serving(model: str, server_args: list[str] = (), console=None,
     """`sled serve --model MODEL SERVER_ARGS` on a free loopback port, connected (through
     `security`, an edge_client.security.ChannelSecurity, for a server with TLS or tokens), as
     Served. A server that does not start stops the benchmark (exit 3) with its own message."""
-    from edge_client.connection import Connection
+    # not at the top: lab.bench.engine imports this module on a GPU box without pydantic and
+    # aiomqtt, which lab.server_process needs
     from lab.server_process import ServerProcess
 
     server = ServerProcess(model, *server_args, security=security)
@@ -306,8 +290,6 @@ async def _stop(server) -> None:
 def replay_inputs(args, console, parse) -> tuple:
     """For benchmarks of devices that replay traces: (parse(args), target, TraceSet), the traces
     from --traces or recorded now; bad flags or files stop the benchmark (exit 2)."""
-    from lab.traces.record import traces_for
-
     with flag_errors():
         settings = parse(args)
         return (settings, *traces_for(args, console))
@@ -315,8 +297,6 @@ def replay_inputs(args, console, parse) -> tuple:
 
 def serving_target(model: str, args, console):
     """serving() for a target alias or path with the --dtype and --server-args flags."""
-    from sled.models import resolve_model
-
     return serving(resolve_model(model), server_flags(args), console)
 
 
@@ -330,8 +310,6 @@ def _quiet():
 def bench_console(width: int = 120):
     """A rich console; written to a file or a pipe it gets `width` columns, so a log holds
     whole tables."""
-    from rich.console import Console
-
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, width)

@@ -12,15 +12,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rich.progress import Progress
+from rich.table import Table
+
+from drafters import bind_target_tokenizer, load_drafter
+from edge_client.session import RoundSettings, Target, generate
+from edge_client.wire import SessionRequest
 from lab.bench import harness
 from lab.bench.report import save_figure, subplots
+from lab.humaneval import check_completions, cut_completion, problems
+from sled.flags import loose_flag, positive_float, positive_int
+from sled.progress import plain_line
+from sled.wire.loose import Loose
 
 LOSSLESS = "lossless"
 
 
 def add_arguments(parser) -> None:
-    from sled.flags import loose_flag, positive_float, positive_int
-
     harness.add_server_flags(parser, model_default="gemma3-270m",
                              model_help="the target: alias or checkpoint path")
     parser.add_argument("--drafter", default="gguf:gemma3-270m", help="drafter spec")
@@ -55,9 +63,6 @@ class Mode:
 
 
 async def bench(args) -> int:
-    from lab.humaneval import problems
-    from sled.wire.loose import Loose
-
     console = harness.bench_console()
     with harness.flag_errors():
         modes = [Mode(LOSSLESS)] + [Mode(f"loose {s}", Loose.parse(s))
@@ -78,11 +83,6 @@ async def bench(args) -> int:
 
 async def _complete(served, modes: list[Mode], chosen: list[dict], args, console) -> None:
     """Every problem in every mode, rotating the modes' order per problem."""
-    from rich.progress import Progress
-
-    from drafters import bind_target_tokenizer, load_drafter
-    from sled.progress import plain_line
-
     tokenizer = await served.conn.tokenizer()
     drafter = load_drafter(args.drafter)
     bind_target_tokenizer(drafter, tokenizer)
@@ -98,10 +98,6 @@ async def _complete(served, modes: list[Mode], chosen: list[dict], args, console
 
 
 async def _one(served, drafter, tokenizer, mode: Mode, problem: dict, prompt: list[int], args) -> None:
-    from edge_client.session import RoundSettings, Target, generate
-    from edge_client.wire import SessionRequest
-    from lab.humaneval import cut_completion
-
     before = served.forward_passes()
     result = await generate(served.stub, drafter,
                             SessionRequest(prompt, max_new_tokens=args.max_new_tokens,
@@ -119,8 +115,6 @@ async def _one(served, drafter, tokenizer, mode: Mode, problem: dict, prompt: li
 
 
 def _row(mode: Mode, lossless: Mode, timeout_s: float) -> dict:
-    from lab.humaneval import check_completions
-
     checked = check_completions(mode.completions, timeout_s)
     passed = sum(c["passed"] for c in checked)
     return {"mode": mode.name, "window": mode.loose.window if mode.loose else None,
@@ -135,8 +129,6 @@ def _row(mode: Mode, lossless: Mode, timeout_s: float) -> dict:
 
 
 def _table(rows: list[dict], args):
-    from rich.table import Table
-
     table = Table(title=f"HumanEval pass@1, lossless vs loose: {args.model} target, "
                         f"{args.drafter}, k={args.draft_len}, {args.max_new_tokens} new tokens")
     for column in ("mode", "pass@1", "tokens per target pass", "acceptance", "kept loosely",

@@ -14,14 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import tempfile
+from pathlib import Path
 
+from rich.progress import Progress
+from rich.table import Table
+
+from drafters import bind_target_tokenizer, load_drafter
+from edge_client.security import ChannelSecurity
+from edge_client.session import RoundSettings, Target, generate
+from edge_client.wire import SessionRequest
 from lab.bench import harness
 from lab.bench.report import percentile
+from lab.tiny import CORPUS, cached_pair
+from sled.flags import positive_int
+from sled.pki import make_certs
 
 
 def add_arguments(parser) -> None:
-    from sled.flags import positive_int
-
     harness.add_target_flags(parser, model_help="target path (default: a tiny random model)",
                              dtype_help=None)
     parser.add_argument("--drafter", default="ngram", help="drafter spec (as sled generate)")
@@ -51,11 +61,6 @@ def access_modes(text: str) -> list[str]:
 
 
 async def bench(args) -> int:
-    import tempfile
-    from pathlib import Path
-
-    from lab.tiny import cached_pair
-
     console = harness.bench_console()
     model = args.model or cached_pair()[0]
     runs = {}
@@ -80,12 +85,8 @@ async def bench(args) -> int:
 
 def _access(mode: str, folder) -> tuple[list[str], object]:
     """The server flags and the device's ChannelSecurity of one access mode."""
-    from edge_client.security import ChannelSecurity
-
     if mode == "plain":
         return [], None
-    from sled.pki import make_certs
-
     pki = make_certs(folder, ["bench-device"])
     flags = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)]
     if mode == "tls":
@@ -98,8 +99,6 @@ def _access(mode: str, folder) -> tuple[list[str], object]:
 
 def _compare(console, runs: dict) -> None:
     """Each mode's round trip and overhead beside the first mode's (p50 and mean)."""
-    from rich.table import Table
-
     base_name, base = next(iter(runs.items()))
     table = Table(title=f"access: each against {base_name} (same rounds, one run)")
     for column in ("access", "round trip p50 (ms)", "overhead p50 (ms)", "overhead mean (ms)",
@@ -116,13 +115,6 @@ def _compare(console, runs: dict) -> None:
 
 async def _rounds(served, args, console) -> list:
     """--sessions devices generating from the tiny corpus until each has --rounds rounds."""
-    from rich.progress import Progress
-
-    from drafters import bind_target_tokenizer, load_drafter
-    from edge_client.session import RoundSettings, Target, generate
-    from edge_client.wire import SessionRequest
-    from lab.tiny import CORPUS
-
     conn, info = served.conn, served.info
     prompts = await served.prompt_ids(CORPUS[:7])
     tokenizer = await conn.tokenizer()
@@ -150,8 +142,6 @@ async def _rounds(served, args, console) -> list:
 
 def _summary(stats: list, args, console, mode: str = "plain") -> dict:
     """p50, p95 and mean of each per-round time, printed as a table."""
-    from rich.table import Table
-
     overhead = [s.round_trip_ms - s.forward_ms for s in stats]
     fraction = [(s.round_trip_ms - s.forward_ms) / (s.draft_ms + s.round_trip_ms) for s in stats]
     rows = {

@@ -15,15 +15,23 @@ import asyncio
 import statistics
 import time
 
+import grpc
+import psutil
+from rich.progress import Progress
+from rich.table import Table
+
 from lab.bench import harness
+from lab.tiny import cached_pair
+from sled.flags import positive_float, positive_int
+from sled.models import resolve_model
+from sled.v1 import verifier_pb2 as pb
+from sled.v1.verifier_pb2_grpc import VerifierStub
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]      # ids every served vocabulary has
 CONTEXT_LENGTH = 256                       # the server's: a refused prompt is longer
 
 
 def add_arguments(parser) -> None:
-    from sled.flags import positive_float, positive_int
-
     harness.add_target_flags(parser, model_help="target path or alias (default: a tiny random "
                              "model)")
     parser.add_argument("--refusals", type=positive_int, default=40, help="refused Opens measured")
@@ -53,11 +61,6 @@ def server_args(args) -> list[str]:
 
 
 async def bench(args) -> int:
-    from rich.progress import Progress
-
-    from lab.tiny import cached_pair
-    from sled.models import resolve_model
-
     if args.prompt_len < CONTEXT_LENGTH:
         raise harness.Stop(f"--prompt-len {args.prompt_len} fits the server's context length "
                            f"{CONTEXT_LENGTH}, so it would not be refused: use {CONTEXT_LENGTH} "
@@ -80,11 +83,6 @@ async def bench(args) -> int:
 
 async def _refusals(served, args, progress) -> dict:
     """The server's RSS before and after --refusals refused Opens (after a few to warm up)."""
-    import grpc
-    import psutil
-
-    from sled.v1 import verifier_pb2 as pb
-
     server = psutil.Process(served.server.proc.pid)
     big = pb.DeviceMessage(open=pb.Open(prompt_ids=[5] * args.prompt_len, max_new_tokens=1,
                                         tokenizer_fingerprint=served.fingerprint))
@@ -113,10 +111,6 @@ async def _refusals(served, args, progress) -> dict:
 async def _refused_for_size(call) -> None:
     """The Open on CALL was refused for its length (context overflow, INVALID_ARGUMENT), not for
     anything else; otherwise the benchmark stops (exit 3)."""
-    import grpc
-
-    from sled.v1 import verifier_pb2 as pb
-
     reply = await call.read()
     if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "error":
         call.cancel()
@@ -134,8 +128,6 @@ async def _refused_for_size(call) -> None:
 async def _tokenizer_burst(served, args, progress) -> dict:
     """Round times of one session alone (--rounds), then of every round it gets done while
     --burst GetTokenizer calls, sent at once, are answered."""
-    from sled.v1 import verifier_pb2 as pb
-
     session = await _Session.open(served, args.rounds * 4 + 64)
     alone = await session.rounds(args.rounds, progress, "rounds alone")
     started = time.perf_counter()
@@ -154,8 +146,6 @@ async def _tokenizer_burst(served, args, progress) -> dict:
 
 async def _tokenizer_bytes(stub) -> int:
     """Bytes of the tokenizer files in one whole GetTokenizer stream."""
-    from sled.v1 import verifier_pb2 as pb
-
     return sum([len(chunk.data) async for chunk in stub.GetTokenizer(pb.GetTokenizerRequest())])
 
 
@@ -167,8 +157,6 @@ class _Session:
 
     @classmethod
     async def open(cls, served, max_new_tokens: int) -> "_Session":
-        from sled.v1 import verifier_pb2 as pb
-
         call = served.stub.Generate()
         await call.write(pb.DeviceMessage(open=pb.Open(
             prompt_ids=PROMPT, max_new_tokens=max_new_tokens, ignore_eos=True,
@@ -178,8 +166,6 @@ class _Session:
 
     async def one_round(self) -> float:
         """ms for one round."""
-        from sled.v1 import verifier_pb2 as pb
-
         started = time.perf_counter()
         await self.call.write(pb.DeviceMessage(draft=pb.Draft(round=self.round, token_ids=[5])))
         verdict = (await self.call.read()).verdict
@@ -214,8 +200,6 @@ async def _idle_slots(served, args, progress) -> dict:
     """Fill every slot with a finished session whose stream stays open; then seconds until a
     new client's Open is accepted (retried every 50 ms, for at most 5 idle timeouts + 5 s),
     counted from the first session's last verdict: the idle timeout runs from there."""
-    from sled.v1 import verifier_pb2 as pb
-
     task = progress.add_task("finished sessions left open", total=args.slots)
     held, first_idle = [], None
     for _ in range(args.slots):
@@ -241,11 +225,6 @@ async def _idle_slots(served, args, progress) -> dict:
 async def _until_admitted(served, limit_s: float) -> tuple[float | None, int]:
     """(when an Open was accepted, or None within limit_s; Opens tried), on a channel of its
     own: a refused Open is a RESOURCE_EXHAUSTED status, or any error while the server is full."""
-    import grpc
-
-    from sled.v1 import verifier_pb2 as pb
-    from sled.v1.verifier_pb2_grpc import VerifierStub
-
     started, tries = time.perf_counter(), 0
     open_msg = pb.DeviceMessage(open=pb.Open(prompt_ids=PROMPT, max_new_tokens=2,
                                              tokenizer_fingerprint=served.fingerprint))
@@ -269,8 +248,6 @@ async def _until_admitted(served, limit_s: float) -> tuple[float | None, int]:
 # --- the table -----------------------------------------------------------------------------------
 
 def _table(console, results: dict, args) -> None:
-    from rich.table import Table
-
     refusals, burst, slots = results["refusals"], results["tokenizer"], results["idle_slots"]
     table = Table(title="reliability: one `sled serve` child on loopback")
     for column in ("measurement", "figure", "detail"):

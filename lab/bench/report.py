@@ -6,6 +6,8 @@ import json
 import textwrap
 from pathlib import Path
 
+from sled.extras import require_extra
+
 
 def percentile(values: list[float], q: float) -> float:
     """The nearest-rank q-th percentile: percentile([1, 2, 3, 4, 5], 50) == 3."""
@@ -31,13 +33,11 @@ def pyplot():
     """matplotlib.pyplot on its file-only backend: no display needed. The lab's one way to start
     plotting (matplotlib, the lab extra, is imported only when a plot is drawn: a bench that
     plots nothing runs without it)."""
-    from sled.extras import require_extra
-
     require_extra("lab", "plotting results")
-    import matplotlib
+    import matplotlib   # optional: the lab extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # optional: the lab extra
 
     return plt
 
@@ -49,7 +49,7 @@ def subplots(ncols: int, figsize: tuple[float, float] = (10, 4)):
 
 def save_figure(fig, axes, path: str | Path, title: str) -> Path:
     """Grid and legend on every panel, the title on top, written at the repo's usual size."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # optional: the lab extra
 
     for axis in axes:
         axis.grid(alpha=0.3)

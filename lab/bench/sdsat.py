@@ -28,8 +28,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich.progress import Progress
+from rich.table import Table
+
+from drafters import load_drafter, resolve_spec
+from edge_client.server_side import generate_server_side
+from edge_client.session import RoundSettings, Target, generate
+from edge_client.wire import SessionRequest
 from lab.bench import harness
 from lab.bench.report import save_figure, short_name, subplots
+from lab.workload import prompt_texts
+from sled.flags import non_negative_float, non_negative_int, positive_int
+from sled.models import builtin_sat_adapter, resolve_model
+from sled.v1 import verifier_pb2 as pb
+from sled.wire.sampling import Sampling
 
 PLAIN, SAT, SAMPLED, COMPARED = "plain", "sat", "sat sampled", "sat (compared adapter)"
 # the lookahead part's settings: name -> RoundSettings.hints (None: no lookahead)
@@ -37,8 +49,6 @@ LOOKAHEAD_SETTINGS = {"none": None, "measured": "measured", "always": "always"}
 
 
 def add_arguments(parser) -> None:
-    from sled.flags import non_negative_float, non_negative_int, positive_int
-
     harness.add_server_flags(parser, model_default="gemma3-270m",
                              model_help="target alias or checkpoint path")
     parser.add_argument("--sat-adapter", default=None, help="SAT adapter for the server (default: "
@@ -131,9 +141,6 @@ async def _timed_group(served, coros) -> tuple[list, float, float]:
 
 def server_modes(names: list[str], temperature: float) -> dict[str, tuple[int, object]]:
     """name -> (generation mode, sampling for prompt i) of the server-side modes named."""
-    from sled.wire.sampling import Sampling
-    from sled.v1 import verifier_pb2 as pb
-
     greedy = lambda i: Sampling()   # noqa: E731
     table = {PLAIN: (pb.GENERATION_MODE_SERVER, greedy),
              SAT: (pb.GENERATION_MODE_SERVER_SAT, greedy),
@@ -146,9 +153,6 @@ def server_modes(names: list[str], temperature: float) -> dict[str, tuple[int, o
 async def self_drafting(served, prompts: list[list[int]], args, progress, task,
                         names: list[str]) -> dict[str, Run]:
     """Server-side decoding of every prompt in each named mode, rotating the order per group."""
-    from edge_client.server_side import generate_server_side
-    from edge_client.wire import SessionRequest
-
     stub = served.stub
     modes = server_modes(names, args.temperature)
     for mode, sampling in modes.values():   # warm-up, unmeasured
@@ -172,10 +176,6 @@ async def lookahead_runs(served, spec: str, prompts: list[list[int]], lookahead:
                          progress, task) -> dict[str, Run]:
     """One drafter with no lookahead, measured hints and every hint (LOOKAHEAD_SETTINGS),
     rotating the order per group; runs keyed by setting name."""
-    from drafters import load_drafter, resolve_spec
-    from edge_client.session import RoundSettings, Target, generate
-    from edge_client.wire import SessionRequest
-
     stub, fingerprint = served.stub, served.fingerprint
     resolved = resolve_spec(spec)   # once: an ONNX alias may export on first use
     drafters = [load_drafter(resolved) for _ in range(args.devices)]
@@ -218,8 +218,6 @@ def _validate(args) -> list[str]:
 def _server_args(args, compared: bool = False) -> list[str] | None:
     """`sled serve` flags: dtype, the SAT adapter (explicit, else the alias's shipped one), extras.
     compared: the second server's, with --compare-adapter (None when there is none)."""
-    from sled.models import builtin_sat_adapter
-
     if compared:
         adapter = args.compare_adapter or builtin_sat_adapter(args.model, "embeddings")
         if adapter is None or adapter == "none":
@@ -230,9 +228,6 @@ def _server_args(args, compared: bool = False) -> list[str] | None:
 
 
 async def bench(args) -> int:
-    from lab.workload import prompt_texts
-    from sled.models import resolve_model
-
     console = harness.bench_console(width=160)
     with harness.flag_errors():
         specs = _validate(args)
@@ -291,8 +286,6 @@ def _lookahead(info, args) -> int:
 async def _measure(served, specs: list[str], prompts: list[list[int]], lookahead: int, args,
                    console) -> tuple[dict[str, Run], dict[str, dict[str, Run]]]:
     """Both parts: self-drafting, then each drafter with and without lookahead."""
-    from rich.progress import Progress
-
     names = [PLAIN, SAT] + ([SAMPLED] if args.temperature > 0 else [])
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("generations", total=len(prompts) * (
@@ -308,8 +301,6 @@ async def _measure(served, specs: list[str], prompts: list[list[int]], lookahead
 async def _compared(model_path: str, server_args: list[str], prompts: list[list[int]], args,
                     console) -> dict[str, Run]:
     """Greedy SAT self-drafting on a second server that carries the compared adapter."""
-    from rich.progress import Progress
-
     async with harness.serving(model_path, server_args, console,
                                status="starting the verify server with the compared adapter") as served:
         with harness.server_errors(), Progress(console=console, transient=True) as progress:
@@ -367,8 +358,6 @@ def _slots(rates: list[float | None] | None) -> str:
 
 
 def _self_drafting_table(rows: list[dict], setup: str):
-    from rich.table import Table
-
     table = Table(title=f"SAT self-drafting vs plain decoding: {setup}", caption=(
         "passes: target forward passes per output token (prefills included); step: one server "
         "pass of a session; per slot: slot j accepted when slots before it were; vs plain: "
@@ -388,8 +377,6 @@ def _self_drafting_table(rows: list[dict], setup: str):
 
 
 def _lookahead_table(rows: list[dict], draft_len: int, lookahead: int):
-    from rich.table import Table
-
     table = Table(title=f"SAT lookahead for drafting devices: k={draft_len}, lookahead 0 vs "
                         f"{lookahead} (hints measured: used while they beat the drafter; always)",
                   caption="hints: SAT hint tokens sent as the start of a draft; vs none: "

@@ -28,7 +28,23 @@ import logging
 import time
 from pathlib import Path
 
+import aiomqtt
+from rich.table import Table
+
 from lab.bench import harness
+from lab.bench.report import pyplot
+from lab.fleet import FleetStartError
+from lab.profiles import device_profile, link_profile
+from lab.report import summary
+from lab.results import Results, phase_totals
+from lab.round_trips import RoundTrips
+from lab.rss import RssSeries
+from lab import run as lab_run
+from lab.run import scenario_prompts
+from lab.scenario import parse_scenario
+from lab.tiny import cached_pair
+from sled.flags import non_negative_float, positive_float, positive_int
+from sled.models import resolve_model
 
 SAMPLE_S = 5.0                  # between RSS samples and histogram scrapes
 WINDOW_S = 60.0                 # growth and latency windows (a quarter of a shorter run)
@@ -36,8 +52,6 @@ LINK_CUT_S = 10.0
 
 
 def add_arguments(parser) -> None:
-    from sled.flags import non_negative_float, positive_float, positive_int
-
     parser.add_argument("--devices", type=positive_int, default=64, help="device daemons")
     parser.add_argument("--minutes", type=positive_float, default=30.0, help="how long requests "
                         "are sent")
@@ -60,8 +74,6 @@ def run(args) -> int:
 
 async def bench(args) -> int:
     """The scenario from the flags, the soak, its summary, table, JSON and plot."""
-    from lab.run import scenario_prompts
-
     console = harness.bench_console()
     with harness.flag_errors():
         scenario = soak_scenario(args)
@@ -80,11 +92,6 @@ async def bench(args) -> int:
 
 def soak_scenario(args):
     """The lab scenario the flags describe; a bad profile or link is a ValueError naming its flag."""
-    from lab.profiles import device_profile, link_profile
-    from lab.scenario import parse_scenario
-    from lab.tiny import cached_pair
-    from sled.models import resolve_model
-
     for flag, profile, spec in (("--device-profile", device_profile, args.device_profile),
                                 ("--link", link_profile, args.link)):
         try:
@@ -118,8 +125,6 @@ class Watch:
     the devices, and the devices' round-trip histograms."""
 
     def __init__(self, interval_s: float) -> None:
-        from lab.rss import RssSeries
-
         self.interval_s = interval_s
         self.rss = RssSeries()
         self.trips = None
@@ -127,8 +132,6 @@ class Watch:
     @contextlib.asynccontextmanager
     async def beside(self, devices):
         """Samples now, every interval_s while the body runs, and once more at its end."""
-        from lab.round_trips import RoundTrips
-
         self.trips, started = RoundTrips(devices), time.monotonic()
 
         async def sample() -> None:
@@ -153,38 +156,29 @@ class Watch:
 async def soak(scenario, prompts: list[str], folder: Path, watch: Watch) -> tuple[int, dict]:
     """One sled phase of the scenario on a local fleet, as `sled lab run` runs it (lab.run),
     with WATCH sampling beside it: the run's exit code and its results document."""
-    import aiomqtt
-
-    from lab import run
-    from lab.fleet import FleetStartError
-    from lab.results import Results
-
-    references = await run.greedy_references(scenario, prompts)
-    fleet = run.make_fleet("local", scenario, folder)
+    references = await lab_run.greedy_references(scenario, prompts)
+    fleet = lab_run.make_fleet("local", scenario, folder)
     results = Results(folder.name, fleet.mode, scenario)
     try:
-        run.write_calibrated_traces(scenario, references, fleet.traces_dir)
-        run.phase_line(f"starting the fleet: {len(scenario.slots())} devices, target {scenario.target}")
+        lab_run.write_calibrated_traces(scenario, references, fleet.traces_dir)
+        lab_run.phase_line(f"starting the fleet: {len(scenario.slots())} devices, target {scenario.target}")
         await fleet.start(scenario.slots())
         results.link_emulation = fleet.link_emulation()
         async with watch.beside(fleet.devices):
-            await run.run_phase(fleet, scenario, "sled", len(fleet.devices), prompts,
-                                run.outputs(references), results, scenario.faults)
+            await lab_run.run_phase(fleet, scenario, "sled", len(fleet.devices), prompts,
+                                    lab_run.outputs(references), results, scenario.faults)
     except (FleetStartError, TimeoutError, asyncio.TimeoutError, aiomqtt.MqttError) as exc:
         raise harness.Stop(f"{exc} (logs in {folder / 'logs'})", harness.SERVER_FAILED) from None
     finally:
         await fleet.stop()
     results.write(folder)
-    return run.finish(results, folder), results.document()
+    return lab_run.finish(results, folder), results.document()
 
 
 # --- what it found -----------------------------------------------------------------------------------
 
 def summarise(document: dict, watch: Watch, window_s: float, args) -> dict:
     """The soak's results: the run's totals, the fault steps, RSS growth and latency per window."""
-    from lab.report import summary
-    from lab.results import phase_totals
-
     phase = document["phases"][0]
     detail = summary.lossless_detail(document)
     return {"devices": args.devices, "minutes": args.minutes, "faults": args.faults,
@@ -217,8 +211,6 @@ def _pct(value) -> str:
 
 
 def _table(console, results: dict) -> None:
-    from rich.table import Table
-
     table = Table(title=f"soak: {results['devices']} devices ({results['device_profile']}, "
                         f"{results['link']}) for {results['minutes']:g} min against "
                         f"{results['target']}")
@@ -253,8 +245,6 @@ def _table(console, results: dict) -> None:
 def _plot(results: dict, png: Path) -> None:
     """RSS of the server and the mean device over time (fault steps marked), and the round-trip
     p50/p99 per window."""
-    from lab.bench.report import pyplot
-
     plt = pyplot()
     samples = results["rss_samples"]
     fig, (memory, latency) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)

@@ -14,6 +14,7 @@ Without it the user's cache is used, warm.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -22,17 +23,15 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-from lab.bench import harness
+from rich.table import Table
 
-SERVER_PHASES = ["imports", "gguf.assemble", "target.convert", "target.tokenizer",
-                 "target.weights", "target.rest", "total"]
-DRAFTER_PHASES = ["imports", "gguf.assemble", "drafter", "drafter.fingerprint", "total"]
-DEVICE_PHASES = ["imports", "device.tokenizer", "total"]
+from lab.bench import harness
+from lab.bench.startup_child import DEVICE_PHASES, DRAFTER_PHASES, SERVER_PHASES
+from sled.flags import positive_int
+from sled.models import resolve_model
 
 
 def add_arguments(parser) -> None:
-    from sled.flags import positive_int
-
     parser.add_argument("--target", default="gemma3-270m", help="the server's target alias or path")
     parser.add_argument("--drafter", default="gguf:gemma3-270m", help="drafter spec")
     parser.add_argument("--reps", type=positive_int, default=1, help="warm starts measured")
@@ -84,7 +83,7 @@ def _one_start(args, env: dict) -> dict:
 
 def _child(kind: str, spec: str, env: dict) -> dict:
     """Phase seconds of one start in a child process (child() below)."""
-    code = f"from lab.bench.startup import child; child({kind!r}, {spec!r})"
+    code = f"from lab.bench.startup_child import child; child({kind!r}, {spec!r})"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=1800)
     if done.returncode != 0:
@@ -93,63 +92,10 @@ def _child(kind: str, spec: str, env: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def child(kind: str, spec: str) -> None:
-    """In the child: start the server's target or the drafter as the commands do, then print the
-    phases' seconds as one JSON line."""
-    start = time.perf_counter()
-    from sled import progress
-
-    if kind == "server":
-        from verify_server.target import load_target
-        from verify_server.server import serve_forever  # noqa: F401  (serve's imports)
-        from verify_server.settings import ServerSettings
-
-        imported = time.perf_counter() - start
-        load_target(ServerSettings(model=spec))
-    elif kind == "device":
-        from edge_client.connection import Connection  # noqa: F401  (generate's imports)
-
-        imported = time.perf_counter() - start
-        progress.TIMINGS.append(("device.tokenizer", _device_tokenizer(spec)))
-    else:
-        from drafters import load_drafter
-        from edge_client.session import generate  # noqa: F401  (generate's imports)
-
-        imported = time.perf_counter() - start
-        load_drafter(spec).tokenizer_fingerprint
-    phases = {"imports": imported}
-    for key, seconds in progress.TIMINGS:
-        phases[key] = phases.get(key, 0.0) + seconds
-    phases["total"] = time.perf_counter() - start
-    if kind == "server":
-        loaded = sum(phases.get(key, 0.0) for key in SERVER_PHASES[:5])
-        phases["target.rest"] = phases["total"] - loaded
-    print(json.dumps(phases))
-
-
-def _device_tokenizer(address: str) -> float:
-    """Seconds for the target's model info and tokenizer (from the device's cache once fetched)."""
-    import asyncio
-
-    from edge_client.connection import Connection
-
-    async def load() -> float:
-        start = time.perf_counter()
-        async with Connection(address) as conn:
-            await conn.tokenizer()
-        return time.perf_counter() - start
-
-    return asyncio.run(load())
-
-
 def _first_token(args, env: dict) -> tuple[dict, float]:
     """Against a server started beforehand (not counted), both in ENV's sled cache: the device's
     tokenizer phases, then the seconds from `sled generate --drafter D` starting to its first
     byte of text."""
-    import asyncio
-
-    from sled.models import resolve_model
-
     async def measure() -> tuple[dict, float]:
         async with harness.serving(resolve_model(args.target)) as served:
             address = served.server.address
@@ -176,8 +122,6 @@ def _generate(address: str, drafter: str, env: dict) -> float:
 
 def _print(console, runs: dict, args) -> None:
     """One table per side: a row per phase, a column per start."""
-    from rich.table import Table
-
     names = list(runs)
     sides = {"server": (SERVER_PHASES, args.target), "drafter": (DRAFTER_PHASES, args.drafter),
              "device": (DEVICE_PHASES, f"the tokenizer of {args.target}")}

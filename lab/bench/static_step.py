@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from transformers import StaticCache
 
 # Tokens one prefill forward carries at most (sessions x chunk), so a long fill fits in memory.
 PREFILL_TOKENS = 8192
@@ -21,8 +22,6 @@ class StaticCacheStep:
     def __init__(self, model: torch.nn.Module, sessions: int, context: int, width: int,
                  tokens_of: Callable[[int, int], list[int]], bytes_per_token: int,
                  graphs: bool) -> None:
-        from transformers import StaticCache
-
         self.model, self.device = model, model.device
         self.step_bytes = sessions * width * bytes_per_token     # KV written per step
         self.bytes_copied = 0

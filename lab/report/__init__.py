@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lab.report import summary
+from lab.report import html, plots, summary
 from lab.report.energy import costs
 
 
@@ -35,8 +35,6 @@ def build_report(results: dict, out_dir: Path, beside: dict | None = None) -> Pa
     """Write report.json, the PNGs and report.html into out_dir; the page's path. BESIDE:
     another run's report.json (a run on this machine's own server, for an emulated one), drawn
     next to this run in the sled-vs-centralized plot."""
-    from lab.report import html, plots
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = summarise(results)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lab.bench.report import pyplot
 from lab.report import summary
 
 SYSTEM_COLOURS = {"sled": "tab:blue", "centralized": "tab:orange"}
@@ -15,8 +16,6 @@ class Skip(Exception):
 
 
 def _pyplot():
-    from lab.bench.report import pyplot
-
     return pyplot()
 
 

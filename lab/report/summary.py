@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 from lab.bench.report import percentile
+from lab.bench.serve import emulation_summary
+from lab.traces.calibrated import is_calibrated, load_calibration
+from verify_server.step_costs import load_profile
 
 QUANTILES = (50, 95, 99)
 
@@ -109,10 +112,6 @@ def emulation(results: dict) -> dict | None:
     name = ((results.get("scenario") or {}).get("server") or {}).get("emulate")
     if not name:
         return None
-    from lab.bench.serve import emulation_summary
-    from lab.traces.calibrated import is_calibrated, load_calibration
-    from verify_server.step_costs import load_profile
-
     profile = load_profile(name)
     phases = [{"system": p["system"], "fleet_size": p["fleet_size"],
                "forward_passes": (p.get("server") or {}).get("emulated_steps") or 0,

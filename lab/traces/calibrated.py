@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from lab.traces.synthetic import SyntheticDrafter, synthetic_trace_set
+
 PREFIX = "calibrated:"
 FOLDER = Path(__file__).with_name("calibrated")
 # Tokens drafted per position of a trace: a 16-token draft (the daemon's max_draft_len) drafted
@@ -82,8 +84,6 @@ def write_traces(specs: Sequence[str], prompt_ids: Sequence[Sequence[int]],
                  target: str) -> list[Path]:
     """One trace file per calibrated pair in SPECS: a synthetic trace per prompt along the
     target's greedy output, drawn with the pair's acceptance (the same seed for every pair)."""
-    from lab.traces.synthetic import SyntheticDrafter, synthetic_trace_set
-
     written = []
     for spec in sorted({s for s in specs if is_calibrated(s)}):
         pair = load_calibration(spec)

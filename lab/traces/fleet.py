@@ -12,7 +12,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_client.session import RoundSettings
+from edge_client.server_side import generate_server_side
+from edge_client.session import RoundSettings, SessionHooks, Target, generate
+from edge_client.wire import SessionRequest
+from lab.link import link_transport
+from lab.profiles import Link
+from lab.traces.replay import TraceDrafter
 
 MODES = ("sled", "centralized")
 
@@ -41,13 +46,6 @@ class TraceFleet:
             for j, trace in enumerate(traces))))
 
     async def _device(self, j: int, trace, max_new_tokens: int, mode: str, seed: int, policy):
-        from edge_client.server_side import generate_server_side
-        from edge_client.session import SessionHooks, Target, generate
-        from edge_client.wire import SessionRequest
-        from lab.link import link_transport
-        from lab.profiles import Link
-        from lab.traces.replay import TraceDrafter
-
         expected = trace.target_ids[:max_new_tokens]
         wire = link_transport(Link(self.link, seed=seed + j))
         if mode == "centralized":

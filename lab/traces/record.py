@@ -7,8 +7,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from rich.progress import Progress
+
+from drafters import bind_target_tokenizer, load_drafter
 from drafters.base import reports_confidence
 from lab.traces.format import Trace, TraceSet
+from lab.workload import prompt_texts
+from sled.models import resolve_model
 from sled.wire.sampling import Sampling
 
 
@@ -54,10 +59,11 @@ def record_traces(drafter, prompts_ids: Sequence[Sequence[int]],
     return traces
 
 
-
 def default_specs(model: str | None, drafter: str | None) -> tuple[str, str]:
     """(target, drafter spec): the tiny pair when no model is named; ngram when no drafter is."""
     if model is None:
+        # not at the top: a device imports lab.traces (the trace drafter), which imports this
+        # module, and lab.tiny imports torch
         from lab.tiny import cached_pair
 
         target, tiny_drafter = cached_pair()
@@ -68,6 +74,7 @@ def default_specs(model: str | None, drafter: str | None) -> tuple[str, str]:
 def greedy_outputs(target, prompts: list[list[int]], max_new_tokens: int, progress=None) -> list[list[int]]:
     """The target's own greedy continuation of each prompt (transformers generate, do_sample=False),
     cut after EOS as the server cuts it."""
+    # not at the top: no torch on the device side (see above)
     import torch
 
     tokenizer = target.tokenizer
@@ -89,11 +96,7 @@ def record_trace_set(model: str, drafter_spec: str, workload: str, max_new_token
                      max_draft_len: int, dtype: str = "float32", prompts_limit: int | None = None,
                      console=None):
     """Load the target (alias or path), take its greedy outputs, drive the drafter along them."""
-    from rich.progress import Progress
-
-    from drafters import bind_target_tokenizer, load_drafter
-    from lab.workload import prompt_texts
-    from sled.models import resolve_model
+    # not at the top: no torch on the device side (see above)
     from verify_server.target import Target
 
     target = Target.load(resolve_model(model), dtype=dtype)
