@@ -64,11 +64,13 @@ async def test_the_engine_thread_runs_steps_under_the_settings_the_server_starte
     limit: at the default of 8, flex fell back to eager over the whole pool)."""
     import torch._dynamo.config as dynamo
 
-    monkeypatch.setattr(dynamo, "recompile_limit", 77)
-    server = await serve(models["llama"])
-    engine = server.scheduler.engine
-    seen, forward = [], engine.forward
-    monkeypatch.setattr(engine, "forward", lambda rows: seen.append(dynamo.recompile_limit)
-                        or forward(rows))
-    await run_sessions(server, prompts, 2, max_new=4)
+    # torch's config.patch, not monkeypatch: monkeypatch's undo would delete the setting (a
+    # config module keeps none in its __dict__), which hides it from torch itself afterwards
+    with dynamo.patch(recompile_limit=77):
+        server = await serve(models["llama"])
+        engine = server.scheduler.engine
+        seen, forward = [], engine.forward
+        monkeypatch.setattr(engine, "forward", lambda rows: seen.append(dynamo.recompile_limit)
+                            or forward(rows))
+        await run_sessions(server, prompts, 2, max_new=4)
     assert seen and set(seen) == {77}
