@@ -131,7 +131,7 @@ def _centralized(alias: str, prompts: list[str], devices: int, max_new: int) -> 
     the devices' concurrent requests batched together."""
     from sled.models import hf_checkpoint
     from verify_server.centralized import generate_centralized
-    from verify_server.engine import make_engine
+    from verify_server.engines import make_engine
     from verify_server.target import Target
 
     target = Target.load(str(hf_checkpoint(alias)))

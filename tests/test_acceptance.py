@@ -13,7 +13,12 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from verify_server.acceptance import DraftQ, Outcome, verify_greedy, verify_sampling
+from sled.wire.loose import Loose
+from sled.wire.sampling import Sampling
+from verify_server.acceptance import (DraftQ, Outcome, Proposal, decide, verify_greedy,
+                                      verify_greedy_tree, verify_sampling, verify_sampling_tree)
+from verify_server.engines.base import StepLogits
+from verify_server.warp import warp
 
 F64 = torch.float64
 COUNTS = (500, 4000, 32000)
@@ -294,3 +299,62 @@ def test_deterministic_drafter_edge_cases():
     assert all(verify_sampling(sure, [4], None, gen) == Outcome(1, [4, 4]) for _ in range(100))
     # p gives the draft token nothing: always rejected, the correction is p's only token.
     assert all(verify_sampling(sure, [3], None, gen) == Outcome(0, [4]) for _ in range(100))
+
+
+# --- a whole step: decide -------------------------------------------------------------------------
+
+class CountedLogits(StepLogits):
+    """StepLogits that count how often the step's argmax is taken and copied to the host."""
+    __slots__ = ("copies",)
+
+    def targets(self) -> list[int]:
+        self.copies += 1
+        return StepLogits.targets(self)
+
+
+def test_decide_gives_each_rows_own_verdict_from_one_argmax_copy():
+    """One step of every row kind (a prefill chunk, greedy chain and tree, loose chain, a chain
+    with SAT hints after every cut, sampling chain with q and tree): the verdicts are those of
+    the per-row rules, sampling under the same seeded stream, and the step's argmax is taken
+    and copied to the host once."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, widths = 12, [4, 4, 5, 4, 4 + 4 * 2, 4, 5]
+    packed = torch.randn(sum(widths[1:]), vocab, generator=gen)
+    spans, offset = [None], 0
+    for width in widths[1:]:
+        spans.append(slice(offset, offset + width))
+        offset += width
+    row = [None] + [packed[span] for span in spans[1:]]
+    greedy, warm = Sampling(), Sampling(temperature=0.8, top_k=6, seed=11)
+    targets = [r.argmax(-1).tolist() if r is not None else None for r in row]
+    chain = targets[1][:3]                           # accepted whole: the bonus follows
+    tree_parents = (0, 1, 0, 3)
+    tree = [targets[2][0] + 1, 7, targets[2][0], targets[2][3]]
+    loose = Loose(window=1, entropy=0.0)             # keeps any mismatch the next token backs
+    sat_draft = [targets[4][0], (targets[4][1] + 1) % vocab, 5]
+    q = [to_sparse(random_distribution(vocab, gen, support=4)) for _ in range(3)]
+    proposals = [None,
+                 Proposal(chain, greedy),
+                 Proposal(tree, greedy, parents=tree_parents),
+                 Proposal([3, 3, 3], greedy, loose=loose),
+                 Proposal(sat_draft, greedy, lookahead=2, every_cut=True),
+                 Proposal([4, 5, 6], warm, torch.Generator().manual_seed(1), q=q),
+                 Proposal([1, 2, 3, 4], warm, torch.Generator().manual_seed(2),
+                          parents=tree_parents)]
+    logits = CountedLogits(packed, spans)
+    logits.copies = 0
+    outcomes = decide(proposals, logits)
+    assert logits.copies == 1 and outcomes[0] is None
+    assert outcomes[1] == verify_greedy(row[1], chain) and outcomes[1].accepted == 3
+    assert outcomes[2] == verify_greedy_tree(row[2], tree, tree_parents)
+    assert outcomes[2].path == (3, 4)
+    assert outcomes[3] == verify_greedy(row[3], [3, 3, 3], loose)
+    sat = verify_greedy(row[4][:4], sat_draft)
+    assert sat.accepted == 1
+    first = 4 + sat.accepted * 2                     # the block after the accepted token
+    assert outcomes[4].hints == targets[4][first:first + 2]
+    assert outcomes[4].emitted == sat.emitted
+    assert outcomes[5] == verify_sampling(warp(row[5], warm), [4, 5, 6], q,
+                                          torch.Generator().manual_seed(1))
+    assert outcomes[6] == verify_sampling_tree(warp(row[6], warm), [1, 2, 3, 4], tree_parents,
+                                               torch.Generator().manual_seed(2))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from conftest import greedy_reference
 from verify_server.centralized import generate_centralized
-from verify_server.engine import make_engine
+from verify_server.engines import make_engine
 
 
 def test_centralized_matches_generate_and_batches_every_session(models, prompts):

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from conftest import greedy_reference
-from verify_server.blocks import BlockPool, KVShape, PoolExhausted, prefix_hashes
-from verify_server.engine import Row, make_engine
+from verify_server.engines import make_engine
+from verify_server.engines.blocks import BlockPool, KVShape, PoolExhausted, prefix_hashes
+from verify_server.engines.rows import Row
 
 BUDGET = 32 << 20
 
@@ -130,7 +131,7 @@ def test_prefix_hashes_cover_whole_prefixes():
 
 
 def test_prefix_blocks_are_shared_and_reference_counted():
-    from verify_server.kv import SessionKV
+    from verify_server.engines.kv import SessionKV
     pool = tiny_pool()
     first = SessionKV(pool)
     prompt = list(range(10, 21))                         # 11 tokens: 2 full blocks
@@ -150,7 +151,7 @@ def test_prefix_blocks_are_shared_and_reference_counted():
 
 
 def test_reservations_bound_admission():
-    from verify_server.kv import SessionKV
+    from verify_server.engines.kv import SessionKV
     pool = tiny_pool(blocks=9)                           # 8 usable blocks, 32 tokens
     a = SessionKV(pool)
     a.admit([1, 2, 3], 20, b"")                           # reserves 5 blocks
@@ -166,7 +167,7 @@ def test_reservations_bound_admission():
 
 
 def test_cached_blocks_are_reused_least_recent_first():
-    from verify_server.kv import SessionKV
+    from verify_server.engines.kv import SessionKV
     pool = tiny_pool(blocks=3, block_tokens=2)           # 2 usable blocks
     kv = SessionKV(pool)
     kv.admit([1, 2, 3], 4, b"")
@@ -181,3 +182,34 @@ def test_cached_blocks_are_reused_least_recent_first():
     assert pool.cached_blocks() == 0
     other.free()
     assert SessionKV(pool).admit([1, 2, 3], 4, b"") == 0
+
+
+def test_the_engines_import_one_way():
+    """Within verify_server/engines/ no module imports one that imports it back (the package's
+    __init__, the factory, imports them all and is imported by none of them)."""
+    import ast
+    from pathlib import Path
+
+    import verify_server.engines as package
+
+    folder = Path(package.__file__).parent
+    imports = {}
+    for path in folder.glob("*.py"):
+        name = path.stem
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == "verify_server.engines":   # a module, or the factory's names
+                    found.update(alias.name if (folder / f"{alias.name}.py").exists()
+                                 else "__init__" for alias in node.names)
+                elif node.module.startswith("verify_server.engines."):
+                    found.add(node.module.rsplit(".", 1)[1])
+        imports[name] = found - {name}
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n)))
+                   for n in imports.get(start, ()))
+
+    assert {"paged", "flex", "padded", "base", "visibility"} <= set(imports)
+    assert not [name for name in imports if reaches(name, name)]
+    assert not [name for name, found in imports.items() if "__init__" in found]

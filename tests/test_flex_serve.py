@@ -20,7 +20,7 @@ from edge_client.session import RoundSettings, generate
 from edge_client.wire import SessionRequest
 from lab.server_process import ServerProcess
 from sled.v1 import verifier_pb2_grpc as pb_grpc
-from verify_server.blocks import KVShape
+from verify_server.engines.blocks import KVShape
 
 pytestmark = pytest.mark.slow
 

@@ -16,13 +16,13 @@ from edge_client.daemon import Device, Request
 from edge_client.session import RoundSettings, generate
 from edge_client.settings import DeviceSettings
 from edge_client.wire import SessionRequest
-from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
-from verify_server.blocks import BlockPool, KVShape, prefix_hashes
-from verify_server.kv import SessionKV
-from verify_server.settings import ServerSettings
+from sled.wire.sampling import Sampling
+from verify_server.engines.blocks import BlockPool, KVShape, prefix_hashes
+from verify_server.engines.kv import SessionKV
 from verify_server.server import start_server
+from verify_server.settings import ServerSettings
 from verify_server.target import Target
 from verify_server.tenant import peer_host, tenant_key
 

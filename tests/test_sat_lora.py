@@ -11,15 +11,16 @@ import math
 import grpc
 import pytest
 import torch
+from test_sampling_e2e import exact_distributions, total_variation
+from test_sdsat_serving import SLOTS, adapter_spec, server_sat
 
 from conftest import greedy_reference
 from lab.tiny import make_model
-from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
-from test_sampling_e2e import exact_distributions, total_variation
-from test_sdsat_serving import SLOTS, adapter_spec, server_sat
-from verify_server.engine import Row, make_engine
+from sled.wire.sampling import Sampling
+from verify_server.engines import make_engine
+from verify_server.engines.rows import Row
 from verify_server.sat_lora import SatLora, peft_config, to_peft
 from verify_server.sdsat import SatSpec, load_adapter, save_adapter
 

@@ -16,8 +16,8 @@ from drafters.ngram import NgramDrafter
 from edge_client.session import RoundSettings, generate
 from edge_client.wire import SessionRequest
 from sled.v1 import verifier_pb2_grpc as pb_grpc
-from verify_server.blocks import BlockPool, KVShape
-from verify_server.kv import SessionKV
+from verify_server.engines.blocks import BlockPool, KVShape
+from verify_server.engines.kv import SessionKV
 
 MIB = 1 << 20
 

@@ -11,10 +11,10 @@ import types
 import pytest
 
 from conftest import greedy_reference, run_main
+from verify_server.engines.emulated import EmulatedEngine
 from verify_server.metrics import Metrics
-from verify_server.pacing import StepPacer
-from verify_server.step_costs import (StepCell, StepRule, load_profile, make_profile,
-                                      parse_profile, shipped_profiles)
+from verify_server.step_costs import (StepCell, StepRule, load_profile, make_profile, parse_profile,
+                                      shipped_profiles)
 
 PROVENANCE = {"device": "a test GPU", "model": "tiny", "engine": "paged", "torch": "2.13",
               "transformers": "5.24", "date": "2026-11-27", "command": "made by the test"}
@@ -31,6 +31,31 @@ def profile_file(tmp_path, rule: dict, cells=None, provenance=PROVENANCE, name="
 def rows(*shape):
     """Rows of (context, new tokens) as the pacer reads them."""
     return [types.SimpleNamespace(kv=types.SimpleNamespace(length=c), width=w) for c, w in shape]
+
+
+class Stepless:
+    """An engine whose forward takes no time."""
+    kind, pool = "stepless", "its pool"
+
+    def __init__(self):
+        self.steps = []
+
+    def forward(self, rows):
+        self.steps.append(rows)
+        return "its logits"
+
+
+def test_an_emulated_engine_holds_each_forward_and_is_its_engine_otherwise(tmp_path):
+    profile = load_profile(profile_file(tmp_path, {"base_ms": 30.0, "per_token_ms": 1.0,
+                                                   "per_kv_token_ms": 0.1}))
+    inner, metrics = Stepless(), Metrics()
+    engine = EmulatedEngine(inner, profile, metrics)
+    step = rows((100, 5), (40, 1))          # 50.6 ms on the profile's device
+    started = time.perf_counter()
+    assert engine.forward(step) == "its logits" and inner.steps == [step]
+    assert 0.0506 <= time.perf_counter() - started < 0.0506 + 0.01
+    assert metrics.emulated_steps._value.get() == 1
+    assert (engine.kind, engine.pool) == ("stepless", "its pool")
 
 
 def test_the_shipped_h100_profile_fits_its_measured_steps():
@@ -98,7 +123,7 @@ def test_the_pacer_holds_a_step_to_the_profiles_time(tmp_path):
     profile = load_profile(profile_file(tmp_path, {"base_ms": 30.0, "per_token_ms": 1.0,
                                                    "per_kv_token_ms": 0.1}))
     metrics = Metrics()
-    pacer = StepPacer(profile, metrics)
+    pacer = EmulatedEngine(Stepless(), profile, metrics)
     step = rows((100, 5), (40, 1))          # new 6, read 146: 30 + 6 + 14.6 = 50.6 ms
     started = time.perf_counter()
     pacer.hold(pacer.due(step, started))
@@ -117,7 +142,7 @@ def test_the_pacer_holds_a_step_to_the_profiles_time(tmp_path):
 def test_a_step_wider_than_the_measured_cells_is_said_once(tmp_path, caplog):
     profile = load_profile(profile_file(tmp_path, {"base_ms": 1.0, "per_token_ms": 0.0,
                                                    "per_kv_token_ms": 0.0}))   # cells: 1 row
-    pacer = StepPacer(profile, Metrics())
+    pacer = EmulatedEngine(Stepless(), profile, Metrics())
     pacer.due(rows((8, 1)), 0.0)
     assert "past the" not in caplog.text
     for _ in range(3):

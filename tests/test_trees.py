@@ -20,13 +20,14 @@ from drafters.capabilities import Capabilities, passed_on
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
 from edge_client.wire import SessionRequest
+from sled.v1 import verifier_pb2 as pb
 from sled.wire.sampling import Sampling
 from sled.wire.tree import Trie, children, cut, depths, tree_problem
-from sled.v1 import verifier_pb2 as pb
 from tests.test_bad_input import TARGET_FP, open_msg
 from tests.test_lossless import server_stub
 from verify_server.acceptance import verify_greedy, verify_greedy_tree
-from verify_server.engine import Row, make_engine
+from verify_server.engines import make_engine
+from verify_server.engines.rows import Row
 
 GREEDY = Sampling()
 

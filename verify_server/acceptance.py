@@ -33,16 +33,23 @@ Example (greedy tree): draft = [5, 9, 7, 4], parents = [0, 1, 0, 3] (root -> 5 -
 
 Loose verification (opt-in per session, NOT lossless: sled.wire.loose) is the one exception to "the
 output is the target's": verify_greedy may then keep a mismatching draft token (loose_accepted).
+
+A step is decided in one call, `decide(proposals, logits)`: every row of the step (greedy and
+sampling, chains and trees, SAT hints, loose), the greedy rows and every SAT hint from one argmax
+over the step's logits and one copy of it to the host.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from sled.wire.loose import Loose
+from sled.wire.sampling import Sampling
 from sled.wire.tree import children
+from verify_server.engines.base import StepLogits
+from verify_server.warp import warp
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +105,13 @@ def verify_greedy(logits: torch.Tensor, draft: Sequence[int], loose: Loose | Non
     Loose example, window 2: draft [5, 8, 4], argmax p [5, 9, 4, 2], the target unsure at
     position 1 -> 8 is kept because the next draft token 4 is the target's own after it:
     accepted 3, emitted [5, 8, 4, 2], loose_at (1,)."""
-    targets = logits.argmax(dim=-1).tolist()  # [draft_len + 1]
+    return greedy_chain(logits.argmax(dim=-1).tolist(), draft, loose, logits)
+
+
+def greedy_chain(targets: Sequence[int], draft: Sequence[int], loose: Loose | None = None,
+                 logits: torch.Tensor | None = None) -> Outcome:
+    """verify_greedy given the argmax p at each position, `targets` [draft_len + 1]; `logits`
+    only for a loose session (its entropy test)."""
     accepted, kept = 0, []
     while accepted < len(draft):
         if draft[accepted] != targets[accepted]:
@@ -118,7 +131,11 @@ def verify_greedy_tree(logits: torch.Tensor, draft: Sequence[int],
     Example: draft [5, 9, 7, 4], parents [0, 1, 0, 3] (root -> 5 -> 9, root -> 7 -> 4), argmax p
     after root 7, after node 3 (the 7) 4, after node 4 2 -> path (3, 4), emitted [7, 4, 2].
     """
-    targets = logits.argmax(dim=-1).tolist()  # [len(draft) + 1]
+    return greedy_tree(logits.argmax(dim=-1).tolist(), draft, parents)
+
+
+def greedy_tree(targets: Sequence[int], draft: Sequence[int], parents: Sequence[int]) -> Outcome:
+    """verify_greedy_tree given the argmax p after the root and after each node, `targets`."""
     kids = children(parents)
     node, path = 0, []
     while True:
@@ -202,3 +219,62 @@ def verify_sampling(
         return Outcome(j, list(draft[:j]) + [correction])
     bonus = int(torch.multinomial(p[len(draft)], 1, generator=generator))
     return Outcome(len(draft), list(draft) + [bonus])
+
+
+# --- a whole step ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """What deciding one row of a step takes: its draft, and the session's way of judging it."""
+    draft: Sequence[int]                # [draft_len], a chain or a tree's nodes
+    sampling: Sampling                  # greedy, or how p is warped before sampling
+    generator: torch.Generator | None = None   # the session's random stream (sampling)
+    q: Sequence[DraftQ] | None = None   # [draft_len] a sampling chain's q; None: deterministic
+    parents: Sequence[int] = ()         # a tree draft's parent indices; (): a chain
+    loose: Loose | None = None          # opt-in loose verification (greedy chains)
+    lookahead: int = 0                  # m SAT slots per block after the draft
+    every_cut: bool = False             # a SAT block after every place the draft may be cut
+
+
+def decide(proposals: Sequence[Proposal | None], logits: StepLogits) -> list[Outcome | None]:
+    """Every row of a step, decided from the step's logits (row b's: logits.row(b),
+    [draft_len + 1 + blocks * m, vocab]); None for a row without a proposal (a prefill chunk).
+
+    The greedy rows and every SAT hint read the argmax of the step's logits, taken once and
+    copied to the host once; a sampling row warps its own logits into p and draws from its
+    session's stream, in row order."""
+    targets: list[int] | None = None
+    outcomes: list[Outcome | None] = []
+    for b, proposal in enumerate(proposals):
+        span = logits.spans[b]
+        if proposal is None or span is None:
+            outcomes.append(None)
+            continue
+        if targets is None and (proposal.sampling.greedy or proposal.lookahead):
+            targets = logits.targets()
+        row_targets = targets[span] if targets is not None else []
+        outcomes.append(_decide_row(proposal, row_targets, logits.row(b)))
+    return outcomes
+
+
+def _decide_row(proposal: Proposal, targets: list[int], logits: torch.Tensor) -> Outcome:
+    """One row: its path and token, then its SAT hints (from the block that follows the accepted
+    tokens with every_cut, else from the one block when the whole draft survived)."""
+    draft, sampling, draft_len = proposal.draft, proposal.sampling, len(proposal.draft)
+    if proposal.parents:        # deterministic candidates only (validation.check_tree)
+        if sampling.greedy:
+            return greedy_tree(targets, draft, proposal.parents)
+        return verify_sampling_tree(warp(logits.float(), sampling), draft, proposal.parents,
+                                    proposal.generator)
+    if sampling.greedy:
+        outcome = greedy_chain(targets[:draft_len + 1], draft, proposal.loose, logits)
+    else:
+        p = warp(logits[:draft_len + 1].float(), sampling)      # [draft_len + 1, vocab]
+        outcome = verify_sampling(p, draft, proposal.q, proposal.generator)
+    m = proposal.lookahead
+    if m and (proposal.every_cut or outcome.accepted == draft_len):
+        # SAT slot 1 stands for the correction or bonus token; each slot guesses the token
+        # after its own.
+        first = draft_len + 1 + (outcome.accepted if proposal.every_cut else 0) * m
+        outcome = replace(outcome, hints=targets[first:first + m])
+    return outcome

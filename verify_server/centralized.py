@@ -7,7 +7,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from verify_server.engine import Engine, Row
+from verify_server.engines.base import Engine
+from verify_server.engines.rows import Row
 
 
 @dataclass(slots=True)
@@ -39,11 +40,12 @@ def generate_centralized(engine: Engine, prompts: Sequence[Sequence[int]], max_n
     live = list(range(len(prompts)))
     while live:
         last = [outputs[i][-1] if outputs[i] else prompts[i][-1] for i in live]
-        logits = engine.forward([Row(caches[i], [t], want_logits=True) for i, t in zip(live, last)])
+        step = engine.forward([Row(caches[i], [t], want_logits=True) for i, t in zip(live, last)])
         passes += 1
-        for i, row_logits in zip(list(live), logits):
+        targets = step.targets()           # one argmax, one copy to the host
+        for i, span in zip(list(live), step.spans):
             caches[i].commit(1)            # the token fed this pass; the new one goes in next
-            token = int(row_logits[-1].argmax())
+            token = targets[span.stop - 1]
             outputs[i].append(token)
             if token in eos_ids or len(outputs[i]) >= max_new_tokens:
                 live.remove(i)

@@ -19,22 +19,21 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from sled.wire.tree import cut
 from sled.v1 import verifier_pb2 as pb
+from sled.wire.tree import cut
 from verify_server import errors, validation
 from verify_server.auth import Gate, Identity
-from verify_server.engines.blocks import PoolExhausted
 from verify_server.draft_advice import suggest_draft_len
+from verify_server.engines.blocks import PoolExhausted
 from verify_server.errors import Reason, SessionError
 from verify_server.metrics import Metrics
 from verify_server.quotas import Quotas
 from verify_server.rounds import finish_round, timings
-from verify_server.scheduler import Scheduler
+from verify_server.scheduler import Scheduler, Verify, sat_step_tokens
 from verify_server.session import Session
 from verify_server.settings import ServerSettings
 from verify_server.target import Target
 from verify_server.tenant import tenant_key
-from verify_server.work import Verify, sat_step_tokens
 
 log = logging.getLogger("sled.server")
 

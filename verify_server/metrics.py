@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 if TYPE_CHECKING:
-    from verify_server.blocks import BlockPool
+    from verify_server.engines.blocks import BlockPool
 
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 MAX_DEVICE_LABELS = 1024    # distinct device labels; later devices are counted as "other"

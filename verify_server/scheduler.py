@@ -6,6 +6,13 @@ deadline first, then prompt prefill in chunks of whatever budget is left (so a l
 holds up other devices' rounds; the oldest prompt always gets at least 1/8 of the budget, so
 verification cannot starve it either). Work whose deadline has passed is dropped before the
 forward.
+
+A step, on the engine thread, is plan -> forward -> decide -> keep; its outcomes then reply to
+each work's future on the loop:
+
+    rows = [work.row(share) ...]                       # plan: the rows the budget admits
+    outcomes = verify_step(engine, rows, proposals)    # forward, then acceptance.decide
+    work.keep(row, outcome)                            # prefill KV committed, tree paths moved
 """
 from __future__ import annotations
 
@@ -14,17 +21,108 @@ import contextvars
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from verify_server import errors
-from verify_server.acceptance import DraftQ, Outcome
-from verify_server.engine import Engine, Row
+from verify_server.acceptance import DraftQ, Outcome, Proposal, decide
+from verify_server.engines.base import Engine
+from verify_server.engines.rows import Row
 from verify_server.errors import Reason
 from verify_server.metrics import Metrics
-from verify_server.pacing import StepPacer
 from verify_server.session import Session
-from verify_server.work import Prefill, Verify, Work
 
+
+# --- the work a session queues ----------------------------------------------------------------------
+# Each item gives a step its row (`row`) and what deciding it takes (`proposal`: the whole step
+# is decided at once). After the decision `keep` puts the KV in order on the engine thread: a
+# prefill chunk is all kept, so it commits its own KV; a tree's accepted path is moved to where
+# a chain's would be. A round's tokens and the rest of its KV are committed by `Session.commit`
+# when the round finishes (rounds.finish_round).
+
+@dataclass(slots=True, eq=False)
+class Work:
+    session: Session
+    future: asyncio.Future | None   # None until the scheduler queues it
+    deadline: float | None = None        # perf_counter time after which the work is useless
+    enqueued: float = field(default_factory=time.perf_counter)
+
+    @property
+    def tokens_wanted(self) -> int:
+        """Tokens this work would put into the next forward if the budget allowed."""
+        raise NotImplementedError
+
+    def row(self, budget: int) -> Row:
+        raise NotImplementedError
+
+    def proposal(self) -> Proposal | None:
+        """What deciding this work's row takes; None when there is nothing to decide."""
+        return None
+
+    def keep(self, row: Row, outcome: Outcome | None) -> None:
+        """After the step's decision (engine thread): the KV this work keeps now."""
+
+    @property
+    def done(self) -> bool:
+        return True
+
+
+@dataclass(slots=True, eq=False)
+class Prefill(Work):
+    """The prompt (all but its last token) into the session's KV, in chunks of the step budget."""
+
+    @property
+    def tokens_wanted(self) -> int:
+        return len(self.session.prompt_ids) - 1 - self.session.kv.length
+
+    def row(self, budget: int) -> Row:
+        start = self.session.kv.length
+        return Row(self.session.kv, self.session.prompt_ids[start:start + budget], want_logits=False)
+
+    def keep(self, row: Row, outcome: Outcome | None) -> None:
+        self.session.kv.commit(len(row.tokens))
+        if self.done:
+            self.session.kv.publish(self.session.prompt_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.tokens_wanted <= 0
+
+
+@dataclass(slots=True, eq=False)
+class Verify(Work):
+    draft: list[int] = field(default_factory=list)       # [draft_len], already cut to what fits
+    q: list[DraftQ] | None = None                        # [draft_len], None: deterministic drafter
+    lookahead: int = 0                                   # m SAT slots after the draft
+    every_cut: bool = False    # SAT slots after every place the draft may be cut, not only its end
+    parents: list[int] | None = None    # a tree draft's parent indices (sled.wire.tree); None: a chain
+
+    @property
+    def tokens_wanted(self) -> int:
+        return sat_step_tokens(len(self.draft), self.lookahead, self.every_cut)
+
+    def row(self, budget: int) -> Row:
+        anchors = tuple(range(1, len(self.draft) + 2)) if self.every_cut and self.lookahead else ()
+        return Row(self.session.kv, [self.session.last_token, *self.draft], want_logits=True,
+                   sat_slots=self.lookahead, sat_anchors=anchors, parents=tuple(self.parents or ()))
+
+    def proposal(self) -> Proposal:
+        session = self.session
+        return Proposal(self.draft, session.sampling, session.generator, self.q,
+                        tuple(self.parents or ()), session.loose, self.lookahead, self.every_cut)
+
+    def keep(self, row: Row, outcome: Outcome | None) -> None:
+        if self.parents and outcome is not None:
+            self.session.kv.keep_path(outcome.path)
+
+
+def sat_step_tokens(draft_len: int, lookahead: int, every_cut: bool = False) -> int:
+    """Positions a verify puts into a pass: the last token, the draft and its SAT slots (one
+    block, or one after every place the draft may be cut)."""
+    blocks = draft_len + 1 if every_cut else 1
+    return draft_len + 1 + lookahead * blocks
+
+
+# --- the scheduler -------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
 class StepInfo:
@@ -39,9 +137,8 @@ def _priority(work: Work) -> tuple[float, float]:
 
 class Scheduler:
     def __init__(self, engine: Engine, metrics: Metrics, max_batch_sessions: int = 64,
-                 max_step_tokens: int = 2048, pacer: StepPacer | None = None) -> None:
+                 max_step_tokens: int = 2048) -> None:
         self.engine = engine
-        self.pacer = pacer        # emulating another device: each step held to its time
         self.metrics = metrics
         self.max_batch_sessions = max_batch_sessions
         self.max_step_tokens = max_step_tokens
@@ -163,10 +260,11 @@ class Scheduler:
         self._in_flight = sessions
         tokens = sum(n for _, n in plan)
         try:
-            results = await loop.run_in_executor(self._executor, self._context.run, _run_step,
-                                                 self.engine, plan, self.pacer)
-        except Exception as exc:  # the forward itself failed: every session in it hears why
-            results = [(None, exc)] * len(plan)
+            outcomes = await loop.run_in_executor(self._executor, self._context.run, _run_step,
+                                                  self.engine, plan)
+            failure = None
+        except Exception as exc:  # the step failed: every session in it hears why
+            outcomes, failure = [None] * len(plan), exc
         finally:
             self._in_flight = set()
         forward_ms = (time.perf_counter() - started) * 1e3
@@ -177,11 +275,11 @@ class Scheduler:
         for session in self._release_after_step:
             self._free(session)
         self._release_after_step.clear()
-        for (work, _), (result, error) in zip(plan, results):
+        for (work, _), result in zip(plan, outcomes):
             if work.future.done():
                 continue
-            if error is not None:
-                work.future.set_exception(error)
+            if failure is not None:
+                work.future.set_exception(failure)
             elif not work.done:       # a prefill with more chunks to go
                 self._queue.append(work)
             else:
@@ -189,20 +287,17 @@ class Scheduler:
                 work.future.set_result((result, info))
 
 
-def _run_step(engine: Engine, plan: list[tuple[Work, int]],
-              pacer: StepPacer | None = None) -> list[tuple[object, Exception | None]]:
-    """Engine thread: one forward over the planned rows, then each work item's acceptance
-    (then, emulating a device, the wait until the step is due there)."""
-    started = time.perf_counter()
-    rows: list[Row] = [work.row(share) for work, share in plan]
-    due = pacer.due(rows, started) if pacer is not None else None
-    logits = engine.forward(rows)
-    results: list[tuple[object, Exception | None]] = []
-    for (work, _), row, row_logits in zip(plan, rows, logits):
-        try:
-            results.append((work.complete(row, row_logits), None))
-        except Exception as exc:
-            results.append((None, exc))
-    if due is not None:
-        pacer.hold(due)
-    return results
+def _run_step(engine: Engine, plan: list[tuple[Work, int]]) -> list[Outcome | None]:
+    """Engine thread: the step of the planned work, then the KV each work keeps."""
+    rows = [work.row(share) for work, share in plan]
+    outcomes = verify_step(engine, rows, [work.proposal() for work, _ in plan])
+    for (work, _), row, outcome in zip(plan, rows, outcomes):
+        work.keep(row, outcome)
+    return outcomes
+
+
+def verify_step(engine: Engine, rows: list[Row],
+                proposals: list[Proposal | None]) -> list[Outcome | None]:
+    """One forward over the rows and the decision of all of them: the step the server runs and
+    `sled bench engine` times."""
+    return decide(proposals, engine.forward(rows))

@@ -16,10 +16,11 @@ from grpc_reflection.v1alpha import reflection
 
 from sled.v1 import verifier_pb2 as pb
 from verify_server.auth import access_of
-from verify_server.engine import make_engine
-from verify_server.flex_plan import common_shapes
+from verify_server.engines import make_engine
+from verify_server.engines.base import Engine
+from verify_server.engines.emulated import EmulatedEngine
+from verify_server.engines.flex_plan import common_shapes
 from verify_server.metrics import Metrics
-from verify_server.pacing import StepPacer
 from verify_server.scheduler import Scheduler
 from verify_server.service import VerifierService
 from verify_server.settings import ServerSettings
@@ -57,14 +58,15 @@ class RunningServer:
         await self.scheduler.stop()
 
 
-def _pacer(settings: ServerSettings, metrics: Metrics) -> StepPacer | None:
-    """Emulating a profiled GPU (--emulate): the pacer that holds each step to its time."""
+def _emulated(engine: Engine, settings: ServerSettings,
+              metrics: Metrics) -> Engine | EmulatedEngine:
+    """Emulating a profiled GPU (--emulate): the engine, each step held to the profile's time."""
     if not settings.emulate:
-        return None
+        return engine
     profile = load_profile(settings.emulate)
     log.info("emulating %s: every step held to the profile's time, overruns counted in "
              "sled_emulated_overruns", profile.describe())
-    return StepPacer(profile, metrics)
+    return EmulatedEngine(engine, profile, metrics)
 
 
 async def start_server(target: Target, settings: ServerSettings | None = None,
@@ -90,8 +92,8 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
         shapes = common_shapes(settings.max_batch_sessions)
         log.info("capturing %d verify step shapes", len(shapes))
         engine.prewarm(shapes)
-    scheduler = Scheduler(engine, metrics, settings.max_batch_sessions, settings.max_step_tokens,
-                          _pacer(settings, metrics))
+    scheduler = Scheduler(_emulated(engine, settings, metrics), metrics,
+                          settings.max_batch_sessions, settings.max_step_tokens)
     scheduler.start()
     service = VerifierService(target, scheduler, settings, metrics, gate)
     server = grpc.aio.server(options=[

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sled.v1 import verifier_pb2 as pb
 from sled.wire.loose import Loose
 from sled.wire.sampling import Sampling
-from sled.v1 import verifier_pb2 as pb
 from verify_server.acceptance import Outcome
 from verify_server.auth import Identity
-from verify_server.kv import SessionKV
+from verify_server.engines.kv import SessionKV
 from verify_server.warp import new_generator
 
 

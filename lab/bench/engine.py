@@ -1,15 +1,18 @@
 """`sled bench engine`: one verify step of each engine, as sessions and their contexts grow.
 
-The engines (`--engines`: paged, padded, flex, and flex-graph: the flex engine's whole step,
-planning, graph replay, argmax and one copy of the token ids back, as `FlexEngine.greedy` does
-it; flex-compile: the same step captured by torch.compile's reduce-overhead mode instead, the
-`capture="compile"` the flex engine weighs against its own graphs) run the same model over one
-block pool and verify the very same sessions. transformers-graph
-is the centralized baseline: transformers' forward over its own static cache holding the same
-contexts, its whole step captured in a CUDA graph (lab/bench/static_step.py). For each
-(sessions, context) cell every session verifies a k-token draft in one step, the engines
-alternate repetition by repetition, and the table gives the median step time of each, its ratio
-to the first engine's, how often its argmax agrees with the first engine's (bf16 ties are
+A step is what the server's scheduler runs (`verify_server.scheduler.verify_step`): the forward
+of every session's draft, then `acceptance.decide` over the step's logits (one argmax, one copy
+of it back to the host), ending with each session's verdict. The engines (`--engines`: paged,
+padded, flex, and flex-graph: the flex engine with each bucket's forward and argmax replayed
+from a CUDA graph; flex-compile: the same step captured by torch.compile's reduce-overhead mode
+instead, the `capture="compile"` the flex engine weighs against its own graphs) run the same
+model over one block pool and verify the very same sessions. transformers-graph is the
+centralized baseline: transformers' forward over its own static cache holding the same
+contexts, its forward and argmax captured in a CUDA graph (lab/bench/static_step.py), the
+verdicts then decided from its argmax as the server decides greedy rows. For each (sessions,
+context) cell every session verifies a k-token draft in one step, the engines alternate
+repetition by repetition, and the table gives the median step time of each, its ratio to the
+first engine's, how many of the emitted tokens agree with the first engine's (bf16 ties are
 reported, not hidden), and the seconds its first step took (compiling, capturing). The KV
 bytes each step writes or copies outside attention come from the engines' own counters; on CUDA
 each cell also records the allocations a warm step makes (`KIND_allocations`: 0 when captured).
@@ -24,16 +27,42 @@ measured.
 """
 from __future__ import annotations
 
+import argparse
+import datetime
+import gc
+import itertools
+import shlex
 import statistics
 import time
 
+import numpy as np
+import torch
+import transformers
+from rich.progress import Progress
+from rich.table import Table
+from torch._dynamo.utils import counters
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from lab.bench import harness
 from lab.bench.report import percentile, save_figure, subplots, write_json
+from lab.bench.static_step import StaticCacheStep
+from lab.tiny import cached_pair
+from sled.flags import positive_int
+from sled.models import resolve_model
+from sled.wire.sampling import Sampling
+from verify_server.acceptance import Proposal, greedy_chain
+from verify_server.engines import PaddedEngine, PagedEngine, make_engine
+from verify_server.engines.blocks import BlockPool, KVShape
+from verify_server.engines.flex import FlexEngine
+from verify_server.engines.flex_plan import StepLayout, plan_step, step_shape
+from verify_server.engines.kv import SessionKV
+from verify_server.engines.rows import Row
+from verify_server.scheduler import verify_step
+from verify_server.step_costs import StepCell, make_profile
+from verify_server.target import Target
 
 
 def add_arguments(parser) -> None:
-    from sled.flags import positive_int
-
     harness.add_target_flags(parser, model_help="target alias or path (default: a tiny random "
                              "model)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda:0")
@@ -65,8 +94,6 @@ def add_arguments(parser) -> None:
 
 def _unknown(what: str):
     """An item type that takes nothing: only the listed words pass."""
-    import argparse
-
     def refuse(text: str):
         raise argparse.ArgumentTypeError(f"unknown {what} {text!r}")
     return refuse
@@ -74,8 +101,8 @@ def _unknown(what: str):
 
 ENGINE_KINDS = ("paged", "padded", "flex", "flex-graph", "flex-compile", "transformers-graph")
 BASELINE = "transformers-graph"
+GREEDY = Sampling()          # the sessions verify greedily
 # Engines timed over their whole step, argmax and the copy of the token ids back included.
-WHOLE_STEPS = ("flex-graph", "flex-compile", BASELINE)
 # Real shapes (the configs of Llama 3.1 8B and Gemma 3 4B), built with random weights.
 SHAPES = {
     "llama-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -106,8 +133,6 @@ def run(args) -> int:
 def _engines(model, budget_bytes: int, block_tokens: int, kinds) -> dict:
     """Every sled engine over one pool (made before any KV is written: the flex engine zeroes
     it), so they verify the very same sessions."""
-    from verify_server.engine import PaddedEngine, PagedEngine, make_engine
-    from verify_server.flex import FlexEngine
 
     pool = make_engine(model, kv_budget_bytes=budget_bytes, block_tokens=block_tokens,
                        kind="padded").pool
@@ -128,8 +153,6 @@ def _context(session: int, context: int) -> list[int]:
 
 def _fill(engine, sessions: int, context: int, draft_len: int):
     """Sessions with `context` tokens of KV each, prefilled in chunks."""
-    from verify_server.engine import Row
-
     kvs = []
     for s in range(sessions):
         kv = engine.new_kv()
@@ -144,60 +167,46 @@ def _fill(engine, sessions: int, context: int, draft_len: int):
 
 
 def _rows(kvs, draft_len: int):
-    from verify_server.engine import Row
-
     draft = list(range(5, 5 + draft_len + 1))
     return [Row(kv, draft, True) for kv in kvs]       # nothing committed: all rejected
 
 
-def _step(engine, kvs, draft_len: int, whole: bool) -> tuple[float, int, int | None, list]:
-    """One timed verify step: seconds, KV bytes moved, the device allocations it made (CUDA's
-    allocator count; None elsewhere), and each row's argmax tokens (read back after the clock
-    stops, except for a whole step, which ends with that copy)."""
-    import torch
-
+def _step(engine, kvs, draft_len: int) -> tuple[float, int, int | None, list]:
+    """One timed verify step, as the server runs it: seconds, KV bytes moved, the device
+    allocations it made (CUDA's allocator count; None elsewhere), and each row's emitted
+    tokens."""
     rows = _rows(kvs, draft_len)
+    proposals = [Proposal(row.tokens[1:], GREEDY) for row in rows]
     engine.activate()
     copied = engine.bytes_copied
     _sync(engine)
     allocations = _allocations(engine)
     started = time.perf_counter()
-    if whole:
-        ids = engine.greedy(rows)                       # its own device-to-host copy
-        elapsed = time.perf_counter() - started
-        made = _allocations(engine)
+    if isinstance(engine, StaticCacheStep):
+        outcomes = [greedy_chain(ids, p.draft) for ids, p in zip(engine.greedy(rows), proposals)]
     else:
-        logits = engine.forward(rows)
-        _sync(engine)
-        elapsed = time.perf_counter() - started
-        made = _allocations(engine)
-        with torch.inference_mode():
-            ids = [row.argmax(-1).tolist() for row in logits]
+        outcomes = verify_step(engine, rows, proposals)     # ends with its copy to the host
+    elapsed = time.perf_counter() - started
+    made = _allocations(engine)
     if hasattr(engine, "rewind"):       # the baseline's cache: back to the contexts alone
         engine.rewind()
     made = None if made is None else made - allocations
-    return elapsed, engine.bytes_copied - copied, made, ids
+    return elapsed, engine.bytes_copied - copied, made, [o.emitted for o in outcomes]
 
 
 def _allocations(engine) -> int | None:
     """Device memory allocations made so far (CUDA), None where the allocator keeps no count."""
-    import torch
-
     if engine.device.type != "cuda":
         return None
     return torch.cuda.memory_stats(engine.device).get("allocation.all.allocated", 0)
 
 
 def _sync(engine) -> None:
-    import torch
-
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
 
 
 def bench(args) -> int:
-    from rich.progress import Progress
-
     console = harness.bench_console()
     if args.plan_only:
         return plan_bench(args, console)
@@ -240,12 +249,8 @@ def bench(args) -> int:
 
 def step_profile(results: dict, args):
     """The first engine's median steps as a step-cost profile, with where they were measured."""
-    import datetime
 
-    import torch
-    import transformers
 
-    from verify_server.step_costs import StepCell, make_profile
 
     entry, kind = results["models"][0], results["engines"][0]
     cells = [StepCell(c["sessions"], c["k"] + 1, c["context"], round(c[f"{kind}_ms_p50"], 3))
@@ -262,8 +267,6 @@ def step_profile(results: dict, args):
 
 def _command(args) -> str:
     """The command that measures these cells again."""
-    import shlex
-
     what = ["--shape", args.shape] if args.shape else (["--model", args.model] if args.model
                                                          else [])
     return shlex.join(["sled", "bench", "engine", *what, "--device", args.device, "--dtype",
@@ -275,14 +278,7 @@ def _command(args) -> str:
 def plan_bench(args, console) -> int:
     """The flex planner alone: sessions with block tables of `context` tokens (no KV written),
     one verify row each, planned into their bucket's host buffer; median ms over --reps."""
-    import numpy as np
-    import torch
-    from rich.table import Table
 
-    from verify_server.blocks import BlockPool, KVShape
-    from verify_server.engine import Row
-    from verify_server.flex_plan import StepLayout, plan_step, step_shape
-    from verify_server.kv import SessionKV
 
     cells = []
     table = Table(title=f"flex planner, one core (k={args.draft_len}, "
@@ -325,19 +321,13 @@ def plan_bench(args, console) -> int:
 
 def _model(args, shape: str | None):
     """(model, its name, the device's name): a real shape with random weights, or a target."""
-    import torch
-
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if shape is None:
-        from lab.tiny import cached_pair
-        from sled.models import resolve_model
-        from verify_server.target import Target
 
         target = Target.load(resolve_model(args.model) if args.model else cached_pair()[0],
                              dtype=args.dtype, device=args.device)
         return target.model, target.model_id, name
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     kind, fields = SHAPES[shape]
     config = AutoConfig.for_model(kind, **fields)
@@ -352,8 +342,6 @@ def _weight_bytes(model) -> int:
 
 
 def _bytes_per_token(model) -> int:
-    from verify_server.blocks import KVShape
-
     return KVShape.of(model).bytes_per_token
 
 
@@ -376,8 +364,7 @@ def _cell(model, n: int, context: int, args, kinds) -> dict:
     first_s, copied, allocations, ids = {}, {}, {}, {}
     for rep in range(args.reps + 1):
         for kind, engine in engines.items():
-            elapsed, moved, allocations[kind], ids[kind] = _step(
-                engine, kvs, args.draft_len, whole=kind in WHOLE_STEPS)
+            elapsed, moved, allocations[kind], ids[kind] = _step(engine, kvs, args.draft_len)
             if rep:                     # the first pass warms up (compiles, captures)
                 times[kind].append(elapsed * 1e3)
             else:
@@ -393,7 +380,7 @@ def _cell(model, n: int, context: int, args, kinds) -> dict:
         # once warm, a captured step should allocate nothing (the last repetition's count)
         **{f"{kind}_allocations": allocations[kind] for kind in engines},
         **{f"{kind}_over_{reference}": medians[kind] / medians[reference] for kind in engines},
-        **{f"{kind}_argmax_agree": _agreement(ids[kind], ids[reference]) for kind in engines},
+        **{f"{kind}_emitted_agree": _agreement(ids[kind], ids[reference]) for kind in engines},
     }
     if "flex-compile" in kinds:         # steps inductor ran without its CUDA graphs, this cell
         cell["cudagraph_skips"] = _cudagraph_skips() - skips
@@ -406,23 +393,17 @@ def _cell(model, n: int, context: int, args, kinds) -> dict:
 
 
 def _cudagraph_skips() -> int:
-    from torch._dynamo.utils import counters
-
     return counters["inductor"]["cudagraph_skips"]
 
 
 def _baseline(model, sessions: int, context: int, width: int, per_token: int):
-    from lab.bench.static_step import StaticCacheStep
-
     return StaticCacheStep(model, sessions, context, width, _context, per_token,
                            graphs=model.device.type == "cuda")
 
 
 def _release(model) -> None:
     """Give the cell's pool, cache and graphs back before the next cell's are made."""
-    import gc
 
-    import torch
 
     gc.collect()
     if model.device.type == "cuda":
@@ -436,12 +417,10 @@ def _agreement(mine: list[list[int]], reference: list[list[int]]) -> str:
 
 def _table(entry: dict, kinds, args):
     """A line per cell and engine (any number of engines fits the width)."""
-    from rich.table import Table
-
     reference = kinds[0]
     table = Table(title=f"verify step (k={args.draft_len}) against {reference}: "
                         f"{entry['model']} on {entry['device_name']} ({args.dtype})")
-    for column in ("sessions", "context", "engine", "ms p50", f"/ {reference}", "argmax agrees",
+    for column in ("sessions", "context", "engine", "ms p50", f"/ {reference}", "emitted agrees",
                    "KV copied", "first step s", *(["floor ms"] if args.bandwidth else [])):
         table.add_column(column, justify="left" if column == "engine" else "right")
     for c in entry["cells"]:
@@ -450,7 +429,7 @@ def _table(entry: dict, kinds, args):
             table.add_row(str(c["sessions"]) if first else "", str(c["context"]) if first else "",
                           kind, f"{c[f'{kind}_ms_p50']:.2f}",
                           f"{c[f'{kind}_over_{reference}']:.2f}x",
-                          c[f"{kind}_argmax_agree"], _size(c[f"{kind}_bytes_copied"]),
+                          c[f"{kind}_emitted_agree"], _size(c[f"{kind}_bytes_copied"]),
                           f"{c[f'{kind}_first_step_s']:.2f}",
                           *([f"{c['floor_ms']:.2f}" if first else ""] if args.bandwidth else []),
                           end_section=kind == kinds[-1])
@@ -466,8 +445,6 @@ def _size(n: int) -> str:
 
 
 def _plot(results: dict, path):
-    import itertools
-
     models = results["models"]
     fig, axes = subplots(len(models), figsize=(6, 4 * len(models)))
     axes = list(axes) if len(models) > 1 else [axes]
@@ -490,7 +467,6 @@ def main(argv=None) -> int:
     """`python -m lab.bench.engine FLAGS`: the same bench outside the `sled` command, whose
     other commands need the whole install: here torch, transformers, numpy, rich and
     matplotlib are enough (a GPU box's own Python, with the repository on PYTHONPATH)."""
-    import argparse
 
     parser = argparse.ArgumentParser(prog="python -m lab.bench.engine",
                                      description=__doc__.split("\n\n")[0])

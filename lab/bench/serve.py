@@ -233,7 +233,7 @@ def _overruns(served, args) -> float:
 def emulation_summary(profile, rows: list[dict]) -> dict:
     """What a reader of the results must know of an emulated server: the profile, where it
     comes from, and whether the run stands for it (overruns at most MAX_OVERRUN_SHARE)."""
-    from verify_server.pacing import MAX_OVERRUN_SHARE
+    from verify_server.engines.emulated import MAX_OVERRUN_SHARE
 
     steps = sum(r["forward_passes"] for r in rows)
     overruns = sum(r.get("overruns", 0) for r in rows)

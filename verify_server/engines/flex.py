@@ -1,6 +1,6 @@
 """FlexEngine: attention reads the block pool in place through FlexAttention, in static shapes.
 
-The paged engine (`verify_server.engine.PagedEngine`) gathers every row's whole context out of
+The paged engine (`verify_server.engines.paged.PagedEngine`) gathers every row's whole context out of
 the pool for every layer and builds a dense mask each step; its step's shapes change with every
 step, and boolean indexing makes the host wait for the device twice a layer. The flex engine
 swaps only the attention function (registered through transformers' AttentionInterface, like
@@ -30,16 +30,19 @@ import functools
 from collections.abc import Sequence
 
 import torch
+import torch._dynamo.config as dynamo
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from verify_server.blocks import BlockPool, KVShape
-from verify_server.engine import NO_MASK, Engine, Row, sat_inputs
-from verify_server.flex_check import AttentionShape, refuse_if_unsound, vector_code
-from verify_server.flex_plan import StepLayout, StepShape, next_pow2, plan_step, step_shape
-from verify_server.kv import SessionKV
+from verify_server.engines import visibility
+from verify_server.engines.base import NO_MASK, Engine, StepLogits, logit_spans
+from verify_server.engines.blocks import BlockPool, KVShape
+from verify_server.engines.flex_check import AttentionShape, refuse_if_unsound, vector_code
+from verify_server.engines.flex_plan import StepLayout, StepShape, next_pow2, plan_step, step_shape
+from verify_server.engines.kv import SessionKV
+from verify_server.engines.rows import Row, sat_inputs
 from verify_server.sdsat import SatSpec
 
 ATTENTION_NAME = "sled_flex"
@@ -141,13 +144,9 @@ class FlexGroup:
             position = place * bt + kv_idx % bt              # the key's place in row b
             new = position - starts[b]
             entry = new.clamp(0, width - 1)
-            in_context = new < 0
-            ok = member & (q_idx < widths[b]) & (
-                in_context | ((new < widths[b]) & (seen[b, q_idx, entry] != 0)))
-            if window is not None:
-                key_position = torch.where(in_context, position, qpos[b, entry])
-                ok = ok & (key_position > qpos[b, q_idx] - window)
-            return ok
+            return member & (q_idx < widths[b]) & visibility.attends(
+                new, widths[b], seen[b, q_idx, entry] != 0, position, qpos[b, entry],
+                qpos[b, q_idx], window)
         return visible
 
 
@@ -339,30 +338,24 @@ class FlexEngine(Engine):
         return captured
 
     @torch.inference_mode()
-    def forward(self, rows: Sequence[Row]) -> list[torch.Tensor | None]:
-        if self.replayable(rows):   # copied: the next replay overwrites them
-            return _per_row(rows, self._replay(rows).logits, lambda l: l.float().clone())
+    def forward(self, rows: Sequence[Row]) -> StepLogits:
+        """A replayable step: the captured step's logits of every packed position and their
+        argmax, as they lie in its static buffers (read them before the next step). Otherwise
+        one forward that keeps the logits the rows want."""
+        if self.replayable(rows):
+            captured = self._replay(rows)
+            return StepLogits(captured.logits, _packed_spans(rows), captured.argmax)
         step = self.step(rows)
-        index, spans = self._logit_index(rows)
+        index, spans = logit_spans(rows)
         sat_at = sat_inputs(rows)
         ids = step.fields["ids"].long()[None]
         with self._sat_deltas([i for i, _ in sat_at]):
             out = self.model(**self._inputs(ids, [((0, i), slot) for i, slot in sat_at]),
                              position_ids=step.fields["positions"].long()[None],
                              attention_mask=self.mask, use_cache=False,
-                             logits_to_keep=index.to(self.device), sled_flex=step)
-        logits = out.logits[0]
-        return [None if span is None else logits[span].float() for span in spans]
-
-    @torch.inference_mode()
-    def greedy(self, rows: Sequence[Row]) -> list[list[int]]:
-        """Each row's argmax token at every entry (none for a row without logits): one step,
-        then, when it replays a graph, one device-to-host copy of every position's argmax."""
-        if not self.replayable(rows):
-            return [[] if logits is None else logits.argmax(-1).tolist()
-                    for logits in self.forward(rows)]
-        ids = self._replay(rows).argmax[:sum(row.width for row in rows)].tolist()
-        return [[] if row_ids is None else row_ids for row_ids in _per_row(rows, ids, list)]
+                             logits_to_keep=torch.tensor(index, device=self.device),
+                             sled_flex=step)
+        return StepLogits(out.logits[0], spans)
 
 
 @functools.cache
@@ -471,8 +464,6 @@ def _allow_recompiles(count: int) -> None:
     """Dynamo's limits, in this thread's context (torch keeps them in context variables: a
     thread that runs steps must run them in this context, as the scheduler does); past them,
     an error, never flex run eagerly over the pool."""
-    import torch._dynamo.config as dynamo
-
     dynamo.recompile_limit = max(dynamo.recompile_limit, count)
     dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, count)
     dynamo.fail_on_recompile_limit_hit = True
@@ -487,11 +478,10 @@ def _row_blocks(model: torch.nn.Module, pool: BlockPool) -> int:
     return min(pool.num_blocks, -(-(limit + OVERHANG) // pool.block_tokens))
 
 
-def _per_row(rows: Sequence[Row], packed, take) -> list:
-    """Each row's slice of a value per packed position (logits, token ids), through `take`;
-    None for a row that wants no logits."""
-    out, offset = [], 0
+def _packed_spans(rows: Sequence[Row]) -> list[slice | None]:
+    """Each row's slice of a value per packed position; None for a row that wants no logits."""
+    spans, offset = [], 0
     for row in rows:
-        out.append(take(packed[offset:offset + row.width]) if row.want_logits else None)
+        spans.append(slice(offset, offset + row.width) if row.want_logits else None)
         offset += row.width
-    return out
+    return spans

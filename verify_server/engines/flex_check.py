@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-from verify_server.blocks import KVShape
+from verify_server.engines.blocks import KVShape
 
 # How far the compiled output may be from the eager one: the engines' equality tests' bound in
 # fp32; low precision rounds each partial sum.
@@ -81,7 +81,7 @@ def refuse_if_unsound(probe: Callable[[AttentionShape], float], shapes: list[Att
                       device: torch.device) -> None:
     """Raise CompiledFlexRefused (one line, naming what to do instead) if a compiled flex
     attention disagrees with eager flex at any of `shapes`: `probe(shape)` is the largest
-    difference between the two on one probe step (`verify_server.flex.probe_error`)."""
+    difference between the two on one probe step (`verify_server.engines.flex.probe_error`)."""
     where = f"{device.type} {vector_code()}" if device.type == "cpu" else device.type
     for shape in shapes:
         error = probe(shape)

@@ -1,6 +1,6 @@
 """The flex engine's step plan, made in numpy: shapes from buckets, one flat host buffer.
 
-A step packs its rows like the paged engine (`verify_server.engine`): one sequence [1, T] of
+A step packs its rows like the paged engine (`verify_server.engines.paged`): one sequence [1, T] of
 every row's new tokens, each with its own position. For the flex engine the step then takes the
 shape of a bucket, so that steps of one bucket have the same tensor shapes (one compiled
 function and one CUDA graph each):
@@ -25,9 +25,8 @@ field's place), so a step is one host-to-device copy into the bucket's static de
                seen    [B, W, W]     new entry i sees new entry j (1/0)
     block_pos                [blocks] logical index of each physical block in its row's table
 
-Rows are planned with numpy and their Python lists, no torch call per row: a chain row's
-positions and visibility are computed for all rows at once; only branched rows (trees, SAT
-blocks) ask the row for its own (`Row.positions`, `Row.visible`).
+Rows are planned with numpy and their Python lists, no torch call per row; their positions and
+visibility come from `visibility.plan` (chains for all rows at once, branched rows one by one).
 """
 from __future__ import annotations
 
@@ -35,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from verify_server.engines import visibility
 
 SHORT_WIDTHS = (8, 16, 32)
 TOKEN_QUANTUM = 32
@@ -188,14 +189,6 @@ def _plan_group(layout: StepLayout, g: int, rows, starts, widths, offsets, bt: i
     starts_out[:n] = starts
     widths_out[:] = 0
     widths_out[:n] = widths
-    # chains: entry i at start + i, seeing entries 0..i; branched rows replace theirs below
     qpos[:] = 0
-    qpos[:n] = np.where(inside, starts[:, None] + cols[None, :], 0)
-    tril = np.tril(np.ones((W, W), dtype=np.int32))
     seen[:] = 0
-    seen[:n] = tril[None] * inside[:, None, :] * inside[:, :, None]
-    for b, row in enumerate(rows):
-        if row.branched:
-            w = row.width
-            qpos[b, :w] = row.positions(int(starts[b])).numpy()
-            seen[b, :w, :w] = row.visible().numpy()
+    qpos[:n], seen[:n] = visibility.plan(rows, starts, widths, W)

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 import torch
 
-from verify_server.blocks import BlockPool, prefix_hashes
+from verify_server.engines.blocks import BlockPool, prefix_hashes
 
 
 class SessionKV:

@@ -1,5 +1,6 @@
-"""Holding each server step to a step-cost profile's time: the server on this machine paces
-itself like the GPU the profile was measured on (`sled serve --emulate PROFILE`).
+"""EmulatedEngine: an engine whose every step is held to a step-cost profile's time, so the
+server on this machine paces itself like the GPU the profile was measured on
+(`sled serve --emulate PROFILE`).
 
 The target still computes every token, so every output is still the target's own; only the
 wall time of a step changes. A step whose real compute already took longer than the profile's
@@ -12,7 +13,8 @@ import logging
 import time
 from collections.abc import Sequence
 
-from verify_server.engine import Row
+from verify_server.engines.base import Engine, StepLogits
+from verify_server.engines.rows import Row
 from verify_server.metrics import Metrics
 from verify_server.step_costs import StepProfile
 
@@ -21,11 +23,22 @@ log = logging.getLogger("sled.server")
 MAX_OVERRUN_SHARE = 0.01
 
 
-class StepPacer:
-    def __init__(self, profile: StepProfile, metrics: Metrics) -> None:
-        self.profile, self.metrics = profile, metrics
+class EmulatedEngine:
+    """`engine` (every other attribute is its own), each forward held to the profile's time."""
+
+    def __init__(self, engine: Engine, profile: StepProfile, metrics: Metrics) -> None:
+        self.engine, self.profile, self.metrics = engine, profile, metrics
         self.measured_rows = max(cell.rows for cell in profile.cells)
         self._said_beyond = False
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def forward(self, rows: Sequence[Row]) -> StepLogits:
+        due = self.due(rows, time.perf_counter())
+        logits = self.engine.forward(rows)
+        self.hold(due)
+        return logits
 
     def due(self, rows: Sequence[Row], started: float) -> float:
         """When a step of these rows, started at `started` (perf_counter), ends on the profile's
