@@ -44,6 +44,8 @@ def access_of(settings) -> tuple["Gate", object]:
     """The gate every Verifier call passes and the TLS credentials (None: plaintext) that the
     server settings ask for; a file that cannot be used raises ValueError (TokenFileError,
     TlsFileError) with one line. sled serve calls it before the target loads."""
+    # here, not at the top: tls reads the server's settings (pydantic), which a process that
+    # only handles sessions' identities (the engine bench on a GPU box) does without
     from verify_server.tls import server_credentials
 
     credentials = server_credentials(settings)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from peft import LoraConfig, get_peft_model
 
 # Gemma, Llama, Qwen, Mistral and most decoders name their projections so.
 DEFAULT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -115,7 +116,6 @@ class SatLora:
 # --- the training half: peft -------------------------------------------------------------------
 
 def peft_config(rank: int, alpha: float, modules: tuple[str, ...] = DEFAULT_MODULES):
-    from peft import LoraConfig
 
     return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(modules),
                       bias="none")
@@ -134,7 +134,6 @@ def from_peft(peft_model, rank: int, alpha: float) -> SatLora:
 
 def to_peft(model: torch.nn.Module, lora: SatLora):
     """A peft LoRA model over `model` carrying exactly `lora`'s deltas (the reference forward)."""
-    from peft import get_peft_model
 
     modules = tuple(sorted({p.rsplit(".", 1)[-1] for p in lora.weights}))
     peft_model = get_peft_model(model, peft_config(lora.rank, lora.alpha, modules))

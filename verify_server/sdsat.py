@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from verify_server.sat_lora import SatLora
 
@@ -87,7 +89,6 @@ def save_adapter(path: str | Path, embeddings: torch.Tensor, metadata: dict[str,
                  lora: SatLora | None = None) -> Path:
     """Write a SAT adapter: the [m, hidden] slot embeddings (float32), any SAT-only LoRA deltas
     (float16: they are small corrections) and what they were trained on."""
-    from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -103,7 +104,6 @@ def save_adapter(path: str | Path, embeddings: torch.Tensor, metadata: dict[str,
 
 
 def load_adapter(path: str | Path) -> SatSpec:
-    from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
@@ -118,7 +118,6 @@ def load_adapter(path: str | Path) -> SatSpec:
 
 
 def adapter_metadata(path: str | Path) -> dict[str, str]:
-    from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:
         return dict(handle.metadata() or {})

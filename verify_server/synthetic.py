@@ -16,6 +16,9 @@ values, not cost. The weights are seeded, so one name gives one model.
 from __future__ import annotations
 
 import torch
+from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+from sled.models import hf_checkpoint
 
 PREFIX = "synthetic:"
 SLIDING_PER_GLOBAL = 5      # Gemma 3: five sliding-window layers, then one global layer
@@ -62,9 +65,7 @@ def layer_types(layers: int) -> list[str]:
 
 def synthetic_config(model_id: str):
     """The Gemma3TextConfig of synthetic:NAME: the 270M's config with NAME's shape."""
-    from transformers import Gemma3TextConfig
 
-    from sled.models import hf_checkpoint
 
     shape = shape_of(model_id)
     config = Gemma3TextConfig.from_pretrained(hf_checkpoint("gemma3-270m"))
@@ -78,9 +79,7 @@ def synthetic_config(model_id: str):
 def synthetic_model(model_id: str, dtype: torch.dtype, device: str = "cpu"):
     """(model, tokenizer): random weights of synthetic:NAME's shape, made directly in `dtype` on
     `device` (no float32 copy first), seeded; Gemma 3's tokenizer."""
-    from transformers import AutoTokenizer, Gemma3ForCausalLM
 
-    from sled.models import hf_checkpoint
 
     config = synthetic_config(model_id)
     torch.manual_seed(SEED)

@@ -15,9 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sled.cache import MAX_TOKENIZER_CHUNK_BYTES
 from sled.chat_templates import with_chat_template
-from sled.wire.fingerprint import files_fingerprint, fingerprint_tokenizer
+from sled.models import builtin_sat_adapter, resolve_model
 from sled.progress import phase
 from sled.v1 import verifier_pb2 as pb
+from sled.wire.fingerprint import files_fingerprint, fingerprint_tokenizer
 from verify_server.sdsat import SatSpec, sat_spec_of
 from verify_server.synthetic import is_synthetic, shape_of, synthetic_model
 
@@ -185,7 +186,6 @@ def eos_ids_of(model) -> tuple[int, ...]:
 
 def load_target(settings):
     """The target the settings name, with its SATs (the built-in adapter for a built-in alias)."""
-    from sled.models import builtin_sat_adapter, resolve_model
 
     adapter = settings.sat_adapter
     if adapter is None and settings.sat:
