@@ -15,6 +15,19 @@ import json
 import sys
 from dataclasses import dataclass, field
 
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from drafters.onnx_export import export_alias
+from lab.bench.harness import serving
+from lab.demo_emulated import emulated_notes, emulated_table, run_emulated
+from lab.workload import load_workload
+from sled.models import gguf_path, hf_checkpoint
+from verify_server.centralized import generate_centralized
+from verify_server.engines import make_engine
+from verify_server.target import Target
+
 TARGET = "gemma3-270m"
 DEVICES = {"pi-gguf": f"gguf:{TARGET}", "jetson-onnx": f"onnx:{TARGET}", "thin-ngram": "ngram"}
 
@@ -30,8 +43,6 @@ class DeviceRow:
 
 
 def _table(rows: list[DeviceRow], title: str):
-    from rich.table import Table
-
     table = Table(title=title)
     # passes/tok: target passes this device's tokens needed (one per round; 1.00 without drafts)
     for column in ("device", "drafter", "tokens", "accept", "acc/round", "passes/tok", "tok/s"):
@@ -62,12 +73,6 @@ async def _device(row: DeviceRow, server: str, workload: str, max_new: int) -> N
 async def run_demo(prompts: int, max_new_tokens: int, emulated_devices: int = 512) -> int:
     """The demo on `prompts` HumanEval prompts per device, then the emulated H100 with 3 and
     `emulated_devices` devices; 1 if any output differs from the target alone."""
-    from rich.console import Console
-
-    from lab.bench.harness import serving
-    from lab.demo_emulated import emulated_notes, emulated_table, run_emulated
-    from lab.workload import load_workload
-
     console = Console()
     _prepare(console)
     workload = f"humaneval:{prompts}"
@@ -95,9 +100,6 @@ def _acceptance(rows: list[DeviceRow]) -> dict[str, float]:
 
 def _prepare(console) -> None:
     """The target's three forms, made on first use: GGUF, transformers copy, ONNX export."""
-    from drafters.onnx_export import export_alias
-    from sled.models import gguf_path, hf_checkpoint
-
     console.rule(f"sled demo: {TARGET} target, three edge drafters, HumanEval on loopback")
     console.print(f"GGUF  {gguf_path(TARGET)}")
     console.print(f"HF    {hf_checkpoint(TARGET)}")
@@ -107,8 +109,6 @@ def _prepare(console) -> None:
 async def _devices(console, rows: list[DeviceRow], address: str, workload: str,
                    max_new_tokens: int) -> None:
     """The device processes at once, under a live table of their progress."""
-    from rich.live import Live
-
     with Live(_table(rows, "devices (live)"), console=console, refresh_per_second=4) as live:
         work = asyncio.gather(*(_device(r, address, workload, max_new_tokens) for r in rows))
         while not work.done():
@@ -129,10 +129,6 @@ class Baseline:
 def _centralized(alias: str, prompts: list[str], devices: int, max_new: int) -> Baseline:
     """The same workload served by the target alone: each device's requests one after another,
     the devices' concurrent requests batched together."""
-    from sled.models import hf_checkpoint
-    from verify_server.centralized import generate_centralized
-    from verify_server.engines import make_engine
-    from verify_server.target import Target
 
     target = Target.load(str(hf_checkpoint(alias)))
     engine = make_engine(target.model, kv_budget_bytes=1 << 30)
@@ -153,8 +149,6 @@ def _lossless(row: DeviceRow, baseline: Baseline) -> bool:
 
 
 def _report(console, rows: list[DeviceRow], passes: float, baseline: Baseline) -> None:
-    from rich.table import Table
-
     tokens = sum(r.get("tokens") for r in rows)
     seconds = max(r.get("seconds", 0.0) for r in rows)
     table = Table(title="sled vs centralized serving (same prompts, same target)")

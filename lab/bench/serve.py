@@ -23,17 +23,22 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
+from rich.progress import Progress
+from rich.table import Table
+
 from edge_client.session import RoundSettings
 from lab.bench import harness
 from lab.bench.report import percentile, save_figure, short_name, subplots
+from lab.profiles import device_profile, link_profile
 from lab.traces.fleet import MODES, TraceFleet
+from sled.flags import positive_float, positive_int
+from verify_server.engines.emulated import MAX_OVERRUN_SHARE
+from verify_server.step_costs import load_profile
 
 OVERRUNS = "sled_emulated_overruns_total"
 
 
 def add_arguments(parser) -> None:
-    from sled.flags import positive_float, positive_int
-
     harness.add_replay_flags(parser)
     parser.add_argument("--devices", default="1,4,16,64", type=harness.listed(positive_int),
                         help="comma-separated fleet sizes")
@@ -100,8 +105,6 @@ def _settings(args) -> tuple[list[int], list[str], object, object, object]:
     """(fleet sizes, modes, device profile, link profile, the step profile the server emulates
     or None) from the flags; --draft-len becomes a number unless it is auto. ValueError names
     the bad flag."""
-    from lab.profiles import device_profile, link_profile
-    from verify_server.step_costs import load_profile
 
     fleet_sizes = sorted({int(n) for n in args.devices.split(",")})
     if not fleet_sizes or fleet_sizes[0] < 1:
@@ -193,7 +196,6 @@ async def sweep(served, traces, fleet_sizes: list[int], modes: list[str], args, 
                 console) -> list[dict]:
     """Both modes at every N, alternating which goes first, after one unmeasured warm-up of
     each; returns the rows."""
-    from rich.progress import Progress
 
     cap = args.max_new_tokens
     served.check_traces(traces)
@@ -233,7 +235,6 @@ def _overruns(served, args) -> float:
 def emulation_summary(profile, rows: list[dict]) -> dict:
     """What a reader of the results must know of an emulated server: the profile, where it
     comes from, and whether the run stands for it (overruns at most MAX_OVERRUN_SHARE)."""
-    from verify_server.engines.emulated import MAX_OVERRUN_SHARE
 
     steps = sum(r["forward_passes"] for r in rows)
     overruns = sum(r.get("overruns", 0) for r in rows)
@@ -267,8 +268,6 @@ def _print_capacity(console, capacities: dict[str, int], target_rate: float,
 
 
 def _table(rows: list[dict], setup: str):
-    from rich.table import Table
-
     table = Table(title=f"sled vs centralized serving: {setup}", caption=(
         "sys: tokens/s of all devices; dev p5/p50/p95: per-device tokens/s; TPOT: ms per output "
         "token; passes: target forward passes per output token; late: drafts this host gave back "
