@@ -70,3 +70,24 @@ def test_the_wire_contract_imports_nothing_of_sled_but_itself_and_the_stubs():
                       if name.split(".")[0] == "sled"
                       and not name.startswith(("sled.wire", "sled.v1"))]
     assert (ROOT / "sled" / "wire" / "topics.py").is_file() and found == []
+
+
+def imports_inside_functions(path: Path) -> int:
+    """Import statements inside a function (or a function within one) of a file."""
+    inside = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inside.update(id(sub) for sub in ast.walk(node)
+                          if isinstance(sub, (ast.Import, ast.ImportFrom)))
+    return len(inside)
+
+
+def test_a_modules_dependencies_are_read_at_its_top():
+    """Package code imports at module level; what stays inside a function does so for a stated
+    reason (an optional extra, torch kept off the device, a cycle, what a bench times), and
+    there are few of those. The commands' modules are imported only when their command runs."""
+    counts = {package: sum(imports_inside_functions(path)
+                           for path in (ROOT / package).rglob("*.py") if "_pb2" not in path.name)
+              for package in PACKAGES}
+    assert sum(counts.values()) < 100, counts
+    assert counts["verify_server"] <= 5 and counts["sled_cli"] <= 10, counts

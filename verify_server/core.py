@@ -176,7 +176,7 @@ class VerifierCore:
 
         GENERATION_MODE_SERVER decodes one token per pass. GENERATION_MODE_SERVER_SAT drafts with
         SATs: each pass verifies the previous SAT guesses and appends a block of m fresh SAT
-        slots after every place the draft may be cut (engine.Row: anchors), so whatever is
+        slots after every place the draft may be cut (engines.rows.Row: anchors), so whatever is
         accepted, the block that follows exactly the accepted tokens is the next draft:
 
             pass 1: [x, S S S]                    -> emits t1, guesses g1 g2 g3

@@ -324,7 +324,6 @@ def _model(args, shape: str | None):
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if shape is None:
-
         target = Target.load(resolve_model(args.model) if args.model else cached_pair()[0],
                              dtype=args.dtype, device=args.device)
         return target.model, target.model_id, name
