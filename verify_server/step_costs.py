@@ -30,6 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+# Past this share of overrun steps an emulated run is not valid for its profile.
+MAX_OVERRUN_SHARE = 0.01
+
 FORMAT_VERSION = 1
 SHIPPED = Path(__file__).with_name("step_profiles")
 PROVENANCE = ("device", "model", "engine", "torch", "transformers", "date", "command")

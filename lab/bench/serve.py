@@ -32,8 +32,7 @@ from lab.bench.report import percentile, save_figure, short_name, subplots
 from lab.profiles import device_profile, link_profile
 from lab.traces.fleet import MODES, TraceFleet
 from sled.flags import positive_float, positive_int
-from verify_server.engines.emulated import MAX_OVERRUN_SHARE
-from verify_server.step_costs import load_profile
+from verify_server.step_costs import MAX_OVERRUN_SHARE, load_profile
 
 OVERRUNS = "sled_emulated_overruns_total"
 

@@ -19,8 +19,6 @@ from verify_server.metrics import Metrics
 from verify_server.step_costs import StepProfile
 
 log = logging.getLogger("sled.server")
-# Past this share of overrun steps an emulated run is not valid for its profile.
-MAX_OVERRUN_SHARE = 0.01
 
 
 class EmulatedEngine:
