@@ -102,7 +102,6 @@ def _unknown(what: str):
 ENGINE_KINDS = ("paged", "padded", "flex", "flex-graph", "flex-compile", "transformers-graph")
 BASELINE = "transformers-graph"
 GREEDY = Sampling()          # the sessions verify greedily
-# Engines timed over their whole step, argmax and the copy of the token ids back included.
 # Real shapes (the configs of Llama 3.1 8B and Gemma 3 4B), built with random weights.
 SHAPES = {
     "llama-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
