@@ -65,8 +65,6 @@ def layer_types(layers: int) -> list[str]:
 
 def synthetic_config(model_id: str):
     """The Gemma3TextConfig of synthetic:NAME: the 270M's config with NAME's shape."""
-
-
     shape = shape_of(model_id)
     config = Gemma3TextConfig.from_pretrained(hf_checkpoint("gemma3-270m"))
     for key, value in shape.items():
@@ -79,8 +77,6 @@ def synthetic_config(model_id: str):
 def synthetic_model(model_id: str, dtype: torch.dtype, device: str = "cpu"):
     """(model, tokenizer): random weights of synthetic:NAME's shape, made directly in `dtype` on
     `device` (no float32 copy first), seeded; Gemma 3's tokenizer."""
-
-
     config = synthetic_config(model_id)
     torch.manual_seed(SEED)
     with torch.device(device):

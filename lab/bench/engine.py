@@ -277,8 +277,6 @@ def _command(args) -> str:
 def plan_bench(args, console) -> int:
     """The flex planner alone: sessions with block tables of `context` tokens (no KV written),
     one verify row each, planned into their bucket's host buffer; median ms over --reps."""
-
-
     cells = []
     table = Table(title=f"flex planner, one core (k={args.draft_len}, "
                         f"{args.block_tokens}-token blocks)")
@@ -401,8 +399,6 @@ def _baseline(model, sessions: int, context: int, width: int, per_token: int):
 
 def _release(model) -> None:
     """Give the cell's pool, cache and graphs back before the next cell's are made."""
-
-
     gc.collect()
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
