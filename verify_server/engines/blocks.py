@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,12 +59,15 @@ class PoolExhausted(Exception):
 
 
 def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zero tensor; on a CPU from calloc, whose large blocks come from the kernel already zero
-    and are faulted in on first touch, so an unused pool costs no resident memory."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(*shape, dtype=dtype, device=device)
+    """A zero tensor; on a CPU in an anonymous mapping of its own, whose pages the kernel gives
+    zero and faults in on first touch, so an unused pool costs no resident memory. (calloc does
+    so only while malloc still maps large blocks itself: a long-lived process may be handed
+    recycled heap memory, cleared page by page.)"""
     nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.zeros(nbytes, np.uint8)).view(dtype).view(*shape)
+    if torch.device(device).type != "cpu" or not nbytes:
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    pages = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)   # the array keeps the map
+    return torch.from_numpy(pages).view(dtype).view(*shape)
 
 
 def prefix_hashes(tokens: Sequence[int], block_tokens: int, tenant: bytes) -> list[bytes]:
