@@ -18,13 +18,15 @@ from sled.v1 import verifier_pb2 as pb
 from verify_server.auth import access_of
 from verify_server.engines import make_engine
 from verify_server.engines.base import Engine
+from verify_server.engines.blocks import KVShape
 from verify_server.engines.emulated import EmulatedEngine
 from verify_server.engines.flex_plan import common_shapes
+from verify_server.gpu_memory import describe, gpu_memory
 from verify_server.metrics import Metrics
 from verify_server.scheduler import Scheduler
 from verify_server.service import VerifierService
 from verify_server.settings import ServerSettings
-from verify_server.step_costs import load_profile
+from verify_server.step_costs import StepProfile, load_profile
 from verify_server.target import Target
 from verify_server.transport import Undecodable
 
@@ -58,15 +60,31 @@ class RunningServer:
         await self.scheduler.stop()
 
 
-def _emulated(engine: Engine, settings: ServerSettings,
+def _emulated(engine: Engine, profile: StepProfile | None,
               metrics: Metrics) -> Engine | EmulatedEngine:
     """Emulating a profiled GPU (--emulate): the engine, each step held to the profile's time."""
-    if not settings.emulate:
+    if profile is None:
         return engine
-    profile = load_profile(settings.emulate)
     log.info("emulating %s: every step held to the profile's time, overruns counted in "
              "sled_emulated_overruns", profile.describe())
     return EmulatedEngine(engine, profile, metrics)
+
+
+def _kv_budget(settings: ServerSettings, profile: StepProfile | None,
+               target: Target) -> int | None:
+    """The KV pool's bytes: the profiled GPU's KV capacity in tokens of this target, when the
+    profile knows its GPU's memory (verify_server.gpu_memory); else --kv-budget (None: a share
+    of free memory)."""
+    if profile is None:
+        return settings.kv_budget
+    gpu = gpu_memory(profile)
+    log.info("KV held to the profiled GPU's memory: %s", describe(profile, gpu))
+    tokens = gpu.kv_tokens()
+    if tokens is None:
+        return settings.kv_budget
+    block = settings.kv_block_tokens
+    blocks = -(-tokens // block) + 1        # and the zero block
+    return blocks * block * KVShape.of(target.model).bytes_per_token
 
 
 async def start_server(target: Target, settings: ServerSettings | None = None,
@@ -82,7 +100,8 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     target.cap_context(settings.context_length)
     if target.sat is not None:
         target.sat.check(target.model)
-    engine = make_engine(target.model, kv_budget_bytes=settings.kv_budget,
+    profile = load_profile(settings.emulate) if settings.emulate else None
+    engine = make_engine(target.model, kv_budget_bytes=_kv_budget(settings, profile, target),
                          kv_fraction=settings.kv_fraction, block_tokens=settings.kv_block_tokens,
                          kind=settings.engine, sat=target.sat)
     metrics.watch_pool(engine.pool)
@@ -92,7 +111,7 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
         shapes = common_shapes(settings.max_batch_sessions)
         log.info("capturing %d verify step shapes", len(shapes))
         engine.prewarm(shapes)
-    scheduler = Scheduler(_emulated(engine, settings, metrics), metrics,
+    scheduler = Scheduler(_emulated(engine, profile, metrics), metrics,
                           settings.max_batch_sessions, settings.max_step_tokens)
     scheduler.start()
     service = VerifierService(target, scheduler, settings, metrics, gate)

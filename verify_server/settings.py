@@ -26,6 +26,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDic
 
 from sled.wire.endpoint import parse_endpoint
 from sled.settings_files import SettingsError, file_source, settings_file
+from verify_server.gpu_memory import gpu_memory
 from verify_server.step_costs import load_profile
 
 ENV_PREFIX = "SLED_SERVE_"
@@ -144,7 +145,9 @@ class ServerSettings(BaseSettings):
         None, description="hold every step to a step-cost profile's time, so this server paces "
                           "itself like the GPU the profile was measured on (the target still "
                           "computes every token): a shipped profile (h100-llama8b-hf-graph) or "
-                          "a profile file (sled bench engine --write-profile)",
+                          "a profile file (sled bench engine --write-profile); a profile that "
+                          "knows its GPU's memory also sizes the KV cache as that GPU would "
+                          "(leave out --kv-budget)",
         json_schema_extra={"metavar": "PROFILE"})
     # --- MQTT announcements (off without mqtt_host) ---
     mqtt_host: str = _announce("", "broker host")
@@ -206,6 +209,17 @@ class ServerSettings(BaseSettings):
         if value is not None:
             parse_endpoint(value, "announce endpoint")
         return value
+
+    @model_validator(mode="after")
+    def _one_kv_budget(self) -> "ServerSettings":
+        """A profile that knows its GPU's memory sizes the KV cache itself (gpu_memory)."""
+        if self.emulate:
+            gpu = gpu_memory(load_profile(self.emulate))
+            tokens = gpu.kv_tokens()      # ValueError when the weights leave no room
+            if tokens is not None and self.kv_budget is not None:
+                raise ValueError(f"kv_budget and emulate both size the KV cache: the profile's "
+                                 f"GPU holds {tokens} tokens of KV; leave out --kv-budget")
+        return self
 
     @model_validator(mode="after")
     def _tls_pairs(self) -> "ServerSettings":

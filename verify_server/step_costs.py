@@ -19,13 +19,17 @@ work per token) and the KV tokens read (every row's context and new tokens):
 
 16 rows x 5 tokens at 512: new = 80, read = 16 x 517 = 8272, so 9.54 + 2.03 + 5.96 = 17.5 ms.
 The rule is fitted by least squares with no negative term, so a larger step never costs less.
+
+A profile may also say what its GPU holds (`"gpu": {"memory_bytes": ..., "weight_bytes": ...,
+"kv_bytes_per_token": ..., "tdp_watts": ...}`), so that a server held to it admits only the
+sessions whose KV that GPU would hold (verify_server.gpu_memory derives what the block leaves out).
 """
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +40,9 @@ MAX_OVERRUN_SHARE = 0.01
 FORMAT_VERSION = 1
 SHIPPED = Path(__file__).with_name("step_profiles")
 PROVENANCE = ("device", "model", "engine", "torch", "transformers", "date", "command")
+# What a profile may say of its GPU's memory (all optional: verify_server.gpu_memory derives what
+# it can from the device's name and the model's shape)
+GPU_FIELDS = ("memory_bytes", "weight_bytes", "kv_bytes_per_token", "tdp_watts")
 # A larger step measured faster than a smaller one by up to this share is noise, not a profile
 # that cannot stand for a device.
 NOISE = 0.03
@@ -99,6 +106,9 @@ class StepProfile:
     provenance: dict
     cells: tuple[StepCell, ...]
     rule: StepRule
+    # what the file says of its GPU (verify_server.gpu_memory: the rest is derived from the
+    # device's name and the model's shape)
+    gpu: dict = field(default_factory=dict)
 
     def step_seconds(self, shape: Sequence[tuple[int, int]]) -> float:
         """The profile's time for a step of rows given as (context tokens, new tokens) each."""
@@ -119,7 +129,7 @@ class StepProfile:
     def to_json(self) -> dict:
         return {"sled_step_profile": FORMAT_VERSION, "name": self.name,
                 "provenance": self.provenance, "cells": [asdict(c) for c in self.cells],
-                "rule": asdict(self.rule)}
+                "rule": asdict(self.rule), **({"gpu": self.gpu} if self.gpu else {})}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -128,11 +138,14 @@ class StepProfile:
         return path
 
 
-def make_profile(name: str, provenance: dict, cells: Sequence[StepCell]) -> StepProfile:
-    """A checked profile whose rule is fitted through `cells` (ValueError if they cannot be)."""
+def make_profile(name: str, provenance: dict, cells: Sequence[StepCell],
+                 gpu: dict | None = None) -> StepProfile:
+    """A checked profile whose rule is fitted through `cells` (ValueError if they cannot be);
+    `gpu`: what is known of the GPU's memory (GPU_FIELDS)."""
     cells = tuple(cells)
     _check_cells(name, cells)
-    profile = StepProfile(name, dict(provenance), cells, StepRule.fit(cells))
+    profile = StepProfile(name, dict(provenance), cells, StepRule.fit(cells),
+                          _checked_gpu(name, gpu or {}))
     _check_provenance(profile)
     return profile
 
@@ -166,7 +179,11 @@ def parse_profile(data, where: str) -> StepProfile:
         provenance = data.get("provenance") or {}
         if not isinstance(provenance, dict):
             raise TypeError("provenance must be a mapping of device, model, engine, ...")
-        profile = StepProfile(str(data["name"]), provenance, cells, rule)
+        gpu = data.get("gpu") or {}
+        if not isinstance(gpu, dict):
+            raise TypeError(f"gpu must be a mapping of {', '.join(GPU_FIELDS)}")
+        profile = StepProfile(str(data["name"]), provenance, cells, rule,
+                              _checked_gpu(where, gpu))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"step profile {where}: needs name, cells (rows, tokens, context, ms) "
                          f"and rule (base_ms, per_token_ms, per_kv_token_ms): {exc}") from None
@@ -176,6 +193,20 @@ def parse_profile(data, where: str) -> StepProfile:
         raise ValueError(f"step profile {where}: its rule has a negative term ({rule}): a larger "
                          "step would cost less")
     return profile
+
+
+def _checked_gpu(where: str, gpu: dict) -> dict:
+    """The gpu block's known fields, each a positive number; ValueError naming a bad one."""
+    unknown = sorted(set(gpu) - set(GPU_FIELDS))
+    if unknown:
+        raise ValueError(f"step profile {where}: gpu has no field {', '.join(unknown)} (it takes "
+                         f"{', '.join(GPU_FIELDS)})")
+    for key, value in gpu.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not (math.isfinite(value) and value > 0):
+            raise ValueError(f"step profile {where}: gpu {key} must be a positive number, "
+                             f"not {value!r}")
+    return dict(gpu)
 
 
 def _check_cells(where: str, cells: tuple[StepCell, ...]) -> None:

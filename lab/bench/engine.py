@@ -58,6 +58,7 @@ from verify_server.engines.flex_plan import StepLayout, plan_step, step_shape
 from verify_server.engines.kv import SessionKV
 from verify_server.engines.rows import Row
 from verify_server.scheduler import verify_step
+from verify_server.shapes import SHAPES
 from verify_server.step_costs import StepCell, make_profile
 from verify_server.target import Target
 
@@ -102,27 +103,6 @@ def _unknown(what: str):
 ENGINE_KINDS = ("paged", "padded", "flex", "flex-graph", "flex-compile", "transformers-graph")
 BASELINE = "transformers-graph"
 GREEDY = Sampling()          # the sessions verify greedily
-# Real shapes (the configs of Llama 3.1 8B and Gemma 3 4B), built with random weights.
-SHAPES = {
-    "llama-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                               max_position_embeddings=8192, rope_theta=500000.0)),
-    "gemma3-4b": ("gemma3_text", dict(hidden_size=2560, intermediate_size=10240,
-                                      num_hidden_layers=34, num_attention_heads=8,
-                                      num_key_value_heads=4, head_dim=256, vocab_size=262208,
-                                      sliding_window=1024, query_pre_attn_scalar=256,
-                                      max_position_embeddings=32768)),
-    "tiny-llama": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                 num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
-                                 max_position_embeddings=4096)),
-    "tiny-gemma3": ("gemma3_text", dict(hidden_size=128, intermediate_size=256,
-                                        num_hidden_layers=3, num_attention_heads=4,
-                                        num_key_value_heads=2, head_dim=64, vocab_size=1024,
-                                        sliding_window=24, query_pre_attn_scalar=64,
-                                        layer_types=["sliding_attention", "sliding_attention",
-                                                     "full_attention"],
-                                        max_position_embeddings=4096)),
-}
 
 
 def run(args) -> int:
@@ -224,7 +204,8 @@ def bench(args) -> int:
             model, model_id, device_name = _model(args, shape)
             entry = {"model": model_id, "device_name": device_name,
                      "bytes_per_token": _bytes_per_token(model),
-                     "weight_bytes": _weight_bytes(model), "cells": []}
+                     "weight_bytes": _weight_bytes(model),
+                     "memory_bytes": _memory_bytes(args.device), "cells": []}
             results["models"].append(entry)
             for n in sessions:
                 for context in contexts:
@@ -247,10 +228,8 @@ def bench(args) -> int:
 
 
 def step_profile(results: dict, args):
-    """The first engine's median steps as a step-cost profile, with where they were measured."""
-
-
-
+    """The first engine's median steps as a step-cost profile, with where they were measured
+    and what the GPU holds (its memory, the model's weights and KV per token)."""
     entry, kind = results["models"][0], results["engines"][0]
     cells = [StepCell(c["sessions"], c["k"] + 1, c["context"], round(c[f"{kind}_ms_p50"], 3))
              for c in entry["cells"]]
@@ -261,7 +240,9 @@ def step_profile(results: dict, args):
                   "transformers forward over its static KV cache, captured in a CUDA graph",
         "torch": torch.__version__, "transformers": transformers.__version__,
         "date": datetime.date.today().isoformat(),
-        "command": _command(args)}, cells)
+        "command": _command(args)}, cells, gpu={
+        **({"memory_bytes": entry["memory_bytes"]} if entry.get("memory_bytes") else {}),
+        "weight_bytes": entry["weight_bytes"], "kv_bytes_per_token": entry["bytes_per_token"]})
 
 
 def _command(args) -> str:
@@ -331,6 +312,12 @@ def _model(args, shape: str | None):
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
     return model.eval(), shape, name
+
+
+def _memory_bytes(device: str) -> int | None:
+    """The GPU's memory (None on a CPU: a profile measured there holds no GPU's KV)."""
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def _weight_bytes(model) -> int:
