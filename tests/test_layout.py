@@ -91,3 +91,15 @@ def test_a_modules_dependencies_are_read_at_its_top():
               for package in PACKAGES}
     assert sum(counts.values()) < 100, counts
     assert counts["verify_server"] <= 5 and counts["sled_cli"] <= 10, counts
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists the packages a wheel (and so a lab image) carries: every folder with
+    an __init__.py below the project's packages is among them."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts)
+             for package in PACKAGES for init in (ROOT / package).rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
