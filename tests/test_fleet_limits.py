@@ -148,7 +148,7 @@ async def test_one_device_reserves_at_most_its_share_of_the_kv(serve, models, tm
         victim_channel, victim = stub_of(server, TOKENS["dev-2"])
         try:
             held, reply = await opened(victim, fingerprint, share - len(PROMPT) - 1)
-            assert reply.WhichOneof("kind") == "opened"               # its whole share is there
+            assert reply.WhichOneof("kind") == "opened", reply        # its whole share is there
             held.cancel()
         finally:
             await victim_channel.close()
