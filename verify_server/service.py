@@ -52,14 +52,15 @@ class VerifierService(pb_grpc.VerifierServicer):
     evict_idle = of_core("evict_idle")
     run_evictions = of_core("run_evictions")
 
+    target = of_core("target")
+    scheduler = of_core("scheduler")
+    settings = of_core("settings")
+    metrics = of_core("metrics")
+    gate = of_core("gate")                # who may call (auth): every Verifier call passes it
+
     def __init__(self, target: Target, scheduler: Scheduler, settings: ServerSettings,
                  metrics: Metrics, gate: Gate | None = None) -> None:
-        self.target = target
-        self.scheduler = scheduler
-        self.settings = settings
-        self.metrics = metrics
-        self.gate = gate or Gate()        # who may call (auth): every Verifier call passes it
-        self.core = VerifierCore(target, scheduler, settings, metrics, self.gate)
+        self.core = VerifierCore(target, scheduler, settings, metrics, gate)
         quiet_dropped_replies()
 
     # --- unary calls -------------------------------------------------------------------------
