@@ -1,9 +1,9 @@
 """What a session produced: its tokens, why it ended, and what each round cost."""
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 
+from sled import clock
 from sled.v1 import verifier_pb2 as pb
 
 FINISH_NAMES = {pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_STOP: "stop",
@@ -62,7 +62,7 @@ class GenerationResult:
 
     def add(self, verdict: pb.Verdict, started: float) -> bool:
         """Count one verdict's tokens and stats (arrival stamped against `started`, a
-        perf_counter time); True when the verdict ends the session."""
+        clock.now() time); True when the verdict ends the session."""
         self.rounds += 1
         self.server_forward_ms += verdict.timings.forward_ms
         self.draft_tokens += verdict.verified        # device drafts, or the server's SAT guesses
@@ -70,7 +70,7 @@ class GenerationResult:
         self.loose_accepted += verdict.loose_accepted
         self.judged.append((verdict.verified, verdict.accepted))
         self.token_ids.extend(verdict.emitted_ids)
-        self.token_times.extend([time.perf_counter() - started] * len(verdict.emitted_ids))
+        self.token_times.extend([clock.now() - started] * len(verdict.emitted_ids))
         if verdict.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             return False
         self.finish_reason = FINISH_NAMES[verdict.finish_reason]

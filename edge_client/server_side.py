@@ -16,6 +16,7 @@ from edge_client.result import GenerationResult
 from edge_client.session import Reconnect, SessionHooks, open_stream
 from edge_client.transport import Stream, Transport, VerifyError, lost_server
 from edge_client.wire import SessionRequest
+from sled import clock
 from sled.v1 import verifier_pb2 as pb
 
 
@@ -37,7 +38,7 @@ class ServerSideSession:
 
     async def run(self) -> GenerationResult:
         """Open, then take each verdict the server streams until one ends the session."""
-        started = time.perf_counter()
+        started = clock.now()
         try:
             self.stream = await (self.reconnect.reopen(self.open_once, 0, lost=False)
                                  if self.wait_first else self.open_once())
@@ -49,7 +50,7 @@ class ServerSideSession:
                 self.stream.cancel()
             raise
         finally:
-            self.result.elapsed_s = time.perf_counter() - started
+            self.result.elapsed_s = clock.now() - started
         return self.result
 
     async def open_once(self, connect_s: float | None = None, switch: bool = False) -> Stream:

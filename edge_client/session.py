@@ -12,14 +12,12 @@ the emitted tokens, rolls its drafter back past the rejected ones, and picks the
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import grpc
 
 from drafters.base import Drafter, Proposal
-from sled.backoff import Backoff
 from edge_client.draft_policy import DraftPolicy
 from edge_client.hint_policy import HINT_USES, HintPolicy
 from edge_client.proposer import Draft, Head, Proposer
@@ -27,9 +25,11 @@ from edge_client.result import LOST, RESUMED, GenerationResult, RoundStat, Serve
 from edge_client.speculation import Speculation
 from edge_client.transport import ServerLost, Stream, Transport, VerifyError, lost_server
 from edge_client.wire import SessionRequest, draft_message, drafter_label
-from sled.wire.fingerprint import short
+from sled import clock
+from sled.backoff import Backoff
 from sled.printable import printable
 from sled.v1 import verifier_pb2 as pb
+from sled.wire.fingerprint import short
 
 # First draft length of a draft_len="auto" session, before the server has suggested one.
 AUTO_FIRST_DRAFT_LEN = 4
@@ -165,7 +165,7 @@ class DeviceSession:
         self.round = 0
         self.head: Head | None = None                  # what starts the next draft
         self.speculation: Speculation | None = None    # drafting while a verdict is in flight
-        # perf_counter times of this round: the device's turn began, the draft left, the
+        # clock.now() times of this round: the device's turn began, the draft left, the
         # verdict came (None after an open: the next turn begins when drafting does)
         self.started = self.turn_at = self.sent_at = 0.0
         self.verdict_at: float | None = None
@@ -177,7 +177,7 @@ class DeviceSession:
 
     async def run(self) -> GenerationResult:
         """Open, then draft -> exchange -> commit until a verdict ends the session."""
-        self.started = time.perf_counter()
+        self.started = clock.now()
         try:
             await self.open(resuming=self.hooks.reopen_on is not None)
             while True:
@@ -189,9 +189,9 @@ class DeviceSession:
             self.proposer.observe(self.context)       # the whole output, for later sessions
         except BaseException:
             await self.abandon()
-            self.result.elapsed_s = time.perf_counter() - self.started
+            self.result.elapsed_s = clock.now() - self.started
             raise
-        self.result.elapsed_s = time.perf_counter() - self.started
+        self.result.elapsed_s = clock.now() - self.started
         return self.result
 
     def partial(self, finish_reason: str) -> GenerationResult:
@@ -251,7 +251,7 @@ class DeviceSession:
     async def next_draft(self) -> Draft:
         """This round's draft of draft_len: its head (the server's hints or the tokens drafted
         ahead), then the drafter's own."""
-        self.turn_at = self.verdict_at or time.perf_counter()
+        self.turn_at = self.verdict_at or clock.now()
         head, self.head = self.head, None
         self.proposer.observe(self.context)
         draft = await self.proposer.draft(self.context, self.draft_len, head)
@@ -263,7 +263,7 @@ class DeviceSession:
         """Send the draft, drafting ahead meanwhile, and wait for its verdict. None when the
         server lost the session: it is open again, and the round starts over."""
         self.speculation = self.speculate(draft.proposal)
-        self.sent_at = time.perf_counter()
+        self.sent_at = clock.now()
         try:
             lookahead = 0 if draft.proposal.parents is not None else self.hints.ask()
             await self.stream.send(draft_message(self.round, draft.proposal, lookahead))
@@ -271,7 +271,7 @@ class DeviceSession:
         except (VerifyError, grpc.aio.AioRpcError) as error:
             await self.resume(error)
             return None
-        self.verdict_at = time.perf_counter()   # the device's next turn starts here
+        self.verdict_at = clock.now()   # the device's next turn starts here
         return verdict
 
     async def commit(self, draft: Draft, verdict: pb.Verdict) -> bool:
@@ -354,20 +354,20 @@ class Reconnect:
         self.tell(ServerEvent(LOST, committed, self.reconnect_s, detail))
         if not self.reconnect_s:
             raise self.gave_up(committed) from None
-        started = time.monotonic()
+        started = clock.now()
         stream = await self.reopen(attempt, committed, lost=True)
         self.tell(ServerEvent(RESUMED, committed, self.reconnect_s,
-                              f"after {time.monotonic() - started:.1f} s"))
+                              f"after {clock.now() - started:.1f} s"))
         return stream
 
     async def reopen(self, attempt: Attempt, committed: int, lost: bool) -> Stream:
         """Attempts with backoff until reconnect_s has passed. Each waits for its server a
         bounded time, and every attempt after a lost server asks again which server to use (the
         one it waited for may be gone for good)."""
-        give_up = time.monotonic() + self.reconnect_s
+        give_up = clock.now() + self.reconnect_s
         pauses, waits = Backoff(PAUSE_S, most=MAX_PAUSE_S), Backoff(CONNECT_S, most=MAX_CONNECT_S)
         while True:
-            left = give_up - time.monotonic()
+            left = give_up - clock.now()
             try:
                 return await attempt(max(min(left, waits.current), 0.01), lost)
             except asyncio.TimeoutError:
@@ -377,7 +377,7 @@ class Reconnect:
             except (VerifyError, grpc.aio.AioRpcError) as error:
                 if not lost_server(error):
                     raise
-                if time.monotonic() + pauses.current > give_up:
+                if clock.now() + pauses.current > give_up:
                     raise self.gave_up(committed) from None
             lost = True
             await pauses.wait()

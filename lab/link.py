@@ -12,10 +12,10 @@ one latency per message (see Link.downlink).
 from __future__ import annotations
 
 import asyncio
-import time
 
 from edge_client.transport import Stream, Transport
 from lab.profiles import Link, link_profile
+from sled import clock
 from sled.v1 import verifier_pb2 as pb
 
 
@@ -25,7 +25,7 @@ class LinkStream:
     def __init__(self, inner: Stream, link: Link) -> None:
         self.inner = inner
         self.link = link
-        self._inbox: asyncio.Queue = asyncio.Queue()     # (perf_counter received, message or error)
+        self._inbox: asyncio.Queue = asyncio.Queue()     # (clock.now() received, message or error)
         self._reader: asyncio.Task | None = None
 
     async def send(self, msg: pb.DeviceMessage) -> None:
@@ -49,11 +49,11 @@ class LinkStream:
         try:
             while True:
                 msg = await self.inner.receive()
-                self._inbox.put_nowait((time.perf_counter(), msg))
+                self._inbox.put_nowait((clock.now(), msg))
                 if msg.verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     return
         except BaseException as exc:
-            self._inbox.put_nowait((time.perf_counter(), exc))
+            self._inbox.put_nowait((clock.now(), exc))
 
     async def done_writing(self) -> None:
         await self.inner.done_writing()

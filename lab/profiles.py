@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-import time
 from dataclasses import dataclass
+
+from sled import clock
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +147,7 @@ class Link:
         self._last_arrival = {"up": 0.0, "down": 0.0}   # perf_counter seconds
 
     def arrival(self, direction: str, sent_at: float, nbytes: int) -> float:
-        """When a message of nbytes sent at sent_at (perf_counter seconds) arrives."""
+        """When a message of nbytes sent at sent_at (clock.now() seconds) arrives."""
         p = self.profile
         jitter = abs(self.random.gauss(0.0, p.jitter_ms)) if p.jitter_ms else 0.0
         wire = nbytes * 8 / (p.bandwidth_mbps * 1e6) if p.bandwidth_mbps else 0.0
@@ -159,15 +160,15 @@ class Link:
 
     async def uplink(self, nbytes: int) -> None:
         """Device -> server: await before writing a message of nbytes."""
-        await _sleep_until(self.arrival("up", time.perf_counter(), nbytes))
+        await _sleep_until(self.arrival("up", clock.now(), nbytes))
 
     async def downlink(self, nbytes: int, received_at: float | None = None) -> None:
         """Server -> device: await after reading a message of nbytes; received_at is when the
         local stack took it (default: now)."""
-        sent_at = time.perf_counter() if received_at is None else received_at
+        sent_at = clock.now() if received_at is None else received_at
         await _sleep_until(self.arrival("down", sent_at, nbytes))
 
 
 async def _sleep_until(at: float) -> None:
-    while (delay := at - time.perf_counter()) > 0:
+    while (delay := at - clock.now()) > 0:
         await asyncio.sleep(delay)

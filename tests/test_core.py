@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from sled import clock
 from sled.v1 import verifier_pb2 as pb
 from tests.conftest import greedy_reference
 from verify_server import core as core_module
@@ -108,7 +109,7 @@ async def test_a_server_mode_session_decodes_the_targets_greedy_output(make_core
     request.mode = pb.GENERATION_MODE_SERVER
     session = core.open(None, request, DEV_1, PEER)
     await core.prefill(session, deadline=None)
-    verdicts = [verdict async for verdict in core.decode(session, time.perf_counter() + 60)]
+    verdicts = [verdict async for verdict in core.decode(session, clock.now() + 60)]
     assert [t for v in verdicts for t in v.emitted_ids] == greedy_reference(models["llama"],
                                                                             prompt, MAX_NEW)
     core.close(session)

@@ -7,7 +7,7 @@ and its quotas, and each session's rounds through the scheduler.
     async for verdict in core.decode(session, deadline): ...  # server modes: the server drafts
     core.close(session)                                       # whatever ended the stream
 
-It works from plain values: a deadline (a perf_counter time, or None), the device's
+It works from plain values: a deadline (a sled.clock time, or None), the device's
 auth.Identity and its peer address. A refusal is a SessionError, which the transport
 (verify_server.service) turns into the call's status; a call that goes away cancels the
 coroutine awaiting its work (asyncio), and the transport closes its session.
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 
+from sled import clock
 from sled.v1 import verifier_pb2 as pb
 from sled.wire.tree import cut
 from verify_server import errors, validation
@@ -42,7 +42,7 @@ def round_deadline(deadline: float | None, deadline_ms: int = 0) -> float | None
     """The earlier of the call's deadline and a round's own (deadline_ms from now)."""
     if not deadline_ms:
         return deadline
-    own = time.perf_counter() + deadline_ms / 1e3
+    own = clock.now() + deadline_ms / 1e3
     return own if deadline is None else min(deadline, own)
 
 
@@ -308,7 +308,7 @@ class VerifierCore:
         timeout = self.settings.idle_timeout
         if not timeout:
             return []
-        now = time.monotonic() if now is None else now
+        now = clock.now() if now is None else now
         idle = [s for s in self.sessions.values() if s.idle_for(now) > timeout]
         for session in idle:
             self._evict(session, session.idle_for(now))

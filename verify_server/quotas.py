@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from dataclasses import dataclass, field
 
+from sled import clock
 from verify_server import errors
 from verify_server.auth import Identity
 from verify_server.errors import Reason
@@ -33,7 +33,7 @@ class TokenBucket:
     rate: float                              # tokens per second
     capacity: float                          # the most it holds (rate x burst seconds)
     level: float | None = None               # tokens it holds now (None: full); < 0: in debt
-    stamp: float = field(default_factory=time.monotonic)
+    stamp: float = field(default_factory=clock.now)
 
     def __post_init__(self) -> None:
         if self.level is None:
@@ -104,19 +104,19 @@ class Quotas:
         bucket = self._bucket(identity)
         if bucket is None:
             return
-        wait = bucket.wait_s(tokens, time.monotonic())
+        wait = bucket.wait_s(tokens, clock.now())
         if wait > self.wait_s:
             raise errors.exhausted(Reason.REASON_QUOTA, f"device {identity.device} is over its "
                                    f"quota of {bucket.rate:g} tokens/s ({tokens} more would wait "
                                    f"{wait:.1f} s): slow down, or retry in {math.ceil(wait)} s")
         if wait > 0:
             await asyncio.sleep(wait)
-        bucket.charge(tokens, time.monotonic())
+        bucket.charge(tokens, clock.now())
 
     def sweep(self) -> None:
         """Forget devices with no session and a full bucket: they cost nothing to remember
         again, and the table stays as large as the devices in use."""
-        now = time.monotonic()
+        now = clock.now()
         for key in [key for key, usage in self.usage.items() if usage.sessions == 0
                     and (usage.bucket is None or usage.bucket.full(now))]:
             del self.usage[key]
@@ -138,5 +138,5 @@ class Quotas:
         if usage.bucket is None:
             usage.bucket = TokenBucket(rate, rate * self.burst_s)
         elif usage.bucket.rate != rate:
-            usage.bucket.retune(rate, rate * self.burst_s, time.monotonic())
+            usage.bucket.retune(rate, rate * self.burst_s, clock.now())
         return usage.bucket

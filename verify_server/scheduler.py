@@ -19,10 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import math
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from sled import clock
 from verify_server import errors
 from verify_server.acceptance import DraftQ, Outcome, Proposal, decide
 from verify_server.engines.base import Engine
@@ -30,7 +30,6 @@ from verify_server.engines.rows import Row
 from verify_server.errors import Reason
 from verify_server.metrics import Metrics
 from verify_server.session import Session
-
 
 # --- the work a session queues ----------------------------------------------------------------------
 # Each item gives a step its row (`row`) and what deciding it takes (`proposal`: the whole step
@@ -43,8 +42,8 @@ from verify_server.session import Session
 class Work:
     session: Session
     future: asyncio.Future | None   # None until the scheduler queues it
-    deadline: float | None = None        # perf_counter time after which the work is useless
-    enqueued: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None        # clock.now() time after which the work is useless
+    enqueued: float = field(default_factory=clock.now)
 
     @property
     def tokens_wanted(self) -> int:
@@ -213,7 +212,7 @@ class Scheduler:
             self._wake.clear()
             while self._queue:
                 await asyncio.sleep(0)   # sessions the last step answered queue their next work first
-                plan = self._plan(time.perf_counter())
+                plan = self._plan(clock.now())
                 if plan:
                     await self._step(loop, plan)
 
@@ -255,7 +254,7 @@ class Scheduler:
         return plan
 
     async def _step(self, loop: asyncio.AbstractEventLoop, plan: list[tuple[Work, int]]) -> None:
-        started = time.perf_counter()
+        started = clock.now()
         sessions = {w.session for w, _ in plan}
         self._in_flight = sessions
         tokens = sum(n for _, n in plan)
@@ -267,7 +266,7 @@ class Scheduler:
             outcomes, failure = [None] * len(plan), exc
         finally:
             self._in_flight = set()
-        forward_ms = (time.perf_counter() - started) * 1e3
+        forward_ms = (clock.now() - started) * 1e3
         self.metrics.forward_passes.inc()
         self.metrics.forward_tokens.inc(tokens)
         self.metrics.batch_size.observe(len(plan))

@@ -5,12 +5,12 @@ much of its KV is context. Nothing else moves either after the prompt is in."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from dataclasses import dataclass, field
 
 import torch
 
+from sled import clock
 from sled.v1 import verifier_pb2 as pb
 from sled.wire.loose import Loose
 from sled.wire.sampling import Sampling
@@ -55,7 +55,7 @@ class Session:
                    drafter=request.drafter, mode=request.mode, kv=kv, loose=loose)
 
     def wait_for_device(self) -> None:
-        self.waiting_since = time.monotonic()
+        self.waiting_since = clock.now()
 
     def heard_from_device(self) -> None:
         self.waiting_since = None

@@ -2,18 +2,18 @@
 core takes it, requests that did not decode, and a SessionError turned into the call's status."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
+from sled import clock
 from sled.v1 import verifier_pb2 as pb
 from verify_server import errors
 from verify_server.errors import Reason, SessionError
 
 
 def deadline_of(context) -> float | None:
-    """The call's own deadline as a perf_counter time (None: the call has none)."""
+    """The call's own deadline as a clock.now() time (None: the call has none)."""
     remaining = context.time_remaining() if context is not None else None
-    return time.perf_counter() + remaining if remaining is not None else None
+    return clock.now() + remaining if remaining is not None else None
 
 
 @dataclass(frozen=True, slots=True)
