@@ -14,34 +14,16 @@ output stops: at max_tokens or at the first EOS id, which is kept in the output.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import difflib
-import io
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer
 
 from sled.models import resolve_model
-from verify_server.flags import add_arguments
-from verify_server.settings import ServerSettings, load_settings
+from verify_server.flags import served_settings
+from verify_server.settings import ServerSettings
 from verify_server.target import load_target as load_served
-
-
-def served_settings(target: str, server_args: list[str] | None = None):
-    """The ServerSettings `sled serve --model TARGET SERVER_ARGS` runs with: the flags read by
-    sled serve's own parser, then its loader (--config file, SLED_SERVE_* variables, flags).
-    ValueError (one line) for flags sled serve would refuse."""
-    parser = argparse.ArgumentParser(prog="sled serve", add_help=False)
-    add_arguments(parser)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()) as said:
-            args = parser.parse_args(["--model", target, *(server_args or [])])
-    except SystemExit:
-        raise ValueError(f"server.args: {said.getvalue().strip().splitlines()[-1]}") from None
-    flags = {name: getattr(args, name) for name in ServerSettings.model_fields if hasattr(args, name)}
-    return load_settings(args.config, flags)
 
 
 def load_target(target: str, dtype: str = "float32", settings=None):

@@ -28,7 +28,8 @@ from lab.health import wait_health
 from lab.fleet import Fleet, FleetStartError
 from lab.fleet_compose import ComposeFleet
 from lab.fleet_local import LocalFleet
-from lab.oracle import served_settings, target_references
+from lab.oracle import target_references
+from verify_server.flags import served_settings
 from lab.report import build_report, load_report
 from lab.results import Results, greedy_mismatches, phase_totals
 from lab.scenario import Scenario, ScenarioError, load_scenario

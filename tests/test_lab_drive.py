@@ -19,7 +19,8 @@ from edge_client.openai_api import start_api
 from edge_client.settings import DeviceSettings
 from lab.drive import Attempt, RequestRecord, drive, judge
 from lab.drive_mqtt import MqttSender
-from lab.oracle import Difference, compare, greedy_references, load_target, served_settings
+from lab.oracle import Difference, compare, greedy_references, load_target
+from verify_server.flags import served_settings
 from sled.backoff import Backoff
 from sled.wire.topics import decode, encode
 from tests.conftest import PROMPT_TEXTS

@@ -4,10 +4,13 @@ same parser (lab.oracle), so a scenario's server.args mean what they mean to sle
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import typing
 
 from sled.flags import builtin_aliases
-from verify_server.settings import ACCESS, ANNOUNCE, ENV_PREFIX, ServerSettings, flag_spellings
+from verify_server.settings import (ACCESS, ANNOUNCE, ENV_PREFIX, ServerSettings, flag_spellings,
+                                    load_settings)
 
 EPILOG = f"""\
 Every flag is also a key of a --config file (TOML or YAML, e.g. max_sessions = 64) and a
@@ -60,3 +63,18 @@ def _help(field) -> str:
     else:
         shown = f" (default: {_shown(default)})"
     return (field.description + shown).replace("%", "%%")
+
+
+def served_settings(target: str, server_args: list[str] | None = None):
+    """The ServerSettings `sled serve --model TARGET SERVER_ARGS` runs with: the flags read by
+    sled serve's own parser, then its loader (--config file, SLED_SERVE_* variables, flags).
+    ValueError (one line) for flags sled serve would refuse."""
+    parser = argparse.ArgumentParser(prog="sled serve", add_help=False)
+    add_arguments(parser)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as said:
+            args = parser.parse_args(["--model", target, *(server_args or [])])
+    except SystemExit:
+        raise ValueError(f"server.args: {said.getvalue().strip().splitlines()[-1]}") from None
+    flags = {name: getattr(args, name) for name in ServerSettings.model_fields if hasattr(args, name)}
+    return load_settings(args.config, flags)

@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from peft import LoraConfig, get_peft_model
 
 # Gemma, Llama, Qwen, Mistral and most decoders name their projections so.
 DEFAULT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -116,6 +115,9 @@ class SatLora:
 # --- the training half: peft -------------------------------------------------------------------
 
 def peft_config(rank: int, alpha: float, modules: tuple[str, ...] = DEFAULT_MODULES):
+    """peft's LoRA config of a SAT adapter (peft loads here: serving never needs it, and it
+    takes seconds to import)."""
+    from peft import LoraConfig
 
     return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(modules),
                       bias="none")
@@ -136,6 +138,8 @@ def to_peft(model: torch.nn.Module, lora: SatLora):
     """A peft LoRA model over `model` carrying exactly `lora`'s deltas (the reference forward)."""
 
     modules = tuple(sorted({p.rsplit(".", 1)[-1] for p in lora.weights}))
+    from peft import get_peft_model
+
     peft_model = get_peft_model(model, peft_config(lora.rank, lora.alpha, modules))
     load_deltas(peft_model, lora)
     return peft_model
