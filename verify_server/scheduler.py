@@ -206,7 +206,6 @@ class Scheduler:
         return await self.enqueue(work)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -214,7 +213,7 @@ class Scheduler:
                 await asyncio.sleep(0)   # sessions the last step answered queue their next work first
                 plan = self._plan(clock.now())
                 if plan:
-                    await self._step(loop, plan)
+                    await self._step(plan)
 
     def _plan(self, now: float) -> list[tuple[Work, int]]:
         """Take this step's work off the queue: (work, tokens it gets) within the budget."""
@@ -253,14 +252,19 @@ class Scheduler:
             self._queue.remove(work)
         return plan
 
-    async def _step(self, loop: asyncio.AbstractEventLoop, plan: list[tuple[Work, int]]) -> None:
+    async def execute(self, plan: list[tuple[Work, int]]) -> list[Outcome | None]:
+        """Run the planned step: on the engine thread, in the context the engine was built in.
+        (The fleet simulator runs it on the loop and waits out the step-cost profile's time.)"""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._context.run, run_step, self.engine, plan)
+
+    async def _step(self, plan: list[tuple[Work, int]]) -> None:
         started = clock.now()
         sessions = {w.session for w, _ in plan}
         self._in_flight = sessions
         tokens = sum(n for _, n in plan)
         try:
-            outcomes = await loop.run_in_executor(self._executor, self._context.run, _run_step,
-                                                  self.engine, plan)
+            outcomes = await self.execute(plan)
             failure = None
         except Exception as exc:  # the step failed: every session in it hears why
             outcomes, failure = [None] * len(plan), exc
@@ -286,7 +290,7 @@ class Scheduler:
                 work.future.set_result((result, info))
 
 
-def _run_step(engine: Engine, plan: list[tuple[Work, int]]) -> list[Outcome | None]:
+def run_step(engine: Engine, plan: list[tuple[Work, int]]) -> list[Outcome | None]:
     """Engine thread: the step of the planned work, then the KV each work keeps."""
     rows = [work.row(share) for work, share in plan]
     outcomes = verify_step(engine, rows, [work.proposal() for work, _ in plan])
