@@ -95,6 +95,9 @@ COMMANDS = {
                        "device process per device", needs=SERVER_LAB),
         "compose": Command("lab.compose", "run a scenario in Docker Compose: build the images, "
                            "bring the fleet up, collect the report", needs=SERVER_LAB),
+        "simulate": Command("lab.sim.simulate", "a scenario's fleet on simulated time, sled "
+                            "against centralized, from 1 to 4096 devices in seconds",
+                            needs=SERVER_LAB),
         "device": Command("lab.device_entry", "a device container's entrypoint: take a place in "
                           "the scenario's fleet, set up its link, run sled device"),
     }),

@@ -115,7 +115,9 @@ def add_trace_flags(parser, *, max_new_tokens: int = 48) -> None:
     """Where emulated devices' drafter traces come from: a `sled trace record` file, or
     recorded now (--drafter against --model over --workload)."""
     parser.add_argument("--traces", default=None,
-                        help="a `sled trace record` file (default: record now)")
+                        help="a `sled trace record` file, or calibrated:NAME (a shipped pair's "
+                             "acceptance drawn along the target's greedy output); default: "
+                             "record now")
     add_recording_flags(parser, max_new_tokens=max_new_tokens)
 
 

@@ -18,18 +18,22 @@ steps that overran the profile; past 1% of them the run does not stand for that 
 """
 from __future__ import annotations
 
+import asyncio
 import shlex
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from rich.progress import Progress
 from rich.table import Table
 
 from edge_client.session import RoundSettings
 from lab.bench import harness
-from lab.bench.report import percentile, save_figure, short_name, subplots
+from lab.bench.report import save_figure, short_name, subplots
+from lab.fleet_metrics import FleetRun, summarize
 from lab.profiles import device_profile, link_profile
+from lab.sim.engine import HostCost
+from lab.sim.simulate import trace_sweep
 from lab.traces.fleet import MODES, TraceFleet
 from sled.flags import positive_float, positive_int
 from verify_server.step_costs import MAX_OVERRUN_SHARE, load_profile
@@ -57,6 +61,9 @@ def add_arguments(parser) -> None:
                         help="hold the server's steps to a step-cost profile's time (e.g. "
                              "h100-llama8b-hf-graph): the fleet as that GPU would serve it, the "
                              "target here still computing every token")
+    parser.add_argument("--simulate", action="store_true",
+                        help="with --emulate: run the same sweep again on the fleet simulator "
+                             "(sled lab simulate) and print how far it is from the emulation")
     harness.add_out_flag(parser, "serve")
 
 
@@ -87,13 +94,23 @@ async def bench(args) -> int:
     summary = None if emulated is None else emulation_summary(emulated, rows)
     for line in emulation_lines(emulated, summary) if emulated is not None else ():
         console.print(line, highlight=False)
+    simulated = agreement = None
+    if args.simulate:
+        simulated, host = await asyncio.to_thread(     # its own loop, on virtual time
+            simulated_beside, rows, emulated, harness.server_flags(args), traces, fleet_sizes,
+            modes, device, link, RoundSettings(draft_len=args.draft_len), args.max_new_tokens)
+        agreement = agreement_rows(rows, simulated)
+        console.print(_agreement_table(agreement, emulated.name))
+        console.print(f"this host's time a step, beside the profile's (fitted on the centralized "
+                      f"rows' TPOT p50; the sled rows are out of its sample): {host}",
+                      highlight=False)
     harness.write_results(console, args.out, {
         "model": model, "server_device": info.device, "dtype": info.dtype, "drafter": traces.drafter,
         "traces": args.traces or "recorded", "prompts": len(traces.traces), "max_draft_len": traces.max_draft_len,
         "device_profile": args.device_profile, "link": args.link, "draft_len": args.draft_len,
         "max_new_tokens": args.max_new_tokens, "target_rate": args.target_rate,
         "capacity": {**capacities, "ratio": ratio, "largest_fleet": fleet_sizes[-1]},
-        "emulated": summary,
+        "emulated": summary, "simulated": simulated, "agreement": agreement,
         "results": rows}, lambda png: _plot(rows, png, setup))
     return harness.lossless_exit(console, [
         f"{r['mode']} with {r['devices']} device(s): {r['mismatches']} output(s)"
@@ -114,36 +131,12 @@ def _settings(args) -> tuple[list[int], list[str], object, object, object]:
     if args.draft_len != "auto" and not (args.draft_len.isdigit() and int(args.draft_len) >= 1):
         raise ValueError(f"--draft-len takes a number >= 1 or auto, not {args.draft_len!r}")
     args.draft_len = args.draft_len if args.draft_len == "auto" else int(args.draft_len)
+    if args.simulate and not args.emulate:
+        raise ValueError("--simulate needs --emulate PROFILE: the simulator holds its server to "
+                         "the profile the emulation is held to")
     device = None if args.device_profile == "recorded" else device_profile(args.device_profile)
     emulated = load_profile(args.emulate) if args.emulate else None
     return fleet_sizes, modes, device, link_profile(args.link), emulated
-
-
-@dataclass(slots=True)
-class FleetRun:
-    """One fleet of N devices in one mode: each device's result and what it should have been."""
-    mode: str
-    devices: int
-    results: list            # [N] GenerationResult
-    expected: list[list[int]]
-    makespan_s: float
-    forward_passes: float
-
-
-def tpot_samples(token_times: list[float]) -> list[float]:
-    """Per-token time per output token (s) from arrival stamps, the first verdict's tokens
-    excluded: a verdict of m tokens arriving g after the previous one gives m samples of g / m.
-    Example: [0.1, 0.3, 0.3, 0.4] -> [0.1, 0.1, 0.1]."""
-    runs: list[list] = []                  # [arrival, tokens] per verdict
-    for stamp in token_times:
-        if runs and runs[-1][0] == stamp:
-            runs[-1][1] += 1
-        else:
-            runs.append([stamp, 1])
-    samples: list[float] = []
-    for (before, _), (stamp, m) in zip(runs, runs[1:]):
-        samples += [(stamp - before) / m] * m
-    return samples
 
 
 async def run_fleet(fleet, mode: str, n: int, traces,
@@ -154,27 +147,6 @@ async def run_fleet(fleet, mode: str, n: int, traces,
     started = time.perf_counter()
     runs = await fleet.run(picked, max_new_tokens, mode=mode)
     return [result for result, _ in runs], [want for _, want in runs], time.perf_counter() - started
-
-
-def summarize(run: FleetRun) -> dict:
-    """The metrics of one fleet run (times in ms, rates in tokens/s)."""
-    results = run.results
-    tokens = sum(len(r.token_ids) for r in results)
-    rates = [len(r.token_ids) / r.elapsed_s for r in results]
-    tpot = [s * 1e3 for r in results for s in tpot_samples(r.token_times)] or [0.0]
-    ttft = [r.token_times[0] * 1e3 for r in results if r.token_times]
-    verified = sum(r.draft_tokens for r in results)
-    return {
-        "mode": run.mode, "devices": run.devices, "tokens": tokens,
-        "makespan_s": run.makespan_s, "throughput": tokens / run.makespan_s,
-        "device_tps_p5": percentile(rates, 5), "device_tps_p50": percentile(rates, 50),
-        "device_tps_p95": percentile(rates, 95), "device_tps_mean": statistics.fmean(rates),
-        "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p95": percentile(tpot, 95),
-        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p95": percentile(ttft, 95),
-        "forward_passes": run.forward_passes, "passes_per_token": run.forward_passes / tokens,
-        "acceptance_rate": sum(r.accepted_tokens for r in results) / verified if verified else None,
-        "mismatches": sum(r.token_ids != want for r, want in zip(results, run.expected)),
-    }
 
 
 def capacity(rows: list[dict], mode: str, target_rate: float) -> int:
@@ -284,6 +256,69 @@ def _table(rows: list[dict], setup: str):
                       f"{r['tpot_ms_p95']:.1f}", f"{r['passes_per_token']:.3f}",
                       f"{accept:.0%}" if accept is not None else "-", _late(r),
                       "yes" if not r["mismatches"] else f"[red]{r['mismatches']} differ[/]")
+    return table
+
+
+def simulated_beside(emulated_rows: list[dict], profile, server_args, traces, fleet_sizes,
+                     modes, device, link, settings, max_new_tokens) -> tuple[list[dict], HostCost]:
+    """The sweep on the fleet simulator, its server charged this host's own time a step: what
+    the emulated centralized steps took beyond the profile's (TPOT p50: one step a token),
+    fitted as a time a step plus a time a session (least squares, neither below zero)."""
+    bare = trace_sweep(profile, server_args, traces, fleet_sizes, ["centralized"], device, link,
+                       settings, max_new_tokens)
+    host = fit_host_cost([(r["devices"], r["tpot_ms_p50"]) for r in emulated_rows
+                          if r["mode"] == "centralized"],
+                         [(r["devices"], r["tpot_ms_p50"]) for r in bare])
+    return trace_sweep(profile, server_args, traces, fleet_sizes, modes, device, link, settings,
+                       max_new_tokens, host=host), host
+
+
+def fit_host_cost(measured: list[tuple[int, float]], bare: list[tuple[int, float]]) -> HostCost:
+    """Per N, the measured step time less the profile's alone, as step_ms + row_ms * N.
+    Example: [(1, 14.3), (4, 15.7)] against [(1, 13.1), (4, 13.9)] -> 1.0 ms + 0.2 ms a row."""
+    gaps = {n: ms for n, ms in measured}
+    points = [(n, gaps[n] - ms) for n, ms in bare if n in gaps]
+    if not points:
+        return HostCost()
+    if len({n for n, _ in points}) == 1:
+        return HostCost(max(0.0, statistics.fmean(gap for _, gap in points)), 0.0)
+    n_mean = statistics.fmean(n for n, _ in points)
+    gap_mean = statistics.fmean(gap for _, gap in points)
+    slope = sum((n - n_mean) * (gap - gap_mean) for n, gap in points) / \
+        sum((n - n_mean) ** 2 for n, _ in points)
+    slope = max(0.0, slope)
+    return HostCost(max(0.0, gap_mean - slope * n_mean), slope)
+
+
+def agreement_rows(emulated: list[dict], simulated: list[dict]) -> list[dict]:
+    """Per (mode, N): system throughput and p95 TPOT of the emulation and of the simulation,
+    and the simulation's error against the emulation (0.05: 5% high)."""
+    simulated_at = {(r["mode"], r["devices"]): r for r in simulated}
+    rows = []
+    for real in emulated:
+        sim = simulated_at[(real["mode"], real["devices"])]
+        rows.append({"mode": real["mode"], "devices": real["devices"],
+                     "throughput": [real["throughput"], sim["throughput"]],
+                     "throughput_error": sim["throughput"] / real["throughput"] - 1,
+                     "tpot_ms_p95": [real["tpot_ms_p95"], sim["tpot_ms_p95"]],
+                     "tpot_error": sim["tpot_ms_p95"] / real["tpot_ms_p95"] - 1
+                     if real["tpot_ms_p95"] else 0.0,
+                     "overruns": real.get("overruns", 0)})
+    return rows
+
+
+def _agreement_table(rows: list[dict], profile: str):
+    table = Table(title=f"the fleet simulator against the real-time emulation of {profile}",
+                  caption="error: simulated / emulated - 1; overruns: emulated steps this "
+                          "machine could not hold to the profile (the emulation stands without)")
+    for column in ("mode", "N", "sys emulated", "simulated", "error", "TPOT p95 emulated",
+                   "simulated", "error", "overruns"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for r in rows:
+        table.add_row(r["mode"], str(r["devices"]), f"{r['throughput'][0]:.1f}",
+                      f"{r['throughput'][1]:.1f}", f"{r['throughput_error']:+.1%}",
+                      f"{r['tpot_ms_p95'][0]:.1f}", f"{r['tpot_ms_p95'][1]:.1f}",
+                      f"{r['tpot_error']:+.1%}", f"{r['overruns']:.0f}")
     return table
 
 

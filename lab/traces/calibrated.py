@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from lab.traces.format import TraceSet
 from lab.traces.synthetic import SyntheticDrafter, synthetic_trace_set
 
 PREFIX = "calibrated:"
@@ -91,3 +92,17 @@ def write_traces(specs: Sequence[str], prompt_ids: Sequence[Sequence[int]],
         traces = synthetic_trace_set(prompt_ids, outputs, drafter, vocab_size, target, None)
         written.append(traces.save(trace_file(traces_dir, spec)))
     return written
+
+
+def calibrated_trace_set(spec: str, model: str, texts: Sequence[str], max_new_tokens: int,
+                         server_args: Sequence[str] = ()) -> TraceSet:
+    """A calibrated pair's traces along `model`'s own greedy output for `texts` (the target as
+    `sled serve --model MODEL SERVER_ARGS` computes it): what `sled bench serve --traces
+    calibrated:NAME` replays."""
+    from lab.oracle import target_references    # loads the target: torch
+
+    pair = load_calibration(spec)
+    references = target_references(model, list(texts), max_new_tokens, list(server_args))
+    drafter = SyntheticDrafter(pair.acceptance, MAX_K, SEED, f"calibrated:{pair.name}")
+    return synthetic_trace_set(references.prompt_ids, references.outputs, drafter,
+                               references.vocab_size, model, None)

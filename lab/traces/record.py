@@ -11,6 +11,7 @@ from rich.progress import Progress
 
 from drafters import bind_target_tokenizer, load_drafter
 from drafters.base import reports_confidence
+from lab.traces.calibrated import calibrated_trace_set, is_calibrated
 from lab.traces.format import Trace, TraceSet
 from lab.workload import prompt_texts
 from sled.models import resolve_model
@@ -116,8 +117,14 @@ def record_trace_set(model: str, drafter_spec: str, workload: str, max_new_token
 
 
 def traces_for(args, console):
-    """(target, TraceSet) for a benchmark: --traces FILE, else recorded now with the default
-    (or --model/--drafter) pair over --workload."""
+    """(target, TraceSet) for a benchmark: --traces FILE, or calibrated:NAME (that pair's
+    acceptance drawn along the target's greedy output), else recorded now with the default (or
+    --model/--drafter) pair over --workload."""
+    if args.traces and is_calibrated(args.traces):
+        model = resolve_model(args.model or default_specs(None, None)[0])
+        console.print(f"drawing {args.traces} traces along {model}'s greedy output")
+        return model, calibrated_trace_set(args.traces, model, prompt_texts(args.workload,
+                                           args.prompts), args.max_new_tokens, ["--dtype", args.dtype])
     if args.traces:
         traces = TraceSet.load(args.traces)
         return args.model or traces.target, traces

@@ -1,0 +1,352 @@
+"""`sled lab simulate SCENARIO`: a scenario's fleet on simulated time, sled against centralized
+serving, for fleets of 1 to thousands of devices in seconds.
+
+The server is sled's own service, core and scheduler (lab.sim.server) held to a step-cost
+profile (the scenario's server.emulate, or --profile), its KV cache the profiled GPU's memory;
+the devices are sled's own device sessions drafting from the scenario's calibrated pairs at
+their boards' speed over their links (lab.sim.fleet). Everything runs on a virtual clock
+(lab.sim.loop): a run is deterministic under --seed and takes the time its Python takes.
+
+Per (mode, N), as `sled bench serve` reports them: system throughput, per-device tokens/s,
+time per output token, time to first token (admission waits included); and what a buyer asks
+besides: the share of the time the GPU was busy, GPU-seconds and energy (at the board's power)
+per 1k tokens, and the sessions the KV cache refused for a while. Capacity: the largest N
+whose p5 device meets the SLO's tokens/s and whose p95 time to first token meets its ttft_s.
+
+    sled lab simulate fleet-h100 --fleet-sizes 1,16,64,256 --context 2048
+
+Exit status: 0 ok, 1 an output differed from its script (the server decided a round wrong),
+2 a bad flag, scenario or profile.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rich.progress import Progress
+from rich.table import Table
+
+from edge_client.session import RoundSettings
+from lab.bench.harness import bench_console
+from lab.bench.report import percentile, save_figure, subplots
+from lab.fleet_metrics import FleetRun, summarize
+from verify_server.flags import served_settings
+from lab.profiles import device_profile, link_profile
+from lab.scenario import Scenario, ScenarioError, load_scenario
+from lab.sim.engine import HostCost
+from lab.sim.fleet import SimDevice, SimRequest, run_fleet
+from lab.sim.loop import simulate
+from lab.sim.server import simulated_server
+from lab.traces.calibrated import MAX_K, SEED, is_calibrated, load_calibration
+from lab.traces.format import Trace, TraceSet
+from lab.traces.synthetic import SyntheticDrafter, synthetic_trace_set
+from sled import clock
+from sled.flags import one_line
+from verify_server.gpu_memory import describe as describe_memory
+from verify_server.gpu_memory import gpu_memory
+from verify_server.step_costs import StepProfile, load_profile
+
+MODES = ("sled", "centralized")
+VOCAB = 32000            # the scripts' token ids: any vocabulary does, nothing is decoded
+MAX_FLEET = 4096
+LOOPBACK = "127.0.0.1"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("scenario", help="a built-in scenario name or a YAML file")
+    parser.add_argument("--profile", default=None, help="the step-cost profile both modes are "
+                        "held to (default: the scenario's server.emulate)")
+    parser.add_argument("--centralized-profile", default=None, help="hold centralized serving "
+                        "to another profile (default: the same as sled)")
+    parser.add_argument("--fleet-sizes", default=None, help="comma-separated fleet sizes up to "
+                        f"{MAX_FLEET} (default: the scenario's); past the scenario's fleet its "
+                        "devices repeat in order")
+    parser.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                        help="every prompt this many tokens (default: the workload's prompts, "
+                        "as the target's tokenizer counts them)")
+    parser.add_argument("--modes", default="sled,centralized", help="which of sled,centralized")
+    parser.add_argument("--draft-len", type=int, default=4, help="tokens per draft")
+    parser.add_argument("--seed", type=int, default=0, help="the links' jitter and the scripts")
+    parser.add_argument("--out", default=None, help="results folder (default: "
+                        "lab-results/simulate-NAME-TIME)")
+
+
+def run(args) -> int:
+    console = bench_console()
+    try:
+        plan = _plan(args)
+    except (ScenarioError, ValueError, OSError) as exc:
+        print(f"sled lab simulate: {one_line(exc)}", file=sys.stderr)
+        return 2
+    scenario, profiles, sizes, modes = plan
+    prompts = _prompts(scenario, args)
+    traces = _traces(scenario, prompts, args.seed)
+    started = time.perf_counter()
+    rows = sweep(scenario, profiles, sizes, modes, traces, args, console)
+    wall = time.perf_counter() - started
+    report = _report(scenario, profiles, rows, args, wall, prompts)
+    console.print(_table(rows, report["setup"]))
+    for line in report["lines"]:
+        console.print(line, highlight=False)
+    out = Path(args.out or f"lab-results/simulate-{scenario.name}-"
+               f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({**report, "results": rows}, indent=1))
+    _plot(rows, out / "simulate.png", report["setup"])
+    console.print(f"wrote {out / 'results.json'} and {out / 'simulate.png'}")
+    lossy = [r for r in rows if r["mismatches"]]
+    for r in lossy:
+        console.print(f"[red]{r['mode']} with {r['devices']} devices: {r['mismatches']} "
+                      "output(s) differ from their scripts[/]")
+    return 1 if lossy else 0
+
+
+# --- what to run ------------------------------------------------------------------------------
+
+def _plan(args) -> tuple[Scenario, dict[str, StepProfile], list[int], list[str]]:
+    """The scenario, each mode's profile, the fleet sizes and the modes; ValueError (one line)
+    for what the simulator cannot run."""
+    scenario = load_scenario(args.scenario)
+    name = args.profile or scenario.server.emulate
+    if not name:
+        raise ValueError(f"scenario {scenario.name} names no step-cost profile (server.emulate): "
+                         "give --profile NAME or FILE")
+    profiles = {"sled": load_profile(name),
+                "centralized": load_profile(args.centralized_profile or name)}
+    for profile in profiles.values():
+        gpu_memory(profile).kv_tokens()      # a profile whose weights leave no KV says so now
+    unsupported = [g.drafter for g in scenario.fleet if not is_calibrated(g.drafter)]
+    if unsupported:
+        raise ValueError(f"fleet: the simulator drafts with calibrated pairs only "
+                         f"(calibrated:NAME), not {unsupported[0]!r}")
+    if scenario.arrivals.mode != "closed" or scenario.requests is None:
+        raise ValueError("the simulator runs closed arrivals with a number of requests per "
+                         "device (arrivals.mode: closed, requests: N)")
+    if scenario.faults:
+        raise ValueError("the simulator runs no faults: use sled lab run for a fault timeline")
+    sizes = _sizes(args.fleet_sizes, scenario)
+    modes = [m for m in MODES if m in args.modes.split(",")]
+    if not modes or set(args.modes.split(",")) - set(MODES):
+        raise ValueError(f"--modes takes a comma-separated subset of {','.join(MODES)}")
+    if args.context is not None and args.context < 2:
+        raise ValueError("--context needs at least 2 tokens")
+    if args.draft_len < 1:
+        raise ValueError("--draft-len needs at least 1 token")
+    served_settings("simulated", scenario.server.args)   # flags sled serve would refuse stop here
+    return scenario, profiles, sizes, modes
+
+
+def _sizes(spec: str | None, scenario: Scenario) -> list[int]:
+    if spec is None:
+        return scenario.sizes()
+    try:
+        sizes = sorted({int(n) for n in spec.split(",")})
+    except ValueError:
+        raise ValueError(f"--fleet-sizes takes comma-separated numbers, not {spec!r}") from None
+    if not sizes or sizes[0] < 1 or sizes[-1] > MAX_FLEET:
+        raise ValueError(f"--fleet-sizes: each size within 1..{MAX_FLEET}")
+    return sizes
+
+
+def _prompts(scenario: Scenario, args) -> list[list[int]]:
+    """The workload's prompts as token ids: the target's tokenizer's, or --context random ids
+    (one prompt per workload prompt either way, so devices share them as the lab's do)."""
+    from lab.workload import prompt_texts
+    texts = prompt_texts(scenario.workload.source, scenario.workload.limit)
+    if args.context is None:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(scenario.served_target())
+        return [tokenizer(text)["input_ids"] for text in texts]
+    draw = random.Random(f"prompts-{args.seed}")
+    return [[draw.randrange(VOCAB) for _ in range(args.context)] for _ in texts]
+
+
+def _traces(scenario: Scenario, prompts: list[list[int]], seed: int) -> dict[str, list[Trace]]:
+    """Per calibrated pair, one trace per prompt along that prompt's script (a random output
+    of max_tokens, the same for every pair), drafted with the pair's acceptance."""
+    draw = random.Random(f"scripts-{seed}")
+    outputs = [[draw.randrange(VOCAB) for _ in range(scenario.max_tokens)] for _ in prompts]
+    traces = {}
+    for spec in sorted({group.drafter for group in scenario.fleet}):
+        pair = load_calibration(spec)
+        drafter = SyntheticDrafter(pair.acceptance, MAX_K, SEED + seed, spec)
+        traces[spec] = synthetic_trace_set(prompts, outputs, drafter, VOCAB, "simulated",
+                                           None).traces
+    return traces
+
+
+# --- the sweep --------------------------------------------------------------------------------
+
+def sweep(scenario: Scenario, profiles: dict[str, StepProfile], sizes: list[int], modes: list[str],
+          traces: dict[str, list[Trace]], args, console) -> list[dict]:
+    slots = scenario.slots()
+    requests = scenario.requests
+    total = sum(n * requests * scenario.max_tokens for n in sizes) * len(modes)
+    rows = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("simulating", total=total)
+        for n in sizes:
+            for mode in modes:
+                progress.update(task, description=f"{mode}, {n} device(s)")
+                devices = [_device(slots[j % len(slots)], j) for j in range(n)]
+                rows.append(simulate(_phase(scenario, profiles[mode], mode, devices, traces,
+                                            slots, args, lambda t: progress.advance(task, len(t)))))
+    _add_ratios(rows)
+    return rows
+
+
+def _device(slot, j: int) -> SimDevice:
+    return SimDevice(j, device_profile(slot.device), link_profile(slot.link))
+
+
+async def _phase(scenario: Scenario, profile: StepProfile, mode: str, devices: list[SimDevice],
+                 traces: dict[str, list[Trace]], slots, args, on_tokens) -> dict:
+    """One fleet in one mode on a fresh simulated server: its row."""
+    scripts = {tuple(t.prompt_ids[:-1]): t.target_ids for ts in traces.values() for t in ts}
+    server = simulated_server(profile, served_settings("simulated", scenario.server.args),
+                              scripts, VOCAB)
+    count = len(next(iter(traces.values())))
+
+    def traces_of(j: int) -> list[Trace]:
+        mine = traces[slots[j % len(slots)].drafter]
+        return [mine[(j * scenario.requests + r) % count] for r in range(scenario.requests)]
+
+    started = clock.now()
+    done = await run_fleet(server, devices, traces_of, mode,
+                           RoundSettings(draft_len=args.draft_len), scenario.max_tokens,
+                           args.seed, on_tokens)
+    makespan = clock.now() - started
+    busy = server.busy_seconds()
+    await server.stop()
+    return _row(scenario, profile, mode, len(devices), done, makespan, busy,
+                server.forward_passes())
+
+
+def trace_sweep(profile: StepProfile, server_args: Sequence[str], traces: TraceSet,
+                fleet_sizes: Sequence[int], modes: Sequence[str], board, link,
+                settings: RoundSettings, max_new_tokens: int, seed: int = 0,
+                host: HostCost = HostCost()) -> list[dict]:
+    """`sled bench serve`'s sweep on simulated time: device j replays traces[j mod len] (one
+    request), every device on the same board and link and on one host (as the bench's devices
+    share this one: one tenant of the prefix cache), the server held to `profile` with the same
+    flags; rows as summarize() makes them, with the buyer's columns."""
+    fingerprint, traces = traces.tokenizer_fingerprint, traces.traces
+    scripts = {tuple(t.prompt_ids[:-1]): t.target_ids for t in traces}
+    server_settings = served_settings("simulated", list(server_args))
+    vocab = 1 + max(max(t.target_ids + t.prompt_ids + [i for p in t.proposals for i in p])
+                    for t in traces)      # every id the traces hold is in the vocabulary
+
+    async def phase(mode: str, n: int) -> dict:
+        server = simulated_server(profile, server_settings, scripts, vocab,
+                                  fingerprint=fingerprint, host=host)
+        started = clock.now()
+        done = await run_fleet(server, [SimDevice(j, board, link, LOOPBACK) for j in range(n)],
+                               lambda j: [traces[j % len(traces)]], mode, settings,
+                               max_new_tokens, seed)
+        makespan = clock.now() - started
+        busy = server.busy_seconds()
+        await server.stop()
+        return _row(None, profile, mode, n, done, makespan, busy, server.forward_passes())
+
+    return [simulate(phase(mode, n)) for n in fleet_sizes for mode in modes]
+
+
+def _row(scenario: Scenario | None, profile: StepProfile, mode: str, n: int,
+         done: list[SimRequest], makespan: float, busy: float, passes: float) -> dict:
+    row = summarize(FleetRun(mode, n, [r.result for r in done], [r.expected for r in done],
+                             makespan, passes))
+    watts = gpu_memory(profile).tdp_watts
+    kilo = row["tokens"] / 1e3 or math.nan        # a fleet that got no token: no rate per token
+    row.update(
+        profile=profile.name, gpu_busy_share=busy / makespan if makespan else 0.0,
+        gpu_s_per_1k=busy / kilo, gpu_wall_s_per_1k=makespan / kilo,
+        energy_j_per_1k=busy * watts / kilo if watts else None,
+        refused=sum(r.refusals for r in done), requests=len(done),
+        admission_wait_p95_ms=percentile([r.waited_s * 1e3 for r in done], 95),
+        meets_slo=scenario is not None and row["device_tps_p5"] >= scenario.slo.tokens_per_s
+        and row["ttft_ms_p95"] <= scenario.slo.ttft_s * 1e3)
+    return row
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    central = {r["devices"]: r for r in rows if r["mode"] == "centralized"}
+    for r in rows:
+        other = central.get(r["devices"])
+        if r["mode"] == "sled" and other:
+            r["throughput_vs_centralized"] = r["throughput"] / other["throughput"]
+            r["gpu_s_vs_centralized"] = r["gpu_s_per_1k"] / other["gpu_s_per_1k"]
+
+
+def capacity(rows: list[dict], mode: str) -> int:
+    """The largest N of the sweep that meets the SLO in this mode (0: none)."""
+    return max((r["devices"] for r in rows if r["mode"] == mode and r["meets_slo"]), default=0)
+
+
+# --- what it says -----------------------------------------------------------------------------
+
+def _report(scenario: Scenario, profiles: dict[str, StepProfile], rows: list[dict], args,
+            wall: float, prompts: list[list[int]]) -> dict:
+    context = args.context or round(sum(map(len, prompts)) / len(prompts))
+    same = profiles["sled"].name == profiles["centralized"].name
+    held = (f"both held to {profiles['sled'].name}" if same else
+            f"sled held to {profiles['sled'].name}, centralized to {profiles['centralized'].name}")
+    setup = (f"{scenario.name} simulated: {held}; prompts {context} tokens"
+             f"{'' if args.context else ' (mean)'}, {scenario.max_tokens} new, "
+             f"{scenario.requests} request(s) per device, draft length {args.draft_len}")
+    largest = max(r["devices"] for r in rows)
+    capacities = {mode: capacity(rows, mode) for mode in dict.fromkeys(r["mode"] for r in rows)}
+    ratio = (capacities["sled"] / capacities["centralized"]
+             if capacities.get("sled") and capacities.get("centralized") else None)
+    lines = [f"{mode}: {describe_memory(profile, gpu_memory(profile))}"
+             for mode, profile in profiles.items()]
+    lines.append(
+        f"capacity at the SLO (p5 device >= {scenario.slo.tokens_per_s:g} tok/s, TTFT p95 <= "
+        f"{scenario.slo.ttft_s:g} s): " + ", ".join(
+            f"{mode} {n}{'+' if n == largest else ''}" for mode, n in capacities.items())
+        + (f"; sled/centralized {ratio:.2f}x" if ratio else ""))
+    lines.append(f"simulated in {wall:.1f} s (seed {args.seed})")
+    return {"scenario": scenario.name, "setup": setup, "lines": lines, "seed": args.seed,
+            "profiles": {mode: p.name for mode, p in profiles.items()},
+            "context_tokens": context, "capacity": {**capacities, "ratio": ratio},
+            "slo": scenario.slo.model_dump(), "wall_s": wall}
+
+
+def _table(rows: list[dict], setup: str) -> Table:
+    table = Table(title=setup, caption=(
+        "sys: tokens/s of all devices; dev p5: tokens/s 95% of devices beat; TTFT p95 includes "
+        "waits for KV; busy: the GPU's share of the time in steps; GPU s/1k: GPU-seconds in "
+        "steps per 1k tokens; refused: sessions the KV cache turned away for a while"))
+    for column in ("mode", "N", "sys", "vs central", "dev p5", "TPOT p95", "TTFT p95", "busy",
+                   "GPU s/1k", "J/1k", "refused", "SLO"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for r in rows:
+        ratio = r.get("throughput_vs_centralized")
+        energy = r["energy_j_per_1k"]
+        table.add_row(r["mode"], str(r["devices"]), f"{r['throughput']:.0f}",
+                      f"{ratio:.2f}x" if ratio else "", f"{r['device_tps_p5']:.1f}",
+                      f"{r['tpot_ms_p95']:.0f}", f"{r['ttft_ms_p95']:.0f}",
+                      f"{r['gpu_busy_share']:.0%}", f"{r['gpu_s_per_1k']:.2f}",
+                      f"{energy:.0f}" if energy is not None else "-", str(r["refused"]),
+                      "yes" if r["meets_slo"] else "no")
+    return table
+
+
+def _plot(rows: list[dict], path: Path, title: str) -> None:
+    fig, (left, right) = subplots(2)
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        sizes = [r["devices"] for r in mine]
+        left.plot(sizes, [r["device_tps_p5"] for r in mine], marker="o",
+                  label=f"{mode} ({mine[0]['profile']})")
+        right.plot(sizes, [r["gpu_s_per_1k"] for r in mine], marker="o", label=mode)
+    left.set(xlabel="devices", ylabel="tokens/s", title="p5 device tokens/s")
+    right.set(xlabel="devices", ylabel="GPU-seconds", title="GPU-seconds per 1k tokens")
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+    save_figure(fig, (left, right), path, title)

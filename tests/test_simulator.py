@@ -1,0 +1,167 @@
+"""The fleet simulator (`sled lab simulate`): sled's own server core and device sessions on a
+virtual clock, the engine replaced by a step-cost profile."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sled_cli.main import main
+from verify_server import scheduler as scheduler_module
+from verify_server.engines.blocks import BlockPool
+from verify_server.step_costs import SHIPPED
+
+SCENARIO = {
+    "name": "simtest", "target": "tiny",
+    "server": {"emulate": "h200-llama8b-flex-graph",
+               "args": ["--max-batch-sessions", "256", "--max-sessions", "4096"]},
+    "fleet": [{"count": 4, "device": "pi5", "link": "wifi", "drafter": "calibrated:smollm2-xtok"},
+              {"count": 4, "device": "orin-nano", "link": "lte",
+               "drafter": "calibrated:smollm2-xtok"}],
+    "interleave": True, "fleet_sizes": [1, 8],
+    "workload": {"source": "chat"}, "arrivals": {"mode": "closed"}, "requests": 1,
+    "max_tokens": 16, "slo": {"tokens_per_s": 5.0, "ttft_s": 3.0}, "centralized": True,
+}
+
+
+def write_scenario(tmp_path: Path, **changes) -> Path:
+    path = tmp_path / "scenario.yaml"
+    path.write_text(yaml.safe_dump({**SCENARIO, **changes}))
+    return path
+
+
+def simulate(tmp_path: Path, scenario: Path, *flags: str, out: str = "out") -> dict:
+    """Run the command in this process; its results.json."""
+    code = main(["lab", "simulate", str(scenario), "--context", "64", "--out",
+                 str(tmp_path / out), *flags])
+    assert code == 0
+    return json.loads((tmp_path / out / "results.json").read_text())
+
+
+def rows_of(results: dict) -> list[dict]:
+    return results["results"]
+
+
+def small_gpu_profile(tmp_path: Path, kv_tokens: int) -> Path:
+    """The shipped flex profile on a GPU whose memory holds kv_tokens of KV after the weights."""
+    data = json.loads((SHIPPED / "h200-llama8b-flex-graph.json").read_text())
+    data["name"] = "small-gpu"
+    data["gpu"] = {"memory_bytes": int((kv_tokens + 1) / 0.9) + 1, "weight_bytes": 1,
+                   "kv_bytes_per_token": 1, "tdp_watts": 700.0}
+    path = tmp_path / "small-gpu.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_every_output_is_its_script_in_both_modes(tmp_path):
+    rows = rows_of(simulate(tmp_path, write_scenario(tmp_path)))
+    assert [(r["mode"], r["devices"]) for r in rows] == [
+        ("sled", 1), ("centralized", 1), ("sled", 8), ("centralized", 8)]
+    for r in rows:
+        assert r["mismatches"] == 0 and r["tokens"] == 16 * r["devices"]
+        assert 0 < r["gpu_busy_share"] <= 1 and r["gpu_s_per_1k"] > 0
+    sled = [r for r in rows if r["mode"] == "sled"]
+    assert all(0 < r["acceptance_rate"] < 1 for r in sled)     # the calibrated pair drafts
+
+
+def test_the_same_seed_gives_the_same_result(tmp_path):
+    scenario = write_scenario(tmp_path)
+    first = rows_of(simulate(tmp_path, scenario, "--seed", "3", out="a"))
+    again = rows_of(simulate(tmp_path, scenario, "--seed", "3", out="b"))
+    other = rows_of(simulate(tmp_path, scenario, "--seed", "4", out="c"))
+    assert first == again
+    assert first != other
+
+
+def test_a_fleet_past_the_memory_wall_queues_and_never_overcommits(tmp_path, monkeypatch):
+    """A GPU holding two sessions' KV (each reserves 64 + 16 tokens: 96 in blocks of 16): eight
+    devices all finish, the refused ones later, and no reservation ever passes the pool."""
+    peaks = []
+    reserve = BlockPool.reserve
+
+    def watched(pool, blocks):
+        reserve(pool, blocks)
+        peaks.append((pool.committed_blocks, pool.usable_blocks))
+    monkeypatch.setattr(BlockPool, "reserve", watched)
+    scenario = write_scenario(tmp_path, fleet_sizes=[8])
+    roomy = rows_of(simulate(tmp_path, scenario, out="roomy"))
+    tight = rows_of(simulate(tmp_path, scenario, "--profile",
+                             str(small_gpu_profile(tmp_path, 2 * 96)), out="tight"))
+    assert all(used <= usable for used, usable in peaks)
+    for mode in ("sled", "centralized"):
+        wide, walled = (next(r for r in rows if r["mode"] == mode) for rows in (roomy, tight))
+        assert walled["tokens"] == 8 * 16 and walled["mismatches"] == 0
+        assert wide["refused"] == 0 < walled["refused"]
+        assert walled["ttft_ms_p95"] > wide["ttft_ms_p95"] + 200   # queued for a retry at least
+
+
+def test_the_simulator_runs_the_servers_own_batching_policy(tmp_path, monkeypatch):
+    """One session per step instead of every queued one: the same fleet takes far longer."""
+    scenario = write_scenario(tmp_path, fleet_sizes=[8])
+    batched = rows_of(simulate(tmp_path, scenario, "--modes", "centralized", out="batched"))
+    plan = scheduler_module.Scheduler._plan
+
+    def one_at_a_time(self, now):
+        planned = plan(self, now)
+        self._queue.extend(work for work, _ in planned[1:])
+        return planned[:1]
+    monkeypatch.setattr(scheduler_module.Scheduler, "_plan", one_at_a_time)
+    single = rows_of(simulate(tmp_path, scenario, "--modes", "centralized", out="single"))
+    assert single[0]["forward_passes"] > 4 * batched[0]["forward_passes"]
+    assert single[0]["throughput"] < batched[0]["throughput"] / 2
+
+
+def test_a_wrong_verdict_is_caught(tmp_path, monkeypatch):
+    """The scripts are the oracle: a server that accepts every draft token gets exit 1."""
+    from verify_server import acceptance
+
+    def accept_all(targets, draft, loose=None, logits=None):
+        return acceptance.Outcome(len(draft), [*draft, targets[len(draft)]])
+    monkeypatch.setattr(acceptance, "greedy_chain", accept_all)
+    code = main(["lab", "simulate", str(write_scenario(tmp_path, fleet_sizes=[1])), "--context",
+                 "64", "--modes", "sled", "--out", str(tmp_path / "out")])
+    assert code == 1
+
+
+def test_a_profile_without_memory_fields_says_what_was_derived(tmp_path, capsys):
+    data = json.loads((SHIPPED / "h100-llama8b-hf-graph.json").read_text())
+    data.pop("gpu")
+    data["name"] = "no-gpu-block"
+    path = tmp_path / "no-gpu-block.json"
+    path.write_text(json.dumps(data))
+    simulate(tmp_path, write_scenario(tmp_path, fleet_sizes=[1]), "--profile", str(path),
+             "--modes", "sled")
+    said = capsys.readouterr().out
+    assert "no-gpu-block: 85.5 GB, 16.06 GB of weights, 128 KiB of KV a token" in said
+    assert "memory_bytes, weight_bytes, kv_bytes_per_token, tdp_watts derived" in said
+
+
+@pytest.mark.parametrize("change, flags, says", [
+    ({"fleet": "nope"}, [], "fleet"),
+    ({}, ["--profile", "no-such-profile"], "no-such-profile"),
+    ({"fleet": [{"count": 2, "device": "pi5", "link": "wifi", "drafter": "ngram"}],
+      "fleet_sizes": [1, 2]}, [], "calibrated pairs only"),
+    ({"server": {"args": []}}, [], "names no step-cost profile"),
+    ({}, ["--fleet-sizes", "0,4"], "within 1..4096"),
+    ({}, ["--fleet-sizes", "4097"], "within 1..4096"),
+    ({"arrivals": {"mode": "poisson", "rate_per_s": 1.0}}, [], "closed arrivals"),
+    ({"server": {"emulate": "h200-llama8b-flex-graph", "args": ["--max-sessions", "x"]}}, [],
+     "--max-sessions"),
+])
+def test_a_bad_scenario_flag_or_profile_is_one_line_and_exit_2(tmp_path, capsys, change, flags,
+                                                                 says):
+    code = main(["lab", "simulate", str(write_scenario(tmp_path, **change)), "--context", "64",
+                 *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("sled lab simulate: ") and says in err and "\n" not in err
+
+
+def test_a_malformed_profile_file_is_one_line_and_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"sled_step_profile": 1, "name": "bad", "cells": "nope"}')
+    code = main(["lab", "simulate", str(write_scenario(tmp_path)), "--profile", str(bad)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("sled lab simulate: ") and "\n" not in err
