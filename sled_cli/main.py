@@ -63,6 +63,9 @@ COMMANDS = {
         "device": Command("lab.bench.device", "adaptive draft length vs fixed k per link, and "
                           "pipelined drafting on vs off per round trip time, on emulated devices",
                           needs=SERVER_LAB),
+        "derive-profile": Command("lab.bench.derive", "a DERIVED step-cost profile for a target "
+                                  "never measured: its roofline on a GPU, scaled by a profile "
+                                  "measured there"),
         "engine": Command("lab.bench.engine",
                           "paged engine vs the padded fallback as contexts grow", needs=SERVER_LAB),
         "drafting": Command("lab.bench.drafting", "the drafters side by side, chains and trees "

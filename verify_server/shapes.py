@@ -6,12 +6,15 @@ profile measured on a shape knows from it the target's weight bytes and KV bytes
 """
 from __future__ import annotations
 
-# name -> (transformers model_type, config fields): Llama 3.1 8B's and Gemma 3 4B's text
-# configs, and two tiny shapes for dry runs
+# name -> (transformers model_type, config fields): Llama 3.1 8B's and 70B's and Gemma 3 4B's
+# text configs, and two tiny shapes for dry runs
 SHAPES: dict[str, tuple[str, dict]] = {
     "llama-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                                max_position_embeddings=8192, rope_theta=500000.0)),
+    "llama-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                                max_position_embeddings=8192, rope_theta=500000.0)),
     "gemma3-4b": ("gemma3_text", dict(hidden_size=2560, intermediate_size=10240,
                                       num_hidden_layers=34, num_attention_heads=8,
                                       num_key_value_heads=4, head_dim=256, vocab_size=262208,
@@ -61,3 +64,11 @@ def kv_bytes_per_token(name: str, dtype_bytes: int) -> int:
     _, f = SHAPES[name]
     head_dim = f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"]
     return 2 * f["num_hidden_layers"] * f["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def streamed_parameters(name: str) -> int:
+    """Parameters a step reads in full: all but the input embedding table, of which a step
+    reads only its tokens' rows (a tied table is read whole as the output head)."""
+    kind, f = SHAPES[name]
+    embedding = 0 if kind in TIED else f["vocab_size"] * f["hidden_size"]
+    return parameters(name) - embedding

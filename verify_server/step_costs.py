@@ -123,7 +123,8 @@ class StepProfile:
     def describe(self) -> str:
         """One line: what was measured, where and when."""
         p = self.provenance
-        return (f"{self.name}: {p['model']} on {p['device']}, {p['engine']} "
+        derived = "DERIVED, never measured: " if p.get("derived") else ""
+        return (f"{self.name}: {derived}{p['model']} on {p['device']}, {p['engine']} "
                 f"(torch {p['torch']}, transformers {p['transformers']}, {p['date']})")
 
     def to_json(self) -> dict:
