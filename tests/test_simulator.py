@@ -146,7 +146,7 @@ def test_a_profile_without_memory_fields_says_what_was_derived(tmp_path, capsys)
     ({"server": {"args": []}}, [], "names no step-cost profile"),
     ({}, ["--fleet-sizes", "0,4"], "within 1..4096"),
     ({}, ["--fleet-sizes", "4097"], "within 1..4096"),
-    ({"arrivals": {"mode": "poisson", "rate_per_s": 1.0}}, [], "closed arrivals"),
+    ({"requests": None, "duration_s": None}, [], "exactly one of requests and duration_s"),
     ({"server": {"emulate": "h200-llama8b-flex-graph", "args": ["--max-sessions", "x"]}}, [],
      "--max-sessions"),
 ])
@@ -165,3 +165,25 @@ def test_a_malformed_profile_file_is_one_line_and_exit_2(tmp_path, capsys):
     code = main(["lab", "simulate", str(write_scenario(tmp_path)), "--profile", str(bad)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("sled lab simulate: ") and "\n" not in err
+
+
+def test_poisson_arrivals_are_seeded_per_device_and_queue_behind_a_busy_device(tmp_path):
+    from lab.scenario import parse_scenario
+    from lab.sim.simulate import arrivals
+
+    scenario = parse_scenario({**SCENARIO, "requests": None, "duration_s": 20.0,
+                               "arrivals": {"mode": "poisson", "rate_per_s": 2.0}})
+    times = arrivals(scenario, 3, seed=0)
+    assert times == arrivals(scenario, 3, seed=0) != arrivals(scenario, 4, seed=0)
+    assert times == sorted(times) and 0 < times[0] and times[-1] < 20.0
+    assert 20 <= len(times) <= 60                               # about 2/s for 20 s
+    # two requests a second of 16 tokens each: a Pi 5 drafting them cannot keep up, so later
+    # requests wait behind earlier ones and their time to first token grows
+    rows = rows_of(simulate(tmp_path, write_scenario(tmp_path, requests=None, duration_s=5.0,
+                                                     fleet_sizes=[1], arrivals={
+                                                         "mode": "poisson", "rate_per_s": 2.0})))
+    sled = next(r for r in rows if r["mode"] == "sled")
+    assert sled["mismatches"] == 0 and sled["tokens"] == 16 * len(arrivals(
+        parse_scenario({**SCENARIO, "requests": None, "duration_s": 5.0,
+                        "arrivals": {"mode": "poisson", "rate_per_s": 2.0}}), 0, seed=0))
+    assert sled["ttft_ms_p95"] > max(1000.0, 1.5 * sled["ttft_ms_p50"])   # alone: about 350 ms

@@ -64,18 +64,24 @@ class SimRequest:
     issued_at: float = field(default=0.0)
 
 
-async def device_requests(server: SimulatedServer, device: SimDevice, traces: Sequence[Trace],
-                          mode: str, settings: RoundSettings, max_new_tokens: int, seed: int = 0,
+async def device_requests(server: SimulatedServer, device: SimDevice,
+                          requests: Sequence[tuple[float | None, Trace]], mode: str,
+                          settings: RoundSettings, max_new_tokens: int, seed: int = 0,
                           on_tokens: Callable[[list[int]], None] | None = None) -> list[SimRequest]:
-    """The device's requests, one after another (trace r is request r)."""
+    """The device's requests, one after another: (when it comes, in seconds from the start, or
+    None: as soon as the one before is over; the trace it replays). A request that comes while
+    the one before still runs waits for it, and the wait counts in its time to first token."""
     stub = server.stub(device.peer)
     wire = link_transport(Link(device.link, seed=seed + device.index))
     hooks = SessionHooks(on_tokens=on_tokens)
-    done = []
-    for trace in traces:
+    started, done = clock.now(), []
+    for at, trace in requests:
+        if at is not None:
+            await asyncio.sleep(max(0.0, started + at - clock.now()))
         expected = trace.target_ids[:max_new_tokens]
         request = SessionRequest(trace.prompt_ids, max_new_tokens=len(expected))
-        issued, pauses, refusals = clock.now(), Backoff(RETRY_FIRST_S, most=RETRY_MOST_S), 0
+        issued = clock.now() if at is None else started + at
+        pauses, refusals = Backoff(RETRY_FIRST_S, most=RETRY_MOST_S), 0
         while True:
             try:
                 if mode == "centralized":
@@ -101,11 +107,11 @@ async def device_requests(server: SimulatedServer, device: SimDevice, traces: Se
 
 
 async def run_fleet(server: SimulatedServer, devices: Sequence[SimDevice],
-                    traces_of: Callable[[int], Sequence[Trace]], mode: str,
+                    requests_of: Callable[[int], Sequence[tuple[float | None, Trace]]], mode: str,
                     settings: RoundSettings, max_new_tokens: int, seed: int = 0,
                     on_tokens: Callable[[list[int]], None] | None = None) -> list[SimRequest]:
-    """Every device at once; device j takes the traces traces_of(j)."""
+    """Every device at once; device j makes the requests requests_of(j)."""
     per_device = await asyncio.gather(*(
-        device_requests(server, device, traces_of(device.index), mode, settings, max_new_tokens,
-                        seed, on_tokens) for device in devices))
+        device_requests(server, device, requests_of(device.index), mode, settings,
+                        max_new_tokens, seed, on_tokens) for device in devices))
     return [request for requests in per_device for request in requests]

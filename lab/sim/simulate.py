@@ -125,9 +125,9 @@ def _plan(args) -> tuple[Scenario, dict[str, StepProfile], list[int], list[str]]
     if unsupported:
         raise ValueError(f"fleet: the simulator drafts with calibrated pairs only "
                          f"(calibrated:NAME), not {unsupported[0]!r}")
-    if scenario.arrivals.mode != "closed" or scenario.requests is None:
-        raise ValueError("the simulator runs closed arrivals with a number of requests per "
-                         "device (arrivals.mode: closed, requests: N)")
+    if scenario.arrivals.mode == "closed" and scenario.requests is None:
+        raise ValueError("the simulator runs closed arrivals for a number of requests per device "
+                         "(requests: N), or poisson arrivals for duration_s")
     if scenario.faults:
         raise ValueError("the simulator runs no faults: use sled lab run for a fault timeline")
     sizes = _sizes(args.fleet_sizes, scenario)
@@ -186,8 +186,8 @@ def _traces(scenario: Scenario, prompts: list[list[int]], seed: int) -> dict[str
 def sweep(scenario: Scenario, profiles: dict[str, StepProfile], sizes: list[int], modes: list[str],
           traces: dict[str, list[Trace]], args, console) -> list[dict]:
     slots = scenario.slots()
-    requests = scenario.requests
-    total = sum(n * requests * scenario.max_tokens for n in sizes) * len(modes)
+    total = sum(len(arrivals(scenario, j, args.seed)) * scenario.max_tokens
+                for n in sizes for j in range(n)) * len(modes)
     rows = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("simulating", total=total)
@@ -199,6 +199,18 @@ def sweep(scenario: Scenario, profiles: dict[str, StepProfile], sizes: list[int]
                                             slots, args, lambda t: progress.advance(task, len(t)))))
     _add_ratios(rows)
     return rows
+
+
+def arrivals(scenario: Scenario, j: int, seed: int) -> list[float | None]:
+    """When device j's requests come, in seconds from the start: closed arrivals (None: each as
+    soon as the one before is over), or a Poisson process of arrivals.rate_per_s for
+    duration_s, seeded per device."""
+    if scenario.arrivals.mode == "closed":
+        return [None] * scenario.requests
+    draw, at, times = random.Random(f"arrivals-{seed}-{j}"), 0.0, []
+    while (at := at + draw.expovariate(scenario.arrivals.rate_per_s)) < scenario.duration_s:
+        times.append(at)
+    return times or [scenario.duration_s * draw.random()]   # every device asks at least once
 
 
 def _device(slot, j: int) -> SimDevice:
@@ -213,12 +225,13 @@ async def _phase(scenario: Scenario, profile: StepProfile, mode: str, devices: l
                               scripts, VOCAB)
     count = len(next(iter(traces.values())))
 
-    def traces_of(j: int) -> list[Trace]:
+    def requests_of(j: int) -> list[tuple[float | None, Trace]]:
         mine = traces[slots[j % len(slots)].drafter]
-        return [mine[(j * scenario.requests + r) % count] for r in range(scenario.requests)]
+        return [(at, mine[(j * 7919 + r) % count])
+                for r, at in enumerate(arrivals(scenario, j, args.seed))]
 
     started = clock.now()
-    done = await run_fleet(server, devices, traces_of, mode,
+    done = await run_fleet(server, devices, requests_of, mode,
                            RoundSettings(draft_len=args.draft_len), scenario.max_tokens,
                            args.seed, on_tokens)
     makespan = clock.now() - started
@@ -247,7 +260,7 @@ def trace_sweep(profile: StepProfile, server_args: Sequence[str], traces: TraceS
                                   fingerprint=fingerprint, host=host)
         started = clock.now()
         done = await run_fleet(server, [SimDevice(j, board, link, LOOPBACK) for j in range(n)],
-                               lambda j: [traces[j % len(traces)]], mode, settings,
+                               lambda j: [(None, traces[j % len(traces)])], mode, settings,
                                max_new_tokens, seed)
         makespan = clock.now() - started
         busy = server.busy_seconds()
@@ -298,7 +311,7 @@ def _report(scenario: Scenario, profiles: dict[str, StepProfile], rows: list[dic
             f"sled held to {profiles['sled'].name}, centralized to {profiles['centralized'].name}")
     setup = (f"{scenario.name} simulated: {held}; prompts {context} tokens"
              f"{'' if args.context else ' (mean)'}, {scenario.max_tokens} new, "
-             f"{scenario.requests} request(s) per device, draft length {args.draft_len}")
+             f"{_arrivals_said(scenario)}, draft length {args.draft_len}")
     largest = max(r["devices"] for r in rows)
     capacities = {mode: capacity(rows, mode) for mode in dict.fromkeys(r["mode"] for r in rows)}
     ratio = (capacities["sled"] / capacities["centralized"]
@@ -315,6 +328,13 @@ def _report(scenario: Scenario, profiles: dict[str, StepProfile], rows: list[dic
             "profiles": {mode: p.name for mode, p in profiles.items()},
             "context_tokens": context, "capacity": {**capacities, "ratio": ratio},
             "slo": scenario.slo.model_dump(), "wall_s": wall}
+
+
+def _arrivals_said(scenario: Scenario) -> str:
+    if scenario.arrivals.mode == "closed":
+        return f"{scenario.requests} request(s) per device one after another"
+    return (f"Poisson arrivals of {scenario.arrivals.rate_per_s:g}/s per device for "
+            f"{scenario.duration_s:g} s")
 
 
 def _table(rows: list[dict], setup: str) -> Table:
