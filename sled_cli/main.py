@@ -101,6 +101,9 @@ COMMANDS = {
         "simulate": Command("lab.sim.simulate", "a scenario's fleet on simulated time, sled "
                             "against centralized, from 1 to 4096 devices in seconds",
                             needs=SERVER_LAB),
+        "landscape": Command("lab.sim.landscape", "where sled wins and where it does not: one "
+                             "plot and tables from several `sled lab simulate` runs",
+                             needs=SERVER_LAB),
         "device": Command("lab.device_entry", "a device container's entrypoint: take a place in "
                           "the scenario's fleet, set up its link, run sled device"),
     }),
