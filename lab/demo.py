@@ -5,8 +5,8 @@ transformers); three device processes draft for it with the same model family th
 edge runtimes: llama.cpp (GGUF), onnxruntime-genai (int4 ONNX) and prompt lookup (n-gram). They
 work through HumanEval prompts while a live table shows each device; then the same prompts are
 served centrally (the target alone, every session batched) as the baseline, and every device's
-output is checked against it token for token. Last, the same kind of fleet against an emulated
-H100 serving an 8B model (lab.demo_emulated), labelled as emulated.
+output is checked against it token for token. Last, the same kind of fleet against an H200
+serving an 8B model on the fleet simulator (lab.demo_simulated), labelled as simulated.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from rich.table import Table
 
 from drafters.onnx_export import export_alias
 from lab.bench.harness import serving
-from lab.demo_emulated import emulated_notes, emulated_table, run_emulated
+from lab.demo_simulated import run_simulated, simulated_notes, simulated_table
 from lab.workload import load_workload
 from sled.models import gguf_path, hf_checkpoint
 from verify_server.centralized import generate_centralized
@@ -70,9 +70,10 @@ async def _device(row: DeviceRow, server: str, workload: str, max_new: int) -> N
         raise RuntimeError(f"{row.name} ({row.drafter}) failed: {row.state.get('error') or err}")
 
 
-async def run_demo(prompts: int, max_new_tokens: int, emulated_devices: int = 512) -> int:
-    """The demo on `prompts` HumanEval prompts per device, then the emulated H100 with 3 and
-    `emulated_devices` devices; 1 if any output differs from the target alone."""
+async def run_demo(prompts: int, max_new_tokens: int, simulated_devices: int = 512) -> int:
+    """The demo on `prompts` HumanEval prompts per device, then the simulated H200 with 3 and
+    `simulated_devices` devices; 1 if any output differs from the target alone (or from its
+    script, simulated)."""
     console = Console()
     _prepare(console)
     workload = f"humaneval:{prompts}"
@@ -80,16 +81,18 @@ async def run_demo(prompts: int, max_new_tokens: int, emulated_devices: int = 51
     async with serving(TARGET, console=console) as served:
         await _devices(console, rows, served.server.address, workload, max_new_tokens)
         passes = served.forward_passes()
+        prompt_ids = await served.prompt_ids(load_workload(workload))
     with console.status("serving the same prompts centrally (baseline)"):
         baseline = _centralized(TARGET, load_workload(workload), len(rows), max_new_tokens)
     _report(console, rows, passes, baseline)
-    emulated = await run_emulated(_acceptance(rows), load_workload(workload), max_new_tokens,
-                                  (len(rows), emulated_devices), console)
-    console.print(emulated_table(emulated))
-    for line in emulated_notes(emulated):
+    with console.status(f"simulating 3 and {simulated_devices} devices against an H200"):
+        simulated = await run_simulated(_acceptance(rows), prompt_ids, max_new_tokens,
+                                        (len(rows), simulated_devices))
+    console.print(simulated_table(simulated))
+    for line in simulated_notes(simulated):
         console.print(line, highlight=False)
     lossless = all(_lossless(r, baseline) for r in rows)
-    return 0 if lossless and not any(r["mismatches"] for r in emulated.rows) else 1
+    return 0 if lossless and not any(r["mismatches"] for r in simulated.rows) else 1
 
 
 def _acceptance(rows: list[DeviceRow]) -> dict[str, float]:

@@ -10,10 +10,10 @@ def add_arguments(parser) -> None:
                         help="new tokens per prompt")
     parser.add_argument("--prompts", type=positive_int, default=3,
                         help="HumanEval prompts per device")
-    parser.add_argument("--emulated-devices", type=positive_int, default=512,
-                        help="the larger fleet of the closing table, against an emulated H100 "
+    parser.add_argument("--simulated-devices", type=positive_int, default=512,
+                        help="the larger fleet of the closing table, against a simulated H200 "
                              "(the smaller is the demo's three devices)")
 
 
 async def run(args) -> int:
-    return await run_demo(args.prompts, args.max_new_tokens, args.emulated_devices)
+    return await run_demo(args.prompts, args.max_new_tokens, args.simulated_devices)

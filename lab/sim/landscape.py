@@ -99,11 +99,11 @@ def plot(runs: list[dict], path: Path) -> Path:
     from matplotlib.colors import TwoSlopeNorm
 
     plt = pyplot()
-    sizes = sorted({n for run in runs for n in _by_size(run)})
+    sizes = sorted({n for run in runs for n, modes in _by_size(run).items() if len(modes) == 2})
     grid = np.full((len(runs), len(sizes)), np.nan)
     for i, run in enumerate(runs):
         for n, modes in _by_size(run).items():
-            if "sled" in modes and "centralized" in modes:
+            if len(modes) == 2 and n in sizes:
                 grid[i, sizes.index(n)] = (modes["sled"]["gpu_s_per_1k"]
                                            / modes["centralized"]["gpu_s_per_1k"])
     fig, axis = plt.subplots(figsize=(2.2 + 1.1 * len(sizes), 1.2 + 0.5 * len(runs)))
@@ -111,7 +111,7 @@ def plot(runs: list[dict], path: Path) -> Path:
     for i, run in enumerate(runs):
         table = _by_size(run)
         for j, n in enumerate(sizes):
-            if np.isnan(grid[i, j]):
+            if np.isnan(grid[i, j]) or n not in table:
                 continue
             modes = table[n]
             slo = {m: modes[m]["meets_slo"] for m in ("sled", "centralized")}

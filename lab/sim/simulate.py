@@ -73,6 +73,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--modes", default="sled,centralized", help="which of sled,centralized")
     parser.add_argument("--draft-len", type=int, default=4, help="tokens per draft")
     parser.add_argument("--seed", type=int, default=0, help="the links' jitter and the scripts")
+    parser.add_argument("--refine", type=int, default=2, help="halvings of the gap between each "
+                        "mode's capacity and the next size of the sweep (a run each)")
     parser.add_argument("--out", default=None, help="results folder (default: "
                         "lab-results/simulate-NAME-TIME)")
 
@@ -185,20 +187,48 @@ def _traces(scenario: Scenario, prompts: list[list[int]], seed: int) -> dict[str
 
 def sweep(scenario: Scenario, profiles: dict[str, StepProfile], sizes: list[int], modes: list[str],
           traces: dict[str, list[Trace]], args, console) -> list[dict]:
+    """Both modes at every size, then each mode's capacity narrowed by --refine halvings of the
+    gap between the largest size that met the SLO and the next (those rows are that mode's
+    only: `refined`)."""
     slots = scenario.slots()
     total = sum(len(arrivals(scenario, j, args.seed)) * scenario.max_tokens
                 for n in sizes for j in range(n)) * len(modes)
     rows = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("simulating", total=total)
-        for n in sizes:
-            for mode in modes:
-                progress.update(task, description=f"{mode}, {n} device(s)")
-                devices = [_device(slots[j % len(slots)], j) for j in range(n)]
-                rows.append(simulate(_phase(scenario, profiles[mode], mode, devices, traces,
-                                            slots, args, lambda t: progress.advance(task, len(t)))))
+
+        def phase(mode: str, n: int) -> dict:
+            progress.update(task, description=f"{mode}, {n} device(s)")
+            devices = [_device(slots[j % len(slots)], j) for j in range(n)]
+            return simulate(_phase(scenario, profiles[mode], mode, devices, traces, slots, args,
+                                   lambda t: progress.advance(task, len(t))))
+
+        rows += [phase(mode, n) for n in sizes for mode in modes]
+        for mode in modes:
+            rows += refine(rows, mode, args.refine, lambda n: phase(mode, n))
+    rows.sort(key=lambda r: (r["devices"], MODES.index(r["mode"])))
     _add_ratios(rows)
     return rows
+
+
+def refine(rows: list[dict], mode: str, steps: int, run) -> list[dict]:
+    """Halve the gap between the mode's capacity and the next size that missed the SLO, `steps`
+    times, running run(n) at each midpoint; the new rows, marked refined."""
+    mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["devices"])
+    met = capacity(mine, mode)
+    missed = [r["devices"] for r in mine if r["devices"] > met and not r["meets_slo"]]
+    if not met or not missed:
+        return []
+    low, high, found = met, missed[0], []
+    for _ in range(steps):
+        middle = (low + high) // 2
+        if middle in (low, high):
+            break
+        row = run(middle)
+        row["refined"] = True
+        found.append(row)
+        low, high = (middle, high) if row["meets_slo"] else (low, middle)
+    return found
 
 
 def arrivals(scenario: Scenario, j: int, seed: int) -> list[float | None]:
