@@ -146,6 +146,7 @@ def test_a_profile_without_memory_fields_says_what_was_derived(tmp_path, capsys)
     ({"server": {"args": []}}, [], "names no step-cost profile"),
     ({}, ["--fleet-sizes", "0,4"], "within 1..4096"),
     ({}, ["--fleet-sizes", "4097"], "within 1..4096"),
+    ({}, ["--host-cost", "1"], "--host-cost takes STEP_MS,ROW_MS"),
     ({"requests": None, "duration_s": None}, [], "exactly one of requests and duration_s"),
     ({"server": {"emulate": "h200-llama8b-flex-graph", "args": ["--max-sessions", "x"]}}, [],
      "--max-sessions"),
@@ -187,3 +188,17 @@ def test_poisson_arrivals_are_seeded_per_device_and_queue_behind_a_busy_device(t
         parse_scenario({**SCENARIO, "requests": None, "duration_s": 5.0,
                         "arrivals": {"mode": "poisson", "rate_per_s": 2.0}}), 0, seed=0))
     assert sled["ttft_ms_p95"] > max(1000.0, 1.5 * sled["ttft_ms_p50"])   # alone: about 350 ms
+
+
+def test_the_hosts_own_time_slows_the_server_by_what_it_charges(tmp_path):
+    """Charging 1 ms a step and 1 ms a session in it: the same fleet's steps take longer, and
+    centralized (a step a token) loses more of its throughput than sled."""
+    scenario = write_scenario(tmp_path, fleet_sizes=[8])
+    free = {r["mode"]: r for r in rows_of(simulate(tmp_path, scenario, out="free"))}
+    held = {r["mode"]: r for r in rows_of(simulate(tmp_path, scenario, "--host-cost", "1,1",
+                                                   out="held"))}
+    for mode in ("sled", "centralized"):
+        assert held[mode]["throughput"] < free[mode]["throughput"]
+        assert held[mode]["gpu_busy_share"] < free[mode]["gpu_busy_share"]   # idle meanwhile
+    assert held["centralized"]["throughput"] / free["centralized"]["throughput"] < \
+        held["sled"]["throughput"] / free["sled"]["throughput"]

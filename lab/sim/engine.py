@@ -93,7 +93,8 @@ class ScriptedEngine:
         # keyed by prompt[:-1] (what a session's prefill holds), as ScriptedKV.admit looks it up
         self.scripts = scripts
         self.filler = filler      # the token past a script's end (a session never reads it)
-        self.seconds = 0.0        # the last step's time on the profile's GPU
+        self.seconds = 0.0        # the last step's time: the profile's GPU time and the host's
+        self.gpu_seconds = 0.0    # every step's GPU time so far
         self.sat = None
         self.bytes_copied = 0
 
@@ -104,8 +105,9 @@ class ScriptedEngine:
         """One engine per simulated server: nothing to route."""
 
     def forward(self, rows: Sequence[Row]) -> StepLogits:
-        self.seconds = (self.profile.step_seconds([(row.kv.length, row.width) for row in rows])
-                        + self.host.seconds(len(rows)))
+        gpu = self.profile.step_seconds([(row.kv.length, row.width) for row in rows])
+        self.gpu_seconds += gpu
+        self.seconds = gpu + self.host.seconds(len(rows))
         targets: list[int] = []
         for row in rows:
             kv = row.kv

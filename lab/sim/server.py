@@ -59,8 +59,9 @@ class SimulatedServer:
         return self.metrics.value("sled_forward_passes_total")
 
     def busy_seconds(self) -> float:
-        """Simulated seconds the GPU spent in steps so far."""
-        return self.metrics.value("sled_forward_seconds_sum")
+        """Simulated seconds the GPU spent in steps so far (the host's own time is not the
+        GPU's)."""
+        return self.engine.gpu_seconds
 
     async def stop(self) -> None:
         await self.scheduler.stop()

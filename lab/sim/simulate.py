@@ -73,6 +73,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--modes", default="sled,centralized", help="which of sled,centralized")
     parser.add_argument("--draft-len", type=int, default=4, help="tokens per draft")
     parser.add_argument("--seed", type=int, default=0, help="the links' jitter and the scripts")
+    parser.add_argument("--host-cost", default="0,0", metavar="STEP_MS,ROW_MS",
+                        help="the server host's own time a step and a session in it, beside the "
+                             "profile's GPU time, in both modes (default none: a host that keeps "
+                             "up; `sled bench serve --emulate P --simulate` measures this one's)")
     parser.add_argument("--refine", type=int, default=2, help="halvings of the gap between each "
                         "mode's capacity and the next size of the sweep (a run each)")
     parser.add_argument("--out", default=None, help="results folder (default: "
@@ -140,8 +144,20 @@ def _plan(args) -> tuple[Scenario, dict[str, StepProfile], list[int], list[str]]
         raise ValueError("--context needs at least 2 tokens")
     if args.draft_len < 1:
         raise ValueError("--draft-len needs at least 1 token")
+    args.host = host_cost(args.host_cost)
     served_settings("simulated", scenario.server.args)   # flags sled serve would refuse stop here
     return scenario, profiles, sizes, modes
+
+
+def host_cost(spec: str) -> HostCost:
+    """--host-cost STEP_MS,ROW_MS; ValueError naming the flag."""
+    try:
+        step, row = (float(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--host-cost takes STEP_MS,ROW_MS, e.g. 0.9,0.16, not {spec!r}") from None
+    if step < 0 or row < 0 or not math.isfinite(step + row):
+        raise ValueError(f"--host-cost: times must be finite and >= 0, not {spec!r}")
+    return HostCost(step, row)
 
 
 def _sizes(spec: str | None, scenario: Scenario) -> list[int]:
@@ -252,7 +268,7 @@ async def _phase(scenario: Scenario, profile: StepProfile, mode: str, devices: l
     """One fleet in one mode on a fresh simulated server: its row."""
     scripts = {tuple(t.prompt_ids[:-1]): t.target_ids for ts in traces.values() for t in ts}
     server = simulated_server(profile, served_settings("simulated", scenario.server.args),
-                              scripts, VOCAB)
+                              scripts, VOCAB, host=args.host)
     count = len(next(iter(traces.values())))
 
     def requests_of(j: int) -> list[tuple[float | None, Trace]]:
@@ -353,10 +369,12 @@ def _report(scenario: Scenario, profiles: dict[str, StepProfile], rows: list[dic
         f"{scenario.slo.ttft_s:g} s): " + ", ".join(
             f"{mode} {n}{'+' if n == largest else ''}" for mode, n in capacities.items())
         + (f"; sled/centralized {ratio:.2f}x" if ratio else ""))
+    lines.append(f"the server host's own time: {args.host}")
     lines.append(f"simulated in {wall:.1f} s (seed {args.seed})")
     return {"scenario": scenario.name, "setup": setup, "lines": lines, "seed": args.seed,
             "profiles": {mode: p.name for mode, p in profiles.items()},
             "context_tokens": context, "capacity": {**capacities, "ratio": ratio},
+            "host_cost": {"step_ms": args.host.step_ms, "row_ms": args.host.row_ms},
             "slo": scenario.slo.model_dump(), "wall_s": wall}
 
 
