@@ -387,3 +387,18 @@ def test_another_run_is_drawn_beside_this_one(tmp_path):
     png = (tmp_path / "sled_vs_centralized.png").read_bytes()
     assert int.from_bytes(png[16:20], "big") == 1200     # two 6-inch panels, not the bar chart
     assert "sled_vs_centralized.png" in page.read_text()
+
+
+def test_the_headline_says_what_the_server_spent_per_token():
+    """Busy share, busy seconds per 1k tokens and, for an emulated server, their energy at the
+    profile's GPU's board power: the buyer's columns of `sled lab simulate`."""
+    from lab.report.summary import headline_row
+
+    phase = {"system": "sled", "fleet_size": 2, "wall_s": 10.0,
+             "server": {"forward_passes": 50, "forward_seconds": 4.0},
+             "requests": [{"device": "dev-00", "token_ids": [1] * 400, "sent_at": 0.0,
+                           "first_token_at": 0.5, "done_at": 8.0}]}
+    row = headline_row(phase, watts=700.0)
+    assert row["busy_share"] == 0.4 and row["busy_s_per_1k"] == 10.0
+    assert row["energy_j_per_1k"] == 7000.0
+    assert headline_row(phase)["energy_j_per_1k"] is None      # a server at its own pace

@@ -15,7 +15,10 @@ figure{margin:1.5em 0}img{max-width:100%}figcaption{color:#555}
 
 DEFINITIONS = ("<p>System tok/s: every token received / the phase's wall time. Device tok/s: a device's "
                "tokens / the seconds its requests were open. TTFT: first token - sent. TPOT: (done - first "
-               "token) / (tokens - 1). Passes/token: the server's forward passes / tokens.</p>")
+               "token) / (tokens - 1). Passes/token: the server's forward passes / tokens. Busy: the "
+               "server's seconds in steps / the wall time; busy s/1k tok: those seconds per 1k tokens "
+               "(GPU-seconds for an emulated server); J/1k tok: those seconds at the emulated GPU's "
+               "board power.</p>")
 
 
 def _e(value) -> str:
@@ -69,10 +72,12 @@ def _table(headers: list[str], rows: list[list]) -> str:
 
 def headline_table(report: dict) -> str:
     headers = ["system", "devices", "requests", "tokens", "system tok/s", "device tok/s p5", "p50", "p95",
-               "TTFT p50 s", "p95", "p99", "TPOT p50 s", "p95", "p99", "passes/token", "errors"]
+               "TTFT p50 s", "p95", "p99", "TPOT p50 s", "p95", "p99", "passes/token", "busy",
+               "busy s/1k tok", "J/1k tok", "errors"]
     rows = [[r["system"], r["fleet_size"], r["requests"], r["tokens"], r["system_tokens_per_s"],
              *r["device_tokens_per_s"].values(), *r["ttft_s"].values(), *r["tpot_s"].values(),
-             r["forward_passes_per_token"], r["errors"]] for r in report["headline"]]
+             r["forward_passes_per_token"], r.get("busy_share"), r.get("busy_s_per_1k"),
+             r.get("energy_j_per_1k"), r["errors"]] for r in report["headline"]]
     return _table(headers, rows)
 
 

@@ -4,7 +4,9 @@ Definitions (the page states them too):
 - system tokens/s: every token the phase's requests received / the phase's wall time;
 - per-device tokens/s: a device's tokens / the seconds its requests were open (sent -> done);
 - TTFT: first token - sent; TPOT: (done - first token) / (tokens - 1), requests with 2+ tokens;
-- forward passes per token: the server's forward passes / the phase's tokens.
+- forward passes per token: the server's forward passes / the phase's tokens;
+- busy: the server's seconds in steps / the phase's wall time; busy s per 1k tokens, and for an
+  emulated server that time at its GPU's board power (J per 1k tokens).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from collections import defaultdict
 from lab.bench.report import percentile
 from lab.bench.serve import emulation_summary
 from lab.traces.calibrated import is_calibrated, load_calibration
+from verify_server.gpu_memory import gpu_memory
 from verify_server.step_costs import load_profile
 
 QUANTILES = (50, 95, 99)
@@ -48,22 +51,37 @@ def tpots(phase: dict) -> list[float]:
             and r.get("done_at") is not None and _tokens(r) > 1]
 
 
-def headline_row(phase: dict) -> dict:
-    """One system at one fleet size: the headline table's row."""
+def headline_row(phase: dict, watts: float | None = None) -> dict:
+    """One system at one fleet size: the headline table's row. The server's busy share, its
+    busy seconds per 1k tokens and, given the board power of an emulated server's GPU (watts),
+    the energy of those seconds."""
     tokens = sum(_tokens(r) for r in phase["requests"])
     wall = phase.get("wall_s") or 0.0
     passes = (phase.get("server") or {}).get("forward_passes")
+    busy = (phase.get("server") or {}).get("forward_seconds")
+    per_1k = busy * 1e3 / tokens if busy is not None and tokens else None
     return {"system": phase["system"], "fleet_size": phase["fleet_size"],
             "requests": len(phase["requests"]), "tokens": tokens,
             "system_tokens_per_s": round(tokens / wall, 6) if wall > 0 else None,
             "device_tokens_per_s": _pcts(list(device_rates(phase).values()), (5, 50, 95)),
             "ttft_s": _pcts(ttfts(phase)), "tpot_s": _pcts(tpots(phase)),
             "forward_passes_per_token": round(passes / tokens, 6) if passes is not None and tokens else None,
+            "busy_share": round(busy / wall, 6) if busy is not None and wall > 0 else None,
+            "busy_s_per_1k": round(per_1k, 6) if per_1k is not None else None,
+            "energy_j_per_1k": round(per_1k * watts, 3) if per_1k is not None and watts else None,
             "errors": sum(1 for r in phase["requests"] if _errored(r))}
 
 
 def headline(results: dict) -> list[dict]:
-    return [headline_row(p) for p in sorted(results["phases"], key=lambda p: (p["system"], p["fleet_size"]))]
+    watts = emulated_watts(results)
+    return [headline_row(p, watts) for p in sorted(results["phases"],
+                                                   key=lambda p: (p["system"], p["fleet_size"]))]
+
+
+def emulated_watts(results: dict) -> float | None:
+    """The board power of the GPU an emulated server's profile stands for (None otherwise)."""
+    name = ((results.get("scenario") or {}).get("server") or {}).get("emulate")
+    return gpu_memory(load_profile(name)).tdp_watts if name else None
 
 
 def capacity(rows: list[dict], slo: dict) -> dict:
