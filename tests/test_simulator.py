@@ -202,3 +202,17 @@ def test_the_hosts_own_time_slows_the_server_by_what_it_charges(tmp_path):
         assert held[mode]["gpu_busy_share"] < free[mode]["gpu_busy_share"]   # idle meanwhile
     assert held["centralized"]["throughput"] / free["centralized"]["throughput"] < \
         held["sled"]["throughput"] / free["sled"]["throughput"]
+
+
+def test_the_landscape_puts_runs_side_by_side(tmp_path, capsys):
+    scenario = write_scenario(tmp_path)
+    simulate(tmp_path, scenario, out="a")
+    simulate(tmp_path, scenario, "--context", "256", out="b")
+    capsys.readouterr()
+    assert main(["lab", "landscape", str(tmp_path / "a"), str(tmp_path / "b" / "results.json"),
+                 "--out", str(tmp_path / "land.png")]) == 0
+    said = capsys.readouterr().out
+    assert "**h200-llama8b-flex-graph, 64 tokens**: capacity sled 8+, centralized 8+" in said
+    assert "**h200-llama8b-flex-graph, 256 tokens**" in said
+    assert (tmp_path / "land.png").stat().st_size > 10_000
+    assert main(["lab", "landscape", str(scenario)]) == 2        # not a results file

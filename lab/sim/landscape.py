@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from lab.bench.report import pyplot
+from lab.sim.simulate import capacities
 from sled.flags import one_line
 
 
@@ -62,10 +63,8 @@ def markdown(runs: list[dict]) -> str:
     lines = []
     for run in runs:
         sizes = _by_size(run)
-        cap = run["capacity"]
-        ratio = f"{cap['ratio']:.2f}x" if cap.get("ratio") else "-"
-        lines += [f"**{_label(run)}**: capacity sled {cap.get('sled', 0)}, centralized "
-                  f"{cap.get('centralized', 0)} ({ratio})", "",
+        sled, central, ratio = capacities(run)
+        lines += [f"**{_label(run)}**: capacity sled {sled}, centralized {central} ({ratio})", "",
                   "| N | sled tok/s | centralized tok/s | sled p5 | central p5 | sled TTFT p95 s "
                   "| central TTFT p95 s | GPU-s/1k sled | GPU-s/1k central | sled/central GPU-s "
                   "| J/1k sled | J/1k central |",
@@ -106,7 +105,7 @@ def plot(runs: list[dict], path: Path) -> Path:
             if len(modes) == 2 and n in sizes:
                 grid[i, sizes.index(n)] = (modes["sled"]["gpu_s_per_1k"]
                                            / modes["centralized"]["gpu_s_per_1k"])
-    fig, axis = plt.subplots(figsize=(2.2 + 1.1 * len(sizes), 1.2 + 0.5 * len(runs)))
+    fig, axis = plt.subplots(figsize=(5.5 + 0.9 * len(sizes), 1.4 + 0.45 * len(runs)))
     image = axis.imshow(grid, cmap="RdYlGn_r", norm=TwoSlopeNorm(1.0, 0.2, 1.8), aspect="auto")
     for i, run in enumerate(runs):
         table = _by_size(run)
@@ -118,10 +117,8 @@ def plot(runs: list[dict], path: Path) -> Path:
             mark = "" if slo["sled"] == slo["centralized"] else (" S" if slo["sled"] else " C")
             axis.text(j, i, f"{grid[i, j]:.2f}{mark}", ha="center", va="center", fontsize=8)
     axis.set_xticks(range(len(sizes)), [str(n) for n in sizes])
-    caps = [run["capacity"] for run in runs]
     axis.set_yticks(range(len(runs)), [
-        f"{_label(run)}  (capacity {c.get('sled', 0)}/{c.get('centralized', 0)})"
-        for run, c in zip(runs, caps)], fontsize=8)
+        f"{_label(run)}  (capacity {'/'.join(capacities(run)[:2])})" for run in runs], fontsize=8)
     axis.set_xlabel("devices (S: only sled meets the SLO there, C: only centralized)")
     fig.colorbar(image, ax=axis, label="sled / centralized GPU-seconds per token")
     axis.set_title("where sled spends less of the GPU (green) and where it does not (red); "

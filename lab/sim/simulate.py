@@ -342,6 +342,19 @@ def _add_ratios(rows: list[dict]) -> None:
             r["gpu_s_vs_centralized"] = r["gpu_s_per_1k"] / other["gpu_s_per_1k"]
 
 
+def capacities(run: dict) -> tuple[str, str, str]:
+    """(sled, centralized, ratio) of a run's results as said: a capacity at the run's largest
+    fleet is a lower bound (+), and so is a ratio whose sled side is one."""
+    largest = max(r["devices"] for r in run["results"])
+    cap = run["capacity"]
+    said = {m: f"{cap.get(m) or 0}{'+' if cap.get(m) == largest else ''}"
+            for m in ("sled", "centralized")}
+    ratio = cap.get("ratio")
+    bound = cap.get("sled") == largest and cap.get("centralized") != largest
+    return said["sled"], said["centralized"], \
+        f"{ratio:.2f}x{' or more' if bound else ''}" if ratio else "-"
+
+
 def capacity(rows: list[dict], mode: str) -> int:
     """The largest N of the sweep that meets the SLO in this mode (0: none)."""
     return max((r["devices"] for r in rows if r["mode"] == mode and r["meets_slo"]), default=0)
@@ -358,22 +371,21 @@ def _report(scenario: Scenario, profiles: dict[str, StepProfile], rows: list[dic
     setup = (f"{scenario.name} simulated: {held}; prompts {context} tokens"
              f"{'' if args.context else ' (mean)'}, {scenario.max_tokens} new, "
              f"{_arrivals_said(scenario)}, draft length {args.draft_len}")
-    largest = max(r["devices"] for r in rows)
-    capacities = {mode: capacity(rows, mode) for mode in dict.fromkeys(r["mode"] for r in rows)}
-    ratio = (capacities["sled"] / capacities["centralized"]
-             if capacities.get("sled") and capacities.get("centralized") else None)
+    found = {mode: capacity(rows, mode) for mode in dict.fromkeys(r["mode"] for r in rows)}
+    ratio = (found["sled"] / found["centralized"]
+             if found.get("sled") and found.get("centralized") else None)
+    sled, central, said = capacities({"results": rows, "capacity": {**found, "ratio": ratio}})
     lines = [f"{mode}: {describe_memory(profile, gpu_memory(profile))}"
              for mode, profile in profiles.items()]
     lines.append(
         f"capacity at the SLO (p5 device >= {scenario.slo.tokens_per_s:g} tok/s, TTFT p95 <= "
-        f"{scenario.slo.ttft_s:g} s): " + ", ".join(
-            f"{mode} {n}{'+' if n == largest else ''}" for mode, n in capacities.items())
-        + (f"; sled/centralized {ratio:.2f}x" if ratio else ""))
+        f"{scenario.slo.ttft_s:g} s): sled {sled}, centralized {central}"
+        + (f"; sled/centralized {said}" if ratio else ""))
     lines.append(f"the server host's own time: {args.host}")
     lines.append(f"simulated in {wall:.1f} s (seed {args.seed})")
     return {"scenario": scenario.name, "setup": setup, "lines": lines, "seed": args.seed,
             "profiles": {mode: p.name for mode, p in profiles.items()},
-            "context_tokens": context, "capacity": {**capacities, "ratio": ratio},
+            "context_tokens": context, "capacity": {**found, "ratio": ratio},
             "host_cost": {"step_ms": args.host.step_ms, "row_ms": args.host.row_ms},
             "slo": scenario.slo.model_dump(), "wall_s": wall}
 
