@@ -106,6 +106,7 @@ def simulated_notes(run: SimulatedRun) -> list[str]:
             lines.append(f"{n} devices: sled carries {sled['throughput'] / central['throughput']:.2f}x "
                          f"centralized's tokens/s on {sled['gpu_s_per_1k'] / central['gpu_s_per_1k']:.2f}x "
                          "its GPU-seconds per token")
-    lines.append("against the best engine measured for the GPU, sled's gain is GPU time per token "
-                 "at light load, not more devices at the SLO: BENCHMARKS.md, 'The buyer's answer'")
+    lines.append("against the best engine measured for the GPU, sled carries 1.0-1.4x the devices "
+                 "at the SLO (1.0x where the GPU's memory is the limit) and spends far less of the "
+                 "GPU per token at light load: BENCHMARKS.md, 'The buyer's answer'")
     return lines
