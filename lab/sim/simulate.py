@@ -33,7 +33,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from edge_client.session import RoundSettings
-from lab.bench.harness import bench_console
+from lab.bench.harness import bench_console, rotated
 from lab.bench.report import percentile, save_figure, subplots
 from lab.fleet_metrics import FleetRun, summarize
 from verify_server.flags import served_settings
@@ -291,29 +291,39 @@ def trace_sweep(profile: StepProfile, server_args: Sequence[str], traces: TraceS
                 fleet_sizes: Sequence[int], modes: Sequence[str], board, link,
                 settings: RoundSettings, max_new_tokens: int, seed: int = 0,
                 host: HostCost = HostCost()) -> list[dict]:
-    """`sled bench serve`'s sweep on simulated time: device j replays traces[j mod len] (one
-    request), every device on the same board and link and on one host (as the bench's devices
-    share this one: one tenant of the prefix cache), the server held to `profile` with the same
-    flags; rows as summarize() makes them, with the buyer's columns."""
+    """`sled bench serve`'s sweep on simulated time, as the bench runs it: one server for the
+    whole sweep (its prefix cache keeps what earlier fleets published), an unmeasured warm-up of
+    each mode first, the modes' order rotating per fleet size. Device j replays traces[j mod
+    len] (one request); every device is on the same board and link and on one host (as the
+    bench's devices share this one: one tenant of the prefix cache); the server is held to
+    `profile` with the same flags. Rows as summarize() makes them, with the buyer's columns."""
     fingerprint, traces = traces.tokenizer_fingerprint, traces.traces
     scripts = {tuple(t.prompt_ids[:-1]): t.target_ids for t in traces}
     server_settings = served_settings("simulated", list(server_args))
     vocab = 1 + max(max(t.target_ids + t.prompt_ids + [i for p in t.proposals for i in p])
                     for t in traces)      # every id the traces hold is in the vocabulary
 
-    async def phase(mode: str, n: int) -> dict:
-        server = simulated_server(profile, server_settings, scripts, vocab,
-                                  fingerprint=fingerprint, host=host)
-        started = clock.now()
+    async def phase(server, mode: str, n: int, cap: int) -> dict:
+        started, busy, passes = clock.now(), server.busy_seconds(), server.forward_passes()
         done = await run_fleet(server, [SimDevice(j, board, link, LOOPBACK) for j in range(n)],
                                lambda j: [(None, traces[j % len(traces)])], mode, settings,
-                               max_new_tokens, seed)
-        makespan = clock.now() - started
-        busy = server.busy_seconds()
-        await server.stop()
-        return _row(None, profile, mode, n, done, makespan, busy, server.forward_passes())
+                               cap, seed)
+        return _row(None, profile, mode, n, done, clock.now() - started,
+                    server.busy_seconds() - busy, server.forward_passes() - passes)
 
-    return [simulate(phase(mode, n)) for n in fleet_sizes for mode in modes]
+    async def sweep_all() -> list[dict]:
+        server = simulated_server(profile, server_settings, scripts, vocab,
+                                  fingerprint=fingerprint, host=host)
+        for mode in modes:                                       # the bench's warm-up
+            await phase(server, mode, 1, min(max_new_tokens, 4))
+        rows = [await phase(server, mode, n, max_new_tokens)
+                for index, n in enumerate(fleet_sizes) for mode in rotated(modes, index)]
+        await server.stop()
+        return rows
+
+    rows = simulate(sweep_all())
+    rows.sort(key=lambda r: (r["devices"], MODES.index(r["mode"])))
+    return rows
 
 
 def _row(scenario: Scenario | None, profile: StepProfile, mode: str, n: int,
