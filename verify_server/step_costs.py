@@ -183,11 +183,11 @@ def parse_profile(data, where: str) -> StepProfile:
         gpu = data.get("gpu") or {}
         if not isinstance(gpu, dict):
             raise TypeError(f"gpu must be a mapping of {', '.join(GPU_FIELDS)}")
-        profile = StepProfile(str(data["name"]), provenance, cells, rule,
-                              _checked_gpu(where, gpu))
+        name = str(data["name"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"step profile {where}: needs name, cells (rows, tokens, context, ms) "
                          f"and rule (base_ms, per_token_ms, per_kv_token_ms): {exc}") from None
+    profile = StepProfile(name, provenance, cells, rule, _checked_gpu(where, gpu))
     _check_cells(where, cells)
     _check_provenance(profile)
     if not all(math.isfinite(term) and term >= 0 for term in asdict(rule).values()):
