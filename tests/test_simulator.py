@@ -216,3 +216,21 @@ def test_the_landscape_puts_runs_side_by_side(tmp_path, capsys):
     assert "**h200-llama8b-flex-graph, 256 tokens**" in said
     assert (tmp_path / "land.png").stat().st_size > 10_000
     assert main(["lab", "landscape", str(scenario)]) == 2        # not a results file
+
+
+def test_without_context_the_workload_is_counted_by_the_targets_tokenizer(tmp_path):
+    """Prompts as the scenario's target tokenizes them (their ids, whatever their range, are in
+    the simulated vocabulary), so their lengths are the workload's own."""
+    from transformers import AutoTokenizer
+
+    from lab.tiny import cached_pair
+    from lab.workload import CHAT_PROMPTS
+
+    scenario = write_scenario(tmp_path, fleet_sizes=[1])
+    code = main(["lab", "simulate", str(scenario), "--modes", "sled", "--out", str(tmp_path / "o")])
+    assert code == 0
+    results = json.loads((tmp_path / "o" / "results.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(cached_pair()[0])
+    lengths = [len(tokenizer(text)["input_ids"]) for text in CHAT_PROMPTS]
+    assert results["context_tokens"] == round(sum(lengths) / len(lengths))
+    assert results["results"][0]["mismatches"] == 0

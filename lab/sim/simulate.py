@@ -185,16 +185,22 @@ def _prompts(scenario: Scenario, args) -> list[list[int]]:
     return [[draw.randrange(VOCAB) for _ in range(args.context)] for _ in texts]
 
 
+def vocabulary(prompts) -> int:
+    """The simulated target's vocabulary: the scripts' ids and every id of the prompts (a
+    tokenizer's ids may pass VOCAB)."""
+    return max([VOCAB, *(1 + max(prompt) for prompt in prompts)])
+
+
 def _traces(scenario: Scenario, prompts: list[list[int]], seed: int) -> dict[str, list[Trace]]:
     """Per calibrated pair, one trace per prompt along that prompt's script (a random output
     of max_tokens, the same for every pair), drafted with the pair's acceptance."""
-    draw = random.Random(f"scripts-{seed}")
+    draw, vocab = random.Random(f"scripts-{seed}"), vocabulary(prompts)
     outputs = [[draw.randrange(VOCAB) for _ in range(scenario.max_tokens)] for _ in prompts]
     traces = {}
     for spec in sorted({group.drafter for group in scenario.fleet}):
         pair = load_calibration(spec)
         drafter = SyntheticDrafter(pair.acceptance, MAX_K, SEED + seed, spec)
-        traces[spec] = synthetic_trace_set(prompts, outputs, drafter, VOCAB, "simulated",
+        traces[spec] = synthetic_trace_set(prompts, outputs, drafter, vocab, "simulated",
                                            None).traces
     return traces
 
@@ -267,8 +273,9 @@ async def _phase(scenario: Scenario, profile: StepProfile, mode: str, devices: l
                  traces: dict[str, list[Trace]], slots, args, on_tokens) -> dict:
     """One fleet in one mode on a fresh simulated server: its row."""
     scripts = {tuple(t.prompt_ids[:-1]): t.target_ids for ts in traces.values() for t in ts}
+    vocab = vocabulary(t.prompt_ids for ts in traces.values() for t in ts)
     server = simulated_server(profile, served_settings("simulated", scenario.server.args),
-                              scripts, VOCAB, host=args.host)
+                              scripts, vocab, host=args.host)
     count = len(next(iter(traces.values())))
 
     def requests_of(j: int) -> list[tuple[float | None, Trace]]:
