@@ -26,6 +26,8 @@ BAD_VALUES = [
     ("engine", "--reps", "0"), ("engine", "--draft-len", "0"), ("engine", "--block-tokens", "0"),
     ("engine", "--contexts", "128,0"), ("engine", "--sessions", "nan"),
     ("engine", "--engines", "paged,vllm"), ("engine", "--shape", "llama-70b"),
+    ("derive-profile", "--shape", "llama-405b"), ("derive-profile", "--gpu", "B200"),
+    ("derive-profile", "--weight-dtype", "int3"),
     ("drafter", "--reps", "0"), ("drafter", "--tokens", "0"), ("drafter", "--draft-len", "0"),
     ("drafter", "--threads", "0"), ("drafter", "--accept", "-1"),
     ("drafting", "--draft-len", "0"), ("drafting", "--tree", "0"), ("drafting", "--max-new-tokens", "0"),

@@ -27,8 +27,10 @@ def add_arguments(parser) -> None:
                         help="a step profile measured on that GPU: how far from the roofline its "
                              "engine stands")
     parser.add_argument("--weight-dtype", default="bfloat16",
-                        choices=("bfloat16", "float16", "float8"))
-    parser.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "float16", "float8"))
+                        choices=("bfloat16", "float16", "float8"),
+                        help="the weights' dtype on the GPU (float8: a model too big for it in bf16)")
+    parser.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "float16", "float8"),
+                        help="the KV cache's dtype")
     parser.add_argument("--out", required=True, help="the profile file to write (.json)")
 
 

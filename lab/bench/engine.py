@@ -58,9 +58,12 @@ from verify_server.engines.flex_plan import StepLayout, plan_step, step_shape
 from verify_server.engines.kv import SessionKV
 from verify_server.engines.rows import Row
 from verify_server.scheduler import verify_step
-from verify_server.shapes import SHAPES
+from verify_server.shapes import DESCRIBED_ONLY, SHAPES
 from verify_server.step_costs import StepCell, make_profile
 from verify_server.target import Target
+
+
+BUILT = [name for name in SHAPES if name not in DESCRIBED_ONLY]   # what --shape can build
 
 
 def add_arguments(parser) -> None:
@@ -79,8 +82,8 @@ def add_arguments(parser) -> None:
                         type=harness.listed(_unknown("engine"), *ENGINE_KINDS),
                         help="engines to compare, the first is the reference "
                              f"({', '.join(ENGINE_KINDS)})")
-    parser.add_argument("--shape", default=None, type=harness.listed(_unknown("shape"), *SHAPES),
-                        help=f"real model shapes with random weights ({', '.join(SHAPES)}); "
+    parser.add_argument("--shape", default=None, type=harness.listed(_unknown("shape"), *BUILT),
+                        help=f"real model shapes with random weights ({', '.join(BUILT)}); "
                              "instead of --model")
     parser.add_argument("--bandwidth", type=float, default=None, metavar="BYTES_PER_S",
                         help="device memory bandwidth, for the floor column (H100: 3.35e12)")
