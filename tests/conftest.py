@@ -128,6 +128,19 @@ def models(tokenizer) -> dict[str, torch.nn.Module]:
     return {arch: make_model(arch, len(tokenizer), dtype=torch.float64) for arch in ("llama", "gemma3")}
 
 
+@pytest.fixture(autouse=True)
+def _shared_models_stay_float64(request):
+    """The session's tiny targets are shared by every test of a worker: a test that converts
+    one in place (model.float()) changes the oracle, the KV bytes a token and so the pool of every
+    later test there. Such a test errors at its teardown."""
+    yield
+    if "models" in request.fixturenames:
+        changed = [arch for arch, model in request.getfixturevalue("models").items()
+                   if next(model.parameters()).dtype != torch.float64]
+        assert not changed, (f"the test converted the shared models {changed} in place: convert "
+                             "a copy (copy.deepcopy(models[arch]).float())")
+
+
 @pytest.fixture(scope="session")
 def drafter_models(models) -> dict[str, torch.nn.Module]:
     """Each target with weight noise: agrees with it often, not always."""
