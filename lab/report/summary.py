@@ -66,7 +66,7 @@ def headline_row(phase: dict, watts: float | None = None) -> dict:
             "device_tokens_per_s": _pcts(list(device_rates(phase).values()), (5, 50, 95)),
             "ttft_s": _pcts(ttfts(phase)), "tpot_s": _pcts(tpots(phase)),
             "forward_passes_per_token": round(passes / tokens, 6) if passes is not None and tokens else None,
-            "busy_share": round(busy / wall, 6) if busy is not None and wall > 0 else None,
+            "busy_share": utilisation(phase),
             "busy_s_per_1k": round(per_1k, 6) if per_1k is not None else None,
             "energy_j_per_1k": round(per_1k * watts, 3) if per_1k is not None and watts else None,
             "errors": sum(1 for r in phase["requests"] if _errored(r))}
@@ -178,12 +178,18 @@ def server(results: dict) -> list[dict]:
     for phase in results["phases"]:
         srv = phase.get("server") or {}
         buckets = {str(k): int(v) for k, v in (srv.get("batch_sizes") or {}).items()}
-        wall, busy = phase.get("wall_s") or 0.0, srv.get("forward_seconds")
         rows.append({"system": phase["system"], "fleet_size": phase["fleet_size"],
                      "batch_sizes": buckets, "batch_size_mean": _bucket_mean(buckets),
-                     "forward_passes": srv.get("forward_passes"), "forward_seconds": busy,
-                     "utilisation": round(busy / wall, 6) if busy is not None and wall > 0 else None})
+                     "forward_passes": srv.get("forward_passes"),
+                     "forward_seconds": srv.get("forward_seconds"),
+                     "utilisation": utilisation(phase)})
     return rows
+
+
+def utilisation(phase: dict) -> float | None:
+    """The server's seconds in steps over the phase's wall time (None when either is unknown)."""
+    busy, wall = (phase.get("server") or {}).get("forward_seconds"), phase.get("wall_s") or 0.0
+    return round(busy / wall, 6) if busy is not None and wall > 0 else None
 
 
 def _bucket_mean(buckets: dict[str, int]) -> float | None:
