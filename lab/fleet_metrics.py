@@ -58,3 +58,17 @@ def summarize(run: FleetRun) -> dict:
         "acceptance_rate": sum(r.accepted_tokens for r in results) / verified if verified else None,
         "mismatches": sum(r.token_ids != want for r, want in zip(results, run.expected)),
     }
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """On each sled row, its system throughput over centralized's at the same N, and (rows
+    that count GPU time) its GPU-seconds per token over centralized's."""
+    central = {r["devices"]: r for r in rows if r["mode"] == "centralized"}
+    for r in rows:
+        other = central.get(r["devices"])
+        if r["mode"] != "sled" or other is None:
+            continue
+        if other["throughput"]:
+            r["throughput_vs_centralized"] = r["throughput"] / other["throughput"]
+        if other.get("gpu_s_per_1k"):
+            r["gpu_s_vs_centralized"] = r["gpu_s_per_1k"] / other["gpu_s_per_1k"]

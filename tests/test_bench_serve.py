@@ -8,8 +8,8 @@ import pytest
 
 from conftest import run_sled
 from lab.traces import TraceSet
-from lab.bench.serve import add_ratios, capacity
-from lab.fleet_metrics import tpot_samples
+from lab.bench.serve import capacity
+from lab.fleet_metrics import add_ratios, tpot_samples
 
 
 def sled(*args: str, timeout: float = 300):

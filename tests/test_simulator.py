@@ -64,6 +64,10 @@ def test_every_output_is_its_script_in_both_modes(tmp_path):
         assert 0 < r["gpu_busy_share"] <= 1 and r["gpu_s_per_1k"] > 0
     sled = [r for r in rows if r["mode"] == "sled"]
     assert all(0 < r["acceptance_rate"] < 1 for r in sled)     # the calibrated pair drafts
+    central = {r["devices"]: r for r in rows if r["mode"] == "centralized"}
+    for r in sled:
+        assert r["throughput_vs_centralized"] == r["throughput"] / central[r["devices"]]["throughput"]
+        assert r["gpu_s_vs_centralized"] == r["gpu_s_per_1k"] / central[r["devices"]]["gpu_s_per_1k"]
 
 
 def test_the_same_seed_gives_the_same_result(tmp_path):
@@ -234,3 +238,29 @@ def test_without_context_the_workload_is_counted_by_the_targets_tokenizer(tmp_pa
     lengths = [len(tokenizer(text)["input_ids"]) for text in CHAT_PROMPTS]
     assert results["context_tokens"] == round(sum(lengths) / len(lengths))
     assert results["results"][0]["mismatches"] == 0
+
+
+def test_bench_serves_sweep_on_the_simulator_is_lossless_and_says_its_ratios():
+    """trace_sweep (`sled bench serve --simulate`, the demo's table): recorded-style traces on
+    one server for the whole sweep, every output its trace's, sled's rows against centralized."""
+    import random
+
+    from edge_client.session import RoundSettings
+    from lab.profiles import device_profile, link_profile
+    from lab.sim.simulate import trace_sweep
+    from lab.traces.format import TraceSet
+    from lab.traces.synthetic import SyntheticDrafter, synthetic_trace_set
+    from verify_server.step_costs import load_profile
+
+    draw = random.Random(0)
+    prompts = [[draw.randrange(1, 500) for _ in range(40)] for _ in range(3)]
+    outputs = [[draw.randrange(1, 500) for _ in range(12)] for _ in prompts]
+    traces = synthetic_trace_set(prompts, outputs, SyntheticDrafter([0.8], 8, 0, "test"), 500,
+                                 "test", None)
+    rows = trace_sweep(load_profile("h200-llama8b-flex-graph"), ["--max-streams-per-device", "64"],
+                       TraceSet("test", "test", 8, traces.traces), [1, 4], ["sled", "centralized"],
+                       device_profile("pi5"), link_profile("wifi"), RoundSettings(draft_len=4), 12)
+    assert [(r["mode"], r["devices"]) for r in rows] == [
+        ("sled", 1), ("centralized", 1), ("sled", 4), ("centralized", 4)]
+    assert all(r["mismatches"] == 0 and r["tokens"] == 12 * r["devices"] for r in rows)
+    assert all("throughput_vs_centralized" in r for r in rows if r["mode"] == "sled")

@@ -30,7 +30,7 @@ from rich.table import Table
 from edge_client.session import RoundSettings
 from lab.bench import harness
 from lab.bench.report import save_figure, short_name, subplots
-from lab.fleet_metrics import FleetRun, summarize
+from lab.fleet_metrics import FleetRun, add_ratios, summarize
 from lab.profiles import device_profile, link_profile
 from lab.sim.engine import HostCost
 from lab.sim.simulate import trace_sweep
@@ -153,14 +153,6 @@ def capacity(rows: list[dict], mode: str, target_rate: float) -> int:
     """The largest fleet whose 5th-percentile device still gets target_rate tokens/s (0: none)."""
     return max((r["devices"] for r in rows if r["mode"] == mode and r["device_tps_p5"] >= target_rate),
                default=0)
-
-
-def add_ratios(rows: list[dict]) -> None:
-    """sled's system throughput over centralized's at the same N, on the sled row."""
-    central = {r["devices"]: r["throughput"] for r in rows if r["mode"] == "centralized"}
-    for r in rows:
-        if r["mode"] == "sled" and central.get(r["devices"]):
-            r["throughput_vs_centralized"] = r["throughput"] / central[r["devices"]]
 
 
 async def sweep(served, traces, fleet_sizes: list[int], modes: list[str], args, device, link,

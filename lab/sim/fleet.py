@@ -2,18 +2,20 @@
 their board's speed over their own link, against a simulated server.
 
 Each device has its own address (the server tells anonymous devices apart by host, and shares
-prefix-cache blocks only within one), takes its requests one after another (closed arrivals)
-and, when the server refuses a session for want of KV (RESOURCE_EXHAUSTED, past the GPU's
-memory wall), asks again after a backoff: the wait counts in its time to first token, as a
-user's would.
+prefix-cache blocks only within one) and takes its requests one after another: each as soon as
+the one before is over (closed arrivals) or at its own time, waiting behind a busy device
+(Poisson arrivals). When the server refuses a session for want of KV (RESOURCE_EXHAUSTED, past
+the GPU's memory wall) it asks again after a backoff. Every wait counts in the request's time
+to first token, as a user's would.
 
-    requests = await device_requests(server, device, traces, "sled", settings, 64)
+    done = await device_requests(server, device, [(None, trace), (3.5, trace)], "sled",
+                                 settings, 64)
 """
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -60,8 +62,6 @@ class SimRequest:
     expected: list[int]
     refusals: int = 0
     waited_s: float = 0.0
-    device: int = 0
-    issued_at: float = field(default=0.0)
 
 
 async def device_requests(server: SimulatedServer, device: SimDevice,
@@ -102,7 +102,7 @@ async def device_requests(server: SimulatedServer, device: SimDevice,
         waited = clock.now() - issued - result.elapsed_s
         result.token_times = [t + waited for t in result.token_times]
         result.elapsed_s += waited
-        done.append(SimRequest(result, expected, refusals, waited, device.index, issued))
+        done.append(SimRequest(result, expected, refusals, waited))
     return done
 
 

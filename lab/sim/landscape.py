@@ -91,9 +91,9 @@ def _energy(row: dict) -> str:
 
 def plot(runs: list[dict], path: Path) -> Path:
     """One heat map: a row per run, a column per fleet size; the colour and the number are
-    sled's GPU-seconds per token over centralized's (below 1: sled spends less of the GPU), a
-    cell's frame marks where centralized meets the SLO and sled does not (or the reverse);
-    the capacity ratio closes each row."""
+    sled's GPU-seconds per token over centralized's (below 1: sled spends less of the GPU); S
+    or C after the number marks where only sled, or only centralized, meets the SLO; each
+    row's label ends with its capacities."""
     import numpy as np
     from matplotlib.colors import TwoSlopeNorm
 

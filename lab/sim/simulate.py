@@ -25,7 +25,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -35,19 +35,19 @@ from rich.table import Table
 from edge_client.session import RoundSettings
 from lab.bench.harness import bench_console, rotated
 from lab.bench.report import percentile, save_figure, subplots
-from lab.fleet_metrics import FleetRun, summarize
-from verify_server.flags import served_settings
+from lab.fleet_metrics import FleetRun, add_ratios, summarize
 from lab.profiles import device_profile, link_profile
 from lab.scenario import Scenario, ScenarioError, load_scenario
 from lab.sim.engine import HostCost
 from lab.sim.fleet import SimDevice, SimRequest, run_fleet
 from lab.sim.loop import simulate
-from lab.sim.server import simulated_server
+from lab.sim.server import SimulatedServer, simulated_server
 from lab.traces.calibrated import MAX_K, SEED, is_calibrated, load_calibration
 from lab.traces.format import Trace, TraceSet
 from lab.traces.synthetic import SyntheticDrafter, synthetic_trace_set
 from sled import clock
 from sled.flags import one_line
+from verify_server.flags import served_settings
 from verify_server.gpu_memory import describe as describe_memory
 from verify_server.gpu_memory import gpu_memory
 from verify_server.step_costs import StepProfile, load_profile
@@ -185,16 +185,24 @@ def _prompts(scenario: Scenario, args) -> list[list[int]]:
     return [[draw.randrange(VOCAB) for _ in range(args.context)] for _ in texts]
 
 
-def vocabulary(prompts) -> int:
-    """The simulated target's vocabulary: the scripts' ids and every id of the prompts (a
-    tokenizer's ids may pass VOCAB)."""
-    return max([VOCAB, *(1 + max(prompt) for prompt in prompts)])
+def vocabulary(id_lists: Iterable[Sequence[int]], floor: int = 0) -> int:
+    """The simulated target's vocabulary: every id of the lists, and at least `floor` (the
+    scripts' VOCAB: a tokenizer's prompt ids may pass it)."""
+    return max([floor, *(1 + max(ids) for ids in id_lists if ids)])
+
+
+def trace_ids(traces: Iterable[Trace]) -> Iterator[Sequence[int]]:
+    """Every list of ids the traces hold: prompts, target outputs, proposals."""
+    for trace in traces:
+        yield trace.prompt_ids
+        yield trace.target_ids
+        yield from trace.proposals
 
 
 def _traces(scenario: Scenario, prompts: list[list[int]], seed: int) -> dict[str, list[Trace]]:
     """Per calibrated pair, one trace per prompt along that prompt's script (a random output
     of max_tokens, the same for every pair), drafted with the pair's acceptance."""
-    draw, vocab = random.Random(f"scripts-{seed}"), vocabulary(prompts)
+    draw, vocab = random.Random(f"scripts-{seed}"), vocabulary(prompts, VOCAB)
     outputs = [[draw.randrange(VOCAB) for _ in range(scenario.max_tokens)] for _ in prompts]
     traces = {}
     for spec in sorted({group.drafter for group in scenario.fleet}):
@@ -215,21 +223,40 @@ def sweep(scenario: Scenario, profiles: dict[str, StepProfile], sizes: list[int]
     slots = scenario.slots()
     total = sum(len(arrivals(scenario, j, args.seed)) * scenario.max_tokens
                 for n in sizes for j in range(n)) * len(modes)
+    every = [t for ts in traces.values() for t in ts]
+    scripts = {tuple(t.prompt_ids[:-1]): t.target_ids for t in every}
+    vocab = vocabulary(trace_ids(every), VOCAB)
+    settings = served_settings("simulated", scenario.server.args)
+    count = len(next(iter(traces.values())))
+
+    def requests_of(j: int) -> list[tuple[float | None, Trace]]:
+        mine = traces[slots[j % len(slots)].drafter]
+        return [(at, mine[(j * 7919 + r) % count])
+                for r, at in enumerate(arrivals(scenario, j, args.seed))]
+
+    async def fleet(mode: str, n: int, on_tokens) -> dict:
+        """One fleet in one mode on a fresh simulated server: its row."""
+        server = simulated_server(profiles[mode], settings, scripts, vocab, host=args.host)
+        devices = [_device(slots[j % len(slots)], j) for j in range(n)]
+        row = await measured(server, scenario, profiles[mode], mode, devices, requests_of,
+                             RoundSettings(draft_len=args.draft_len), scenario.max_tokens,
+                             args.seed, on_tokens)
+        await server.stop()
+        return row
+
     rows = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("simulating", total=total)
 
         def phase(mode: str, n: int) -> dict:
             progress.update(task, description=f"{mode}, {n} device(s)")
-            devices = [_device(slots[j % len(slots)], j) for j in range(n)]
-            return simulate(_phase(scenario, profiles[mode], mode, devices, traces, slots, args,
-                                   lambda t: progress.advance(task, len(t))))
+            return simulate(fleet(mode, n, lambda t: progress.advance(task, len(t))))
 
         rows += [phase(mode, n) for n in sizes for mode in modes]
         for mode in modes:
             rows += refine(rows, mode, args.refine, lambda n: phase(mode, n))
     rows.sort(key=lambda r: (r["devices"], MODES.index(r["mode"])))
-    _add_ratios(rows)
+    add_ratios(rows)
     return rows
 
 
@@ -269,29 +296,16 @@ def _device(slot, j: int) -> SimDevice:
     return SimDevice(j, device_profile(slot.device), link_profile(slot.link))
 
 
-async def _phase(scenario: Scenario, profile: StepProfile, mode: str, devices: list[SimDevice],
-                 traces: dict[str, list[Trace]], slots, args, on_tokens) -> dict:
-    """One fleet in one mode on a fresh simulated server: its row."""
-    scripts = {tuple(t.prompt_ids[:-1]): t.target_ids for ts in traces.values() for t in ts}
-    vocab = vocabulary(t.prompt_ids for ts in traces.values() for t in ts)
-    server = simulated_server(profile, served_settings("simulated", scenario.server.args),
-                              scripts, vocab, host=args.host)
-    count = len(next(iter(traces.values())))
-
-    def requests_of(j: int) -> list[tuple[float | None, Trace]]:
-        mine = traces[slots[j % len(slots)].drafter]
-        return [(at, mine[(j * 7919 + r) % count])
-                for r, at in enumerate(arrivals(scenario, j, args.seed))]
-
-    started = clock.now()
-    done = await run_fleet(server, devices, requests_of, mode,
-                           RoundSettings(draft_len=args.draft_len), scenario.max_tokens,
-                           args.seed, on_tokens)
-    makespan = clock.now() - started
-    busy = server.busy_seconds()
-    await server.stop()
-    return _row(scenario, profile, mode, len(devices), done, makespan, busy,
-                server.forward_passes())
+async def measured(server: SimulatedServer, scenario: Scenario | None, profile: StepProfile,
+                   mode: str, devices: Sequence[SimDevice], requests_of, settings: RoundSettings,
+                   max_new_tokens: int, seed: int, on_tokens=None) -> dict:
+    """One fleet in one mode on `server` (which may have served fleets before: what they spent
+    is not this one's): its row."""
+    started, busy, passes = clock.now(), server.busy_seconds(), server.forward_passes()
+    done = await run_fleet(server, devices, requests_of, mode, settings, max_new_tokens, seed,
+                           on_tokens)
+    return _row(scenario, profile, mode, len(devices), done, clock.now() - started,
+                server.busy_seconds() - busy, server.forward_passes() - passes)
 
 
 def trace_sweep(profile: StepProfile, server_args: Sequence[str], traces: TraceSet,
@@ -307,16 +321,12 @@ def trace_sweep(profile: StepProfile, server_args: Sequence[str], traces: TraceS
     fingerprint, traces = traces.tokenizer_fingerprint, traces.traces
     scripts = {tuple(t.prompt_ids[:-1]): t.target_ids for t in traces}
     server_settings = served_settings("simulated", list(server_args))
-    vocab = 1 + max(max(t.target_ids + t.prompt_ids + [i for p in t.proposals for i in p])
-                    for t in traces)      # every id the traces hold is in the vocabulary
+    vocab = vocabulary(trace_ids(traces))      # every id the traces hold is in the vocabulary
 
     async def phase(server, mode: str, n: int, cap: int) -> dict:
-        started, busy, passes = clock.now(), server.busy_seconds(), server.forward_passes()
-        done = await run_fleet(server, [SimDevice(j, board, link, LOOPBACK) for j in range(n)],
-                               lambda j: [(None, traces[j % len(traces)])], mode, settings,
-                               cap, seed)
-        return _row(None, profile, mode, n, done, clock.now() - started,
-                    server.busy_seconds() - busy, server.forward_passes() - passes)
+        return await measured(server, None, profile, mode,
+                              [SimDevice(j, board, link, LOOPBACK) for j in range(n)],
+                              lambda j: [(None, traces[j % len(traces)])], settings, cap, seed)
 
     async def sweep_all() -> list[dict]:
         server = simulated_server(profile, server_settings, scripts, vocab,
@@ -330,6 +340,7 @@ def trace_sweep(profile: StepProfile, server_args: Sequence[str], traces: TraceS
 
     rows = simulate(sweep_all())
     rows.sort(key=lambda r: (r["devices"], MODES.index(r["mode"])))
+    add_ratios(rows)
     return rows
 
 
@@ -348,15 +359,6 @@ def _row(scenario: Scenario | None, profile: StepProfile, mode: str, n: int,
         meets_slo=scenario is not None and row["device_tps_p5"] >= scenario.slo.tokens_per_s
         and row["ttft_ms_p95"] <= scenario.slo.ttft_s * 1e3)
     return row
-
-
-def _add_ratios(rows: list[dict]) -> None:
-    central = {r["devices"]: r for r in rows if r["mode"] == "centralized"}
-    for r in rows:
-        other = central.get(r["devices"])
-        if r["mode"] == "sled" and other:
-            r["throughput_vs_centralized"] = r["throughput"] / other["throughput"]
-            r["gpu_s_vs_centralized"] = r["gpu_s_per_1k"] / other["gpu_s_per_1k"]
 
 
 def capacities(run: dict) -> tuple[str, str, str]:
