@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verify_server.engines import decoder
 from verify_server.engines.blocks import BlockPool
 from verify_server.engines.kv import SessionKV
 from verify_server.engines.rows import Row
@@ -66,20 +67,48 @@ def logit_spans(rows: Sequence[Row]) -> tuple[list[int], list[slice | None]]:
     return index or [offset - 1], spans
 
 
+FORWARDS = ("sled", "transformers")
+
+
 class Engine:
-    """Owns the block pool and runs one forward per scheduler step."""
+    """Owns the block pool and runs one forward per scheduler step.
+
+    `forward`: "sled" runs sled's own decoder forward (`decoder.Decoder`: fused weights, compiled
+    layer functions on CUDA) where it covers the model, transformers' forward elsewhere and for
+    passes with SAT LoRA deltas; "transformers" always runs transformers' forward."""
 
     kind = "base"
     branches = False     # whether rows may branch: SAT blocks (Row.sat_anchors), trees (Row.parents)
+    own_forward = False  # whether the engine can run sled's decoder forward (its attention does)
 
-    def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None,
+                 forward: str = "sled") -> None:
+        if forward not in FORWARDS:
+            raise ValueError(f"unknown forward {forward!r}: use {' or '.join(FORWARDS)}")
         self.model = model
         self.pool = pool
         self.sat = sat          # the target's semantic adaptive tokens, if it has them
         self.device = next(model.parameters()).device
         self.bytes_copied = 0   # KV bytes written or copied outside attention, ever
+        self.sled_forward = forward == "sled" and self.own_forward and decoder.supports(model)
         if sat is not None and sat.lora is not None:
             sat.lora.attach(model)   # its deltas act only inside `_sat_deltas`
+        self.compile_layers = self.device.type == "cuda"   # the decoder's layer functions
+        self.decoder = decoder.decoder_for(model) if self.sled_forward else None  # fused now
+
+    def _fresh_decoder(self) -> None:
+        """Before a step: fuse again if the model's weights were replaced since (moved, cast)."""
+        if self.decoder is not None and not self.decoder.fresh():
+            self.decoder = decoder.decoder_for(self.model)
+
+    def _logits(self, sat_deltas: bool = False, **inputs) -> torch.Tensor:
+        """The model's logits [1, kept, vocab] for one step's inputs: sled's decoder forward, or
+        transformers' (asked for, not covered, or a pass that applies SAT LoRA deltas, which
+        hook transformers' modules)."""
+        if self.decoder is not None and not (sat_deltas and self.sat is not None
+                                             and self.sat.lora is not None):
+            return self.decoder(compiled=self.compile_layers, **inputs)
+        return self.model(**inputs).logits
 
     def _sat_deltas(self, flat_positions: list[int]):
         """The pass inside applies the SAT LoRA deltas at these positions of the flattened input

@@ -247,11 +247,12 @@ class FlexEngine(Engine):
 
     kind = "flex"
     branches = True
+    own_forward = True
 
     def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None,
                  flex=None, graphs: bool | None = None, kv_width: int | None = None,
-                 capture: str = "graph") -> None:
-        super().__init__(model, pool, sat)
+                 capture: str = "graph", forward: str = "sled") -> None:
+        super().__init__(model, pool, sat, forward)
         self.activate()      # the pool is zero: every slot it reads holds a finite value
         cuda = self.device.type == "cuda"
         self.flex = flex or (compiled_flex() if cuda else flex_attention)
@@ -270,6 +271,8 @@ class FlexEngine(Engine):
                               AttentionShape.all_of(model, pool.block_tokens), self.device)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs and cuda else None
         self.compiled_step = None
+        if capture == "compile":        # the whole step is compiled: its layers inside it
+            self.compile_layers = False
         if self.graphs and capture == "compile":      # one graph per bucket
             self.compiled_step = torch.compile(   # static: one specialisation per bucket
                 self.whole_step, fullgraph=True, dynamic=False,
@@ -305,10 +308,9 @@ class FlexEngine(Engine):
     def whole_step(self, step: FlexStep) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of a planned step without SAT slots: logits [T, vocab] of every packed
         position, and their argmax [T]. What a captured step replays."""
-        out = self.model(input_ids=step.fields["ids"].long()[None],
-                         position_ids=step.fields["positions"].long()[None],
-                         attention_mask=self.mask, use_cache=False, sled_flex=step)
-        logits = out.logits[0]
+        logits = self._logits(input_ids=step.fields["ids"].long()[None],
+                              position_ids=step.fields["positions"].long()[None],
+                              attention_mask=self.mask, use_cache=False, sled_flex=step)[0]
         return logits, logits.argmax(-1)
 
     @torch.inference_mode()
@@ -342,6 +344,7 @@ class FlexEngine(Engine):
         """A replayable step: the captured step's logits of every packed position and their
         argmax, as they lie in its static buffers (read them before the next step). Otherwise
         one forward that keeps the logits the rows want."""
+        self._fresh_decoder()
         if self.replayable(rows):
             captured = self._replay(rows)
             return StepLogits(captured.logits, _packed_spans(rows), captured.argmax)
@@ -350,12 +353,13 @@ class FlexEngine(Engine):
         sat_at = sat_inputs(rows)
         ids = step.fields["ids"].long()[None]
         with self._sat_deltas([i for i, _ in sat_at]):
-            out = self.model(**self._inputs(ids, [((0, i), slot) for i, slot in sat_at]),
-                             position_ids=step.fields["positions"].long()[None],
-                             attention_mask=self.mask, use_cache=False,
-                             logits_to_keep=torch.tensor(index, device=self.device),
-                             sled_flex=step)
-        return StepLogits(out.logits[0], spans)
+            logits = self._logits(bool(sat_at), **self._inputs(ids, [((0, i), slot)
+                                                                    for i, slot in sat_at]),
+                                  position_ids=step.fields["positions"].long()[None],
+                                  attention_mask=self.mask, use_cache=False,
+                                  logits_to_keep=torch.tensor(index, device=self.device),
+                                  sled_flex=step)
+        return StepLogits(logits[0], spans)
 
 
 @functools.cache

@@ -114,9 +114,11 @@ AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)   # for use outside a
 class PagedEngine(Engine):
     kind = "paged"
     branches = True
+    own_forward = True
 
-    def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None) -> None:
-        super().__init__(model, pool, sat)
+    def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None,
+                 forward: str = "sled") -> None:
+        super().__init__(model, pool, sat, forward)
         self.activate()
 
     def activate(self) -> None:
@@ -128,16 +130,17 @@ class PagedEngine(Engine):
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[Row]) -> StepLogits:
+        self._fresh_decoder()
         step, input_ids, position_ids, sat_at = self._plan(rows)
         index, spans = logit_spans(rows)
         with self._sat_deltas([i for i, _ in sat_at]):
-            out = self.model(**self._inputs(input_ids[None], [((0, i), slot) for i, slot in sat_at]),
-                             position_ids=position_ids[None].to(self.device),
-                             attention_mask=NO_MASK.to(self.device), use_cache=False,
-                             logits_to_keep=torch.tensor(index, device=self.device),
-                             sled_step=step)
+            logits = self._logits(
+                bool(sat_at), **self._inputs(input_ids[None], [((0, i), slot) for i, slot in sat_at]),
+                position_ids=position_ids[None].to(self.device),
+                attention_mask=NO_MASK.to(self.device), use_cache=False,
+                logits_to_keep=torch.tensor(index, device=self.device), sled_step=step)
         self.bytes_copied += step.tokens * self.pool.shape.bytes_per_token
-        return StepLogits(out.logits[0], spans)
+        return StepLogits(logits[0], spans)
 
     def _plan(self, rows: Sequence[Row]):
         ids, writes, offsets = [], [], []

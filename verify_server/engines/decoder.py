@@ -1,0 +1,280 @@
+"""sled's own decoder forward for the Llama and Gemma 3 families, the gpt-fast way.
+
+transformers still loads the weights, the config and the tokenizer, and keeps its forward for
+`generate()`, for other architectures and for passes with SAT LoRA deltas. A step's forward is
+sled's:
+
+- a layer's q, k and v are one GEMM and its gate and up another: their weights are concatenated
+  once (`fuse`), and transformers' q/k/v/gate/up modules are left holding views of them, so no
+  weight is stored twice and transformers' own forward reads the very same numbers;
+- around attention a layer is two functions of tensors alone (`before_attention`: the input norm,
+  QKV, Gemma 3's q/k norms, rotary; `after_attention`: o_proj, the norms and residuals, gate-up,
+  the activation, down). On CUDA each goes through `torch.compile` once with the token count
+  dynamic: one compile serves every layer and every bucket, inductor fuses the norms, rotary and
+  activation into a few kernels, and the engine's CUDA graph per bucket captures them;
+- attention is the engine's registered function, called as transformers calls it (the layer's
+  attention module, q/k/v as [1, heads, tokens, head_dim], the step's keyword arguments), so the
+  paged and the flex engine run under it unchanged;
+- logits only at the positions the caller keeps.
+
+The numbers are transformers' own, operation for operation (norms in float32 as each family
+computes them, rotary as `apply_rotary_pos_emb` does): the engines' tests hold fp32 logits within
+1e-5 of transformers' forward and the argmax identical.
+"""
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+# The model classes whose forward is replaced, by the text config's model_type
+FAMILIES = ("llama", "gemma3_text")
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """Whether sled's forward covers this model: a Llama or Gemma 3 causal LM (text), with an
+    activation it knows."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "model_type", None) not in FAMILIES:
+        return False
+    inner = getattr(model, "model", None)
+    return (hasattr(inner, "layers") and hasattr(model, "lm_head")
+            and _activation_name(config) in ACTIVATIONS)
+
+
+def _activation_name(config) -> str | None:
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+
+
+def llama_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm: normalised in float32, back to the input's dtype, then scaled."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma3RMSNorm: normalised and scaled by (1 + weight) in float32, then the input's dtype."""
+    out = x.float()
+    out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [T, heads, D] with cos/sin [T, 1, D] (rotate_half's convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+@dataclass(frozen=True, slots=True)
+class Dims:
+    """What the layer functions are specialised on (constants, the same for every layer)."""
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    gemma: bool           # Gemma 3: q/k norms, norms after attention and the MLP, (1 + w) norms
+    activation: str
+
+
+def before_attention(hidden, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, cos, sin, dims: Dims):
+    """hidden [T, hidden] -> q [T, H, D], k and v [T, KVH, D], rotary applied."""
+    norm = gemma_norm if dims.gemma else llama_norm
+    x = norm(hidden, norm_w, dims.eps)
+    qkv = F.linear(x, qkv_w, qkv_b)
+    q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+    q = qkv[:, :q_size].view(-1, dims.heads, dims.head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(-1, dims.kv_heads, dims.head_dim)
+    v = qkv[:, q_size + kv_size:].view(-1, dims.kv_heads, dims.head_dim)
+    if dims.gemma:
+        q, k = gemma_norm(q, q_norm_w, dims.eps), gemma_norm(k, k_norm_w, dims.eps)
+    cos, sin = cos[:, None], sin[:, None]
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def after_attention(attn, residual, o_w, o_b, post_attn_w, pre_ff_w, post_ff_w, gate_up_w,
+                    gate_up_b, down_w, down_b, dims: Dims):
+    """attn [T, H * D] and the layer's input [T, hidden] -> the layer's output [T, hidden]."""
+    norm = gemma_norm if dims.gemma else llama_norm
+    x = F.linear(attn, o_w, o_b)
+    if dims.gemma:
+        hidden = residual + norm(x, post_attn_w, dims.eps)
+        x = norm(hidden, pre_ff_w, dims.eps)
+    else:
+        hidden = residual + x
+        x = norm(hidden, post_attn_w, dims.eps)
+    gate, up = F.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
+    x = F.linear(ACTIVATIONS[dims.activation](gate) * up, down_w, down_b)
+    if dims.gemma:
+        x = norm(x, post_ff_w, dims.eps)
+    return hidden + x
+
+
+class Layer:
+    """One decoder layer's fused weights, and the modules transformers keeps for it."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attention = attn                         # what the attention function is given
+        self.qkv_w = _fuse(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.qkv_b = _fused_bias(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.gate_up_w = _fuse(mlp.gate_proj, mlp.up_proj)
+        self.gate_up_b = _fused_bias(mlp.gate_proj, mlp.up_proj)
+        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
+        self.down_w, self.down_b = mlp.down_proj.weight, mlp.down_proj.bias
+        self.norm_w = layer.input_layernorm.weight
+        self.post_attn_w = layer.post_attention_layernorm.weight
+        self.pre_ff_w = _weight(getattr(layer, "pre_feedforward_layernorm", None))
+        self.post_ff_w = _weight(getattr(layer, "post_feedforward_layernorm", None))
+        self.q_norm_w = _weight(getattr(attn, "q_norm", None))
+        self.k_norm_w = _weight(getattr(attn, "k_norm", None))
+        self.scaling = attn.scaling
+        self.window = getattr(attn, "sliding_window", None)
+        self.sliding = bool(getattr(attn, "is_sliding", False))
+        self.watched = attn.q_proj.weight             # fusing again if this stops being a view
+
+    def fresh(self) -> bool:
+        """Whether transformers' q_proj still holds a view of the fused weight (a model moved or
+        cast since replaced its parameters)."""
+        w = self.attention.q_proj.weight
+        return w is self.watched and w.data_ptr() == self.qkv_w.data_ptr()
+
+
+def _weight(module) -> torch.Tensor | None:
+    return None if module is None else module.weight
+
+
+@torch.no_grad()
+def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
+    """The linears' weights stacked into one [sum(out), in] tensor; each linear's weight becomes
+    a view of its rows."""
+    fused = torch.cat([m.weight.detach() for m in linears], dim=0)
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(fused[start:start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+@torch.no_grad()
+def _fused_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    if all(m.bias is None for m in linears):
+        return None
+    fused = torch.cat([m.bias.detach() if m.bias is not None else
+                       m.weight.new_zeros(m.weight.shape[0]) for m in linears])
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        if m.bias is not None:
+            m.bias = torch.nn.Parameter(fused[start:start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+class Decoder:
+    """sled's forward of one Llama or Gemma 3 model: `decoder(input_ids=..., position_ids=...,
+    attention_mask=..., logits_to_keep=..., **step)` -> logits [1, kept, vocab], as
+    `model(...).logits` would be. `compiled`: the layer functions through torch.compile (what
+    an engine on CUDA runs; a whole step compiled by the engine itself takes them eager)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        config = model.config
+        self.inner = model.model
+        self.layers = [Layer(layer) for layer in self.inner.layers[:config.num_hidden_layers]]
+        norm = self.inner.layers[0].input_layernorm
+        eps = getattr(norm, "variance_epsilon", None) or norm.eps      # Llama's name, Gemma's
+        self.dims = Dims(config.num_attention_heads, config.num_key_value_heads,
+                         self.layers[0].attention.head_dim, float(eps),
+                         config.model_type == "gemma3_text", _activation_name(config))
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        self.rotary = _rotary(self.inner)
+        self.functions = {False: (before_attention, after_attention)}
+
+    def _functions(self, compiled: bool):
+        """(before, after), compiled once per decoder: the token count is marked dynamic at
+        each call (`_dynamic_tokens`), the rest static."""
+        if compiled not in self.functions:
+            self.functions[True] = (torch.compile(before_attention),
+                                    torch.compile(after_attention))
+        return self.functions[compiled]
+
+    def fresh(self) -> bool:
+        return all(layer.fresh() for layer in self.layers)
+
+    def __call__(self, input_ids=None, inputs_embeds=None, position_ids=None,
+                 attention_mask=None, logits_to_keep=0, use_cache=False, compiled=False,
+                 **step) -> torch.Tensor:
+        hidden = (self.inner.embed_tokens(input_ids) if inputs_embeds is None
+                  else inputs_embeds)[0]                                   # [T, hidden]
+        positions = self.rotary(hidden, position_ids)                     # (sliding?) -> cos, sin
+        attend = ALL_ATTENTION_FUNCTIONS[self.model.config._attn_implementation]
+        dims, tokens = self.dims, hidden.shape[0]
+        before, after = self._functions(compiled)
+        for layer in self.layers:
+            cos, sin = (t[0] for t in positions[layer.sliding])
+            if compiled:
+                _dynamic_tokens(hidden, cos, sin)
+            q, k, v = before(hidden, layer.norm_w, layer.qkv_w, layer.qkv_b, layer.q_norm_w,
+                                  layer.k_norm_w, cos, sin, dims)
+            attn, _ = attend(layer.attention, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                             v.transpose(0, 1)[None], attention_mask, dropout=0.0,
+                             scaling=layer.scaling, sliding_window=layer.window, **step)
+            attn = attn.reshape(tokens, -1)
+            if compiled:
+                _dynamic_tokens(attn)
+            hidden = after(attn, hidden, layer.o_w, layer.o_b, layer.post_attn_w,
+                                layer.pre_ff_w, layer.post_ff_w, layer.gate_up_w, layer.gate_up_b,
+                                layer.down_w, layer.down_b, dims)
+        hidden = self.inner.norm(hidden)
+        if isinstance(logits_to_keep, torch.Tensor):
+            hidden = hidden[logits_to_keep]
+        elif logits_to_keep:
+            hidden = hidden[-logits_to_keep:]
+        logits = self.model.lm_head(hidden)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits[None]
+
+
+def _dynamic_tokens(*tensors: torch.Tensor) -> None:
+    """One compile for every token count: dim 0 of the layer functions' inputs is dynamic."""
+    for tensor in tensors:
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
+def _rotary(inner: torch.nn.Module):
+    """hidden, position_ids -> {sliding: (cos, sin)} from the model's own rotary modules
+    (transformers' versions name Gemma 3's local one differently)."""
+    rotary = inner.rotary_emb
+    local = getattr(inner, "rotary_emb_local", None)
+    takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+
+    def positions(hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        x = hidden[None]
+        if takes_type:
+            types = set(inner.config.layer_types)
+            return {kind == "sliding_attention": rotary(x, position_ids, kind) for kind in types}
+        full = rotary(x, position_ids)
+        return {False: full, True: local(x, position_ids) if local is not None else full}
+    return positions
+
+
+_DECODERS: "weakref.WeakKeyDictionary[torch.nn.Module, Decoder]" = weakref.WeakKeyDictionary()
+
+
+def decoder_for(model: torch.nn.Module) -> Decoder:
+    """The model's Decoder, fused once and again only when the model's weights were replaced
+    (moved or cast); engines sharing a model share it."""
+    decoder = _DECODERS.get(model)
+    if decoder is None or not decoder.fresh():
+        decoder = _DECODERS[model] = Decoder(model)
+    return decoder
