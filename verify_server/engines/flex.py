@@ -54,8 +54,9 @@ class FlexStep:
     step), and each field as a view of the device buffer."""
 
     def __init__(self, pool: BlockPool, shape: StepShape, kv_width: int, device: torch.device,
-                 flex=flex_attention) -> None:
+                 flex=flex_attention, full_blocks: bool = True) -> None:
         self.pool, self.shape, self.flex = pool, shape, flex
+        self.full_blocks = full_blocks    # context blocks skip the mask_mod (FlexGroup.block_lists)
         # The KV block of the BlockMask is the pool's block: the kernels' key tile must fit in
         # it (flex's main kernel, for groups wider than its decode kernel takes, does not
         # shrink its tile by itself)
@@ -112,24 +113,43 @@ class FlexGroup:
         if window not in self.masks:
             pool = self.step.pool
             rows = self.table.shape[0]
-            # copies of the table (its -1 padding clamped: entries past `blocks` are never read)
-            # and of the block counts: a mask_mod must not capture the BlockMask's own tensors
-            indices = self.table.clamp(min=0).view(rows, 1, 1, -1)
+            # copies of the block lists (the table's -1 padding clamped: entries past a count are
+            # never read): a mask_mod must not capture the BlockMask's own tensors
+            partial, indices, full, full_indices = self.block_lists(window)
             q_block = max(128, next_pow2(self.width * heads_per_kv))
             self.masks[window] = BlockMask.from_kv_blocks(
-                self.blocks.clone().view(rows, 1, 1), indices,
+                partial.view(rows, 1, 1), indices.view(rows, 1, 1, -1),
+                *((full.view(rows, 1, 1), full_indices.view(rows, 1, 1, -1))
+                  if full is not None else ()),
                 BLOCK_SIZE=(q_block, pool.block_tokens),
                 mask_mod=self.mask_mod(window),
                 seq_lengths=(self.width, pool.num_blocks * pool.block_tokens),
                 compute_q_blocks=False)
         return self.masks[window]
 
+    def block_lists(self, window: int | None):
+        """(blocks whose every key the mask_mod decides, their pool indices, blocks every query
+        of the row sees whole, theirs) per row. Full blocks are the row's committed context
+        before its new entries' block (with no sliding window): flex skips the mask there. With
+        full blocks off (or a window), every block is decided by the mask_mod: (.., None, None)."""
+        table = self.table.clamp(min=0)
+        if window is not None or not self.step.full_blocks:
+            return self.blocks.clone(), table, None, None
+        full = torch.minimum(self.starts // self.step.pool.block_tokens, self.blocks)
+        places = torch.arange(table.shape[1], device=table.device, dtype=full.dtype)
+        shifted = (places[None] + full[:, None]).clamp(max=table.shape[1] - 1)
+        return self.blocks - full, table.gather(1, shifted.long()), full, table
+
     def refresh(self) -> None:
-        """After a new plan: the BlockMasks hold copies of the table and the block counts."""
+        """After a new plan: the BlockMasks hold copies of the block lists."""
         rows = self.table.shape[0]
-        for mask in self.masks.values():
-            mask.kv_indices.copy_(self.table.clamp(min=0).view(rows, 1, 1, -1))
-            mask.kv_num_blocks.copy_(self.blocks.view(rows, 1, 1))
+        for window, mask in self.masks.items():
+            partial, indices, full, full_indices = self.block_lists(window)
+            mask.kv_num_blocks.copy_(partial.view(rows, 1, 1))
+            mask.kv_indices.copy_(indices.view(rows, 1, 1, -1))
+            if full is not None:
+                mask.full_kv_num_blocks.copy_(full.view(rows, 1, 1))
+                mask.full_kv_indices.copy_(full_indices.view(rows, 1, 1, -1))
 
     def mask_mod(self, window: int | None):
         table, block_pos, blocks = self.table, self.block_pos, self.blocks
@@ -251,8 +271,9 @@ class FlexEngine(Engine):
 
     def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None,
                  flex=None, graphs: bool | None = None, kv_width: int | None = None,
-                 capture: str = "graph", forward: str = "sled") -> None:
+                 capture: str = "graph", forward: str = "sled", full_blocks: bool = True) -> None:
         super().__init__(model, pool, sat, forward)
+        self.full_blocks = full_blocks
         self.activate()      # the pool is zero: every slot it reads holds a finite value
         cuda = self.device.type == "cuda"
         self.flex = flex or (compiled_flex() if cuda else flex_attention)
@@ -296,7 +317,8 @@ class FlexEngine(Engine):
 
     def _buffers(self, shape: StepShape) -> FlexStep:
         if shape not in self.steps:
-            self.steps[shape] = FlexStep(self.pool, shape, self.kv_width, self.device, self.flex)
+            self.steps[shape] = FlexStep(self.pool, shape, self.kv_width, self.device, self.flex,
+                                         self.full_blocks)
         return self.steps[shape]
 
     @staticmethod
