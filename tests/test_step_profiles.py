@@ -202,6 +202,57 @@ def test_the_engine_bench_writes_a_profile_a_server_can_emulate(tmp_path, capsys
     assert code == 2 and "a profile is one model's" in capsys.readouterr().err
 
 
+def test_the_engine_bench_writes_the_floor_terms_and_a_kernel_breakdown(tmp_path, capsys):
+    """The floor is verify_server.roofline's (streamed weights and the KV read over the
+    bandwidth, the GEMMs' FLOPs over the peak, the larger of the two); --kernels on a CPU
+    breaks each engine's step down by its operators."""
+    from lab.bench.engine import KERNEL_COLUMNS
+    from sled_cli.main import main
+    from verify_server.shapes import kv_bytes_per_token, streamed_parameters
+
+    out = tmp_path / "engine.json"
+    assert main(["bench", "engine", "--shape", "tiny-llama", "--engines",
+                 "paged,transformers-graph", "--sessions", "2", "--contexts", "32", "--reps", "1",
+                 "--bandwidth", "2e10", "--peak-flops", "1e12", "--kernels",
+                 "--out", str(out)]) == 0
+    cell = json.loads(out.read_text())["models"][0]["cells"][0]
+    streamed = streamed_parameters("tiny-llama")
+    read = streamed * 4 + 2 * (32 + 5) * kv_bytes_per_token("tiny-llama", 4)     # float32
+    assert cell["floor_bytes_ms"] == pytest.approx(read / 2e10 * 1e3)
+    assert cell["floor_flops_ms"] == pytest.approx(2 * streamed * 2 * 5 / 1e12 * 1e3)
+    assert cell["floor_ms"] == max(cell["floor_bytes_ms"], cell["floor_flops_ms"])
+    assert cell["paged_over_floor"] == pytest.approx(cell["paged_ms_p50"] / cell["floor_ms"])
+    for kind in ("paged", "transformers-graph"):
+        kernels = cell[f"{kind}_kernels"]
+        assert kernels["source"] == "cpu operators" and kernels["count"] > 0
+        assert kernels["gemm_ms"] > 0
+        assert sum(kernels[f"{c}_ms"] for c in KERNEL_COLUMNS) == pytest.approx(
+            kernels["total_ms"], abs=1e-3)
+    printed = capsys.readouterr().out
+    assert "x floor" in printed and "kernels a verify step" in printed
+
+
+def test_kernels_are_told_apart_by_their_names():
+    from lab.bench.engine import kernel_type
+
+    assert [kernel_type(name) for name in (
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "nvjet_tst_64x8_64x16",
+        "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64>",
+        "void splitKreduce_kernel<32, 16, int, float>", "triton_tem_fused_flex_attention_0",
+        "triton_poi_fused_add_mul_rsqrt_0", "triton_red_fused_argmax_1",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>",
+        "Memcpy DtoH (Device -> Pinned)", "Memset (Device)", "aten::addmm", "aten::copy_",
+        "aten::_scaled_dot_product_flash_attention_for_cpu", "cudaGraphLaunch")] == [
+        "gemm", "gemm", "gemm", "gemm", "attention", "elementwise", "elementwise", "elementwise",
+        "copies", "copies", "gemm", "copies", "attention", "other"]
+
+
+def test_a_peak_of_no_flops_is_refused(capsys):
+    code, _, err = run_main(capsys, "bench", "engine", "--shape", "tiny-llama", "--bandwidth",
+                            "2e10", "--peak-flops", "0")
+    assert code == 2 and "--peak-flops" in err
+
+
 def test_a_profile_from_measured_cells_is_checked_like_a_shipped_one():
     cells = [StepCell(1, 5, 512, 10.0), StepCell(16, 5, 512, 9.0)]
     with pytest.raises(ValueError, match="not monotonic"):

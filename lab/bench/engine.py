@@ -5,7 +5,8 @@ of every session's draft, then `acceptance.decide` over the step's logits (one a
 of it back to the host), ending with each session's verdict. The engines (`--engines`: paged,
 padded, flex, and flex-graph: the flex engine with each bucket's forward and argmax replayed
 from a CUDA graph; flex-compile: the same step captured by torch.compile's reduce-overhead mode
-instead, the `capture="compile"` the flex engine weighs against its own graphs) run the same
+instead, the `capture="compile"` the flex engine weighs against its own graphs; flex-graph-hf:
+flex-graph running transformers' own model forward instead of sled's decoder forward) run the same
 model over one block pool and verify the very same sessions. transformers-graph is the
 centralized baseline: transformers' forward over its own static cache holding the same
 contexts, its forward and argmax captured in a CUDA graph (lab/bench/static_step.py), the
@@ -17,13 +18,17 @@ reported, not hidden), and the seconds its first step took (compiling, capturing
 bytes each step writes or copies outside attention come from the engines' own counters; on CUDA
 each cell also records the allocations a warm step makes (`KIND_allocations`: 0 when captured).
 `--shape` builds a real model shape with random weights where it runs (speed does not depend on
-the values); `--bandwidth` adds the memory-bandwidth floor (weights plus the KV read, over the
-bandwidth). The results file is written after every cell, so a run cut short keeps what it
-measured.
+the values); `--bandwidth` adds the floor of a step (verify_server.roofline's): the streamed
+weights plus the KV read over the bandwidth and, with `--peak-flops`, 2 x streamed parameters x
+new tokens over the dense FLOP/s, the larger of the two; each engine's step is then also given as
+a multiple of it. `--kernels` profiles a few more steps of each engine (torch.profiler) and
+breaks each step's device time down by kernel type (GEMM, attention, elementwise, copies, other;
+on a CPU the operators' time). The results file is written after every cell, so a run cut short
+keeps what it measured.
 
     sled bench engine --device cuda --dtype bfloat16 --shape llama-8b,gemma3-4b \
-        --sessions 1,16,64 --contexts 512,2048 --bandwidth 3.35e12 \
-        --engines paged,flex,flex-graph,transformers-graph
+        --sessions 1,16,64 --contexts 512,2048 --bandwidth 3.35e12 --peak-flops 7.9e14 \
+        --engines paged,flex,flex-graph,transformers-graph --kernels
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ import time
 import numpy as np
 import torch
 import transformers
+from torch.profiler import ProfilerActivity, profile
 from rich.progress import Progress
 from rich.table import Table
 from torch._dynamo.utils import counters
@@ -47,7 +53,7 @@ from lab.bench import harness
 from lab.bench.report import percentile, save_figure, subplots, write_json
 from lab.bench.static_step import StaticCacheStep
 from lab.tiny import cached_pair
-from sled.flags import positive_int
+from sled.flags import positive_float, positive_int
 from sled.models import resolve_model
 from sled.wire.sampling import Sampling
 from verify_server.acceptance import Proposal, greedy_chain
@@ -58,7 +64,7 @@ from verify_server.engines.flex_plan import StepLayout, plan_step, step_shape
 from verify_server.engines.kv import SessionKV
 from verify_server.engines.rows import Row
 from verify_server.scheduler import verify_step
-from verify_server.shapes import DESCRIBED_ONLY, SHAPES
+from verify_server.shapes import DESCRIBED_ONLY, SHAPES, streamed_parameters
 from verify_server.step_costs import StepCell, make_profile
 from verify_server.target import Target
 
@@ -85,8 +91,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shape", default=None, type=harness.listed(_unknown("shape"), *BUILT),
                         help=f"real model shapes with random weights ({', '.join(BUILT)}); "
                              "instead of --model")
-    parser.add_argument("--bandwidth", type=float, default=None, metavar="BYTES_PER_S",
+    parser.add_argument("--bandwidth", type=positive_float, default=None, metavar="BYTES_PER_S",
                         help="device memory bandwidth, for the floor column (H100: 3.35e12)")
+    parser.add_argument("--peak-flops", type=positive_float, default=None, metavar="FLOP_PER_S",
+                        help="the device's dense matrix FLOP/s (e.g. 7.9e14 measured on an "
+                             "H200): with --bandwidth, the floor is the larger of the two terms")
+    parser.add_argument("--kernels", action="store_true",
+                        help=f"profile {PROFILED_STEPS} more steps of each engine: device time a "
+                             "step by kernel type (CPU: operator time) and kernels a step")
     parser.add_argument("--plan-only", action="store_true",
                         help="time only the flex engine's planner (host side, no model): "
                              "64 rows of 2048 tokens should plan in 1 ms")
@@ -103,7 +115,10 @@ def _unknown(what: str):
     return refuse
 
 
-ENGINE_KINDS = ("paged", "padded", "flex", "flex-graph", "flex-compile", "transformers-graph")
+ENGINE_KINDS = ("paged", "padded", "flex", "flex-graph", "flex-graph-masked", "flex-graph-hf",
+                "flex-compile",
+                "transformers-graph")
+PROFILED_STEPS = 3           # --kernels: steps profiled per engine and cell
 BASELINE = "transformers-graph"
 GREEDY = Sampling()          # the sessions verify greedily
 
@@ -123,9 +138,33 @@ def _engines(model, budget_bytes: int, block_tokens: int, kinds) -> dict:
             "flex": lambda: FlexEngine(model, pool, graphs=False),
             # CUDA graphs where there is CUDA (a CPU dry run times the same call)
             "flex-graph": lambda: FlexEngine(model, pool, graphs=cuda),
+            # sled's forward, every block of the pool decided by the mask (no full blocks)
+            "flex-graph-masked": lambda: FlexEngine(model, pool, graphs=cuda, full_blocks=False),
+            # the engine before sled's forward and full blocks: transformers' model forward
+            "flex-graph-hf": lambda: FlexEngine(model, pool, graphs=cuda, forward="transformers",
+                                                full_blocks=False),
             # the whole step through torch.compile's reduce-overhead mode (CPU: compiled only)
             "flex-compile": lambda: FlexEngine(model, pool, graphs=True, capture="compile")}
-    return {kind: made[kind]() for kind in kinds if kind != BASELINE}
+    engines = {}
+    for kind in kinds:
+        if kind != BASELINE:
+            engines[kind] = _built(made[kind], kind)
+    return engines
+
+
+class FailedEngine:
+    """An engine kind that raised: the cell reports its error, the other kinds go on."""
+
+    def __init__(self, kind: str, exc: Exception) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"[:600]
+        harness.bench_console().print(f"[red]{kind} failed: {self.error}[/red]")
+
+
+def _built(make, kind: str):
+    try:
+        return make()
+    except Exception as exc:     # one engine's failure must not cost the run the others
+        return FailedEngine(kind, exc)
 
 
 def _context(session: int, context: int) -> list[int]:
@@ -212,10 +251,12 @@ def bench(args) -> int:
             results["models"].append(entry)
             for n in sessions:
                 for context in contexts:
-                    entry["cells"].append(_cell(model, n, context, args, kinds))
+                    entry["cells"].append(_cell(model, shape, n, context, args, kinds))
                     write_json(args.out, results)      # what is measured so far
                     progress.update(task, advance=1)
             console.print(_table(entry, kinds, args))
+            if args.kernels:
+                console.print(_kernel_table(entry, kinds, args))
             del model
     harness.write_results(console, args.out, results, lambda png: _plot(results, png))
     if args.write_profile:
@@ -234,6 +275,9 @@ def step_profile(results: dict, args):
     """The first engine's median steps as a step-cost profile, with where they were measured
     and what the GPU holds (its memory, the model's weights and KV per token)."""
     entry, kind = results["models"][0], results["engines"][0]
+    failed = [c for c in entry["cells"] if f"{kind}_ms_p50" not in c]
+    if failed:
+        raise ValueError(f"{kind} failed in {len(failed)} cells")
     cells = [StepCell(c["sessions"], c["k"] + 1, c["context"], round(c[f"{kind}_ms_p50"], 3))
              for c in entry["cells"]]
     name = f"{entry['device_name']}-{entry['model']}-{kind}".lower().replace(" ", "-")
@@ -331,32 +375,43 @@ def _bytes_per_token(model) -> int:
     return KVShape.of(model).bytes_per_token
 
 
-def _cell(model, n: int, context: int, args, kinds) -> dict:
-    """Every engine on n sessions of `context` tokens: step times, agreement, bytes moved."""
+def _cell(model, shape: str | None, n: int, context: int, args, kinds) -> dict:
+    """Every engine on n sessions of `context` tokens: step times, agreement, bytes moved (and
+    the floor, and each engine's kernels, where asked)."""
     per_token = _bytes_per_token(model)
     tokens = n * (context + args.draft_len + 1 + args.block_tokens) + args.block_tokens
     made = _engines(model, tokens * per_token, args.block_tokens, kinds)
+    errors = {kind: e.error for kind, e in made.items() if isinstance(e, FailedEngine)}
+    made = {kind: e for kind, e in made.items() if kind not in errors}
     kvs = [None] * n                    # the baseline alone needs no sled session
     if made:
         filler = next(iter(made.values()))
         filler.activate()
         kvs = _fill(filler, n, context, args.draft_len)
     if BASELINE in kinds:
-        made[BASELINE] = _baseline(model, n, context, args.draft_len + 1, per_token)
-    engines = {kind: made[kind] for kind in kinds}
-    reference = kinds[0]
+        made[BASELINE] = _built(lambda: _baseline(model, n, context, args.draft_len + 1,
+                                                  per_token), BASELINE)
+        if isinstance(made[BASELINE], FailedEngine):
+            errors[BASELINE] = made.pop(BASELINE).error
+    engines = {kind: made[kind] for kind in kinds if kind in made}
     skips = _cudagraph_skips()
     times = {kind: [] for kind in engines}
     first_s, copied, allocations, ids = {}, {}, {}, {}
     for rep in range(args.reps + 1):
-        for kind, engine in engines.items():
-            elapsed, moved, allocations[kind], ids[kind] = _step(engine, kvs, args.draft_len)
+        for kind, engine in list(engines.items()):
+            try:
+                elapsed, moved, allocations[kind], ids[kind] = _step(engine, kvs, args.draft_len)
+            except Exception as exc:    # reported in the cell; the other engines go on
+                errors[kind] = FailedEngine(kind, exc).error
+                del engines[kind], times[kind]
+                continue
             if rep:                     # the first pass warms up (compiles, captures)
                 times[kind].append(elapsed * 1e3)
             else:
                 first_s[kind] = round(elapsed, 2)
             copied[kind] = moved
     medians = {kind: statistics.median(t) for kind, t in times.items()}
+    reference = next(iter(engines), kinds[0])
     cell = {
         "sessions": n, "context": context, "k": args.draft_len,
         **{f"{kind}_ms_p50": medians[kind] for kind in engines},
@@ -367,15 +422,101 @@ def _cell(model, n: int, context: int, args, kinds) -> dict:
         **{f"{kind}_allocations": allocations[kind] for kind in engines},
         **{f"{kind}_over_{reference}": medians[kind] / medians[reference] for kind in engines},
         **{f"{kind}_emitted_agree": _agreement(ids[kind], ids[reference]) for kind in engines},
+        **({"errors": errors} if errors else {}),
     }
     if "flex-compile" in kinds:         # steps inductor ran without its CUDA graphs, this cell
         cell["cudagraph_skips"] = _cudagraph_skips() - skips
     if args.bandwidth:
-        read = _weight_bytes(model) + n * (context + args.draft_len + 1) * per_token
-        cell["floor_ms"] = read / args.bandwidth * 1e3
+        cell.update(_floor(model, shape, n, context, args))
+        cell.update({f"{kind}_over_floor": medians[kind] / cell["floor_ms"] for kind in engines})
+    if args.kernels:
+        for kind, engine in engines.items():
+            cell[f"{kind}_kernels"] = _kernels(engine, kvs, args.draft_len)
     del engines, made
     _release(model)
     return cell
+
+
+def _floor(model, shape: str | None, n: int, context: int, args) -> dict:
+    """The step's floor in ms (verify_server.roofline's terms on the flags' bandwidth and peak):
+    the streamed weights and the KV read over the bandwidth, 2 x streamed parameters x new tokens
+    over the peak FLOP/s, and the larger of the two."""
+    streamed = _streamed_parameters(model, shape)
+    new = n * (args.draft_len + 1)
+    read = streamed * _element_bytes(model) + n * (context + args.draft_len + 1) * \
+        _bytes_per_token(model)
+    floor = {"floor_bytes_ms": read / args.bandwidth * 1e3}
+    if args.peak_flops:
+        floor["floor_flops_ms"] = 2 * streamed * new / args.peak_flops * 1e3
+    return {**floor, "floor_ms": max(floor.values())}
+
+
+def _streamed_parameters(model, shape: str | None) -> int:
+    """Parameters a step reads in full: verify_server.shapes' count for a named shape; for a
+    loaded target, its parameters less the input embedding table unless lm_head is that table."""
+    if shape is not None:
+        return streamed_parameters(shape)
+    table = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is table
+    return sum(p.numel() for p in model.parameters()) - (0 if tied else table.numel())
+
+
+def _element_bytes(model) -> int:
+    return next(model.parameters()).element_size()
+
+
+# --kernels: a kernel's (or, on a CPU, an operator's) type by the words in its name, first match
+KERNEL_TYPES = (
+    ("attention", ("flex", "attention", "attn", "sdpa", "flash", "fmha")),
+    ("gemm", ("gemm", "gemv", "splitkreduce", "cutlass", "cublas", "xmma", "nvjet", "aten::mm",
+              "aten::addmm", "aten::bmm", "aten::_scaled_mm", "mkldnn_matmul")),
+    ("copies", ("memcpy", "memset", "copy")),
+    ("elementwise", ("triton_", "elementwise", "reduce", "aten::")),
+)
+KERNEL_COLUMNS = (*(kind for kind, _ in KERNEL_TYPES), "other")
+
+
+def kernel_type(name: str) -> str:
+    """gemm, attention, elementwise, copies or other (see KERNEL_TYPES)."""
+    name = name.lower()
+    for kind, words in KERNEL_TYPES:
+        if any(word in name for word in words):
+            return kind
+    return "other"
+
+
+def _kernels(engine, kvs, draft_len: int) -> dict:
+    """PROFILED_STEPS more steps of the engine under torch.profiler: ms a step by kernel type
+    and kernels a step (CUDA's kernels, a CPU's operators); {"error": ...} where the profiler
+    gives none (no CUPTI, say) or fails."""
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    try:
+        with profile(activities=activities) as prof:
+            for _ in range(PROFILED_STEPS):
+                _step(engine, kvs, draft_len)
+        events = _timed_events(prof, cuda)
+    except Exception as exc:        # a profiler that cannot run here must not end the bench
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    if not events:
+        return {"error": f"the profiler recorded no {'CUDA kernels' if cuda else 'operators'}"}
+    ms = dict.fromkeys(KERNEL_COLUMNS, 0.0)
+    for name, us in events:
+        ms[kernel_type(name)] += us / 1e3 / PROFILED_STEPS
+    return {"source": "cuda kernels" if cuda else "cpu operators", "steps": PROFILED_STEPS,
+            **{f"{kind}_ms": round(t, 4) for kind, t in ms.items()},
+            "total_ms": round(sum(ms.values()), 4), "count": len(events) / PROFILED_STEPS}
+
+
+def _timed_events(prof, cuda: bool) -> list[tuple[str, float]]:
+    """(name, self µs) of each kernel the profile recorded (CUDA), or each operator (CPU: its
+    self time, so a parent does not count its children's)."""
+    if cuda:
+        return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [(e.name, e.self_cpu_time_total) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0]
 
 
 def _cudagraph_skips() -> int:
@@ -404,19 +545,47 @@ def _table(entry: dict, kinds, args):
     reference = kinds[0]
     table = Table(title=f"verify step (k={args.draft_len}) against {reference}: "
                         f"{entry['model']} on {entry['device_name']} ({args.dtype})")
+    floor = ["floor ms", "x floor"] if args.bandwidth else []
     for column in ("sessions", "context", "engine", "ms p50", f"/ {reference}", "emitted agrees",
-                   "KV copied", "first step s", *(["floor ms"] if args.bandwidth else [])):
+                   "KV copied", "first step s", *floor):
         table.add_column(column, justify="left" if column == "engine" else "right")
     for c in entry["cells"]:
         for kind in kinds:
             first = kind == kinds[0]
-            table.add_row(str(c["sessions"]) if first else "", str(c["context"]) if first else "",
-                          kind, f"{c[f'{kind}_ms_p50']:.2f}",
-                          f"{c[f'{kind}_over_{reference}']:.2f}x",
+            where = [str(c["sessions"]) if first else "", str(c["context"]) if first else "", kind]
+            if f"{kind}_ms_p50" not in c:
+                table.add_row(*where, "failed", c.get("errors", {}).get(kind, "")[:60],
+                              end_section=kind == kinds[-1])
+                continue
+            over = (f"{c[f'{kind}_ms_p50'] / c[f'{reference}_ms_p50']:.2f}x"
+                    if f"{reference}_ms_p50" in c else "")
+            table.add_row(*where, f"{c[f'{kind}_ms_p50']:.2f}", over,
                           c[f"{kind}_emitted_agree"], _size(c[f"{kind}_bytes_copied"]),
                           f"{c[f'{kind}_first_step_s']:.2f}",
-                          *([f"{c['floor_ms']:.2f}" if first else ""] if args.bandwidth else []),
+                          *([f"{c['floor_ms']:.2f}" if first else "",
+                             f"{c[f'{kind}_over_floor']:.2f}x"] if args.bandwidth else []),
                           end_section=kind == kinds[-1])
+    return table
+
+
+def _kernel_table(entry: dict, kinds, args):
+    """Each engine's step by kernel type (ms a step), from --kernels."""
+    table = Table(title=f"kernels a verify step (k={args.draft_len}, {PROFILED_STEPS} steps "
+                        f"profiled): {entry['model']} on {entry['device_name']}")
+    for column in ("sessions", "context", "engine", *(f"{c} ms" for c in KERNEL_COLUMNS),
+                   "kernels"):
+        table.add_column(column, justify="left" if column == "engine" else "right")
+    for c in entry["cells"]:
+        for kind in kinds:
+            first = kind == kinds[0]
+            got = c.get(f"{kind}_kernels", {"error": "the engine failed"})
+            where = [str(c["sessions"]) if first else "", str(c["context"]) if first else "", kind]
+            if "error" in got:
+                table.add_row(*where, got["error"], *[""] * len(KERNEL_COLUMNS),
+                              end_section=kind == kinds[-1])
+                continue
+            table.add_row(*where, *(f"{got[f'{col}_ms']:.3f}" for col in KERNEL_COLUMNS),
+                          f"{got['count']:.0f}", end_section=kind == kinds[-1])
     return table
 
 
@@ -438,7 +607,8 @@ def _plot(results: dict, path):
         for n in sorted({c["sessions"] for c in cells}):
             row = [c for c in cells if c["sessions"] == n]
             for kind, style in zip(results["engines"], itertools.cycle(styles)):
-                ax.plot([c["context"] for c in row], [c[f"{kind}_ms_p50"] for c in row], style,
+                done = [c for c in row if f"{kind}_ms_p50" in c]
+                ax.plot([c["context"] for c in done], [c[f"{kind}_ms_p50"] for c in done], style,
                         label=f"{kind}, {n} sessions")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context tokens per session")
