@@ -37,6 +37,22 @@ torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_addoption(parser) -> None:
+    """--device: where the device-aware engine tests (tests/test_engines_on_device.py) place
+    their model, e.g. cuda on a GPU machine (lab/gpu/check.sh); every other test runs on the CPU."""
+    parser.addoption("--device", default="cpu", help="torch device of the device-aware engine "
+                     "tests (default cpu)")
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    """The --device the device-aware tests run on; a CUDA one that is not there skips them."""
+    chosen = torch.device(request.config.getoption("--device"))
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("--device cuda: no CUDA device here")
+    return chosen
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """The files with real-model (slow) tests go first: make test hands whole files to two
     workers in this order (--dist loadfile), and the long ones started last would leave one

@@ -4,6 +4,7 @@ drafter's proposal at every position of it (lab.traces.format), for emulated dev
 """
 from __future__ import annotations
 
+import shlex
 import time
 from collections.abc import Sequence
 
@@ -123,8 +124,10 @@ def traces_for(args, console):
     if args.traces and is_calibrated(args.traces):
         model = resolve_model(args.model or default_specs(None, None)[0])
         console.print(f"drawing {args.traces} traces along {model}'s greedy output")
+        # the target as the benchmark's server computes it (its dtype, and torch device)
+        server_args = ["--dtype", args.dtype, *shlex.split(getattr(args, "server_args", ""))]
         return model, calibrated_trace_set(args.traces, model, prompt_texts(args.workload,
-                                           args.prompts), args.max_new_tokens, ["--dtype", args.dtype])
+                                           args.prompts), args.max_new_tokens, server_args)
     if args.traces:
         traces = TraceSet.load(args.traces)
         return args.model or traces.target, traces

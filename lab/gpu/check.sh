@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# One prepared check of sled on a borrowed GPU machine (one H100 or H200, at most 8 minutes),
+# run from the repository root:
+#
+#   bash lab/gpu/wheels.sh && bash lab/gpu/check.sh OUT      # here, then there (carry .whl)
+#   bash lab/gpu/check.sh --dry-run OUT                      # every part on this CPU, tiny
+#
+# Parts, in order, each under its own time limit; each writes into OUT as soon as it ends, and
+# one that fails or runs out of time is recorded in OUT/summary.json and the next one runs:
+#   engine-llama-8b, engine-gemma3-4b  `python -m lab.bench.engine` on the shape: flex-graph (sled's
+#       forward, full blocks), flex-graph-masked (llama-8b: no full blocks), flex-graph-hf (the
+#       engine before both: transformers' forward), transformers-graph; the floor at the GPU's
+#       bandwidth and FLOP/s, each engine's kernels, and the first engine's step-cost profile
+#   tests       tests/test_engines_on_device.py --device cuda: every engine against generate()
+#   serve-real, serve-emulated  `sled bench serve` of synthetic:gemma3-4b, sled against
+#       centralized at N = 1, 4, 16, 64: on the GPU itself, then held to the gemma3-4b profile
+#       just measured (--emulate) with the fleet simulator beside it (--simulate)
+# OUT holds at most 8 files: summary.json (device, versions, each part's command, status and
+# seconds), engine-*.json, profile-*.json, serve.json ({"real": ..., "emulated": ...}), tests.log
+# and check.log (every other part's output).
+set -u
+
+usage() { echo "usage: bash lab/gpu/check.sh [--dry-run] OUTDIR"; }
+
+DRY=0
+OUT=""
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY=1 ;;
+        -h|--help) usage; exit 0 ;;
+        -*) echo "check.sh: unknown flag $arg" >&2; usage >&2; exit 2 ;;
+        *) if [ -n "$OUT" ]; then echo "check.sh: one OUTDIR, not $arg too" >&2; exit 2; fi
+           OUT=$arg ;;
+    esac
+done
+if [ -z "$OUT" ]; then usage >&2; exit 2; fi
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+PY=${PYTHON:-python3}
+SITE=${SLED_GPU_SITE:-/tmp/site}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+LOG="$OUT/check.log"
+: > "$LOG"
+: > "$WORK/parts.tsv"
+STARTED=$(date +%s)
+
+say() { echo "[check $(date +%T)] $*" | tee -a "$LOG"; }
+
+# --- the machine: wheels, the built-in tokenizer, its name ------------------------------------
+if [ "$DRY" = 0 ]; then
+    if compgen -G ".whl/*.whl" > /dev/null; then
+        say "installing $(ls .whl/*.whl | wc -l) wheels into $SITE"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+            .whl/*.whl >> "$LOG" 2>&1 || say "pip install failed (see above)"
+    fi
+    export SLED_CACHE=${SLED_CACHE:-/tmp/sled-cache}
+fi
+export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+if [ "$DRY" = 0 ] && [ -f .whl/gemma3-270m-tokenizer.tar.gz ]; then
+    folder="$SLED_CACHE/hf/gemma3-270m"
+    mkdir -p "$folder"
+    tar xzf .whl/gemma3-270m-tokenizer.tar.gz -C "$folder"
+    "$PY" -c "import sys; from pathlib import Path; from sled.cache import write_manifest; \
+write_manifest(Path(sys.argv[1]))" "$folder" >> "$LOG" 2>&1 \
+        && say "the gemma3-270m tokenizer and config are in $folder"
+fi
+
+"$PY" - "$WORK/machine.json" "$DRY" >> "$LOG" 2>&1 <<'EOF'
+import datetime, json, sys
+import torch, transformers
+cuda = sys.argv[2] == "0" and torch.cuda.is_available()
+json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu",
+           "torch": torch.__version__, "transformers": transformers.__version__,
+           "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "dry_run": sys.argv[2] == "1"}, open(sys.argv[1], "w"))
+EOF
+DEVICE_NAME=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['device'])" \
+              "$WORK/machine.json" 2>/dev/null || echo unknown)
+say "device: $DEVICE_NAME"
+
+summary() {
+    "$PY" - "$WORK/machine.json" "$WORK/parts.tsv" "$OUT/summary.json" "$STARTED" <<'EOF'
+import json, sys, time
+try:
+    machine = json.load(open(sys.argv[1]))
+except (OSError, ValueError):
+    machine = {"device": "unknown"}
+parts = []
+for line in open(sys.argv[2]):
+    name, status, seconds, limit, command = line.rstrip("\n").split("\t", 4)
+    parts.append({"name": name, "status": int(status), "seconds": int(seconds),
+                  "limit_s": int(limit), "command": command})
+json.dump({**machine, "seconds": int(time.time()) - int(sys.argv[4]), "parts": parts},
+          open(sys.argv[3], "w"), indent=1)
+EOF
+}
+
+# run_part NAME LIMIT_S LOGFILE COMMAND...: under timeout, its output appended to LOGFILE
+run_part() {
+    local name=$1 limit=$2 log=$3
+    shift 3
+    say "part $name (limit ${limit}s): $*"
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >> "$log" 2>&1
+    local status=$?
+    say "part $name: exit $status after $((SECONDS - start)) s"
+    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" "$limit" "$*" \
+        >> "$WORK/parts.tsv"
+    summary
+    return 0
+}
+
+# skip_part NAME REASON: recorded as exit 3, not run
+skip_part() {
+    say "part $1 not run: $2"
+    printf '%s\t3\t0\t0\t(not run: %s)\n' "$1" "$2" >> "$WORK/parts.tsv"
+    summary
+}
+
+# --- what each part runs, on the GPU or (--dry-run) on this CPU -------------------------------
+# llama-8b also isolates the attention change: sled's forward without full blocks (masked)
+ENGINES=(flex-graph,flex-graph-masked,flex-graph-hf,transformers-graph
+         flex-graph,flex-graph-hf,transformers-graph)
+case "$DEVICE_NAME" in
+    *H200*) BANDWIDTH=4.8e12 ;;
+    *H100*) BANDWIDTH=3.35e12 ;;
+    *) BANDWIDTH=3.35e12 ;;
+esac
+PEAK=7.9e14        # dense bf16 matrix FLOP/s measured on an H200 (the H100's tensor cores match)
+if [ "$DRY" = 1 ]; then
+    SHAPES=(tiny-llama:llama-8b tiny-gemma3:gemma3-4b)
+    ENGINE_FLAGS=(--device cpu --dtype float32 --sessions 2 --contexts 32 --reps 1
+                  --bandwidth 2e10 --peak-flops 1e12)
+    ENGINE_LIMITS=(120 120)
+    TEST_FLAGS=(--device cpu)
+    TEST_LIMIT=120
+    SERVE_FLAGS=(--dtype float32 --devices 1,2 --prompts 2 --max-new-tokens 6
+                 --device-profile instant)
+    SERVE_LIMITS=(120 120)
+else
+    SHAPES=(llama-8b:llama-8b gemma3-4b:gemma3-4b)
+    ENGINE_FLAGS=(--device cuda --dtype bfloat16 --sessions 1,16,64 --contexts 512,2048 --reps 8
+                  --bandwidth "$BANDWIDTH" --peak-flops "$PEAK")
+    ENGINE_LIMITS=(170 110)
+    TEST_FLAGS=(--device cuda)
+    TEST_LIMIT=40
+    SERVE_FLAGS=(--model synthetic:gemma3-4b --dtype bfloat16 --server-args "--device cuda"
+                 --devices 1,4,16,64 --prompts 8 --max-new-tokens 32)
+    SERVE_LIMITS=(80 70)
+fi
+
+# a. the engine bench, a shape at a time (OUT's files named by the GPU run's shapes)
+for i in 0 1; do
+    shape=${SHAPES[$i]%%:*}
+    named=${SHAPES[$i]##*:}
+    run_part "engine-$named" "${ENGINE_LIMITS[$i]}" "$LOG" "$PY" -m lab.bench.engine \
+        --shape "$shape" "${ENGINE_FLAGS[@]}" --draft-len 4 --engines "${ENGINES[$i]}" --kernels \
+        --out "$WORK/engine-$named.json" --write-profile "$OUT/profile-$named.json"
+    cp "$WORK/engine-$named.json" "$OUT/" 2>/dev/null     # what was measured, without its plot
+done
+
+# b. the engines against generate() on the device
+run_part tests "$TEST_LIMIT" "$OUT/tests.log" "$PY" -m pytest -q -p no:cacheprovider \
+    tests/test_engines_on_device.py "${TEST_FLAGS[@]}"
+
+# c. the whole server, on the GPU and held to the gemma3-4b profile (the served shape)
+SERVE=("$PY" -m sled_cli.main bench serve "${SERVE_FLAGS[@]}" --traces calibrated:gemma3-gguf
+       --workload chat --draft-len 4)
+run_part serve-real "${SERVE_LIMITS[0]}" "$LOG" "${SERVE[@]}" --out "$WORK/serve-real.json"
+PROFILE="$OUT/profile-gemma3-4b.json"
+if [ "$DRY" = 1 ] && [ -f "$PROFILE" ]; then     # a CPU's profile knows no GPU memory: 1 GiB
+    "$PY" - "$PROFILE" "$WORK/profile-gemma3-4b.json" <<'EOF'
+import json, sys
+profile = json.load(open(sys.argv[1]))
+profile["gpu"]["memory_bytes"] = 1 << 30
+json.dump(profile, open(sys.argv[2], "w"), indent=1)
+EOF
+    PROFILE="$WORK/profile-gemma3-4b.json"
+fi
+if [ -f "$PROFILE" ]; then
+    run_part serve-emulated "${SERVE_LIMITS[1]}" "$LOG" "${SERVE[@]}" \
+        --emulate "$PROFILE" --simulate --out "$WORK/serve-emulated.json"
+else
+    skip_part serve-emulated "engine-gemma3-4b wrote no profile"
+fi
+"$PY" - "$WORK" "$OUT/serve.json" <<'EOF'
+import json, sys
+from pathlib import Path
+got = {}
+for mode in ("real", "emulated"):
+    try:
+        got[mode] = json.loads((Path(sys.argv[1]) / f"serve-{mode}.json").read_text())
+    except (OSError, ValueError):
+        got[mode] = None
+Path(sys.argv[2]).write_text(json.dumps(got, indent=1))
+EOF
+summary
+say "done in $(( $(date +%s) - STARTED )) s: $(ls "$OUT" | tr '\n' ' ')"
