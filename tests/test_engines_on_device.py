@@ -17,7 +17,7 @@ from verify_server.engines.blocks import BlockPool, KVShape
 from verify_server.engines.flex import FlexEngine
 from verify_server.engines.rows import Row
 
-BT = 8
+BT = 16          # flex's Triton kernels take key tiles of 16 at least
 VOCAB = 320
 NEW_TOKENS = 10
 # the forwards FlexEngine offers (sled's own decoder forward, transformers'), where it has the

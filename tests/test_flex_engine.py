@@ -534,3 +534,26 @@ def test_an_unknown_engine_kind_and_a_row_past_the_kv_width_are_refused(models):
     kv.admit([], 40, b"")
     with pytest.raises(ValueError, match="a row of 3 blocks passes the step's 2"):
         flex.forward([Row(kv, list(range(3, 23)), False)])
+
+
+@pytest.mark.parametrize("full_blocks", [True, False])
+def test_a_rows_committed_context_blocks_are_full_blocks(models, full_blocks):
+    """Blocks wholly before a row's new entries skip the mask (full blocks); the block of the new
+    entries, and every block with full blocks off, are decided by the mask_mod."""
+    model = f32(models["llama"])
+    pool = BlockPool(KVShape.of(model), 64, BT)
+    engine = FlexEngine(model, pool, full_blocks=full_blocks)
+    kvs = [engine.new_kv() for _ in range(2)]
+    for kv, n in zip(kvs, (21, 9)):
+        kv.admit([], n + 20, b"t")
+        prefill(engine, kv, list(range(3, 3 + n)))
+    step = engine.step([Row(kvs[0], [5, 6, 7], True), Row(kvs[1], [8], True)])
+    mask = step.groups[0].block_mask(None, 2)
+    blocks = mask.kv_num_blocks.view(-1)[:2].tolist()
+    if full_blocks:      # 21 committed: 2 whole blocks of 8, then the block the draft lands in
+        assert mask.full_kv_num_blocks.view(-1)[:2].tolist() == [2, 1]
+        assert blocks == [1, 1]
+        assert mask.full_kv_indices[0, 0, 0, :2].tolist() == kvs[0].table[:2]
+        assert mask.kv_indices[0, 0, 0, 0].item() == kvs[0].table[2]
+    else:
+        assert mask.full_kv_num_blocks is None and blocks == [3, 2]
