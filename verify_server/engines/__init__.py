@@ -5,6 +5,7 @@
     blocks.py      the block pool: every session's keys/values, blocks, prefix sharing
     kv.py          SessionKV: one session's block table, length and reservation
     base.py        Engine and StepLogits: what every engine is and returns
+    decoder.py     sled's own forward for Llama and Gemma 3: fused weights, compiled layers
     paged.py       PagedEngine: packed rows, dense masks per group (the CPU default)
     padded.py      PaddedEngine: a left-padded transformers cache (any decoder, chains only)
     flex.py        FlexEngine: FlexAttention over the pool in static shapes, CUDA graphs
