@@ -115,9 +115,8 @@ def _unknown(what: str):
     return refuse
 
 
-ENGINE_KINDS = ("paged", "padded", "flex", "flex-graph", "flex-graph-masked", "flex-graph-hf",
-                "flex-compile",
-                "transformers-graph")
+ENGINE_KINDS = ("paged", "paged-hf", "padded", "flex", "flex-graph", "flex-graph-masked",
+                "flex-graph-hf", "flex-compile", "transformers-graph")
 PROFILED_STEPS = 3           # --kernels: steps profiled per engine and cell
 BASELINE = "transformers-graph"
 GREEDY = Sampling()          # the sessions verify greedily
@@ -135,6 +134,8 @@ def _engines(model, budget_bytes: int, block_tokens: int, kinds) -> dict:
                        kind="padded").pool
     cuda = pool.keys[0].device.type == "cuda"
     made = {"paged": lambda: PagedEngine(model, pool), "padded": lambda: PaddedEngine(model, pool),
+            # the paged engine on transformers' forward: what sled's forward changed on a CPU
+            "paged-hf": lambda: PagedEngine(model, pool, forward="transformers"),
             "flex": lambda: FlexEngine(model, pool, graphs=False),
             # CUDA graphs where there is CUDA (a CPU dry run times the same call)
             "flex-graph": lambda: FlexEngine(model, pool, graphs=cuda),
