@@ -170,3 +170,23 @@ def test_compiled_layer_functions_match_and_compile_once_for_every_token_count(a
                 graphs.append(counters["stats"]["unique_graphs"] - start)
     assert_logits_agree(outputs[id(mine)], outputs[id(theirs)])
     assert graphs[0] == 2 and graphs[-1] == 2, graphs     # before and after attention, once
+
+
+def test_biased_projections_are_fused_with_their_biases():
+    """A Llama with attention and MLP biases (as some checkpoints of the family have)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        attention_bias=True, mlp_bias=True)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)              # zero biases would hide a wrong fusion
+    mine, theirs = both_forwards(model, "paged")
+    layer, attn = mine.decoder.layers[0], mine.model.model.layers[0].self_attn
+    assert layer.qkv_b is not None and attn.k_proj.bias.data_ptr() == layer.qkv_b[
+        attn.q_proj.weight.shape[0]:].data_ptr()
+    prompt = list(range(40, 61))
+    assert_logits_agree(step_logits(mine, prompt), step_logits(theirs, prompt))

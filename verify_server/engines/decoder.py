@@ -5,7 +5,7 @@ transformers still loads the weights, the config and the tokenizer, and keeps it
 sled's:
 
 - a layer's q, k and v are one GEMM and its gate and up another: their weights are concatenated
-  once (`fuse`), and transformers' q/k/v/gate/up modules are left holding views of them, so no
+  once (`_fuse`), and transformers' q/k/v/gate/up modules are left holding views of them, so no
   weight is stored twice and transformers' own forward reads the very same numbers;
 - around attention a layer is two functions of tensors alone (`before_attention`: the input norm,
   QKV, Gemma 3's q/k norms, rotary; `after_attention`: o_proj, the norms and residuals, gate-up,
@@ -123,10 +123,9 @@ class Layer:
     def __init__(self, layer: torch.nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.attention = attn                         # what the attention function is given
-        self.qkv_w = _fuse(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.qkv_b = _fused_bias(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.gate_up_w = _fuse(mlp.gate_proj, mlp.up_proj)
-        self.gate_up_b = _fused_bias(mlp.gate_proj, mlp.up_proj)
+        qkv, gate_up = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+        self.qkv_w, self.qkv_b = _fuse(qkv), _fuse(qkv, "bias")
+        self.gate_up_w, self.gate_up_b = _fuse(gate_up), _fuse(gate_up, "bias")
         self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
         self.down_w, self.down_b = mlp.down_proj.weight, mlp.down_proj.bias
         self.norm_w = layer.input_layernorm.weight
@@ -138,13 +137,11 @@ class Layer:
         self.scaling = attn.scaling
         self.window = getattr(attn, "sliding_window", None)
         self.sliding = bool(getattr(attn, "is_sliding", False))
-        self.watched = attn.q_proj.weight             # fusing again if this stops being a view
 
     def fresh(self) -> bool:
         """Whether transformers' q_proj still holds a view of the fused weight (a model moved or
-        cast since replaced its parameters)."""
-        w = self.attention.q_proj.weight
-        return w is self.watched and w.data_ptr() == self.qkv_w.data_ptr()
+        cast since replaced its parameters, or their data)."""
+        return self.attention.q_proj.weight.data_ptr() == self.qkv_w.data_ptr()
 
 
 def _weight(module) -> torch.Tensor | None:
@@ -152,29 +149,19 @@ def _weight(module) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
-    """The linears' weights stacked into one [sum(out), in] tensor; each linear's weight becomes
-    a view of its rows."""
-    fused = torch.cat([m.weight.detach() for m in linears], dim=0)
-    start = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight = torch.nn.Parameter(fused[start:start + rows], requires_grad=False)
-        start += rows
-    return fused
-
-
-@torch.no_grad()
-def _fused_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
-    if all(m.bias is None for m in linears):
+def _fuse(linears, attr: str = "weight") -> torch.Tensor | None:
+    """The linears' weights (or biases: zeros for a linear without one; None where none has one)
+    stacked into one tensor along the output rows; each linear's own becomes a view of its rows."""
+    parts = [getattr(m, attr) for m in linears]
+    if all(p is None for p in parts):
         return None
-    fused = torch.cat([m.bias.detach() if m.bias is not None else
-                       m.weight.new_zeros(m.weight.shape[0]) for m in linears])
+    fused = torch.cat([p.detach() if p is not None else m.weight.new_zeros(m.weight.shape[0])
+                       for m, p in zip(linears, parts)])
     start = 0
-    for m in linears:
+    for m, p in zip(linears, parts):
         rows = m.weight.shape[0]
-        if m.bias is not None:
-            m.bias = torch.nn.Parameter(fused[start:start + rows], requires_grad=False)
+        if p is not None:
+            setattr(m, attr, torch.nn.Parameter(fused[start:start + rows], requires_grad=False))
         start += rows
     return fused
 
@@ -224,16 +211,16 @@ class Decoder:
             if compiled:
                 _dynamic_tokens(hidden, cos, sin)
             q, k, v = before(hidden, layer.norm_w, layer.qkv_w, layer.qkv_b, layer.q_norm_w,
-                                  layer.k_norm_w, cos, sin, dims)
+                             layer.k_norm_w, cos, sin, dims)
             attn, _ = attend(layer.attention, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                              v.transpose(0, 1)[None], attention_mask, dropout=0.0,
                              scaling=layer.scaling, sliding_window=layer.window, **step)
             attn = attn.reshape(tokens, -1)
             if compiled:
                 _dynamic_tokens(attn)
-            hidden = after(attn, hidden, layer.o_w, layer.o_b, layer.post_attn_w,
-                                layer.pre_ff_w, layer.post_ff_w, layer.gate_up_w, layer.gate_up_b,
-                                layer.down_w, layer.down_b, dims)
+            hidden = after(attn, hidden, layer.o_w, layer.o_b, layer.post_attn_w, layer.pre_ff_w,
+                           layer.post_ff_w, layer.gate_up_w, layer.gate_up_b, layer.down_w,
+                           layer.down_b, dims)
         hidden = self.inner.norm(hidden)
         if isinstance(logits_to_keep, torch.Tensor):
             hidden = hidden[logits_to_keep]
