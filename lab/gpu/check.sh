@@ -130,11 +130,10 @@ skip_part() {
 # llama-8b also isolates the attention change: sled's forward without full blocks (masked)
 ENGINES=(flex-graph,flex-graph-masked,flex-graph-hf,transformers-graph
          flex-graph,flex-graph-hf,transformers-graph)
-case "$DEVICE_NAME" in
-    *H200*) BANDWIDTH=4.8e12 ;;
-    *H100*) BANDWIDTH=3.35e12 ;;
-    *) BANDWIDTH=3.35e12 ;;
-esac
+# the data sheet's bandwidth of this GPU (verify_server.roofline's; an unknown one: an H100's)
+BANDWIDTH=$("$PY" -c "import sys; from verify_server.roofline import GPUS, gpu_spec
+try: print(gpu_spec(sys.argv[1]).bandwidth)
+except ValueError: print(GPUS['H100'].bandwidth)" "$DEVICE_NAME" 2>> "$LOG" || echo 3.35e12)
 PEAK=7.9e14        # dense bf16 matrix FLOP/s measured on an H200 (the H100's tensor cores match)
 if [ "$DRY" = 1 ]; then
     SHAPES=(tiny-llama:llama-8b tiny-gemma3:gemma3-4b)
