@@ -153,7 +153,7 @@ def test_sat_blocks_window_and_softcap_at_the_attention_level(window, softcap):
     flex.pool, flex.device, flex.flex, flex.kv_width, flex.steps, flex.bytes_copied = (
         pool, torch.device("cpu"), torch.nn.attention.flex_attention.flex_attention,
         pool.num_blocks, {}, 0)
-    flex.full_blocks = True
+    flex.full_blocks, flex.long_flex = True, flex.flex
     plan = flex.step(rows)
     padded = [torch.cat([x, x.new_zeros(1, x.shape[1], plan.tokens - tokens, 16)], 2)
               for x in (q, k, v)]
@@ -337,6 +337,49 @@ def test_a_second_step_of_the_bucket_compiles_nothing_new(models, code, monkeypa
         assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
 
 
+def test_after_warm_up_prefill_of_every_length_and_verify_rows_compile_nothing(models):
+    """The flex engine a server runs on a CPU (serving_flex), warmed up as `sled serve` warms it:
+    prefill chunks of 40 to 300 tokens (long groups of 64 to 512 queries), alone and several in
+    a step, verify steps of 1 to 3 rows and a step mixing both run without one compile, and
+    agree with the paged engine."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    model = f32(models["llama"])
+    pool = BlockPool(KVShape.of(model), 160, 16)
+    try:
+        flex = FlexEngine(copy.deepcopy(model), pool, flex=serving_flex(pool))
+    except CompiledFlexRefused:
+        pytest.skip(f"compiled flex is refused on this CPU ({flex_module.vector_code()})")
+    paged = PagedEngine(copy.deepcopy(model), pool)
+    flex.warm_up(max_rows=4, max_step_tokens=512)
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    torch.manual_seed(5)
+    kvs = []
+
+    def run(rows, commit):
+        want = paged.forward(rows)
+        assert_logits_agree(flex.forward(rows), want)
+        for row, n in zip(rows, commit):
+            row.kv.commit(n)
+
+    def new_rows(lengths):
+        rows = []
+        for n in lengths:
+            kvs.append(flex.new_kv())
+            kvs[-1].admit([], n + 16, b"t")
+            rows.append(Row(kvs[-1], torch.randint(3, 300, (n,)).tolist(), True))
+        return rows
+
+    for lengths in ([40], [70], [150], [300], [40, 70, 130]):
+        rows = new_rows(lengths)
+        run(rows, lengths)
+    for count in (1, 3):
+        run([Row(kv, [5, 6, 7, 8, 9], True) for kv in kvs[:count]], [1] * count)
+    run([Row(kvs[3], [5, 6, 7, 8, 9], True), *new_rows([50])], [1, 50])
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+
+
 def test_the_planner_fills_what_the_paged_engine_plans(models):
     """Write slots and positions of a mixed step, against PagedEngine._plan's."""
     model = f32(models["llama"])
@@ -431,12 +474,13 @@ def test_the_probe_sees_a_kernel_that_drops_one_key(monkeypatch):
 
 
 def test_a_server_runs_compiled_flex_on_a_cpu_and_eager_only_on_a_small_pool():
-    """serving_flex: float32 compiled (checked at start); float64, which torch does not compile
+    """serving_flex: float32 compiled, with shapes dynamic (no graphs to capture per bucket on a
+    CPU; checked at start); float64, which torch does not compile
     on a CPU, eager only where scoring the whole pool stays small."""
     def pool(dtype, tokens):
         return BlockPool(KVShape(1, 2, 16, dtype), tokens // 16, 16)
 
-    assert serving_flex(pool(torch.float32, 1 << 20)) is compiled_flex()
+    assert serving_flex(pool(torch.float32, 1 << 20)) is compiled_flex(dynamic=True)
     assert serving_flex(pool(torch.float64, EAGER_POOL_TOKENS)) is flex_attention
     with pytest.raises(ValueError, match=r"runs float64 targets eagerly.*serve with --engine "
                                          r"paged, a float32 target, or a KV pool of at most"):

@@ -1,5 +1,5 @@
 """lab/gpu/check.sh, the prepared check of a borrowed GPU machine: its dry run on this CPU runs
-every part (the engine bench with its floor and kernels, the engines against generate(), the
+every part (the engines against generate(), the engine bench with its floor and kernels, the
 server against centralized on the machine and held to the profile just measured, with the
 simulator beside it) and writes the same files; a flag it does not know is refused."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "lab" / "gpu" / "check.sh"
-PARTS = ["engine-llama-8b", "engine-gemma3-4b", "tests", "serve-real", "serve-emulated"]
+PARTS = ["tests", "engine-llama-8b", "engine-gemma3-4b", "serve-real", "serve-emulated"]
 FILES = {"summary.json", "engine-llama-8b.json", "engine-gemma3-4b.json", "profile-llama-8b.json",
          "profile-gemma3-4b.json", "serve.json", "tests.log", "check.log"}
 

@@ -6,6 +6,7 @@ import errno
 import logging
 import signal
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +21,6 @@ from verify_server.engines import make_engine
 from verify_server.engines.base import Engine
 from verify_server.engines.blocks import KVShape
 from verify_server.engines.emulated import EmulatedEngine
-from verify_server.engines.flex_plan import common_shapes
 from verify_server.gpu_memory import describe, gpu_memory
 from verify_server.metrics import Metrics
 from verify_server.scheduler import Scheduler
@@ -107,10 +107,10 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     metrics.watch_pool(engine.pool)
     log.info("%s engine, KV pool %d tokens (%.0f MiB)", engine.kind, engine.pool.capacity_tokens,
              engine.pool.nbytes / (1 << 20))
-    if getattr(engine, "graphs", False):       # the flex engine on CUDA: capture common steps now
-        shapes = common_shapes(settings.max_batch_sessions)
-        log.info("capturing %d verify step shapes", len(shapes))
-        engine.prewarm(shapes)
+    started = time.perf_counter()     # the flex engine: its buckets captured, its flex compiled
+    engine.warm_up(settings.max_batch_sessions, settings.max_step_tokens)
+    if time.perf_counter() - started > 1:
+        log.info("%s engine warmed up in %.1f s", engine.kind, time.perf_counter() - started)
     scheduler = Scheduler(_emulated(engine, profile, metrics), metrics,
                           settings.max_batch_sessions, settings.max_step_tokens)
     scheduler.start()

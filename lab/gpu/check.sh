@@ -7,14 +7,17 @@
 #
 # Parts, in order, each under its own time limit; each writes into OUT as soon as it ends, and
 # one that fails or runs out of time is recorded in OUT/summary.json and the next one runs:
-#   engine-llama-8b, engine-gemma3-4b  `python -m lab.bench.engine` on the shape: flex-graph (sled's
-#       forward, full blocks), flex-graph-masked (llama-8b: no full blocks), flex-graph-hf (the
-#       engine before both: transformers' forward), transformers-graph; the floor at the GPU's
-#       bandwidth and FLOP/s, each engine's kernels, and the first engine's step-cost profile
 #   tests       tests/test_engines_on_device.py --device cuda: every engine against generate()
+#   engine-llama-8b, engine-gemma3-4b  `python -m lab.bench.engine` on the shape: flex-graph (sled's
+#       forward; the server's engine on a GPU) and transformers-graph (transformers' forward
+#       captured); the floor at the GPU's bandwidth and FLOP/s, each engine's kernels, and
+#       flex-graph's step-cost profile
 #   serve-real, serve-emulated  `sled bench serve` of synthetic:gemma3-4b, sled against
 #       centralized at N = 1, 4, 16, 64: on the GPU itself, then held to the gemma3-4b profile
-#       just measured (--emulate) with the fleet simulator beside it (--simulate)
+#       just measured (--emulate; where engine-gemma3-4b did not run, the shipped
+#       h200-gemma3-4b-sled-forward) with the fleet simulator beside it (--simulate)
+# The limits add up to 8 minutes. A second run on the same machine can leave out what the first
+# measured: SLED_GPU_SKIP="engine-llama-8b engine-gemma3-4b" bash lab/gpu/check.sh OUT2
 # OUT holds at most 8 files: summary.json (device, versions, each part's command, status and
 # seconds), engine-*.json, profile-*.json, serve.json ({"real": ..., "emulated": ...}), tests.log
 # and check.log (every other part's output).
@@ -127,9 +130,9 @@ skip_part() {
 }
 
 # --- what each part runs, on the GPU or (--dry-run) on this CPU -------------------------------
-# llama-8b also isolates the attention change: sled's forward without full blocks (masked)
-ENGINES=(flex-graph,flex-graph-masked,flex-graph-hf,transformers-graph
-         flex-graph,flex-graph-hf,transformers-graph)
+# (flex-graph-masked and flex-graph-hf, full blocks off and transformers' forward under flex,
+# were measured against flex-graph on an H200: BENCHMARKS.md "sled's own forward on an H200")
+ENGINES=(flex-graph,transformers-graph flex-graph,transformers-graph)
 # the data sheet's bandwidth of this GPU (verify_server.roofline's; an unknown one: an H100's)
 BANDWIDTH=$("$PY" -c "import sys; from verify_server.roofline import GPUS, gpu_spec
 try: print(gpu_spec(sys.argv[1]).bandwidth)
@@ -149,15 +152,19 @@ else
     SHAPES=(llama-8b:llama-8b gemma3-4b:gemma3-4b)
     ENGINE_FLAGS=(--device cuda --dtype bfloat16 --sessions 1,16,64 --contexts 512,2048 --reps 8
                   --bandwidth "$BANDWIDTH" --peak-flops "$PEAK")
-    ENGINE_LIMITS=(170 150)
+    ENGINE_LIMITS=(100 80)
     TEST_FLAGS=(--device cuda)
-    TEST_LIMIT=40
+    TEST_LIMIT=60
     SERVE_FLAGS=(--model synthetic:gemma3-4b --dtype bfloat16 --server-args "--device cuda"
                  --devices 1,4,16,64 --prompts 8 --max-new-tokens 24)
-    SERVE_LIMITS=(150 90)
+    SERVE_LIMITS=(120 120)     # each starts a server: the target, then its warm-up
 fi
 
-# a. the engine bench, a shape at a time (OUT's files named by the GPU run's shapes)
+# a. the engines against generate() on the device
+run_part tests "$TEST_LIMIT" "$OUT/tests.log" "$PY" -m pytest -q -p no:cacheprovider \
+    tests/test_engines_on_device.py "${TEST_FLAGS[@]}"
+
+# b. the engine bench, a shape at a time (OUT's files named by the GPU run's shapes)
 for i in 0 1; do
     shape=${SHAPES[$i]%%:*}
     named=${SHAPES[$i]##*:}
@@ -167,15 +174,15 @@ for i in 0 1; do
     cp "$WORK/engine-$named.json" "$OUT/" 2>/dev/null     # what was measured, without its plot
 done
 
-# b. the engines against generate() on the device
-run_part tests "$TEST_LIMIT" "$OUT/tests.log" "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_engines_on_device.py "${TEST_FLAGS[@]}"
-
 # c. the whole server, on the GPU and held to the gemma3-4b profile (the served shape)
 SERVE=("$PY" -m sled_cli.main bench serve "${SERVE_FLAGS[@]}" --traces calibrated:gemma3-gguf
        --workload chat --draft-len 4)
 run_part serve-real "${SERVE_LIMITS[0]}" "$LOG" "${SERVE[@]}" --out "$WORK/serve-real.json"
 PROFILE="$OUT/profile-gemma3-4b.json"
+if [ ! -f "$PROFILE" ] && [ "$DRY" = 0 ]; then   # the engine part left out: the shipped one
+    PROFILE=h200-gemma3-4b-sled-forward
+    say "serve-emulated is held to the shipped profile $PROFILE"
+fi
 if [ "$DRY" = 1 ] && [ -f "$PROFILE" ]; then     # a CPU's profile knows no GPU memory: 1 GiB
     "$PY" - "$PROFILE" "$WORK/profile-gemma3-4b.json" <<'EOF'
 import json, sys
@@ -185,7 +192,7 @@ json.dump(profile, open(sys.argv[2], "w"), indent=1)
 EOF
     PROFILE="$WORK/profile-gemma3-4b.json"
 fi
-if [ -f "$PROFILE" ]; then
+if [ -f "$PROFILE" ] || [ "$DRY" = 0 ]; then
     run_part serve-emulated "${SERVE_LIMITS[1]}" "$LOG" "${SERVE[@]}" \
         --emulate "$PROFILE" --simulate --out "$WORK/serve-emulated.json"
 else

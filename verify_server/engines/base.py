@@ -96,6 +96,10 @@ class Engine:
         self.compile_layers = self.device.type == "cuda"   # the decoder's layer functions
         self.decoder = decoder.decoder_for(model) if self.sled_forward else None  # fused now
 
+    def warm_up(self, max_rows: int, max_step_tokens: int) -> None:
+        """Before serving: compile or capture what the first steps of up to `max_rows` rows and
+        `max_step_tokens` tokens would otherwise pay for inside a request (nothing, here)."""
+
     def _fresh_decoder(self) -> None:
         """Before a step: fuse again if the model's weights were replaced since (moved, cast)."""
         if self.decoder is not None and not self.decoder.fresh():

@@ -40,13 +40,15 @@ from verify_server.engines import visibility
 from verify_server.engines.base import NO_MASK, Engine, StepLogits, logit_spans
 from verify_server.engines.blocks import BlockPool, KVShape
 from verify_server.engines.flex_check import AttentionShape, refuse_if_unsound, vector_code
-from verify_server.engines.flex_plan import StepLayout, StepShape, next_pow2, plan_step, step_shape
+from verify_server.engines.flex_plan import (SHORT_WIDTHS, StepLayout, StepShape, common_shapes,
+                                             next_pow2, plan_step, prefill_shapes, step_shape)
 from verify_server.engines.kv import SessionKV
 from verify_server.engines.rows import Row, sat_inputs
 from verify_server.sdsat import SatSpec
 
 ATTENTION_NAME = "sled_flex"
 TRASH_SLOT = 0     # padding tokens' KV goes to the zero block's first slot, which flex never reads
+LONG_Q_BLOCK = 128     # queries per BlockMask block: a long group's, and a short group's least
 
 
 class FlexStep:
@@ -54,8 +56,9 @@ class FlexStep:
     step), and each field as a view of the device buffer."""
 
     def __init__(self, pool: BlockPool, shape: StepShape, kv_width: int, device: torch.device,
-                 flex=flex_attention, full_blocks: bool = True) -> None:
+                 flex=flex_attention, full_blocks: bool = True, long_flex=None) -> None:
         self.pool, self.shape, self.flex = pool, shape, flex
+        self.long_flex = long_flex or flex      # the prefill chunks' group (FlexGroup.flex)
         self.full_blocks = full_blocks    # context blocks skip the mask_mod (FlexGroup.block_lists)
         # rows x KV heads from which flex's decode kernel no longer splits a row's blocks
         self.unsplit_rows = (torch.cuda.get_device_properties(device).multi_processor_count
@@ -75,7 +78,8 @@ class FlexStep:
         self.tokens = shape.tokens
         self.uploaded = None          # the event of an upload still in flight (CUDA)
         self.write_slots = self.fields["write_slots"]
-        self.groups = [FlexGroup(self, g, group.width) for g, group in enumerate(shape.groups)]
+        self.groups = [FlexGroup(self, g, group.width, long=g > 0 or not shape.short)
+                       for g, group in enumerate(shape.groups)]
 
     def clear(self, trash_slot: int) -> None:
         """An empty plan: every row padding, every token's KV to the trash slot."""
@@ -102,9 +106,16 @@ class FlexGroup:
     """One group's views, and its BlockMask per sliding window (built once per bucket: the
     mask_mod reads the buffers, which each step rewrites in place)."""
 
-    def __init__(self, step: FlexStep, g: int, width: int) -> None:
+    def __init__(self, step: FlexStep, g: int, width: int, long: bool = False) -> None:
         f = step.fields
         self.step, self.width = step, width
+        self.flex = step.long_flex if long else step.flex
+        # A short group's rows fit one query block (flex's decode kernel packs a KV head's
+        # queries together); a long group's take flex's usual 128-query blocks, the same for
+        # every width, so that one compiled flex serves prefill chunks of every length (at least
+        # two: a dimension of size 1 would be compiled apart, as torch specialises size 1)
+        self.long = long
+        self.q_blocks = max(2, -(-width // LONG_Q_BLOCK)) if long else 1
         self.q_index = f[f"q_index{g}"]
         self.table, self.blocks = f[f"table{g}"], f[f"blocks{g}"]
         self.starts, self.widths = f[f"starts{g}"], f[f"widths{g}"]
@@ -124,12 +135,12 @@ class FlexGroup:
             rows = self.table.shape[0]
             # copies of the block lists (the table's -1 padding clamped: entries past a count are
             # never read): a mask_mod must not capture the BlockMask's own tensors
-            partial, indices, full, full_indices = self.block_lists(window)
-            q_block = max(128, next_pow2(self.width * heads_per_kv))
+            partial, indices, full, full_indices = (self.per_q_block(t)
+                                                    for t in self.block_lists(window))
+            q_block = (LONG_Q_BLOCK if self.long
+                       else max(LONG_Q_BLOCK, next_pow2(self.width * heads_per_kv)))
             self.masks[window] = BlockMask.from_kv_blocks(
-                partial.view(rows, 1, 1), indices.view(rows, 1, 1, -1),
-                *((full.view(rows, 1, 1), full_indices.view(rows, 1, 1, -1))
-                  if full is not None else ()),
+                partial, indices, *((full, full_indices) if full is not None else ()),
                 BLOCK_SIZE=(q_block, pool.block_tokens),
                 mask_mod=self.mask_mod(window),
                 seq_lengths=(self.width, pool.num_blocks * pool.block_tokens),
@@ -149,16 +160,24 @@ class FlexGroup:
         shifted = (places[None] + full[:, None]).clamp(max=table.shape[1] - 1)
         return self.blocks - full, table.gather(1, shifted.long()), full, table
 
+    def per_q_block(self, lists: torch.Tensor | None) -> torch.Tensor | None:
+        """A row's block count [B] or list [B, n] as a BlockMask holds it: the same for every
+        query block of the row ([B, 1, q_blocks] or [B, 1, q_blocks, n])."""
+        if lists is None:
+            return None
+        rows = lists.shape[0]
+        return lists.view(rows, 1, 1, *lists.shape[1:]).expand(
+            rows, 1, self.q_blocks, *lists.shape[1:]).contiguous()
+
     def refresh(self) -> None:
         """After a new plan: the BlockMasks hold copies of the block lists."""
-        rows = self.table.shape[0]
         for window, mask in self.masks.items():
             partial, indices, full, full_indices = self.block_lists(window)
-            mask.kv_num_blocks.copy_(partial.view(rows, 1, 1))
-            mask.kv_indices.copy_(indices.view(rows, 1, 1, -1))
+            mask.kv_num_blocks.copy_(partial[:, None, None])       # broadcast over q blocks
+            mask.kv_indices.copy_(indices[:, None, None])
             if full is not None:
-                mask.full_kv_num_blocks.copy_(full.view(rows, 1, 1))
-                mask.full_kv_indices.copy_(full_indices.view(rows, 1, 1, -1))
+                mask.full_kv_num_blocks.copy_(full[:, None, None])
+                mask.full_kv_indices.copy_(full_indices[:, None, None])
 
     def mask_mod(self, window: int | None):
         table, block_pos, blocks = self.table, self.block_pos, self.blocks
@@ -201,7 +220,7 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling=No
     for group in step.groups:        # a fixed list per bucket: no data-dependent control flow
         index = group.q_index.long()
         q = padded[:, index].transpose(0, 1)                              # [B, H, W, D]
-        attn = step.flex(q, keys.to(q.dtype), values.to(q.dtype), score_mod=score_mod,
+        attn = group.flex(q, keys.to(q.dtype), values.to(q.dtype), score_mod=score_mod,
                          block_mask=group.block_mask(sliding_window, heads // keys.shape[1]),
                          scale=scaling, enable_gqa=keys.shape[1] != heads,
                          kernel_options=step.kernel_options)
@@ -286,6 +305,8 @@ class FlexEngine(Engine):
         self.activate()      # the pool is zero: every slot it reads holds a finite value
         cuda = self.device.type == "cuda"
         self.flex = flex or (compiled_flex() if cuda else flex_attention)
+        # compiled static per bucket, prefill chunks (a long group: their lengths vary) excepted
+        self.long_flex = compiled_flex(dynamic=True) if self.flex is compiled_flex() else self.flex
         if capture not in CAPTURES:
             raise ValueError(f"unknown capture {capture!r}: use {' or '.join(CAPTURES)}")
         self.graphs, self.capture = (cuda if graphs is None else graphs), CAPTURES[capture]
@@ -327,7 +348,7 @@ class FlexEngine(Engine):
     def _buffers(self, shape: StepShape) -> FlexStep:
         if shape not in self.steps:
             self.steps[shape] = FlexStep(self.pool, shape, self.kv_width, self.device, self.flex,
-                                         self.full_blocks)
+                                         self.full_blocks, self.long_flex)
         return self.steps[shape]
 
     @staticmethod
@@ -346,14 +367,33 @@ class FlexEngine(Engine):
 
     @torch.inference_mode()
     def prewarm(self, shapes: Sequence[StepShape]) -> None:
-        """Capture these buckets now, over an empty plan (every row padding)."""
+        """Make these buckets ready now, over an empty plan (every row padding): a replayable
+        one captured, any other run once, so that its compiled flex is compiled."""
         for shape in shapes:
-            if self.graphs and shape.graphable and shape not in self.captured:
-                step = self._buffers(shape)
-                step.writable()
-                step.clear(TRASH_SLOT)
-                self._upload(step)
-                self.captured[shape] = self.capture(self, step)
+            if self.graphs and shape.graphable:
+                if shape not in self.captured:
+                    self.captured[shape] = self.capture(self, self._empty(shape))
+            elif self.long_flex is not flex_attention:
+                self.whole_step(self._empty(shape))
+
+    def _empty(self, shape: StepShape) -> FlexStep:
+        step = self._buffers(shape)
+        step.writable()
+        step.clear(TRASH_SLOT)
+        self._upload(step)
+        return step
+
+    def warm_up(self, max_rows: int, max_step_tokens: int) -> None:
+        """Before serving, what the first requests would otherwise wait for: with graphs, a
+        bucket of every power of two of rows up to `max_rows` captured, for drafts of up to 7
+        tokens and up to 15 (flex compiled static per bucket: a bucket of another token count
+        is then only captured, not compiled); the compiled flex of prefill chunks (one for every
+        length: compiled at the shortest chunk and at the longest of `max_step_tokens`)."""
+        if self.graphs:       # a static kernel per bucket: rows of up to 8 and 16 entries
+            verify = [*common_shapes(max_rows), *common_shapes(max_rows, SHORT_WIDTHS[0] + 1)]
+        else:                 # one dynamic kernel (compiled apart for one row)
+            verify = common_shapes(2)
+        self.prewarm([*verify, *prefill_shapes(max_step_tokens)])
 
     def replayable(self, rows: Sequence[Row]) -> bool:
         """Whether a step of these rows replays a captured graph: graphs on, no SAT slot, no
@@ -394,12 +434,13 @@ class FlexEngine(Engine):
 
 
 @functools.cache
-def compiled_flex():
-    """flex_attention through torch.compile, static shapes: one kernel per bucket and window.
+def compiled_flex(dynamic: bool = False):
+    """flex_attention through torch.compile, static shapes: one kernel per bucket and window;
+    `dynamic`: shapes symbolic, one kernel for groups of any size (the prefill chunks').
     Whole or not at all (fullgraph, and `_allow_recompiles` for the thread that runs it): a call
     dynamo did not compile would run flex eagerly, scoring every query against the whole pool
     (tens of GB for a server's pool), so it raises instead."""
-    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return torch.compile(flex_attention, dynamic=dynamic, fullgraph=True)
 
 
 # inductor's CPU flex kernel takes these; other dtypes (float64) run flex eagerly
@@ -410,10 +451,13 @@ EAGER_POOL_TOKENS = 1 << 16
 
 
 def serving_flex(pool: BlockPool):
-    """The flex attention a server runs over `pool`: compiled, except where torch's compiler does
-    not take the pool's dtype on a CPU; eager flex there, on a pool small enough for it."""
-    if pool.keys[0].device.type == "cuda" or pool.shape.dtype in CPU_COMPILED_DTYPES:
+    """The flex attention a server runs over `pool`: compiled (on CUDA static, a kernel per
+    bucket for its graph; on a CPU dynamic), except where torch's compiler does not take the
+    pool's dtype on a CPU; eager flex there, on a pool small enough for it."""
+    if pool.keys[0].device.type == "cuda":
         return compiled_flex()
+    if pool.shape.dtype in CPU_COMPILED_DTYPES:     # no graphs on a CPU: one kernel for all
+        return compiled_flex(dynamic=True)
     if pool.capacity_tokens > EAGER_POOL_TOKENS:
         raise ValueError(
             f"flex on a CPU runs {str(pool.shape.dtype).removeprefix('torch.')} targets eagerly, "

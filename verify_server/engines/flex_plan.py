@@ -9,7 +9,9 @@ function and one CUDA graph each):
     groups   the rows attended together, each padded to (rows B, width W):
                short  rows of up to SHORT_WIDTHS[-1] new entries (verify, decode, SAT, trees),
                       B a power of two, W the smallest of SHORT_WIDTHS that holds the widest
-               long   rows with more (prefill chunks), B a power of two, W a power of two
+               long   rows with more (prefill chunks), B a power of two (at least 2: one
+                      compiled flex serves every long group, and torch compiles size 1 apart),
+                      W a power of two
     kv width every row's block table padded to the same number of blocks (kv_width)
 
 Everything a step's attention reads lives in one flat int32 buffer (`StepLayout` names each
@@ -73,7 +75,7 @@ def step_shape(widths: Sequence[int]) -> StepShape:
         width = next(w for w in SHORT_WIDTHS if w >= max(short))
         groups.append(GroupShape(next_pow2(len(short)), width))
     if long:
-        groups.append(GroupShape(next_pow2(len(long)), next_pow2(max(long))))
+        groups.append(GroupShape(max(2, next_pow2(len(long))), next_pow2(max(long))))
     total = sum(widths)
     tokens = -(-total // TOKEN_QUANTUM) * TOKEN_QUANTUM
     return StepShape(tokens, tuple(groups), bool(short))
@@ -87,6 +89,13 @@ def common_shapes(max_rows: int, width: int = 5) -> list[StepShape]:
         shapes.append(step_shape([width] * rows))
         rows *= 2
     return shapes
+
+
+def prefill_shapes(max_step_tokens: int) -> list[StepShape]:
+    """Buckets of one prefill chunk, the shortest and the longest a step of `max_step_tokens`
+    holds: the two a compiled flex for prefill chunks of every length is compiled at."""
+    shortest = SHORT_WIDTHS[-1] + 1
+    return [step_shape([width]) for width in dict.fromkeys((shortest, max(shortest, max_step_tokens)))]
 
 
 class StepLayout:
