@@ -14,6 +14,9 @@ from edge_client.settings import DeviceSettings
 from sled.wire.loose import Loose
 from sled.wire.sampling import Sampling
 
+# A request id comes back in every chunk and names an MQTT topic level: kept short.
+MAX_REQUEST_ID_CHARS = 128
+
 
 class DeviceError(Exception):
     """A request the device cannot serve. `kind` maps to an HTTP status in the local API:
@@ -96,6 +99,9 @@ class Requests:
             raise DeviceError("unavailable", f"the device is not ready: {self.state.reason or self.state.state}")
         if not request.prompt_ids:
             raise DeviceError("invalid", "the prompt is empty")
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise DeviceError("invalid", f"a request id may have at most {MAX_REQUEST_ID_CHARS} "
+                                         f"characters (got {len(request.request_id)})")
         vocab = len(self.bootstrap.tokenizer)
         bad = [t for t in itertools.chain(request.prompt_ids, request.stop_ids) if not 0 <= t < vocab]
         if bad:

@@ -13,12 +13,13 @@ Topics under `<prefix>/devices/<id>/` (prefix: settings.mqtt.topic_prefix, "sled
                       a refused change answers {"ok": false, "error"} NOT retained, so the
                       retained message keeps saying which settings are in force
     requests          in: {"request_id", "prompt" | "prompt_ids", "max_tokens", "temperature",
-                      "top_p", "top_k", "seed", "stop_ids", "ignore_eos"}
+                      "top_p", "top_k", "seed", "stop_ids", "ignore_eos"}; request_id: one topic
+                      level of at most MAX_REQUEST_ID_CHARS (128) characters
     responses/<id>    out: one message per chunk {"request_id", "index", "token_ids", "text"};
                       the last adds "finish_reason", "usage" and "lossless" (false only
                       for the opt-in drafting-alone fallback); a failure is
                       {"request_id", "error", "kind"} (on responses/invalid when the request
-                      has no usable request_id)
+                      has no usable request_id, which comes back only as a short escaped excerpt)
 
 and `<prefix>/servers/+`: verify server announcements (verify_server.announce) feed the
 directory; {"online": false} or an empty retained payload withdraws a server.
@@ -42,11 +43,11 @@ import aiomqtt
 
 from sled.backoff import Backoff
 from edge_client.daemon import Device, DeviceError, Request
+from edge_client.device_requests import MAX_REQUEST_ID_CHARS
 from edge_client.text import OutputText
 from sled.wire.endpoint import parse_endpoint
 from sled.mqtt import Broker, MqttConnection
-from sled.wire.topics import (check_topic_level, decode, device_topic, encode, is_topic_level,
-                              server_topic)
+from sled.wire.topics import decode, device_topic, encode, is_topic_level, server_topic
 from sled.printable import printable
 from sled.wire.sampling import Sampling
 
@@ -217,7 +218,7 @@ class DeviceMqtt:
         except aiomqtt.MqttError:
             raise
         except Exception as error:
-            log.exception("MQTT: request %s failed", asked_id)
+            log.exception("MQTT: request %s failed", _shown(asked_id))
             await self._respond_error(client, asked_id, "internal",
                                       f"{type(error).__name__}: {printable(str(error), 200)}")
 
@@ -244,7 +245,7 @@ class DeviceMqtt:
     async def _respond_error(self, client: aiomqtt.Client, request_id, kind: str, error: str) -> None:
         """On the request's own topic when its id can be one; else on responses/invalid, where
         the id comes back only as a short printable excerpt (a 200 KB object is not echoed)."""
-        usable = is_topic_level(request_id)
+        usable = usable_request_id(request_id)
         topic = self.topic(f"responses/{request_id if usable else 'invalid'}")
         shown = request_id if usable or request_id is None else _shown(request_id)
         await client.publish(topic, encode({"request_id": shown, "error": error, "kind": kind}),
@@ -273,7 +274,7 @@ def parse_request(message: dict, tokenizer) -> Request:
         raise DeviceError("invalid", f"unknown field {shown}{' ...' if len(unknown) > 8 else ''} "
                                      f"(known: {', '.join(sorted(REQUEST_FIELDS))})")
     try:
-        request_id = check_topic_level(message.get("request_id"), "request_id")
+        request_id = check_request_id(message.get("request_id"))
         sampling = Sampling(temperature=_number(message, "temperature", 0.0),
                             top_k=_integer(message, "top_k", 0), top_p=_number(message, "top_p", 1.0),
                             seed=_integer(message, "seed", None))
@@ -285,6 +286,19 @@ def parse_request(message: dict, tokenizer) -> Request:
     return Request(_prompt_ids(message, tokenizer), max_tokens=_integer(message, "max_tokens", None),
                    sampling=sampling, stop_ids=_ids(message, "stop_ids", []), ignore_eos=ignore_eos,
                    request_id=request_id)
+
+
+def usable_request_id(request_id) -> bool:
+    """Whether a request id can name its responses' topic and be echoed in each of them."""
+    return is_topic_level(request_id) and len(request_id) <= MAX_REQUEST_ID_CHARS
+
+
+def check_request_id(request_id) -> str:
+    """REQUEST_ID when usable; else ValueError saying what one must be (never echoing it)."""
+    if not usable_request_id(request_id):
+        raise ValueError(f"request_id must be a string of 1 to {MAX_REQUEST_ID_CHARS} printable "
+                         f"characters without whitespace, '/', '+' or '#'")
+    return request_id
 
 
 def _prompt_ids(message: dict, tokenizer) -> list[int]:
