@@ -9,16 +9,26 @@ A template that raises (raise_exception, an undefined name used wrongly, a sandb
 raises jinja2's TemplateError (or the error jinja2 met): the caller decides what a person reads.
 
 A template may come from a server, so it is rendered only on a jinja2 whose sandbox has no known
-escape (MIN_JINJA2 and later, else a RuntimeError of one line), and `*` and `**` in a template
-refuse results over MAX_RESULT bytes (a string repeated a billion times, a number of a billion
-digits) instead of taking the device's memory or CPU.
+escape (MIN_JINJA2 and later, else a RuntimeError of one line), and within a budget instead of
+taking the device's memory or CPU (TemplateBudgetError, a SecurityError, past any of these):
+- no value a template makes is over MAX_RESULT characters: `*`, `**`, `~`, `+`, `%`, string
+  methods (replace, join, format, ljust, ...) and filters (join, replace, indent, format,
+  tojson, ...) are checked before they build a value where they can grow one (a string doubled
+  forty times, repeated a billion times, a number of a billion digits), the rest after;
+- the whole text is at most MAX_OUTPUT characters;
+- one rendering takes at most MAX_STEPS steps (loop turns, calls, lookups, operations) and
+  RENDER_SECONDS of wall time, checked at every step.
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
 import json
 import re
-from collections.abc import Mapping
+import string
+import time
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -27,13 +37,17 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
+import jinja2.visitor
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # The names a message's reasoning may come under; templates read the first.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 MIN_JINJA2 = (3, 1, 6)      # 3.1.5 and older: sandbox escapes through str.format and |attr
-MAX_RESULT = 1 << 20        # bytes (or digits' bits / 8) one `*` or `**` may make in a template
+MAX_RESULT = 1 << 20        # characters (or digits' bits / 8) one value a template makes may have
+MAX_OUTPUT = 4 << 20        # characters one rendering may write
+MAX_STEPS = 1_000_000       # loop turns, calls, lookups and operations of one rendering
+RENDER_SECONDS = 1.0        # wall time of one rendering
 
 # transformers' apply_chat_template keywords sled does not implement, each with the value that
 # asks for nothing beyond what sled does (text, or a plain list of ids)
@@ -43,20 +57,79 @@ UNSUPPORTED = {"continue_final_message": False, "sanitize_control_tokens": False
                "tokenizer_kwargs": None}
 
 
+class TemplateBudgetError(jinja2.exceptions.SecurityError):
+    """A template past its budget: a value too large, too much text, too many steps or seconds."""
+
+
+class _Budget:
+    """What is left of one rendering's steps and time."""
+    __slots__ = ("steps", "deadline")
+
+    def __init__(self) -> None:
+        self.steps = MAX_STEPS
+        self.deadline = time.monotonic() + RENDER_SECONDS
+
+    def step(self) -> None:
+        self.steps -= 1
+        if self.steps < 0:
+            raise TemplateBudgetError(f"the chat template takes more than {MAX_STEPS} steps to render "
+                                      f"(its budget): it loops without end or is hostile")
+        if time.monotonic() > self.deadline:
+            raise TemplateBudgetError(f"the chat template takes more than {RENDER_SECONDS:g} s to "
+                                      f"render (its budget): it loops without end or is hostile")
+
+
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("chat_template_budget",
+                                                                         default=None)
+
+
+def _step() -> None:
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.step()
+
+
+def _refuse_over(size: int, what: str) -> None:
+    if size > MAX_RESULT:
+        raise TemplateBudgetError(f"a chat template's {what} would make more than {MAX_RESULT} bytes")
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, with `*` and `**` bounded (MAX_RESULT)."""
-    intercepted_binops = frozenset({"*", "**"})
+    """The immutable sandbox within a budget: every value bounded (MAX_RESULT), every step counted."""
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def call_binop(self, context, operator: str, left, right):
+        _step()
         if _too_big(operator, left, right):
-            raise jinja2.exceptions.SecurityError(
+            raise TemplateBudgetError(
                 f"a chat template's {operator!r} would make more than {MAX_RESULT} bytes")
-        return super().call_binop(context, operator, left, right)
+        if operator == "%" and isinstance(left, str):
+            _refuse_over(_formatted_size(left, right), "'%'")
+        return _checked_result(super().call_binop(context, operator, left, right), repr(operator))
+
+    def getattr(self, obj, attribute):
+        _step()
+        return _checked_method(obj, attribute, super().getattr(obj, attribute))
+
+    def getitem(self, obj, argument):
+        _step()
+        return _checked_method(obj, argument, super().getitem(obj, argument))
+
+    def call(__self, __context, __obj, *args, **kwargs):   # noqa: N805 (jinja2's own signature)
+        _step()
+        _refuse_wide(args, kwargs, "call")
+        return _checked_result(ImmutableSandboxedEnvironment.call(__self, __context, __obj, *args, **kwargs),
+                               "call")
 
 
 def _too_big(operator: str, left, right) -> bool:
-    """Whether LEFT OPERATOR RIGHT would be over MAX_RESULT: a repeated sequence, or a power of
-    an integer (its bits / 8)."""
+    """Whether LEFT OPERATOR RIGHT would be over MAX_RESULT: a repeated or joined sequence, or a
+    power of an integer (its bits / 8)."""
+    if operator == "+":
+        sized = (str, bytes, list, tuple)
+        return isinstance(left, sized) and isinstance(right, sized) and len(left) + len(right) > MAX_RESULT
+    if operator == "%":
+        return False
     if operator == "*":
         sequence, times = (left, right) if isinstance(right, int) else (right, left)
         if isinstance(sequence, (str, bytes, list, tuple)) and isinstance(times, int):
@@ -65,6 +138,202 @@ def _too_big(operator: str, left, right) -> bool:
     if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
         return abs(left).bit_length() * right > 8 * MAX_RESULT
     return False
+
+
+def _text_size(value, indent: int = 0) -> int:
+    """About how many characters str(VALUE) has (its JSON with INDENT, when given): counting
+    stops past MAX_RESULT."""
+    size, stack = 0, [(value, 1)]
+    while stack and size <= MAX_RESULT:
+        item, depth = stack.pop()
+        if isinstance(item, jinja2.utils.Namespace):
+            item = item._Namespace__attrs                     # noqa: SLF001 (its repr shows them)
+        if isinstance(item, (str, bytes)):
+            size += len(item) + (2 if depth > 1 else 0)     # quoted inside a container
+        elif isinstance(item, int):
+            size += item.bit_length() // 3 + 2
+        elif isinstance(item, Mapping):
+            size += 2 + len(item) * (indent * depth + 4)
+            stack.extend((part, depth + 1) for pair in item.items() for part in pair)
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            size += 2 + len(item) * (indent * depth + 2)
+            stack.extend((part, depth + 1) for part in item)
+        else:
+            size += 32
+    return size
+
+
+def _formatted_size(template: str, args, kwargs: Mapping | None = None) -> int:
+    """At most how long TEMPLATE % ARGS or TEMPLATE.format(*ARGS, **KWARGS) is: its text, every
+    width or precision it names, and each value as often as a field can take it."""
+    widths = sum(int(digits) for digits in re.findall(r"\d+", template))
+    if kwargs is None:                                   # printf-style: one value per field
+        values = args if isinstance(args, tuple) else (args,)
+        if isinstance(args, Mapping):
+            largest = max((_text_size(v) for v in args.values()), default=0)
+            return len(template) + widths + template.count("%(") * largest
+        return len(template) + widths + sum(_text_size(v) for v in values)
+    sizes = [_text_size(v) for v in args]
+    named = {key: _text_size(v) for key, v in kwargs.items()}
+    largest = max([*sizes, *named.values()], default=0)
+    size, auto = len(template) + widths, 0
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+    except ValueError:
+        return size                                      # format() refuses it anyway
+    for field in fields:
+        base = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if base == "":
+            base, auto = str(auto), auto + 1
+        size += sizes[int(base)] if base.isdigit() and int(base) < len(sizes) else named.get(base, largest)
+    return size
+
+
+def _refuse_wide(args, kwargs, what: str) -> None:
+    """A number over MAX_RESULT given to a call or filter (a width, a count) is refused."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_RESULT:
+            raise TemplateBudgetError(f"a chat template's {what} was given {value}: more than "
+                                      f"{MAX_RESULT}")
+
+
+def _checked_result(value, what: str):
+    if isinstance(value, (str, bytes, list, tuple, dict)):
+        _refuse_over(len(value), what)
+    return value
+
+
+def _checked_method(obj, name, value):
+    """A string's method, checked before it grows the string (others as they are)."""
+    if isinstance(obj, str) and callable(value):
+        return functools.partial(_string_method, obj, name, value)
+    return value
+
+
+def _string_method(text: str, name, method, *args, **kwargs):
+    _refuse_over(_method_size(text, name, args, kwargs), f"str.{name}")
+    return method(*args, **kwargs)
+
+
+def _method_size(text: str, name, args: tuple, kwargs: dict) -> int:
+    """At most how long text.NAME(*ARGS, **KWARGS) is, for the methods that grow a string."""
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        return _replaced_size(text, args[0], args[1])
+    if name == "join" and args:
+        return _joined_size(text, args[0])
+    if name in ("format", "format_map"):
+        return _formatted_size(text, args if name == "format" else (),
+                               kwargs if name == "format" else (args[0] if args else {}))
+    if name == "expandtabs":
+        width = (args or (kwargs.get("tabsize", 8),))[0]
+        return len(text) + text.count("\t") * (width if isinstance(width, int) else 8)
+    if name == "translate" and args and isinstance(args[0], Mapping):
+        return len(text) * (1 + max((_text_size(v) for v in args[0].values()), default=0))
+    return len(text) + sum(_text_size(a) for a in (*args, *kwargs.values()))
+
+
+def _replaced_size(text: str, old: str, new: str) -> int:
+    found = text.count(old) if old else len(text) + 1
+    return len(text) + found * max(0, len(new) - len(old))
+
+
+def _joined_size(separator: str, items) -> int:
+    items = items if isinstance(items, (list, tuple, str)) else []
+    return sum(_text_size(item) for item in items) + len(separator) * len(items)
+
+
+# Filters that can make a value far larger than what they are given: how large, at most.
+def _filter_size(name: str, args: tuple, kwargs: dict) -> int:
+    value = args[0] if args else ""
+    if name == "join":
+        separator = args[1] if len(args) > 1 else kwargs.get("d", "")
+        return _joined_size(str(separator), list(value) if isinstance(value, Iterable) else [])
+    if name == "replace" and len(args) >= 3:
+        return _replaced_size(str(value), str(args[1]), str(args[2]))
+    if name == "format":
+        return _formatted_size(str(value), args[1:] or kwargs)
+    if name == "indent":
+        width = args[1] if len(args) > 1 else kwargs.get("width", 4)
+        pad = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+        return len(str(value)) + (str(value).count("\n") + 1) * pad
+    if name == "wordwrap":
+        width = args[1] if len(args) > 1 else kwargs.get("width", 79)
+        wrap = args[3] if len(args) > 3 else kwargs.get("wrapstring") or "\n"
+        return len(str(value)) * (1 + len(str(wrap)) // max(1, width if isinstance(width, int) else 1))
+    if name == "tojson":
+        indent = args[1] if len(args) > 1 else kwargs.get("indent")
+        return _text_size(value, indent if isinstance(indent, int) else 0)
+    if name in ("string", "pprint", "center", "urlize", "xmlattr"):
+        return _text_size(value)
+    return 0
+
+
+def _checked_filter(name: str, function):
+    """FILTER within the budget: a step, its growth checked before, its result after."""
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        _step()
+        given = args[1:] if hasattr(function, "jinja_pass_arg") else args
+        _refuse_wide(given, kwargs, f"|{name}")
+        if name == "join" and given and not isinstance(given[0], (list, tuple, str)):
+            given = (list(given[0]), *given[1:])       # an iterator is read once: keep the list
+            args = (*args[:len(args) - len(given)], *given)
+        _refuse_over(_filter_size(name, given, kwargs), f"|{name}")
+        return _checked_result(function(*args, **kwargs), f"|{name}")
+    return checked
+
+
+class _BudgetTags(jinja2.ext.Extension):
+    """What the template's loops and `~` are rewritten to call (_within_budget): each loop turn
+    is a step, and a `~` is checked before it joins its parts."""
+
+    def turns(self, iterable):
+        for item in iterable:
+            _step()
+            yield item
+
+    def concat(self, *parts) -> str:
+        _refuse_over(sum(_text_size(part) for part in parts), "'~'")
+        return "".join(map(str, parts))
+
+
+class _WithinBudget(jinja2.visitor.NodeTransformer):
+    """Every `for` iterates through _BudgetTags.turns, every `~` is _BudgetTags.concat."""
+
+    def __init__(self, tags: _BudgetTags) -> None:
+        self.tags = tags
+
+    def visit_For(self, node: jinja2.nodes.For):
+        node = self.generic_visit(node)
+        node.iter = self._call("turns", [node.iter], node.lineno)
+        return node
+
+    def visit_Concat(self, node: jinja2.nodes.Concat):
+        node = self.generic_visit(node)
+        return self._call("concat", node.nodes, node.lineno)
+
+    def _call(self, method: str, args: list, lineno: int) -> jinja2.nodes.Call:
+        return jinja2.nodes.Call(self.tags.attr(method, lineno=lineno), args, [], None, None,
+                                 lineno=lineno)
+
+
+def _finalize(value):
+    """Each `{{ ... }}` is a step and is bounded before it becomes text."""
+    _step()
+    _refuse_over(_text_size(value), "'{{ }}'")
+    return value
+
+
+def _bounded_output(chunks) -> str:
+    """The rendered text, refused once past MAX_OUTPUT characters."""
+    parts, written = [], 0
+    for chunk in chunks:
+        written += len(chunk)
+        if written > MAX_OUTPUT:
+            raise TemplateBudgetError(f"the chat template writes more than {MAX_OUTPUT} characters "
+                                      f"(its budget)")
+        parts.append(chunk)
+    return "".join(parts)
 
 
 def check_jinja2(version: str | None = None) -> None:
@@ -148,12 +417,14 @@ def _strftime_now(format: str) -> str:
 @lru_cache(maxsize=16)
 def compiled(template: str) -> jinja2.Template:
     """The template compiled once (a chat template is rendered for every request)."""
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
-                   extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, finalize=_finalize,
+                   extensions=[_GenerationTag, jinja2.ext.loopcontrols, _BudgetTags])
     env.filters["tojson"] = _tojson
+    env.filters.update({name: _checked_filter(name, f) for name, f in env.filters.items()})
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
                        dict=_TemplateDict(), namespace=_TemplateNamespace)
-    return env.from_string(template)
+    tree = _WithinBudget(env.extensions[_BudgetTags.identifier]).visit(env.parse(template))
+    return env.from_string(tree)
 
 
 def plain(value: Any) -> Any:
@@ -210,6 +481,10 @@ def render(template: str, conversation, add_generation_prompt: bool = False, too
         raise ValueError("tools must be JSON schemas (dicts)")
     if documents is not None and not all(isinstance(doc, dict) for doc in documents):
         raise TypeError("documents must be dicts with 'title' and 'text' keys")
-    return compiled(template).render(
-        messages=template_messages(conversation), tools=plain(tools), documents=plain(documents),
-        add_generation_prompt=add_generation_prompt, **plain(dict(variables or {})))
+    budget = _BUDGET.set(_Budget())
+    try:
+        return _bounded_output(compiled(template).generate(
+            messages=template_messages(conversation), tools=plain(tools), documents=plain(documents),
+            add_generation_prompt=add_generation_prompt, **plain(dict(variables or {}))))
+    finally:
+        _BUDGET.reset(budget)

@@ -19,6 +19,10 @@ streamed also the header `X-Sled-Lossless: false`).
 Access: with the device's api_key set, every route but /health asks for
 `Authorization: Bearer API_KEY` (what the openai client sends from its api_key) and answers 401
 without it; a host other than loopback is served only with an api_key, or with api_open.
+Browsers: a POST body must be JSON (415 otherwise: a page may post form and text/plain bodies
+anywhere without a preflight); with no api_key a request must name a Host this device serves (403
+otherwise: DNS rebinding) and may carry an Origin only from api_origins (403 otherwise). An
+allowed Origin gets CORS headers and its preflights are answered; any other gets none.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from edge_client.daemon import Device, DeviceError, Request
 from edge_client.settings import DeviceSettings
+from edge_client.stop_strings import check_stops
 from edge_client.text import OutputText
 from sled.wire.auth import HEADER, bearer_token
 from sled.chat_templates import builtin_chat_template, turn_end_ids
@@ -149,9 +154,8 @@ class GenerationBody(_Strict):
 
     @field_validator("stop")
     @classmethod
-    def _few_stops(cls, value):
-        if isinstance(value, list) and len(value) > 16:
-            raise ValueError("at most 16 stop strings")
+    def _few_short_stops(cls, value):
+        check_stops([value] if isinstance(value, str) else value or [])
         return value
 
     @field_validator(*UNSUPPORTED)
@@ -220,7 +224,7 @@ def _validation_error(exc: ValidationError) -> ApiError:
     same_field = [e for e in errors if e["loc"] and e["loc"][0] == param]
     if first["type"] == "missing":
         message = f"{param} is required"
-    elif len(same_field) > 1 or param in SHAPES:
+    elif first["type"] != "value_error" and (len(same_field) > 1 or param in SHAPES):
         message = f"{param} must be {SHAPES.get(param, 'of another type')}"
     else:
         message = f"{param}: {first['msg'].removeprefix('Value error, ')}"
@@ -485,7 +489,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body: ChatBody = await _read_body(request, ChatBody)
     _check_model(device, body.model)
     template = chat_template(device)
-    prompt_ids = chat_prompt(device, body.messages, template)
+    # a template renders within its own budget (edge_client.chat_render), off the event loop
+    prompt_ids = await asyncio.to_thread(chat_prompt, device, body.messages, template)
     # the reply ends with its turn, like an EOS (the model's own EOS may be another token)
     turn_end = [] if body.ignore_eos else turn_end_ids(_tokenizer(device), template)
     job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", body.model, int(time.time()),
@@ -671,14 +676,139 @@ def _loopback_address(address: str) -> bool:
     return (mapped or ip).is_loopback
 
 
+# -- browsers ---------------------------------------------------------------------------------
+# Names a request's Host may carry besides IP literals, the bind host and api_hosts. A DNS
+# rebinding page sends its own domain as Host, never an IP literal or these.
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain"})
+JSON_TYPE = "application/json"
+CORS_METHODS = "GET, POST, OPTIONS"
+CORS_HEADERS = "Authorization, Content-Type"
+EXPOSED_HEADERS = "X-Sled-Lossless"
+PREFLIGHT_MAX_AGE_S = "600"
+
+
+@dataclass(frozen=True, slots=True)
+class BrowserPolicy:
+    """Which Host names and browser Origins the API answers (fixed when the app is made).
+    `keyed`: an api_key guards it, so Host and Origin are not restricted (a page cannot know the
+    key); CORS headers still go to allowed origins alone."""
+    hosts: frozenset[str]
+    origins: frozenset[str]
+    keyed: bool
+
+    @classmethod
+    def of(cls, settings: DeviceSettings, bind_host: str) -> "BrowserPolicy":
+        hosts = {*LOOPBACK_NAMES, host_name(bind_host), *(host_name(h) for h in settings.api_hosts)}
+        return cls(frozenset(hosts - {""}), frozenset(origin_of(o) for o in settings.api_origins),
+                   bool(settings.api_key.get_secret_value()))
+
+    def serves_host(self, header: str | None) -> bool:
+        """Whether a Host header names this device: an IP literal, a loopback name, the bind
+        host or one of api_hosts (no header: not a browser, which always sends one)."""
+        if header is None:
+            return True
+        name = host_name(header)
+        return name in self.hosts or _ip_literal(name)
+
+    def allows_origin(self, origin: str) -> bool:
+        return origin_of(origin) in self.origins
+
+
+def host_name(host: str) -> str:
+    """HOST (a Host header, a bind host) without its port, lower-cased: "[::1]:8000" -> "::1"."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    name, colon, port = host.rpartition(":")
+    if colon and ":" not in name and port.isdigit():
+        host = name
+    return host.rstrip(".")
+
+
+def origin_of(origin: str) -> str:
+    """An Origin as compared: lower-cased, no trailing slash."""
+    return origin.strip().lower().rstrip("/")
+
+
+def _ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name.partition("%")[0])
+    except ValueError:
+        return False
+    return True
+
+
+def guarding_browsers(policy: BrowserPolicy):
+    """403 for a foreign Host or Origin (unless keyed), preflights of allowed origins answered."""
+    @web.middleware
+    async def guard(request: web.Request, handler) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        if request.method == "OPTIONS" and origin is not None:
+            return preflight(policy, origin)
+        if not policy.keyed:
+            check_host(policy, request.headers.get("Host"))
+            if origin is not None and not policy.allows_origin(origin):
+                raise _foreign_origin(origin)
+        return await handler(request)
+    return guard
+
+
+def check_host(policy: BrowserPolicy, header: str | None) -> None:
+    if not policy.serves_host(header):
+        raise ApiError(403, f"the Host {printable(header or '', 64)!r} is not one this device serves: "
+                            f"add the name to the device's api_hosts (or use 127.0.0.1)",
+                       kind="permission_error", code="host_not_allowed")
+
+
+def _foreign_origin(origin: str) -> ApiError:
+    return ApiError(403, f"the origin {printable(origin, 64)!r} may not call this device's API: add "
+                         f"it to the device's api_origins to allow that page",
+                    kind="permission_error", code="origin_not_allowed")
+
+
+def preflight(policy: BrowserPolicy, origin: str) -> web.Response:
+    """A CORS preflight: 204 with what an allowed origin may send; 403 for any other."""
+    if not policy.allows_origin(origin):
+        raise _foreign_origin(origin)
+    return web.Response(status=204, headers={"Access-Control-Allow-Methods": CORS_METHODS,
+                                             "Access-Control-Allow-Headers": CORS_HEADERS,
+                                             "Access-Control-Max-Age": PREFLIGHT_MAX_AGE_S})
+
+
+def cors_headers(policy: BrowserPolicy):
+    """Signal handler: an allowed Origin may read the answer (streams and errors too)."""
+    async def add(request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if origin is not None and policy.allows_origin(origin):
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
+        response.headers.add("Vary", "Origin")
+    return add
+
+
+@web.middleware
+async def json_bodies(request: web.Request, handler) -> web.StreamResponse:
+    """415 for a POST whose body is not declared JSON (a page can send text/plain and form
+    bodies to any address without a preflight)."""
+    if request.method == "POST" and request.content_type != JSON_TYPE:
+        shown = printable(request.headers.get("Content-Type", "none"), 64)
+        raise ApiError(415, f"the request body must be JSON: send the header `Content-Type: "
+                            f"{JSON_TYPE}` (got {shown!r})", code="unsupported_media_type")
+    return await handler(request)
+
+
 # -- the app ----------------------------------------------------------------------------------
-def make_app(device: Device) -> web.Application:
-    """The routes, with the device's api_key (when set) required on all but /health."""
+def make_app(device: Device, host: str | None = None) -> web.Application:
+    """The routes, with the device's api_key (when set) required on all but /health; HOST: the
+    address it listens on (default: the device's host setting), a Host it answers to."""
     http = HttpMetrics.of(device.metrics.registry)
-    middlewares = [counting(http), openai_errors]
+    policy = BrowserPolicy.of(device.settings, device.settings.host if host is None else host)
+    middlewares = [counting(http), openai_errors, guarding_browsers(policy)]
     if api_key := device.settings.api_key.get_secret_value():
         middlewares.append(requiring_key(api_key))
+    middlewares.append(json_bodies)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
+    app.on_response_prepare.append(cors_headers(policy))
     app[DEVICE_KEY] = device
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
@@ -697,7 +827,7 @@ async def start_api(device: Device, host: str, port: int) -> tuple[web.AppRunner
     if await asyncio.to_thread(check_exposure, host, device.settings):
         log.warning("the local API on %s is open to the network with no api_key (api_open = true): "
                     "anyone who can reach it can generate", printable(host))
-    runner = web.AppRunner(make_app(device), handler_cancellation=True, shutdown_timeout=2.0)
+    runner = web.AppRunner(make_app(device, host), handler_cancellation=True, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

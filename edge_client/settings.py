@@ -11,6 +11,7 @@ came from (`SettingsError`).
 """
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 from typing import Any, Literal
@@ -116,6 +117,8 @@ class EmulationSettings(Section):
 
 # A device id is one MQTT topic level and part of the broker client id: kept short.
 MAX_DEVICE_ID_CHARS = 128
+# a browser origin as api_origins lists it: scheme://host[:port], no path
+ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://(\[[0-9A-Fa-f:.]+\]|[^\s/:@\[\]]+)(:\d{1,5})?")
 
 
 class DeviceSettings(BaseSettings):
@@ -160,6 +163,12 @@ class DeviceSettings(BaseSettings):
     api_key: SecretStr = SecretStr("")
     # serve a non-loopback host without an api_key (refused otherwise)
     api_open: bool = False
+    # Host names the API answers to besides IP literals, localhost and `host` (with no api_key
+    # any other is a 403: DNS rebinding), e.g. ["pi5-kitchen.lan"]
+    api_hosts: list[str] = Field(default_factory=list)
+    # browser origins (SCHEME://HOST[:PORT]) whose pages may call the API, with CORS; with no
+    # api_key a request from any other origin is a 403
+    api_origins: list[str] = Field(default_factory=list)
     policy: PolicySettings = PolicySettings()
     mqtt: MqttSettings = MqttSettings()
     emulation: EmulationSettings = EmulationSettings()
@@ -178,6 +187,23 @@ class DeviceSettings(BaseSettings):
     @classmethod
     def _endpoints(cls, value: list[str]) -> list[str]:
         return [str(parse_endpoint(address, "server")) for address in value]
+
+    @field_validator("api_hosts")
+    @classmethod
+    def _host_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not name or any(c.isspace() or c in "/@" for c in name):
+                raise ValueError(f"{name!r} is not a host name (e.g. \"pi5-kitchen.lan\")")
+        return value
+
+    @field_validator("api_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        for origin in value:
+            if not ORIGIN.fullmatch(origin.rstrip("/")):
+                raise ValueError(f"{origin!r} is not an origin: SCHEME://HOST[:PORT], "
+                                 f"e.g. \"http://localhost:3000\"")
+        return value
 
     def public(self) -> dict[str, Any]:
         """The settings as plain data with secrets masked (status, the MQTT echo)."""

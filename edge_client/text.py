@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from edge_client.stop_strings import StopStrings
+
 
 class OutputText:
     """Incremental detokenisation with stop strings.
 
     Each token re-decodes the whole output and the caller is sent only the new suffix. Text is
     held back while it ends in "\\ufffd" (a character whose bytes are still arriving) or in the
-    start of a stop string. End ids (EOS, stop ids) count as tokens but have no text.
+    start of a stop string. End ids (EOS, stop ids) count as tokens but have no text. Stops are
+    looked for only where a new one can begin (from the text handed out, less a stop's length),
+    so each token costs the new text and the stops' lengths (edge_client.stop_strings).
 
     With stops=["\\n\\n"], outputs "a", "b\\n", "\\nc": take() gives "a", then "b" (the "\\n"
     may start a stop), then nothing more: the text is "ab" and stopped is True.
@@ -22,7 +26,7 @@ class OutputText:
     def __init__(self, tokenizer, stops: Sequence[str] = (), end_ids: Collection[int] = (),
                  **decode_options) -> None:
         self.tokenizer = tokenizer
-        self.stops = list(stops)
+        self.stops = StopStrings(stops)
         self.end_ids = set(end_ids)
         options = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False, **decode_options}
         self.decode_options = {key: value for key, value in options.items() if value is not None}
@@ -44,9 +48,10 @@ class OutputText:
             self._cut_at_stop()
 
     def _cut_at_stop(self) -> None:
-        found = [i for i in (self.text.find(stop) for stop in self.stops) if i >= 0]
-        if found:
-            self.text = self.text[:min(found)]
+        # text[:sent] is out and held back no stop's start: a new stop begins after it
+        found = self.stops.first(self.text, max(0, self.sent - self.stops.longest))
+        if found >= 0:
+            self.text = self.text[:found]
             self.stopped = True
 
     def take(self, final: bool = False) -> str:
@@ -58,7 +63,4 @@ class OutputText:
 
     def _safe_end(self) -> int:
         end = len(self.text.rstrip("\ufffd"))
-        text = self.text[:end]
-        held = max((k for stop in self.stops for k in range(1, len(stop)) if text.endswith(stop[:k])),
-                   default=0)
-        return end - held
+        return end - self.stops.held(self.text[:end])

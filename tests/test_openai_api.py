@@ -53,6 +53,8 @@ async def api(serve, models, drafter_models, tokenizer):
 
 
 async def post(url: str, path: str, data, **headers) -> tuple[int, dict, dict]:
+    """DATA posted as JSON unless the headers say another Content-Type."""
+    headers.setdefault("Content-Type", "application/json")
     async with aiohttp.ClientSession() as http:
         async with http.post(url + path, data=data, headers=headers) as response:
             return response.status, dict(response.headers), await response.json(content_type=None)
