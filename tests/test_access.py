@@ -339,3 +339,32 @@ async def test_work_far_over_the_rate_is_refused_naming_the_quota(serve, models,
     async with other_channel:
         result = await generate(other, NgramDrafter(), SessionRequest(PROMPT, max_new_tokens=4))
     assert result.token_ids == greedy_reference(models["llama"], PROMPT, 4)
+
+
+def test_a_device_holds_a_quarter_of_the_sessions_by_default():
+    from verify_server.settings import ServerSettings
+
+    assert ServerSettings().device_sessions() == 64                   # of 256
+    assert ServerSettings(max_sessions=2).device_sessions() == 1      # at least one
+    assert ServerSettings(quota_sessions=0).device_sessions() == 0    # only max_sessions
+    assert ServerSettings(max_sessions=8, quota_sessions=5).device_sessions() == 5
+
+
+async def test_by_default_two_devices_cannot_hold_every_session(serve, models, tmp_path):
+    """max_sessions 8, no --quota-sessions: a device with a token holds 2; the others open."""
+    server = await serve(models["llama"], auth_tokens=str(token_file(tmp_path / "tokens")),
+                         max_sessions=8)
+    fingerprint = server.service.target.fingerprint
+    held = []
+    for device in ("dev-1", "dev-2"):
+        channel, stub = stub_of(server, TOKENS[device])
+        held.append(channel)
+        replies = [await open_session(stub, fingerprint) for _ in range(3)]
+        assert [reply.WhichOneof("kind") for _, reply in replies] == ["opened", "opened", "error"]
+        assert f"device {device} has 2 sessions open, its quota" in replies[2][1].error.message
+    channel, cam = stub_of(server, TOKENS["cam-3"])
+    async with channel:
+        result = await generate(cam, NgramDrafter(), SessionRequest(PROMPT, max_new_tokens=4))
+    assert result.token_ids == greedy_reference(models["llama"], PROMPT, 4)
+    for channel in held:
+        await channel.close()

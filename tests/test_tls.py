@@ -301,3 +301,33 @@ async def test_sled_serve_with_tls_and_tokens_revokes_on_sighup(tmp_path, pki):
         kept = await asyncio.to_thread(sled_generate, "dev-1", "--server-ca", str(pki.ca))
         assert kept.returncode == 0, kept.stderr
         assert server.proc.poll() is None          # SIGHUP reloaded, it did not end the server
+
+
+async def test_certificates_without_a_token_file_name_devices_for_shares_and_quotas(
+        serve, models, pki):
+    """Mutual TLS, no token file: each certificate is a device, with a part of the KV cache (a
+    quarter) and of the sessions (a quarter of max_sessions), never the whole server."""
+    server = await serve(models["llama"], max_sessions=4, kv_budget=3 << 20,
+                         **tls_settings(pki, mutual=True))
+    share, capacity = server.service.kv_share_tokens(), server.service.pool.capacity_tokens
+    assert share == capacity // 4 // 16 * 16
+    fingerprint = server.service.target.fingerprint
+    hold = pb.Open(prompt_ids=PROMPT, max_new_tokens=8, tokenizer_fingerprint=fingerprint)
+    async with Connection(server.address, device(pki, "dev-1")) as conn:
+        big = conn.stub.Generate()
+        await big.write(pb.DeviceMessage(open=pb.Open(
+            prompt_ids=PROMPT, max_new_tokens=share - len(PROMPT) + 1,
+            tokenizer_fingerprint=fingerprint)))
+        refusal = (await big.read()).error
+        assert refusal.reason == pb.ErrorDetail.REASON_KV_BUDGET
+        assert f"device dev-1's share of the KV cache is {share} tokens" in refusal.message
+        first = conn.stub.Generate()
+        await first.write(pb.DeviceMessage(open=hold))
+        assert (await first.read()).WhichOneof("kind") == "opened"
+        second = conn.stub.Generate()
+        await second.write(pb.DeviceMessage(open=hold))
+        refusal = (await second.read()).error
+        assert refusal.reason == pb.ErrorDetail.REASON_QUOTA
+        assert "device dev-1 has 1 sessions open, its quota" in refusal.message
+        await lossless(server.address, device(pki, "dev-2"), models["llama"])   # its own
+        first.cancel()

@@ -1,5 +1,7 @@
 """Who is calling: a device's identity from its bearer token and, under mutual TLS, its
-certificate. Every Verifier call passes the gate first; the health service never does.
+certificate. Every Verifier call passes the gate first; the health service never does. Every
+call, health and reflection included, is counted against its caller (Gate.caller: its token's
+device, else its certificate's name, else its host) by verify_server.call_bounds.
 
 The token file (`sled serve --auth-tokens FILE`), one device a line, re-read on SIGHUP:
 
@@ -202,15 +204,34 @@ class Gate:
                                 f"certificate {grant.cert!r}; this connection {carried}")
         return Identity(grant.device, True, "device:" + grant.device, grant.quota)
 
+    def caller(self, metadata, auth_context: dict, peer: str) -> Identity:
+        """Who a call is from for the bounds every call passes (verify_server.call_bounds),
+        never refused and never logged (health and reflection need no token): the device its
+        token proves (over its pinned certificate), else its certificate's name, else its host."""
+        names = certificate_names(auth_context) if self.client_certs else []
+        grant = self._known(bearer_token(metadata)) if self.required else None
+        if grant is not None and (grant.cert is None or grant.cert in names):
+            return Identity(grant.device, True, "device:" + grant.device, grant.quota)
+        if names:
+            return Identity(names[0], True, "cert:" + names[0])
+        return Identity(ANONYMOUS, False, "host:" + peer_host(peer))
+
+    def _known(self, token: str | None) -> Grant | None:
+        """The grant of a token, every line compared (no early exit); None: no such token."""
+        if token is None:
+            return None
+        presented, found = digest(token), None
+        for grant in self.grants:
+            if hmac.compare_digest(presented, grant.digest):
+                found = grant
+        return found
+
     def _grant_of(self, token: str | None, peer: str) -> Grant:
         if token is None:
             raise errors.unauthenticated("this server wants a device token: send the metadata "
                                   "'authorization: Bearer TOKEN' (sled device --token, "
                                   "sled generate --token)")
-        presented, found = digest(token), None
-        for grant in self.grants:       # every line compared: no early exit
-            if hmac.compare_digest(presented, grant.digest):
-                found = grant
+        found = self._known(token)
         if found is None:
             self._warn_unknown(peer)
             raise errors.unauthenticated("the device token is not known to this server (revoked or "

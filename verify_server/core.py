@@ -36,6 +36,7 @@ from verify_server.target import Target
 from verify_server.tenant import tenant_key
 
 log = logging.getLogger("sled.server")
+UNLISTED_DEVICES = 4   # the KV share's parts when certificates name devices no token file lists
 
 
 def round_deadline(deadline: float | None, deadline_ms: int = 0) -> float | None:
@@ -63,9 +64,12 @@ class VerifierCore:
         self.tokenizer_calls = 0          # GetTokenizer replies being written (the server's slots)
         self.tokenizer_calls_of: dict[str, int] = {}   # GetTokenizer calls not over, by device key
         self.streams: dict[str, int] = {}   # Generate streams held, by device key (Identity.key)
+        self.calls: dict[str, int] = {}     # other calls held (verify_server.call_bounds), by key
+        self.watch_streams = 0              # Health.Watch streams open, all callers together
         self.kv_reserved: dict[str, int] = {}   # KV tokens reserved by open sessions, by device key
-        self.quotas = Quotas(settings.quota_sessions, settings.quota_tokens_per_s,
-                             settings.quota_burst_s, settings.quota_wait_s)
+        self.quotas = Quotas(settings.device_sessions(), settings.quota_tokens_per_s,
+                             settings.quota_burst_s, settings.quota_wait_s,
+                             host_sessions=settings.quota_sessions or 0)
         metrics.active_sessions.set_function(lambda: len(self.sessions))
 
     # --- what a device holds: streams and GetTokenizer calls ------------------------------------
@@ -82,6 +86,26 @@ class VerifierCore:
 
     def uncount_stream(self, key: str) -> None:
         release(self.streams, key, 1)
+
+    def count_call(self, identity: Identity, watch: bool = False) -> str:
+        """One more call other than Generate of this device (a Health.Watch stream: one more of
+        the server's too), from its first byte; RESOURCE_EXHAUSTED past max_calls_per_device or
+        max_watch_streams. Returns the key to uncount when the call ends."""
+        held, limit = self.calls.get(identity.key, 0), self.settings.max_calls_per_device
+        if held >= limit:
+            raise errors.exhausted(Reason.REASON_QUOTA, f"device {identity.device} holds {held} "
+                                   f"calls (limit {limit}): end one first")
+        if watch and self.watch_streams >= self.settings.max_watch_streams:
+            raise errors.exhausted(Reason.REASON_QUOTA, f"{self.watch_streams} Health.Watch "
+                                   f"streams are open (limit {self.settings.max_watch_streams}): "
+                                   "use Health.Check, or retry later")
+        hold(self.calls, identity.key, 1)
+        self.watch_streams += watch
+        return identity.key
+
+    def uncount_call(self, key: str, watch: bool = False) -> None:
+        release(self.calls, key, 1)
+        self.watch_streams -= watch
 
     def tokenizer_busy(self, identity: Identity) -> str:
         """Why a GetTokenizer call cannot be served now ("" when it can)."""
@@ -255,15 +279,16 @@ class VerifierCore:
     def _admit(self, session: Session, tenant: bytes) -> None:
         """Reserve the session's KV (prompt + max_new_tokens) within its device's share,
         sharing the cached prefix blocks of its tenant (verify_server.tenant) only."""
-        needed = self.kv_needed(session)
+        needed, charged = self.kv_needed(session), self.kv_charged(session)
         device = session.device
         held, share = self.kv_reserved.get(device.key, 0), self.kv_share_tokens()
         shared = share < self.pool.capacity_tokens       # else the pool's own bound is the share
-        if shared and held + needed > share:
+        if shared and held + charged > share:
             raise errors.exhausted(
                 Reason.REASON_KV_BUDGET,
                 f"device {device.device}'s share of the KV cache is {share} tokens and its sessions "
-                f"hold {held}: this one needs {needed}; end a session, or lower max_new_tokens")
+                f"hold {held}: this one needs {charged} (whole blocks of "
+                f"{self.pool.block_tokens}); end a session, or lower max_new_tokens")
         try:
             session.cached_prompt_tokens = session.kv.admit(session.prefill_tokens(), needed, tenant)
         except PoolExhausted:
@@ -273,8 +298,8 @@ class VerifierCore:
                 Reason.REASON_KV_BUDGET,
                 f"the KV cache is full: this session needs {needed} tokens{own}; retry later, "
                 "lower max_new_tokens, or use a server with a larger --kv-budget") from None
-        session.kv_reserved = needed
-        hold(self.kv_reserved, device.key, needed)
+        session.kv_reserved = charged
+        hold(self.kv_reserved, device.key, charged)
         self.metrics.prefix_hit_tokens.inc(session.cached_prompt_tokens)
 
     def kv_needed(self, session: Session) -> int:
@@ -284,15 +309,26 @@ class VerifierCore:
         extra = slots * (slots + 1) if session.mode == pb.GENERATION_MODE_SERVER_SAT else slots
         return len(session.prompt_ids) + session.max_new_tokens + extra
 
+    def kv_charged(self, session: Session) -> int:
+        """KV tokens the session holds against its device's share: what it may fill, rounded up
+        to whole blocks, as the cache hands them out."""
+        return self.pool.blocks_for(self.kv_needed(session)) * self.pool.block_tokens
+
     def kv_share_tokens(self) -> int:
-        """KV tokens one device may reserve: kv_share of the budget, by default an equal part
-        for each device of the token file (all of it without one: devices are told apart only
-        by token)."""
+        """KV tokens one device may reserve, in whole blocks: kv_share of the budget, by default
+        an equal part for each device of the token file, a part of UNLISTED_DEVICES for devices
+        told apart by client certificates without one, all of it when only hosts tell them apart
+        (a NAT's devices are one)."""
         share = self.settings.kv_share
         if share is None:
-            devices = len(self.gate.grants) if self.gate.required else 1
-            share = 1.0 / max(devices, 1)
-        return int(self.pool.capacity_tokens * share)
+            share = 1.0 / self._devices_sharing_kv()
+        block = self.pool.block_tokens
+        return max(int(self.pool.capacity_tokens * share) // block, 1) * block
+
+    def _devices_sharing_kv(self) -> int:
+        if self.gate.required:
+            return max(len(self.gate.grants), 1)
+        return UNLISTED_DEVICES if self.gate.client_certs else 1
 
     def _unreserve(self, session: Session) -> None:
         """Its KV no longer counts against its device's share (once)."""

@@ -71,11 +71,13 @@ class Usage:
 
 class Quotas:
     """Owns every device's usage; a device's own quota (its token line) overrides the defaults.
-    0 means no quota."""
+    0 means no quota. `host_sessions` holds callers that only their host tells apart (no token,
+    no certificate: a NAT's devices share it); None: as `sessions`."""
 
     def __init__(self, sessions: int = 0, tokens_per_s: float = 0.0, burst_s: float = 2.0,
-                 wait_s: float = 2.0) -> None:
+                 wait_s: float = 2.0, host_sessions: int | None = None) -> None:
         self.sessions, self.tokens_per_s = sessions, tokens_per_s
+        self.host_sessions = sessions if host_sessions is None else host_sessions
         self.burst_s, self.wait_s = burst_s, wait_s
         self.usage: dict[str, Usage] = {}
 
@@ -86,12 +88,16 @@ class Quotas:
             self.sweep()
         self._check_size(identity, prompt_tokens)
         usage = self.usage.setdefault(identity.key, Usage())
-        limit = identity.quota.sessions or self.sessions
+        limit = identity.quota.sessions or self.sessions_of(identity)
         if limit and usage.sessions >= limit:
             raise errors.exhausted(Reason.REASON_QUOTA, f"device {identity.device} has {limit} "
                                    f"sessions open, its quota: close one, or ask the server's "
                                    "operator for more (sessions=N on its token line)")
         usage.sessions += 1
+
+    def sessions_of(self, identity: Identity) -> int:
+        """The default session quota of a caller: a device's, or its host's."""
+        return self.sessions if identity.authenticated else self.host_sessions
 
     def close(self, identity: Identity) -> None:
         usage = self.usage.get(identity.key)

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sled.v1 import verifier_pb2 as pb
 from verify_server.auth import access_of
+from verify_server.call_bounds import CallBounds
 from verify_server.engines import make_engine
 from verify_server.engines.base import Engine
 from verify_server.engines.blocks import KVShape
@@ -115,7 +116,7 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
                           settings.max_batch_sessions, settings.max_step_tokens)
     scheduler.start()
     service = VerifierService(target, scheduler, settings, metrics, gate)
-    server = grpc.aio.server(options=[
+    server = grpc.aio.server(interceptors=[CallBounds(service.core)], options=[
         ("grpc.max_receive_message_length", settings.receive_limit(target.context_length)),
         ("grpc.so_reuseport", 0),      # a second server on a used port fails, never shares it
     ])

@@ -22,6 +22,7 @@ from verify_server.core import VerifierCore
 from verify_server.dropped_replies import quiet_dropped_replies, tokenizer_stream_ended
 from verify_server.errors import Reason, SessionError
 from verify_server.metrics import Metrics
+from verify_server.reading_pace import ReadingPace
 from verify_server.scheduler import Scheduler
 from verify_server.session import Session
 from verify_server.settings import ServerSettings
@@ -111,8 +112,10 @@ class VerifierService(pb_grpc.VerifierServicer):
         and one device (a token's or certificate's) holds at most max_tokenizer_calls_per_device
         calls until each is over, so it cannot take every slot, nor pile up stalled calls
         (VerifierCore.tokenizer_busy). A write that waits on a client reading nothing for
-        tokenizer_stall_timeout ends the reply (DEADLINE_EXCEEDED) and frees its slot. A stream
-        the client drops is one log line (verify_server.dropped_replies)."""
+        tokenizer_stall_timeout, or one read slower than tokenizer_min_rate on average once
+        tokenizer_rate_grace is over (ReadingPace), ends the reply (DEADLINE_EXCEEDED) and frees
+        its slot: a slot is held for at most grace + reply size / min rate. A stream the client
+        drops is one log line (verify_server.dropped_replies)."""
         if isinstance(request, Undecodable):
             end_call(context, request.refusal())
             return
@@ -129,25 +132,29 @@ class VerifierService(pb_grpc.VerifierServicer):
         chunks, sent, peer, key = self.target.tokenizer_reply, [0], context.peer(), identity.key
         self.core.tokenizer_call_started(key)
         context.add_done_callback(lambda _: self._tokenizer_call_done(key, peer, sent[0], len(chunks)))
+        pace = ReadingPace(self.settings.tokenizer_min_rate, self.settings.tokenizer_rate_grace)
         try:
             for chunk in chunks:
-                if not await self._written(context, chunk):
+                if not await self._written(context, chunk, pace):
                     return
                 sent[0] += 1
         finally:
             self.core.tokenizer_reply_written()   # nothing more is written: the slot is free
 
-    async def _written(self, context, chunk: bytes) -> bool:
+    async def _written(self, context, chunk: bytes, pace: ReadingPace) -> bool:
         """The chunk handed to gRPC; False (and the call's status set) when the client read
-        nothing for tokenizer_stall_timeout."""
+        nothing for tokenizer_stall_timeout, or reads too slowly to take it in time (pace)."""
         stall = self.settings.tokenizer_stall_timeout
+        floor_s = pace.seconds_left(len(chunk))
         try:
-            await asyncio.wait_for(context.write(chunk), stall)
+            await asyncio.wait_for(context.write(chunk), min(stall, floor_s))
         except asyncio.TimeoutError:
             context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
-            context.set_details(f"the client read nothing of this reply for {stall:g} s: it ends "
+            context.set_details(pace.too_slow() if floor_s < stall else
+                                f"the client read nothing of this reply for {stall:g} s: it ends "
                                 "here (ask again)")
             return False
+        pace.written(len(chunk))
         return True
 
     def _tokenizer_call_done(self, key: str, peer: str, sent: int, total: int) -> None:

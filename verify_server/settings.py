@@ -33,6 +33,7 @@ ENV_PREFIX = "SLED_SERVE_"
 VARINT_BYTES, FLOAT_BYTES = 5, 4     # the most a uint32 id takes on the wire; a float prob
 FIELD_OVERHEAD = 16                  # tags and lengths of one q position
 MESSAGE_MARGIN = 64 << 10            # stop ids (validation.MAX_STOP_IDS), strings, sampling, framing
+SESSIONS_PARTS = 4                   # by default a device may hold a quarter of the sessions
 ANNOUNCE = "MQTT announcements"   # the flag group of the announcement keys
 ACCESS = "access"                  # the flag group of TLS, device tokens and quotas
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
@@ -88,8 +89,10 @@ class ServerSettings(BaseSettings):
         None, "device tokens, one 'DEVICE_ID TOKEN [cert=NAME] [sessions=N] [tokens_per_s=R]' "
               "a line (sled certs writes one); every call must carry one; re-read on SIGHUP")
     reflection: bool = _access(True, "serve gRPC reflection (the service's schema)")
-    quota_sessions: int = _access(0, "open sessions per device before RESOURCE_EXHAUSTED "
-                                     "(0 = only max_sessions)", ge=0)
+    quota_sessions: int | None = _access(
+        None, "open sessions per device before RESOURCE_EXHAUSTED (default: a quarter of "
+              "max_sessions, at least 1, for a device its token or certificate names; a host "
+              "without either is held only when this is set; 0 = only max_sessions)", ge=0)
     quota_tokens_per_s: float = _access(0.0, "tokens per second through the target per device: "
                                              "prompt + draft tokens (0 = no quota)", ge=0)
     quota_burst_s: float = _access(2.0, "seconds of quota_tokens_per_s a device may spend at "
@@ -119,13 +122,25 @@ class ServerSettings(BaseSettings):
     tokenizer_stall_timeout: float = Field(20.0, gt=0, description="seconds a GetTokenizer reply "
                                            "may wait on a client that reads nothing before it "
                                            "ends (DEADLINE_EXCEEDED) and frees its slot")
+    tokenizer_min_rate: int = Field(
+        64 << 10, ge=1, description="bytes per second a GetTokenizer reply must be read at, on "
+        "average from its start after tokenizer_rate_grace seconds; a slower reader's reply "
+        "ends (DEADLINE_EXCEEDED) and frees its slot", json_schema_extra={"metavar": "SIZE"})
+    tokenizer_rate_grace: float = Field(10.0, ge=0, description="seconds of a GetTokenizer reply "
+                                        "not held to tokenizer_min_rate (a connection's start)")
     idle_timeout: float = Field(300.0, ge=0, description="seconds a session may idle before its "
                                                          "KV is freed (0 = never)")
-    open_timeout: float = Field(10.0, gt=0, description="seconds a Generate stream may go without "
-                                                        "its Open before it is ended")
+    open_timeout: float = Field(10.0, gt=0, description="seconds a call may go without its first "
+                                "message (a Generate stream: its Open; a reflection stream: each "
+                                "next one) before it is ended (DEADLINE_EXCEEDED)")
     max_streams_per_device: int = Field(256, ge=1, description="Generate streams one device may "
                                         "hold at once, opened or not (a device: its token, its "
                                         "certificate name, else its host)")
+    max_calls_per_device: int = Field(256, ge=1, description="calls other than Generate one "
+                                      "device may hold at once (GetModelInfo, GetTokenizer, "
+                                      "health, reflection) before RESOURCE_EXHAUSTED")
+    max_watch_streams: int = Field(1024, ge=1, description="Health.Watch streams open at once, "
+                                   "all callers together, before RESOURCE_EXHAUSTED")
     # --- the KV cache ---
     kv_budget: int | None = Field(None, ge=1, description="KV cache size, e.g. 2GiB or 512MiB "
                                   "(default: --kv-fraction of free memory)",
@@ -171,10 +186,17 @@ class ServerSettings(BaseSettings):
     announce_tls_name: str = _announce("", "the name on --tls-cert devices should check, when "
                                            "it is not the announced endpoint's host")
 
-    @field_validator("kv_budget", "max_message_bytes", mode="before")
+    @field_validator("kv_budget", "max_message_bytes", "tokenizer_min_rate", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
         return parse_size(value) if isinstance(value, str) else value
+
+    def device_sessions(self) -> int:
+        """Open sessions one device (named by its token or certificate) may hold: quota_sessions,
+        by default a quarter of max_sessions (at least 1); 0: only max_sessions."""
+        if self.quota_sessions is None:
+            return max(self.max_sessions // SESSIONS_PARTS, 1)
+        return self.quota_sessions
 
     def receive_limit(self, context_length: int) -> int:
         """The largest message the server reads: max_message_bytes, else what a valid one can
