@@ -21,6 +21,7 @@ from edge_client.servers import Server
 from edge_client.session import RoundSettings, SessionHooks, Target, generate
 from edge_client.settings import DeviceSettings
 from edge_client.transport import ServerLost, VerifyError
+from edge_client.verdict_check import BrokenVerdict
 from edge_client.wire import SessionRequest
 
 
@@ -109,6 +110,10 @@ class RequestRunner:
                 return
             if isinstance(exc, ServerLost):
                 raise DeviceError("unavailable", f"lost the verify server: {exc.message}") from None
+            if isinstance(exc, BrokenVerdict):
+                raise DeviceError("unavailable", f"the verify server {server.endpoint} sent a "
+                                  f"verdict that breaks the protocol, so nothing of it was kept: "
+                                  f"{exc.problem}") from None
             raise DeviceError(_kind(exc), f"the verify server refused: {exc}") from None
         metrics.resumes.inc(result.resumes)
         queue.put_nowait(Chunk([], result.finish_reason))
@@ -124,8 +129,10 @@ class RequestRunner:
                 draft_len=policy.draft_len, max_draft_len=policy.max_draft_len,
                 min_confidence=policy.min_confidence, pipeline=policy.pipeline,
                 lookahead=policy.lookahead, hints=policy.hints, tree=policy.tree,
-                max_draft_tokens=server.max_draft_tokens or 32, reconnect_s=settings.reconnect_s),
-            target=Target(server.fingerprint or None, server.model), transport=self.link.transport(),
+                max_draft_tokens=server.max_draft_tokens or 32, reconnect_s=settings.reconnect_s,
+                open_timeout_s=settings.open_timeout_s, verdict_timeout_s=settings.verdict_timeout_s),
+            target=Target(server.fingerprint or None, server.model, server.vocab_size),
+            transport=self.link.transport(),
             hooks=SessionHooks(reopen_on=reopen, on_tokens=generation.on_tokens,
                                on_round=self.telemetry.round, on_server=generation.on_server))
 
@@ -138,7 +145,7 @@ class RequestRunner:
             server.stub, request,
             hooks=SessionHooks(on_tokens=generation.on_tokens, on_server=generation.on_server),
             transport=self.link.transport(), reconnect_s=generation.settings.reconnect_s,
-            wait_first=True)
+            wait_first=True, vocab_size=server.vocab_size)
 
     def session_drafter(self, settings: DeviceSettings):
         """The shared drafter, paced to the emulated board's speed when there is one."""

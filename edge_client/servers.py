@@ -40,6 +40,7 @@ class Server:
     fingerprint: str = ""               # the target's tokenizer fingerprint ("" until known)
     files_sha256: str = ""              # what its tokenizer files are ("" until known, or unsaid)
     max_draft_tokens: int = 0           # the longest draft it verifies (0 until known)
+    vocab_size: int = 0                 # its target's vocabulary (0 until known)
     load: float = 0.0                   # announced load in [0, 1] (0 when unknown)
     online: bool = True                 # announced online (config servers: until probed down)
     reachable: bool | None = None       # last probe: True, False, or None (not probed yet)
@@ -161,6 +162,7 @@ class ServerDirectory:
         server.model, server.fingerprint = info.model_id, info.tokenizer_fingerprint
         server.files_sha256 = info.tokenizer_files_sha256
         server.max_draft_tokens = info.limits.max_draft_tokens
+        server.vocab_size = info.vocab_size
         self._check(server)
         self._notify()
 

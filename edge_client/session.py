@@ -23,7 +23,8 @@ from edge_client.hint_policy import HINT_USES, HintPolicy
 from edge_client.proposer import Draft, Head, Proposer
 from edge_client.result import LOST, RESUMED, GenerationResult, RoundStat, ServerEvent
 from edge_client.speculation import Speculation
-from edge_client.transport import ServerLost, Stream, Transport, VerifyError, lost_server
+from edge_client.transport import ServerLost, Stream, Transport, VerifyError, lost_server, receive_within
+from edge_client.verdict_check import Asked, check_verdict
 from edge_client.wire import SessionRequest, draft_message, drafter_label
 from sled import clock
 from sled.backoff import Backoff
@@ -39,6 +40,9 @@ CONNECT_S, MAX_CONNECT_S = 1.0, 8.0
 PAUSE_S, MAX_PAUSE_S = 0.05, 2.0
 # A first open's server must take the call this soon (a resuming open: its connect_s).
 ACCEPT_S = 30.0
+# How long a device waits by default for its session's Opened (the prompt's prefill, queued
+# behind other sessions' work) and for each round's verdict before it treats the server as lost
+OPEN_TIMEOUT_S, VERDICT_TIMEOUT_S = 120.0, 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +73,9 @@ class RoundSettings:
     up to where the drafter's own part begins, and a branched draft asks for no SAT hints
     (they follow chains only).
     reconnect_s: how long a lost server is retried, with backoff, before the session fails
-    (0: at once). timeout: the deadline of each Generate call (None: none).
+    (0: at once). timeout: the deadline of each Generate call (None: none). open_timeout_s and
+    verdict_timeout_s: how long the server may take to answer an open with Opened and a draft
+    with its verdict; a server silent longer is treated as lost (resumed, or failed over).
     """
     draft_len: int | str = 4
     max_draft_len: int = 16
@@ -81,6 +87,8 @@ class RoundSettings:
     max_draft_tokens: int = 32
     reconnect_s: float = 30.0
     timeout: float | None = None
+    open_timeout_s: float = OPEN_TIMEOUT_S
+    verdict_timeout_s: float = VERDICT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         fixed = isinstance(self.draft_len, int) and not isinstance(self.draft_len, bool)
@@ -92,6 +100,9 @@ class RoundSettings:
             raise ValueError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
         if self.lookahead < 0 or self.reconnect_s < 0:
             raise ValueError("lookahead and reconnect_s must be >= 0")
+        if not (self.open_timeout_s > 0 and self.verdict_timeout_s > 0):
+            raise ValueError(f"open_timeout_s and verdict_timeout_s must be > 0, got "
+                             f"{self.open_timeout_s} and {self.verdict_timeout_s}")
         if self.tree < 1 or self.max_draft_tokens < 1:
             raise ValueError(f"tree and max_draft_tokens must be >= 1, got {self.tree} and "
                              f"{self.max_draft_tokens}")
@@ -116,9 +127,11 @@ class SessionHooks:
 class Target:
     """What the device knows of the served model (p) before a session opens, when it knows it:
     its tokenizer's fingerprint (a drafter with another tokenizer is then refused before
-    anything is sent) and its name (which that refusal names)."""
+    anything is sent), its name (which that refusal names) and its vocabulary size (every id a
+    verdict emits is checked against it; 0: unknown, unchecked)."""
     fingerprint: str | None = None
     model: str = ""
+    vocab_size: int = 0
 
 
 class DeviceSession:
@@ -134,13 +147,18 @@ class DeviceSession:
     failover); with it, the first open waits and retries the same way. `policy` is the
     DraftPolicy to use and keep teaching (a device's earlier sessions on the same server: its
     timings and acceptance carry over); default: a fresh one when adaptive or pipelining.
-    `transport` opens each stream (an emulated link wraps it).
+    `transport` opens each stream (an emulated link wraps it). Every verdict is checked against
+    the draft and the request before anything of it is kept (edge_client.verdict_check, against
+    the target's `vocab_size` when known): one that breaks the rules ends the session with
+    BrokenVerdict.
     """
 
     def __init__(self, stub, drafter: Drafter, request: SessionRequest,
                  settings: RoundSettings = RoundSettings(), *, policy: DraftPolicy | None = None,
-                 transport: Transport = Stream.open, hooks: SessionHooks = SessionHooks()) -> None:
+                 transport: Transport = Stream.open, hooks: SessionHooks = SessionHooks(),
+                 vocab_size: int = 0) -> None:
         self.stub, self.request, self.settings = stub, request, settings
+        self.vocab_size = vocab_size
         self.transport, self.hooks = transport, hooks
         self.reconnect = Reconnect(settings.reconnect_s, hooks.on_server)
         self.proposer = Proposer(drafter, request.sampling, settings.min_confidence, settings.tree,
@@ -217,7 +235,8 @@ class DeviceSession:
             fingerprint = await target_fingerprint(self.stub, connect_s)
             self.request = replace(self.request, fingerprint=fingerprint)
         opening = self.request.open_message(self.result.token_ids)
-        return await open_stream(self.transport, self.stub, opening, self.settings.timeout, connect_s)
+        return await open_stream(self.transport, self.stub, opening, self.settings.timeout, connect_s,
+                                 self.settings.open_timeout_s)
 
     async def reopen(self, lost: bool) -> Stream:
         """Attempts with backoff until reconnect_s has passed (Reconnect.reopen)."""
@@ -264,15 +283,22 @@ class DeviceSession:
         server lost the session: it is open again, and the round starts over."""
         self.speculation = self.speculate(draft.proposal)
         self.sent_at = clock.now()
+        lookahead = 0 if draft.proposal.parents is not None else self.hints.ask()
         try:
-            lookahead = 0 if draft.proposal.parents is not None else self.hints.ask()
             await self.stream.send(draft_message(self.round, draft.proposal, lookahead))
-            verdict = (await self.stream.receive()).verdict
+            verdict = (await receive_within(self.stream, self.settings.verdict_timeout_s,
+                                            f"verdict for round {self.round}")).verdict
         except (VerifyError, grpc.aio.AioRpcError) as error:
             await self.resume(error)
             return None
         self.verdict_at = clock.now()   # the device's next turn starts here
+        check_verdict(verdict, Asked(self.round, self.room(), self.vocab_size, draft.proposal,
+                                     lookahead, self.request.loose is not None))
         return verdict
+
+    def room(self) -> int:
+        """Tokens the session may still emit."""
+        return self.request.max_new_tokens - len(self.result.token_ids)
 
     async def commit(self, draft: Draft, verdict: pb.Verdict) -> bool:
         """Take round r's verdict: what starts the next draft, the round's stats and the next
@@ -392,13 +418,15 @@ class Reconnect:
 
 
 async def open_stream(transport: Transport, stub, opening: pb.DeviceMessage, timeout: float | None,
-                      connect_s: float | None = None) -> Stream:
+                      connect_s: float | None = None,
+                      open_timeout_s: float = OPEN_TIMEOUT_S) -> Stream:
     """A Generate stream on which the session is open: `opening` sent and Opened received (the
     prompt is in the server's KV). The server must take the call (Stream.accepted) within
     connect_s when resuming (asyncio.TimeoutError: it is still away), ACCEPT_S otherwise (a lost
-    server); the prefill then takes as long as it takes. A written message proves nothing:
-    grpc takes it before any server has, and a call that reached a server as it stopped is
-    never answered at all."""
+    server); Opened must then come within open_timeout_s (the prefill, queued behind others'
+    work), else the server is treated as lost. A written message proves nothing: grpc takes it
+    before any server has, and a call that reached a server as it stopped is never answered at
+    all."""
     resuming = connect_s is not None
     stream = transport(stub, timeout=timeout, wait_for_ready=resuming)
     try:
@@ -410,7 +438,7 @@ async def open_stream(transport: Transport, stub, opening: pb.DeviceMessage, tim
             raise VerifyError(grpc.StatusCode.UNAVAILABLE,
                               f"the server took no Generate call within {ACCEPT_S:g} s (it is "
                               "stopping, or stuck)") from None
-        await stream.receive()  # opened
+        await receive_within(stream, open_timeout_s, "Opened")
     except BaseException:
         stream.cancel()
         raise
@@ -477,7 +505,7 @@ def device_session(stub, drafter: Drafter, request: SessionRequest,
     request = replace(request, fingerprint=drafter_fingerprint(drafter, target.fingerprint, target.model),
                       drafter=drafter_name(drafter))
     return DeviceSession(stub, drafter, request, settings, policy=policy, transport=transport,
-                         hooks=hooks)
+                         hooks=hooks, vocab_size=target.vocab_size)
 
 
 async def generate(stub, drafter: Drafter, request: SessionRequest,

@@ -141,6 +141,10 @@ class DeviceSettings(BaseSettings):
     max_new_tokens: int = Field(256, ge=1)
     # how long a session waits for a server (first open or resume) before it fails
     reconnect_s: float = Field(30.0, ge=0)
+    # how long a server may take to answer a session's open (its prefill, queued behind other
+    # work) and each draft with its verdict; silent longer, it is treated as lost (resume)
+    open_timeout_s: float = Field(120.0, gt=0)
+    verdict_timeout_s: float = Field(60.0, gt=0)
     # with no server reachable, go on with the drafter alone: lossy, marked "lossless": false
     unverified_fallback: bool = False
     # "draft": this device drafts and the server verifies; "server": the server generates every
@@ -225,7 +229,7 @@ class DeviceSettings(BaseSettings):
 
 # Keys that take effect at once when changed at run time; the rest need a restart.
 LIVE_KEYS = {"servers", "drafter", "policy", "max_new_tokens", "reconnect_s", "unverified_fallback",
-             "max_sessions", "mode", "emulation"}
+             "max_sessions", "mode", "emulation", "open_timeout_s", "verdict_timeout_s"}
 
 
 def _merge(base: dict, changes: dict) -> dict:

@@ -80,6 +80,17 @@ class Stream:
         self.call.cancel()
 
 
+async def receive_within(stream: "Stream", seconds: float, what: str) -> pb.ServerMessage:
+    """stream.receive(), which must come within `seconds`: a server silent longer is treated as a
+    lost one (a VerifyError with UNAVAILABLE, which a session resumes or fails over)."""
+    try:
+        return await asyncio.wait_for(stream.receive(), seconds)
+    except asyncio.TimeoutError:
+        raise VerifyError(grpc.StatusCode.UNAVAILABLE,
+                          f"the server sent no {what} within {seconds:g} s: it went silent, so it "
+                          "is treated as lost") from None
+
+
 # transport(stub, timeout=..., wait_for_ready=...) -> a Stream (or anything with its methods)
 Transport = Callable[..., Stream]
 

@@ -17,6 +17,7 @@ from edge_client.server_side import generate_server_side
 from edge_client.session import RoundSettings, SessionHooks, Target, device_session
 from edge_client.text import OutputText
 from edge_client.transport import ServerLost, VerifyError, lost_server
+from edge_client.verdict_check import BrokenVerdict
 from edge_client.wire import SessionRequest
 from sled.cache import CacheError
 from sled.flags import (builtin_aliases, loose_flag, non_negative_float, non_negative_int,
@@ -133,14 +134,15 @@ async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, sh
                 SessionRequest(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                stop_ids=args.stop_id, mode=mode, cache_salt=args.cache_salt),
                 hooks=SessionHooks(on_tokens=shown.stream, on_server=shown.server_event),
-                reconnect_s=args.reconnect_s)
+                reconnect_s=args.reconnect_s, vocab_size=info.vocab_size)
         else:
             shown.session = device_session(
                 stub, drafter,
                 SessionRequest(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                stop_ids=args.stop_id, cache_salt=args.cache_salt, loose=args.loose),
                 settings=settings,
-                target=Target(fingerprint=info.tokenizer_fingerprint, model=info.model_id),
+                target=Target(fingerprint=info.tokenizer_fingerprint, model=info.model_id,
+                              vocab_size=info.vocab_size),
                 hooks=SessionHooks(on_tokens=shown.stream, on_server=shown.server_event))
             result = await shown.session.run()
     except (VerifyError, grpc.aio.AioRpcError) as exc:
@@ -148,6 +150,10 @@ async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, sh
             return shown.end(SERVER_LOST, waited=isinstance(exc, ServerLost))
         if isinstance(exc, VerifyError) and exc.reason == "REASON_TOKENIZER_MISMATCH":
             return shown.fail(printable(str(exc), 400), 4)   # found here, before anything was sent
+        if isinstance(exc, BrokenVerdict):
+            return shown.fail(f"the verify server {printable(args.server, 200)} sent a verdict "
+                              f"that breaks the protocol, so nothing of it was kept: "
+                              f"{printable(exc.problem, 300)}", 4)
         detail = str(exc) if isinstance(exc, VerifyError) else f"{exc.code().name}: {exc.details()}"
         return shown.fail(f"server refused: {printable(detail, 200)}", 4)
     return shown.finish(result)

@@ -1,0 +1,193 @@
+"""A device checks what a server tells it: against a real gRPC server that lies (tests/
+lying_server.py), each lie ends the session with BrokenVerdict (or, for silence, as a lost
+server) within its deadline, nothing of the lying verdict is committed or shown, and a silent
+server is failed over like a lost one. Then the rules themselves (edge_client.verdict_check)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from drafters.base import Proposal
+from edge_client.result import LOST, RESUMED
+from edge_client.server_side import generate_server_side
+from edge_client.session import RoundSettings, SessionHooks, Target, device_session
+from edge_client.transport import ServerLost, VerifyError
+from edge_client.verdict_check import Asked, BrokenVerdict, check_verdict
+from edge_client.wire import SessionRequest
+from lying_server import LIES, VOCAB, LyingVerifier, serve
+from sled.v1 import verifier_pb2 as pb
+from sled.v1 import verifier_pb2_grpc as pb_grpc
+from sled.wire.fingerprint import fingerprint_tokenizer
+from test_device_session import PROMPT, CountingDrafter
+from test_hostile_server import chunked
+
+ROUND_0 = [2, 3, 4, 5]         # what the honest first round commits: 3 drafts and a bonus
+PROBLEMS = {
+    "undrafted": "are not what the device drafted",
+    "too_many": "emits 15000 tokens where 8 are left",
+    "huge": "emits 500000 tokens where 8 are left",
+    "wrong_round": "answers round 6, the device waits for round 1",
+    "out_of_vocab": f"outside the target's vocabulary of {VOCAB}",
+    "loose": "loosely in a session that asked for exact verification",
+    "unfinished": "reaches max_new_tokens (8 tokens left) without finishing",
+}
+
+
+@pytest.fixture
+async def liars():
+    """liars(verifier) -> (a stub to it, the verifier); every server and channel closed after."""
+    opened = []
+
+    async def start(verifier: LyingVerifier):
+        server, address = await serve(verifier)
+        channel = grpc.aio.insecure_channel(address)
+        opened.append((server, channel))
+        return pb_grpc.VerifierStub(channel)
+
+    yield start
+    for server, channel in opened:
+        await channel.close()
+        await server.stop(grace=0)
+
+
+def drafting(stub, shown: list[int], **settings):
+    return device_session(stub, CountingDrafter(), SessionRequest(PROMPT, 12),
+                          RoundSettings(draft_len=3, reconnect_s=0, **settings),
+                          target=Target(vocab_size=VOCAB),
+                          hooks=SessionHooks(on_tokens=shown.extend))
+
+
+@pytest.mark.parametrize("lie", sorted(PROBLEMS))
+async def test_a_lying_verdict_ends_the_session_and_nothing_of_it_is_kept(liars, lie):
+    stub = await liars(LyingVerifier(lie, lie_at=1))
+    shown: list[int] = []
+    session = drafting(stub, shown)
+    started = time.perf_counter()
+    with pytest.raises(BrokenVerdict) as refused:
+        await session.run()
+    assert time.perf_counter() - started < 5
+    assert PROBLEMS[lie] in refused.value.problem and "nothing of it was kept" in str(refused.value)
+    assert refused.value.code == grpc.StatusCode.DATA_LOSS
+    assert session.result.token_ids == shown == ROUND_0      # the honest round alone
+
+
+async def test_the_server_modes_check_their_verdicts_too(liars):
+    stub = await liars(LyingVerifier("out_of_vocab", lie_at=0))
+    shown: list[int] = []
+    with pytest.raises(BrokenVerdict, match="outside the target's vocabulary"):
+        await generate_server_side(stub, SessionRequest(PROMPT, 12),
+                                   hooks=SessionHooks(on_tokens=shown.extend), vocab_size=VOCAB)
+    assert shown == []
+
+
+async def test_a_silent_server_is_lost_within_the_verdict_deadline(liars):
+    stub = await liars(LyingVerifier("silent", lie_at=1))
+    shown: list[int] = []
+    started = time.perf_counter()
+    with pytest.raises(ServerLost):
+        await drafting(stub, shown, verdict_timeout_s=0.5).run()
+    assert 0.5 <= time.perf_counter() - started < 5
+    assert shown == ROUND_0
+
+
+async def test_a_server_that_never_opens_is_refused_within_the_open_deadline(liars):
+    stub = await liars(LyingVerifier("silent_open"))
+    started = time.perf_counter()
+    with pytest.raises(VerifyError, match="no Opened within 0.5 s: it went silent") as lost:
+        await drafting(stub, [], open_timeout_s=0.5).run()
+    assert lost.value.code == grpc.StatusCode.UNAVAILABLE
+    assert time.perf_counter() - started < 5
+
+
+async def test_a_silent_server_is_failed_over_and_the_output_is_the_targets(liars):
+    silent = await liars(LyingVerifier("silent", lie_at=1))
+    honest_verifier = LyingVerifier()
+    honest = await liars(honest_verifier)
+    events, shown = [], []
+    session = device_session(silent, CountingDrafter(), SessionRequest(PROMPT, 12),
+                             RoundSettings(draft_len=3, reconnect_s=10, verdict_timeout_s=0.5),
+                             target=Target(vocab_size=VOCAB),
+                             hooks=SessionHooks(reopen_on=lambda: honest, on_tokens=shown.extend,
+                                                on_server=events.append))
+    # the first open goes to the stub it was given (the silent one); after the loss, reopen_on
+    result = await session.run()
+    assert result.token_ids == shown == list(range(2, 14)) and result.resumes == 1
+    assert [e.kind for e in events] == [LOST, RESUMED] and "went silent" in events[0].detail
+    assert honest_verifier.opens == 1
+
+
+async def test_sled_generate_says_which_server_broke_the_rules_and_shows_nothing_of_it(
+        liars, tokenizer, tmp_path):
+    fingerprint = fingerprint_tokenizer(tokenizer)
+    folder = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(folder)
+    files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+    server, address = await serve(LyingVerifier("too_many", lie_at=0, fingerprint=fingerprint,
+                                                chunks=chunked(fingerprint, files)))
+    try:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sled_cli.main", "generate", "--server", address, "--prompt",
+            "def", "--max-new-tokens", "12", "--drafter", "ngram", "--json",
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, "SLED_CACHE": str(tmp_path / "cache"),
+                 "PYTHONPATH": os.pathsep.join(sys.path)})
+        out, err = await asyncio.wait_for(child.communicate(), 120)
+    finally:
+        await server.stop(grace=0)
+    lines = [line for line in err.decode().splitlines() if line.startswith("sled generate:")]
+    assert child.returncode == 4, err.decode()
+    assert len(lines) == 1 and address in lines[0] and "breaks the protocol" in lines[0], err.decode()
+    assert "emits 15000 tokens where 12 are left" in lines[0]
+    assert b"lossless" not in out
+
+
+# --- the rules, one verdict at a time -------------------------------------------------------
+
+def verdict(accepted: int, emitted: list[int], verified: int, finish=pb.FINISH_REASON_UNSPECIFIED,
+            round: int = 0, **more) -> pb.Verdict:
+    return pb.Verdict(round=round, accepted=accepted, emitted_ids=emitted, verified=verified,
+                      finish_reason=finish, **more)
+
+
+CHAIN = Proposal([4, 5, 6])
+TREE = Proposal([4, 5, 8, 9], parents=[0, 1, 0, 3])   # root -> 4 -> 5, root -> 8 -> 9
+
+
+@pytest.mark.parametrize("kept", [
+    (CHAIN, verdict(3, [4, 5, 6, 7], 3)),                      # accepted whole, a bonus
+    (CHAIN, verdict(1, [4, 9], 3)),                            # a correction
+    (CHAIN, verdict(2, [4, 5], 3, pb.FINISH_REASON_LENGTH)),   # cut at the length
+    (CHAIN, verdict(2, [4, 5, 6], 2)),                         # past the verified: may repeat
+    (TREE, verdict(2, [8, 9, 1], 4)),                          # the second branch
+    (TREE, verdict(1, [4, 2], 4)),
+], ids=["whole", "corrected", "cut", "unverified", "branch", "branch-prefix"])
+def test_an_honest_verdict_keeps_every_rule(kept):
+    proposal, honest = kept
+    check_verdict(honest, Asked(0, 12, VOCAB, proposal))
+
+
+@pytest.mark.parametrize("broken, problem", [
+    ((CHAIN, verdict(1, [4, 5], 3)), "is the draft token it rejected (5)"),
+    ((CHAIN, verdict(4, [4, 5, 6, 7, 8], 3)), "accepts 4 draft tokens of 3 verified"),
+    ((CHAIN, verdict(0, [4], 5)), "5 draft tokens were verified of 3 sent"),
+    ((CHAIN, verdict(2, [4, 5], 3)), "without finishing"),
+    ((CHAIN, verdict(0, [1], 3, hint_ids=[1, 2])), "hints 2 tokens where 0 were asked for"),
+    ((CHAIN, verdict(0, [1], 3, 9)), "finish reason 9 is none"),
+    ((TREE, verdict(2, [4, 9, 1], 4)), "no branch of the device's tree"),
+    ((TREE, verdict(2, [5, 9, 1], 4)), "no branch of the device's tree"),
+], ids=["correction-is-draft", "over-verified", "over-sent", "short", "hints", "finish", "cross",
+        "not-root"])
+def test_a_broken_verdict_is_named_by_the_rule_it_breaks(broken, problem):
+    proposal, lying = broken
+    with pytest.raises(BrokenVerdict, match=problem.replace("(", r"\(").replace(")", r"\)")):
+        check_verdict(lying, Asked(0, 12, VOCAB, proposal))
+
+
+def test_every_lie_of_the_kit_is_tested():
+    assert set(LIES) == set(PROBLEMS) | {"silent", "silent_open"}
