@@ -78,7 +78,7 @@ class Bootstrap:
         try:
             info = await server.connect().model_info(timeout=10, wait_for_ready=False)
             if self.tokenizer is None or self.kept_but_not_these(settings, info.tokenizer_files_sha256):
-                self.tokenizer = await server.connect().tokenizer()
+                self.tokenizer = await server.connect().tokenizer(settings.tokenizer_timeout_s)
                 self.set_fingerprint(settings)
                 self.bind(self.drafter)
             self.directory.set_files(getattr(self.tokenizer, "files_sha256", None) or "")

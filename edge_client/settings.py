@@ -145,6 +145,8 @@ class DeviceSettings(BaseSettings):
     # work) and each draft with its verdict; silent longer, it is treated as lost (resume)
     open_timeout_s: float = Field(120.0, gt=0)
     verdict_timeout_s: float = Field(60.0, gt=0)
+    # how long fetching the target's tokenizer from a server may take, all files together
+    tokenizer_timeout_s: float = Field(60.0, gt=0)
     # with no server reachable, go on with the drafter alone: lossy, marked "lossless": false
     unverified_fallback: bool = False
     # "draft": this device drafts and the server verifies; "server": the server generates every

@@ -13,6 +13,7 @@ round `lie_at`, whose verdict it replaces with one lie:
     out_of_vocab emits a token past ModelInfo.vocab_size
     loose        claims loose acceptance in a session opened exact
     unfinished   reaches max_new_tokens without finishing the session
+    silent_tokenizer  takes GetTokenizer and sends nothing
 
 `serve(verifier)` starts it on a free loopback port (with the tiny target's tokenizer when given,
 for `sled generate`).
@@ -28,7 +29,7 @@ from sled.v1 import verifier_pb2_grpc as pb_grpc
 
 VOCAB = 320
 LIES = ("undrafted", "too_many", "huge", "silent", "silent_open", "wrong_round", "out_of_vocab",
-        "loose", "unfinished")
+        "loose", "unfinished", "silent_tokenizer")
 
 
 class LyingVerifier(pb_grpc.VerifierServicer):
@@ -45,6 +46,8 @@ class LyingVerifier(pb_grpc.VerifierServicer):
         return self.info
 
     async def GetTokenizer(self, request, context):
+        if self.lie == "silent_tokenizer":
+            await asyncio.Event().wait()
         for chunk in self.chunks:
             yield chunk
 

@@ -14,9 +14,11 @@ import grpc
 import pytest
 
 from drafters.base import Proposal
+from edge_client.daemon import Device
 from edge_client.result import LOST, RESUMED
 from edge_client.server_side import generate_server_side
 from edge_client.session import RoundSettings, SessionHooks, Target, device_session
+from edge_client.settings import DeviceSettings
 from edge_client.transport import ServerLost, VerifyError
 from edge_client.verdict_check import Asked, BrokenVerdict, check_verdict
 from edge_client.wire import SessionRequest
@@ -122,6 +124,22 @@ async def test_a_silent_server_is_failed_over_and_the_output_is_the_targets(liar
     assert honest_verifier.opens == 1
 
 
+async def test_the_daemon_gives_up_on_a_silent_tokenizer_within_its_deadline(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path / "cache"))
+    server, address = await serve(LyingVerifier("silent_tokenizer", fingerprint="sha256:" + "0" * 64))
+    device = Device(DeviceSettings(id="liar-test", servers=[address], drafter="ngram",
+                                   tokenizer_timeout_s=0.5))
+    started = time.perf_counter()
+    try:
+        await device.start()
+        assert time.perf_counter() - started < 10
+        assert device.state == "waiting" and address in device.reason, device.reason
+        assert "DEADLINE_EXCEEDED" in device.reason or "deadline" in device.reason.lower()
+    finally:
+        await device.close()
+        await server.stop(grace=0)
+
+
 async def test_sled_generate_says_which_server_broke_the_rules_and_shows_nothing_of_it(
         liars, tokenizer, tmp_path):
     fingerprint = fingerprint_tokenizer(tokenizer)
@@ -190,4 +208,4 @@ def test_a_broken_verdict_is_named_by_the_rule_it_breaks(broken, problem):
 
 
 def test_every_lie_of_the_kit_is_tested():
-    assert set(LIES) == set(PROBLEMS) | {"silent", "silent_open"}
+    assert set(LIES) == set(PROBLEMS) | {"silent", "silent_open", "silent_tokenizer"}
