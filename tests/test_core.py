@@ -68,6 +68,11 @@ async def opened(core: VerifierCore, prompt: list[int], identity: Identity = DEV
     return session, reply
 
 
+def in_blocks(core: VerifierCore, tokens: int) -> int:
+    """`tokens` rounded up to the pool's whole blocks: what a reservation is charged."""
+    return -(-tokens // core.pool.block_tokens) * core.pool.block_tokens
+
+
 def kv_free(core: VerifierCore) -> bool:
     return core.pool.committed_blocks == 0 and core.pool.held_tokens == 0
 
@@ -80,7 +85,8 @@ async def test_a_session_through_the_core_emits_the_targets_own_greedy_output(
     session, reply = await opened(core, prompt)
     assert reply.session_id == session.id and reply.prompt_tokens == len(prompt)
     assert core.sessions == {session.id: session}
-    assert core.kv_reserved == {DEV_1.key: len(prompt) + MAX_NEW}
+    # charged in whole blocks of the pool, as the cache hands them out
+    assert core.kv_reserved == {DEV_1.key: in_blocks(core, len(prompt) + MAX_NEW)}
     assert core.quotas.usage[DEV_1.key].sessions == 1
     emitted: list[int] = []
     wrong = (reference[0] + 1) % core.target.vocab_size
@@ -117,8 +123,9 @@ async def test_a_server_mode_session_decodes_the_targets_greedy_output(make_core
 
 
 async def test_admission_refuses_past_a_devices_share_and_past_the_pool(make_core, prompts):
-    core = await make_core(kv_budget_bytes=1 << 20, kv_share=0.5)   # 1008 tokens, 504 a device
-    assert core.kv_share_tokens() == core.pool.capacity_tokens // 2
+    core = await make_core(kv_budget_bytes=1 << 20, kv_share=0.5)   # 1008 tokens, 496 a device
+    block = core.pool.block_tokens         # half the pool, in whole blocks
+    assert core.kv_share_tokens() == core.pool.capacity_tokens // 2 // block * block
     first, _ = await opened(core, prompts[0], DEV_1, max_new_tokens=300)
     with pytest.raises(SessionError) as refused:
         core.open(None, open_request(core, prompts[1], 300), DEV_1, PEER)
@@ -128,9 +135,9 @@ async def test_admission_refuses_past_a_devices_share_and_past_the_pool(make_cor
         in refused.value.message
     # the refused Open left nothing behind: no session, no quota count, no reservation
     assert list(core.sessions) == [first.id] and core.quotas.usage[DEV_1.key].sessions == 1
-    assert core.kv_reserved == {DEV_1.key: len(prompts[0]) + 300}
+    assert core.kv_reserved == {DEV_1.key: in_blocks(core, len(prompts[0]) + 300)}
     second, _ = await opened(core, prompts[1], DEV_2, max_new_tokens=300)   # its own share
-    assert core.kv_reserved[DEV_2.key] == len(prompts[1]) + 300
+    assert core.kv_reserved[DEV_2.key] == in_blocks(core, len(prompts[1]) + 300)
     with pytest.raises(SessionError) as full:          # within its share, not within the pool
         core.open(None, open_request(core, prompts[2], 450), DEV_3, PEER)
     assert full.value.reason == Reason.REASON_KV_BUDGET
