@@ -82,8 +82,8 @@ class ServerSideSession:
             self.result.resumes += 1
             self.stream = await self.reconnect.recover(error, len(self.result.token_ids), self.open_once)
             return False
-        room = self.request.max_new_tokens - len(self.result.token_ids)
-        check_verdict(verdict, Asked(self.step, room, self.vocab_size))
+        check_verdict(verdict, Asked(self.step, self.request.left(self.result.token_ids),
+                                     self.vocab_size))
         self.step += 1
         finished = self.result.add(verdict, started)
         if self.on_tokens is not None:

@@ -292,13 +292,10 @@ class DeviceSession:
             await self.resume(error)
             return None
         self.verdict_at = clock.now()   # the device's next turn starts here
-        check_verdict(verdict, Asked(self.round, self.room(), self.vocab_size, draft.proposal,
-                                     lookahead, self.request.loose is not None))
+        check_verdict(verdict, Asked(self.round, self.request.left(self.result.token_ids),
+                                     self.vocab_size, draft.proposal, lookahead,
+                                     self.request.loose is not None))
         return verdict
-
-    def room(self) -> int:
-        """Tokens the session may still emit."""
-        return self.request.max_new_tokens - len(self.result.token_ids)
 
     async def commit(self, draft: Draft, verdict: pb.Verdict) -> bool:
         """Take round r's verdict: what starts the next draft, the round's stats and the next
@@ -319,7 +316,7 @@ class DeviceSession:
     def speculate(self, proposal: Proposal) -> Speculation | None:
         """Draft ahead while this draft's verdict is in flight, when it pays, up to a next draft
         of draft_len and no further than max_new_tokens allows."""
-        left = self.request.max_new_tokens - len(self.result.token_ids) - len(proposal.token_ids) - 1
+        left = self.request.left(self.result.token_ids) - len(proposal.token_ids) - 1
         cap = min(self.draft_len, left)
         if not self.pipelining or cap < 1 or proposal.parents is not None or \
                 not self.policy.pipelining_pays(len(proposal.token_ids)):

@@ -29,7 +29,7 @@ def open_message(request: SessionRequest, committed: Sequence[int] = ()) -> pb.D
     verification (not lossless)."""
     msg = pb.DeviceMessage(open=pb.Open(
         prompt_ids=list(request.prompt_ids) + list(committed),
-        max_new_tokens=request.max_new_tokens - len(committed), stop_ids=list(request.stop_ids),
+        max_new_tokens=request.left(committed), stop_ids=list(request.stop_ids),
         tokenizer_fingerprint=request.fingerprint, drafter=drafter_label(request.drafter),
         ignore_eos=request.ignore_eos, mode=request.mode, cache_salt=request.cache_salt))
     request.sampling.to_proto(msg.open.sampling)
@@ -63,3 +63,7 @@ class SessionRequest:
     def open_message(self, committed: Sequence[int]) -> pb.DeviceMessage:
         """Open (or reopen) the session for what is left after the committed tokens."""
         return open_message(self, committed)
+
+    def left(self, committed: Sequence[int]) -> int:
+        """Tokens the session may still emit after the committed ones."""
+        return self.max_new_tokens - len(committed)
