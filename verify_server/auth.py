@@ -80,6 +80,10 @@ class Grant:
     cert: str | None = None         # the client certificate name the token is pinned to
     quota: Quota = Quota()
 
+    def identity(self) -> "Identity":
+        """The device this token proves."""
+        return Identity(self.device, True, "device:" + self.device, self.quota)
+
 
 @dataclass(frozen=True, slots=True)
 class Identity:
@@ -161,6 +165,13 @@ def certificate_names(auth_context: dict) -> list[str]:
     return names
 
 
+def tokenless_identity(certificate_names: list[str], peer: str) -> Identity:
+    """A caller without a token: its certificate's first name, else its host."""
+    if certificate_names:
+        return Identity(certificate_names[0], True, "cert:" + certificate_names[0])
+    return Identity(ANONYMOUS, False, "host:" + peer_host(peer))
+
+
 class Gate:
     """Checks each call's identity: a known token when there is a token file, a client
     certificate the CA signed under mutual TLS (checked by the TLS handshake itself)."""
@@ -194,15 +205,13 @@ class Gate:
         """The caller's identity, or a SessionError (UNAUTHENTICATED, PERMISSION_DENIED)."""
         names = certificate_names(auth_context) if self.client_certs else []
         if not self.required:
-            if names:
-                return Identity(names[0], True, "cert:" + names[0])
-            return Identity(ANONYMOUS, False, "host:" + peer_host(peer))
+            return tokenless_identity(names, peer)
         grant = self._grant_of(bearer_token(metadata), peer)
         if grant.cert is not None and grant.cert not in names:
             carried = f"carries {printable(', '.join(names), 200)}" if names else "carries none"
             raise errors.denied(f"device {grant.device}'s token is pinned to the client "
                                 f"certificate {grant.cert!r}; this connection {carried}")
-        return Identity(grant.device, True, "device:" + grant.device, grant.quota)
+        return grant.identity()
 
     def caller(self, metadata, auth_context: dict, peer: str) -> Identity:
         """Who a call is from for the bounds every call passes (verify_server.call_bounds),
@@ -211,10 +220,8 @@ class Gate:
         names = certificate_names(auth_context) if self.client_certs else []
         grant = self._known(bearer_token(metadata)) if self.required else None
         if grant is not None and (grant.cert is None or grant.cert in names):
-            return Identity(grant.device, True, "device:" + grant.device, grant.quota)
-        if names:
-            return Identity(names[0], True, "cert:" + names[0])
-        return Identity(ANONYMOUS, False, "host:" + peer_host(peer))
+            return grant.identity()
+        return tokenless_identity(names, peer)
 
     def _known(self, token: str | None) -> Grant | None:
         """The grant of a token, every line compared (no early exit); None: no such token."""
