@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from drafters.base import Proposal
-from edge_client.daemon import Device
+from edge_client.daemon import Device, DeviceError, Request
 from edge_client.result import LOST, RESUMED
 from edge_client.server_side import generate_server_side
 from edge_client.session import RoundSettings, SessionHooks, Target, device_session
@@ -138,6 +138,30 @@ async def test_the_daemon_gives_up_on_a_silent_tokenizer_within_its_deadline(tmp
     finally:
         await device.close()
         await server.stop(grace=0)
+
+
+async def test_the_daemon_names_the_server_whose_verdict_broke_the_rules(tokenizer, tmp_path,
+                                                                         monkeypatch):
+    """The daemon's request fails (503's kind) naming the server and the rule, and nothing of
+    the lying verdict reaches the caller."""
+    monkeypatch.setenv("SLED_CACHE", str(tmp_path / "cache"))
+    server, address = await serve(LyingVerifier("too_many", lie_at=0,
+                                                fingerprint=fingerprint_tokenizer(tokenizer)))
+    device = Device(DeviceSettings(id="liar-test", servers=[address], drafter="ngram"),
+                    tokenizer=tokenizer)
+    got: list[int] = []
+    try:
+        await device.start()
+        assert device.state == "ready", device.reason
+        with pytest.raises(DeviceError) as refused:
+            async for chunk in device.stream(Request([5, 6, 7], max_tokens=12)):
+                got.extend(chunk.token_ids)
+    finally:
+        await device.close()
+        await server.stop(grace=0)
+    assert refused.value.kind == "unavailable" and got == []
+    assert f"the verify server {address} sent a verdict that breaks the protocol" in str(refused.value)
+    assert "emits 15000 tokens where 12 are left" in str(refused.value)
 
 
 async def test_sled_generate_says_which_server_broke_the_rules_and_shows_nothing_of_it(
