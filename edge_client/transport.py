@@ -68,7 +68,8 @@ class Stream:
                               await self.call.details() or "stream ended before the session finished")
         if msg.WhichOneof("kind") == "error":
             reason = pb.ErrorDetail.Reason.Name(msg.error.reason)
-            raise VerifyError(await self.call.code(), msg.error.message, reason)
+            raise VerifyError(refusal_code(await self.call.code(), msg.error.reason),
+                              msg.error.message, reason)
         return msg
 
     async def done_writing(self) -> None:
@@ -78,6 +79,44 @@ class Stream:
     def cancel(self) -> None:
         """Drop the call (the server frees the session)."""
         self.call.cancel()
+
+
+R = pb.ErrorDetail
+# The status each ErrorDetail reason comes with (verifier.proto).
+REASON_CODES = {
+    R.REASON_TOKEN_OUT_OF_RANGE: grpc.StatusCode.INVALID_ARGUMENT,
+    R.REASON_EMPTY_DRAFT: grpc.StatusCode.INVALID_ARGUMENT,
+    R.REASON_DRAFT_TOO_LONG: grpc.StatusCode.INVALID_ARGUMENT,
+    R.REASON_WRONG_ROUND: grpc.StatusCode.FAILED_PRECONDITION,
+    R.REASON_NO_SESSION: grpc.StatusCode.FAILED_PRECONDITION,
+    R.REASON_SESSION_FINISHED: grpc.StatusCode.FAILED_PRECONDITION,
+    R.REASON_CONTEXT_OVERFLOW: grpc.StatusCode.INVALID_ARGUMENT,
+    R.REASON_TOKENIZER_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    R.REASON_BAD_SAMPLING: grpc.StatusCode.INVALID_ARGUMENT,
+    R.REASON_BAD_DRAFT_DISTRIBUTION: grpc.StatusCode.INVALID_ARGUMENT,
+    R.REASON_TOO_MANY_SESSIONS: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    R.REASON_PROTOCOL: grpc.StatusCode.INVALID_ARGUMENT,
+    R.REASON_SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
+    R.REASON_KV_BUDGET: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    R.REASON_EVICTED: grpc.StatusCode.ABORTED,
+    R.REASON_DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    R.REASON_NO_SAT: grpc.StatusCode.FAILED_PRECONDITION,
+    R.REASON_UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    R.REASON_PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    R.REASON_QUOTA: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    R.REASON_BAD_TREE: grpc.StatusCode.INVALID_ARGUMENT,
+    R.REASON_BAD_LOOSE: grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+
+def refusal_code(code: grpc.StatusCode, reason: int) -> grpc.StatusCode:
+    """The status of a call the server ended with an ErrorDetail. An HTTP/2 proxy between
+    (HAProxy 2.6) resets a stream whose answer ended while the device was still sending with
+    RST_STREAM(CANCEL), so the server's trailers never arrive and the call reads CANCELLED,
+    which would pass for a lost server: the reason, sent before, says what the server meant."""
+    if code == grpc.StatusCode.CANCELLED:
+        return REASON_CODES.get(reason, code)
+    return code
 
 
 async def receive_within(stream: "Stream", seconds: float, what: str) -> pb.ServerMessage:
