@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # Every extra: the tests and the demo run both sides, every drafter and the benchmarks.
 EXTRAS := server,gguf,onnx,hf,export,lab,models,dev
 
-.PHONY: demo test install models mosquitto docker protos clean
+.PHONY: demo test install models mosquitto haproxy docker protos clean
 
 install: $(STAMP)
 
@@ -32,7 +32,7 @@ demo: $(STAMP)
 # The suite on both cores: whole test files to two workers (a file's fixtures stay in one process),
 # then the tests marked serial (fleets with fault steps at set times) alone.
 TEST_JOBS ?= 2
-test: $(STAMP) mosquitto docker models
+test: $(STAMP) mosquitto haproxy docker models
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not serial" --durations=15
 	$(BIN)/python -m pytest -q -m serial --durations=5
 
@@ -60,6 +60,22 @@ mosquitto:
 		echo "Mosquitto is missing and cannot be installed from here (not root, no passwordless sudo)."; \
 		echo "Install it, then run make test again:  sudo apt-get install mosquitto  (Debian/Ubuntu)"; \
 		echo "The MQTT tests fail until it is installed."; \
+	fi
+
+# The replicas tests put HAProxy in front of two servers; install it from the Debian packages
+# when missing, as for Mosquitto. Without it those tests are skipped, saying so.
+haproxy:
+	@if command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		DEBIAN_FRONTEND=noninteractive $(APT) install -y -q haproxy || \
+		{ $(APT) update -q && DEBIAN_FRONTEND=noninteractive $(APT) install -y -q haproxy; }; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
+		sudo -n env DEBIAN_FRONTEND=noninteractive $(APT) install -y -q haproxy || \
+		{ sudo -n $(APT) update -q && sudo -n env DEBIAN_FRONTEND=noninteractive $(APT) install -y -q haproxy; }; \
+	else \
+		echo "HAProxy is missing and cannot be installed from here (not root, no passwordless sudo)."; \
+		echo "Install it, then run make test again:  sudo apt-get install haproxy  (Debian/Ubuntu)"; \
+		echo "The replicas tests are skipped until it is installed."; \
 	fi
 
 # The compose lab's test builds images and runs a fleet in Docker: install what is missing of the
