@@ -121,6 +121,9 @@ BAD_FLAGS = [
     (("bench", "acceptance"), "--devices", "x"),
     (("serve", "--model", "m"), "--max-sessions", "-1"),
     (("serve", "--model", "m"), "--port", "abc"),
+    (("serve", "--model", "m"), "--trusted-proxy", "10.0.0.300"),
+    (("serve", "--model", "m"), "--trusted-proxy", "10.0.0.5/8"),
+    (("serve", "--model", "m"), "--proxy-cert-header", "grpc-client-cert"),
     (("device",), "--port", "-1"),
     (("device",), "--max-new-tokens", "nan"),
 ]

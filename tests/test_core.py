@@ -24,7 +24,6 @@ from verify_server.scheduler import Scheduler
 from verify_server.settings import ServerSettings
 from verify_server.target import Target
 
-PEER = "ipv4:10.0.0.7:51234"
 DEV_1 = Identity(device="dev-1", authenticated=True, key="dev-1")
 DEV_2 = Identity(device="dev-2", authenticated=True, key="dev-2")
 DEV_3 = Identity(device="dev-3", authenticated=True, key="dev-3")
@@ -62,7 +61,7 @@ async def opened(core: VerifierCore, prompt: list[int], identity: Identity = DEV
                  max_new_tokens: int = MAX_NEW):
     """A session opened and prefilled, waiting for its device's first draft (as a stream leaves
     it once its Opened is sent)."""
-    session = core.open(None, open_request(core, prompt, max_new_tokens), identity, PEER)
+    session = core.open(None, open_request(core, prompt, max_new_tokens), identity)
     reply = await core.prefill(session, deadline=None)
     session.wait_for_device()
     return session, reply
@@ -113,7 +112,7 @@ async def test_a_server_mode_session_decodes_the_targets_greedy_output(make_core
     prompt = prompts[1]
     request = open_request(core, prompt)
     request.mode = pb.GENERATION_MODE_SERVER
-    session = core.open(None, request, DEV_1, PEER)
+    session = core.open(None, request, DEV_1)
     await core.prefill(session, deadline=None)
     verdicts = [verdict async for verdict in core.decode(session, clock.now() + 60)]
     assert [t for v in verdicts for t in v.emitted_ids] == greedy_reference(models["llama"],
@@ -128,7 +127,7 @@ async def test_admission_refuses_past_a_devices_share_and_past_the_pool(make_cor
     assert core.kv_share_tokens() == core.pool.capacity_tokens // 2 // block * block
     first, _ = await opened(core, prompts[0], DEV_1, max_new_tokens=300)
     with pytest.raises(SessionError) as refused:
-        core.open(None, open_request(core, prompts[1], 300), DEV_1, PEER)
+        core.open(None, open_request(core, prompts[1], 300), DEV_1)
     assert refused.value.reason == Reason.REASON_KV_BUDGET
     assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"device dev-1's share of the KV cache is {core.kv_share_tokens()} tokens" \
@@ -139,7 +138,7 @@ async def test_admission_refuses_past_a_devices_share_and_past_the_pool(make_cor
     second, _ = await opened(core, prompts[1], DEV_2, max_new_tokens=300)   # its own share
     assert core.kv_reserved[DEV_2.key] == in_blocks(core, len(prompts[1]) + 300)
     with pytest.raises(SessionError) as full:          # within its share, not within the pool
-        core.open(None, open_request(core, prompts[2], 450), DEV_3, PEER)
+        core.open(None, open_request(core, prompts[2], 450), DEV_3)
     assert full.value.reason == Reason.REASON_KV_BUDGET
     assert "the KV cache is full" in full.value.message
     assert "device dev-3's sessions hold 0 of its share" in full.value.message

@@ -1,7 +1,7 @@
-"""The prefix cache is scoped to a tenant: the peer's host and Open.cache_salt. A session finds
-only the prompt blocks its own tenant published, so Opened.cached_prompt_tokens (and the prefill
-time) tell a client nothing about what other clients sent. Sessions of one tenant still share, and
-every output is still generate(do_sample=False)'s."""
+"""The prefix cache is scoped to a tenant: the caller's identity (without a token or certificate,
+its host) and Open.cache_salt. A session finds only the prompt blocks its own tenant published, so
+Opened.cached_prompt_tokens (and the prefill time) tell a client nothing about what other clients
+sent. Sessions of one tenant still share, and every output is still generate(do_sample=False)'s."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +24,9 @@ from verify_server.engines.kv import SessionKV
 from verify_server.server import start_server
 from verify_server.settings import ServerSettings
 from verify_server.target import Target
-from verify_server.tenant import peer_host, tenant_key
+from verify_server.auth import Gate
+from verify_server.origin import peer_host
+from verify_server.tenant import tenant_key
 
 SYSTEM = list(range(40, 120))    # an 80-token shared instruction: 5 blocks of 16
 PROMPT = SYSTEM + [5, 9, 200]
@@ -47,21 +49,27 @@ def test_peer_host_drops_the_port(peer, host):
     assert peer_host(peer) == host
 
 
+def tenant_of(peer: str, salt: str) -> bytes:
+    """The tenant of a tokenless call from `peer` (what the server computes for it)."""
+    return tenant_key(Gate().identify((), {}, peer).key, salt)
+
+
 def test_tenant_key_is_the_host_and_the_salt_never_the_port():
-    assert tenant_key("ipv4:1.2.3.4:5555", "") == tenant_key("ipv4:1.2.3.4:6666", "")
-    assert tenant_key("ipv4:1.2.3.4:5555", "s") == tenant_key("ipv6:[::ffff:1.2.3.4]:1", "s")
-    assert tenant_key("ipv4:1.2.3.4:5555", "") != tenant_key("ipv4:1.2.3.5:5555", "")
-    assert tenant_key("ipv4:1.2.3.4:5555", "") != tenant_key("ipv6:[::1]:1234", "")
-    assert tenant_key("ipv4:1.2.3.4:5555", "a") != tenant_key("ipv4:1.2.3.4:5555", "b")
-    assert tenant_key("ipv4:1.2.3.4:5555", "") != tenant_key("ipv4:1.2.3.4:5555", " ")
-    # the host and the salt cannot trade characters
-    assert tenant_key("unix:ab", "c") != tenant_key("unix:a", "bc")
+    assert tenant_of("ipv4:1.2.3.4:5555", "") == tenant_of("ipv4:1.2.3.4:6666", "")
+    assert tenant_of("ipv4:1.2.3.4:5555", "s") == tenant_of("ipv6:[::ffff:1.2.3.4]:1", "s")
+    assert tenant_of("ipv4:1.2.3.4:5555", "") != tenant_of("ipv4:1.2.3.5:5555", "")
+    assert tenant_of("ipv4:1.2.3.4:5555", "") != tenant_of("ipv6:[::1]:1234", "")
+    assert tenant_of("ipv4:1.2.3.4:5555", "a") != tenant_of("ipv4:1.2.3.4:5555", "b")
+    assert tenant_of("ipv4:1.2.3.4:5555", "") != tenant_of("ipv4:1.2.3.4:5555", " ")
+    # the identity and the salt cannot trade characters
+    assert tenant_of("unix:ab", "c") != tenant_of("unix:a", "bc")
+    assert tenant_key("device:cam-3", "") != tenant_key("host:10.0.0.7", "")
 
 
 def test_session_kv_finds_only_its_own_tenants_blocks():
     pool = BlockPool(KVShape(1, 1, 2, torch.float32), num_blocks=32, block_tokens=4)
     prompt = list(range(1, 13))                          # three full blocks
-    mine, theirs = tenant_key("ipv4:10.0.0.1:1", "a"), tenant_key("ipv4:10.0.0.1:1", "b")
+    mine, theirs = tenant_of("ipv4:10.0.0.1:1", "a"), tenant_of("ipv4:10.0.0.1:1", "b")
     first = SessionKV(pool)
     assert first.admit(prompt, 16, mine) == 0
     first.slots(0, 12)

@@ -1,7 +1,9 @@
 """Who is calling: a device's identity from its bearer token and, under mutual TLS, its
 certificate. Every Verifier call passes the gate first; the health service never does. Every
 call, health and reflection included, is counted against its caller (Gate.caller: its token's
-device, else its certificate's name, else its host) by verify_server.call_bounds.
+device, else its certificate's name, else its host) by verify_server.call_bounds. Behind a
+trusted proxy the certificate name and the host are the ones the proxy forwards
+(verify_server.origin): a header never outweighs a token.
 
 The token file (`sled serve --auth-tokens FILE`), one device a line, re-read on SIGHUP:
 
@@ -32,13 +34,12 @@ from sled.wire.auth import bearer_token
 from sled.wire.topics import check_topic_level
 from sled.printable import printable
 from verify_server import errors
-from verify_server.tenant import peer_host
+from verify_server.origin import NAME_CHARS, Origin, TrustedProxies
 
 log = logging.getLogger("sled.server.auth")
 
 ANONYMOUS = "anonymous"        # the device name of a call when the server asks for no identity
 OPTIONS = ("cert", "sessions", "tokens_per_s")
-NAME_CHARS = 128               # a certificate name as a device name: printable, this long at most
 WARN_EVERY_S = 10.0            # unknown tokens are logged at most this often (anyone can send one)
 
 
@@ -52,12 +53,16 @@ def access_of(settings) -> tuple["Gate", object]:
 
     credentials = server_credentials(settings)
     tokens = Path(settings.auth_tokens) if settings.auth_tokens else None
-    gate = Gate(tokens, client_certs=bool(settings.tls_client_ca))
+    proxies = TrustedProxies(settings.trusted_proxies, settings.proxy_cert_header)
+    gate = Gate(tokens, client_certs=bool(settings.tls_client_ca), proxies=proxies,
+                require_identity=settings.require_identity)
     pinned = [grant.device for grant in gate.grants if grant.cert is not None]
-    if pinned and not settings.tls_client_ca:
+    if pinned and not gate.certificates:
         raise TokenFileError(f"the token file {tokens} pins {len(pinned)} tokens to client "
                              f"certificates (cert=..., e.g. {pinned[0]}), which only mutual TLS "
-                             "proves: add --tls-client-ca, or drop the cert= options")
+                             "proves: add --tls-client-ca (or --trusted-proxy for a proxy that "
+                             "verifies them and sets --proxy-cert-header), or drop the cert= "
+                             "options")
     return gate, credentials
 
 
@@ -165,26 +170,43 @@ def certificate_names(auth_context: dict) -> list[str]:
     return names
 
 
-def tokenless_identity(certificate_names: list[str], peer: str) -> Identity:
+def tokenless_identity(origin: Origin) -> Identity:
     """A caller without a token: its certificate's first name, else its host."""
-    if certificate_names:
-        return Identity(certificate_names[0], True, "cert:" + certificate_names[0])
-    return Identity(ANONYMOUS, False, "host:" + peer_host(peer))
+    if origin.names:
+        return Identity(origin.names[0], True, "cert:" + origin.names[0])
+    return Identity(ANONYMOUS, False, "host:" + origin.host)
 
 
 class Gate:
     """Checks each call's identity: a known token when there is a token file, a client
-    certificate the CA signed under mutual TLS (checked by the TLS handshake itself)."""
+    certificate the CA signed under mutual TLS (checked by the TLS handshake itself), or the
+    one a trusted proxy verified. `require_identity`: a call that neither a token nor a
+    certificate names is refused, rather than known by its host."""
 
-    def __init__(self, tokens: Path | None = None, client_certs: bool = False) -> None:
+    def __init__(self, tokens: Path | None = None, client_certs: bool = False,
+                 proxies: TrustedProxies | None = None, require_identity: bool = False) -> None:
         self.path = tokens
         self.client_certs = client_certs
+        self.proxies = proxies or TrustedProxies()
+        self.require_identity = require_identity
         self.grants = read_token_file(tokens) if tokens is not None else []
         self.unknown_tokens, self.warned_at = 0, float("-inf")   # since the last warning
+        self.unnamed_calls, self.unnamed_warned_at = 0, float("-inf")
 
     @property
     def required(self) -> bool:
         return self.path is not None
+
+    @property
+    def certificates(self) -> bool:
+        """Whether certificates name devices: mutual TLS, or a trusted proxy's header."""
+        return self.client_certs or self.proxies.name_devices
+
+    def origin(self, metadata, auth_context: dict, peer: str) -> Origin:
+        """Where the call comes from (verify_server.origin): the one place a caller's host and
+        certificate names are read."""
+        names = certificate_names(auth_context) if self.client_certs else []
+        return self.proxies.origin(metadata, peer, names)
 
     def reload(self) -> bool:
         """Read the token file again (SIGHUP); on failure keep the table in force."""
@@ -203,10 +225,11 @@ class Gate:
 
     def identify(self, metadata, auth_context: dict, peer: str) -> Identity:
         """The caller's identity, or a SessionError (UNAUTHENTICATED, PERMISSION_DENIED)."""
-        names = certificate_names(auth_context) if self.client_certs else []
+        origin = self.origin(metadata, auth_context, peer)
         if not self.required:
-            return tokenless_identity(names, peer)
-        grant = self._grant_of(bearer_token(metadata), peer)
+            return self._tokenless(origin)
+        grant = self._grant_of(bearer_token(metadata), origin)
+        names = origin.names
         if grant.cert is not None and grant.cert not in names:
             carried = f"carries {printable(', '.join(names), 200)}" if names else "carries none"
             raise errors.denied(f"device {grant.device}'s token is pinned to the client "
@@ -217,11 +240,26 @@ class Gate:
         """Who a call is from for the bounds every call passes (verify_server.call_bounds),
         never refused and never logged (health and reflection need no token): the device its
         token proves (over its pinned certificate), else its certificate's name, else its host."""
-        names = certificate_names(auth_context) if self.client_certs else []
+        origin = self.origin(metadata, auth_context, peer)
         grant = self._known(bearer_token(metadata)) if self.required else None
-        if grant is not None and (grant.cert is None or grant.cert in names):
+        if grant is not None and (grant.cert is None or grant.cert in origin.names):
             return grant.identity()
-        return tokenless_identity(names, peer)
+        return tokenless_identity(origin)
+
+    def _tokenless(self, origin: Origin) -> Identity:
+        """A call without a token (none asked for): its certificate's name, else its host;
+        refused under require_identity when no certificate names it."""
+        identity = tokenless_identity(origin)
+        if identity.authenticated:
+            return identity
+        if self.require_identity:
+            raise errors.unauthenticated(
+                "this server serves only devices that a client certificate names "
+                "(--require-identity) and this call carries none: dial with --client-cert and "
+                "--client-key (through a proxy, one that verifies them and forwards the name)")
+        if origin.unnamed:
+            self._warn_unnamed(origin)
+        return identity
 
     def _known(self, token: str | None) -> Grant | None:
         """The grant of a token, every line compared (no early exit); None: no such token."""
@@ -233,24 +271,37 @@ class Gate:
                 found = grant
         return found
 
-    def _grant_of(self, token: str | None, peer: str) -> Grant:
+    def _grant_of(self, token: str | None, origin: Origin) -> Grant:
         if token is None:
             raise errors.unauthenticated("this server wants a device token: send the metadata "
                                   "'authorization: Bearer TOKEN' (sled device --token, "
                                   "sled generate --token)")
         found = self._known(token)
         if found is None:
-            self._warn_unknown(peer)
+            self._warn_unknown(origin)
             raise errors.unauthenticated("the device token is not known to this server (revoked or "
                                   "mistyped): ask its operator for a valid one")
         return found
 
-    def _warn_unknown(self, peer: str) -> None:
+    def _warn_unknown(self, origin: Origin) -> None:
         """One warning line per WARN_EVERY_S at most, with how many came since the last."""
         self.unknown_tokens += 1
         now = time.monotonic()
         if now - self.warned_at >= WARN_EVERY_S:
             log.warning("unknown or revoked token from %s (%d such calls since the last "
-                        "warning)", printable(peer_host(peer), 100), self.unknown_tokens)
+                        "warning)", origin, self.unknown_tokens)
             self.unknown_tokens, self.warned_at = 0, now
+
+    def _warn_unnamed(self, origin: Origin) -> None:
+        """A trusted proxy that forwards neither its client's address nor its certificate: its
+        devices are one, said at most once per WARN_EVERY_S."""
+        self.unnamed_calls += 1
+        now = time.monotonic()
+        if now - self.unnamed_warned_at >= WARN_EVERY_S:
+            log.warning("%d calls through the trusted proxy %s carried neither x-forwarded-for nor "
+                        "%s: its devices share one quota and prefix cache (have it set "
+                        "x-forwarded-for, or start with --require-identity to refuse them)",
+                        self.unnamed_calls, origin.proxy,
+                        self.proxies.cert_header or "a certificate header")
+            self.unnamed_calls, self.unnamed_warned_at = 0, now
 

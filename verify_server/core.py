@@ -1,16 +1,17 @@
 """The server's core, apart from gRPC: the session table, every device's share of the KV cache
 and its quotas, and each session's rounds through the scheduler.
 
-    session = core.open(None, request, identity, peer)       # checked, counted, KV admitted
+    session = core.open(None, request, identity)             # checked, counted, KV admitted
     opened = await core.prefill(session, deadline)            # the prompt in: pb.Opened
     verdict = await core.verify(session, draft, deadline)     # a device's draft: pb.Verdict
     async for verdict in core.decode(session, deadline): ...  # server modes: the server drafts
     core.close(session)                                       # whatever ended the stream
 
-It works from plain values: a deadline (a sled.clock time, or None), the device's
-auth.Identity and its peer address. A refusal is a SessionError, which the transport
-(verify_server.service) turns into the call's status; a call that goes away cancels the
-coroutine awaiting its work (asyncio), and the transport closes its session.
+It works from plain values: a deadline (a sled.clock time, or None) and the device's
+auth.Identity, whose key (its token's device, certificate or host) tells devices apart. A
+refusal is a SessionError, which the transport (verify_server.service) turns into the call's
+status; a call that goes away cancels the coroutine awaiting its work (asyncio), and the
+transport closes its session.
 """
 from __future__ import annotations
 
@@ -134,8 +135,7 @@ class VerifierCore:
 
     # --- a session's life ------------------------------------------------------------------------
 
-    def open(self, session: Session | None, request: pb.Open, identity: Identity,
-             peer: str) -> Session:
+    def open(self, session: Session | None, request: pb.Open, identity: Identity) -> Session:
         """The session an Open asks for: checked, counted against its device's session quota,
         its KV admitted (and its cached prefix found), in the table."""
         validation.check_no_session(session)
@@ -147,8 +147,7 @@ class VerifierCore:
             session = Session.from_open(request, sampling, self.target.eos_ids,
                                         self.scheduler.engine.new_kv(), loose)
             session.device = identity
-            proven = identity.key if identity.authenticated else None
-            self._admit(session, tenant_key(peer, request.cache_salt, proven))
+            self._admit(session, tenant_key(identity.key, request.cache_salt))
         except BaseException:
             self.quotas.close(identity)
             raise

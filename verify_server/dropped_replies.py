@@ -41,9 +41,10 @@ def quiet_dropped_replies() -> None:
     logging.getLogger(GRPC_LOGGER).addFilter(DROPPED_REPLY_FILTER)
 
 
-def tokenizer_stream_ended(peer: str, sent: int, total: int) -> None:
-    """Log a GetTokenizer stream that ended before its last chunk was sent."""
+def tokenizer_stream_ended(caller: str, sent: int, total: int) -> None:
+    """Log a GetTokenizer stream that ended before its last chunk was sent (`caller`: its
+    identity's key, e.g. device:cam-3 or host:10.0.0.7)."""
     if sent < total:
         logging.getLogger("sled.server").info(
             "GetTokenizer to %s stopped after %d of %d chunks: the client cancelled, went away "
-            "or refused a chunk", peer, sent, total)
+            "or refused a chunk", caller, sent, total)

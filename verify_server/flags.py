@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="settings file (.toml, .yaml or .yml) (default: none)")
     groups = {ACCESS: parser.add_argument_group(
         ACCESS, "who may use this server: TLS (mutual with --tls-client-ca), device tokens,\n"
-        "per-device quotas (RESOURCE_EXHAUSTED past them)"),
+        "trusted proxies that name the devices behind them, per-device quotas\n"
+        "(RESOURCE_EXHAUSTED past them)"),
         ANNOUNCE: parser.add_argument_group(
         ANNOUNCE, "announce this server to devices over MQTT (retained on PREFIX/servers/SERVER_ID;\n"
         "off without --mqtt-host)")}
@@ -48,7 +49,8 @@ def _kind(field, extra: dict) -> dict:
     if typing.get_origin(field.annotation) is typing.Literal:
         return {"choices": choices}
     number = {int, float} & {field.annotation, *choices}
-    return {"metavar": extra.get("metavar") or ("N" if number else "TEXT")}
+    kind = {"metavar": extra.get("metavar") or ("N" if number else "TEXT")}
+    return {**kind, "action": "append"} if extra.get("repeatable") else kind
 
 
 def _shown(default) -> str:

@@ -1,6 +1,6 @@
 """The Verifier gRPC service: the transport of verify_server.core. It reads each call's messages,
-hands them to the core with the call's deadline, the caller's identity and its peer address,
-and turns a core refusal (a SessionError) into the stream's Error message and the call's status.
+hands them to the core with the call's deadline and the caller's identity, and turns a core
+refusal (a SessionError) into the stream's Error message and the call's status.
 
     open   -> core.open, core.prefill                       -> Opened
     draft  -> core.verify                                   -> Verdict
@@ -129,9 +129,9 @@ class VerifierService(pb_grpc.VerifierServicer):
             context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
             context.set_details(busy)
             return
-        chunks, sent, peer, key = self.target.tokenizer_reply, [0], context.peer(), identity.key
+        chunks, sent, key = self.target.tokenizer_reply, [0], identity.key
         self.core.tokenizer_call_started(key)
-        context.add_done_callback(lambda _: self._tokenizer_call_done(key, peer, sent[0], len(chunks)))
+        context.add_done_callback(lambda _: self._tokenizer_call_done(key, sent[0], len(chunks)))
         pace = ReadingPace(self.settings.tokenizer_min_rate, self.settings.tokenizer_rate_grace)
         try:
             for chunk in chunks:
@@ -157,9 +157,9 @@ class VerifierService(pb_grpc.VerifierServicer):
         pace.written(len(chunk))
         return True
 
-    def _tokenizer_call_done(self, key: str, peer: str, sent: int, total: int) -> None:
+    def _tokenizer_call_done(self, key: str, sent: int, total: int) -> None:
         self.core.tokenizer_call_over(key)
-        tokenizer_stream_ended(peer, sent, total)
+        tokenizer_stream_ended(key, sent, total)
 
     # --- the session stream ------------------------------------------------------------------
 
@@ -184,7 +184,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             while (message := await self._next(session, context)) is not grpc.aio.EOF:
                 kind = kind_of(message)
                 if kind == "open":
-                    session = self.core.open(session, message.open, identity, context.peer())
+                    session = self.core.open(session, message.open, identity)
                     opened = await self.core.prefill(session, deadline_of(context))
                     yield pb.ServerMessage(opened=opened)
                     if session.mode != pb.GENERATION_MODE_DEVICE_DRAFTS:

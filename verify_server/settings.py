@@ -17,16 +17,17 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic_settings
 from pydantic import (Field, SecretStr, ValidationError, ValidationInfo, field_validator,
                       model_validator)
-from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 from sled.wire.endpoint import parse_endpoint
 from sled.settings_files import SettingsError, file_source, settings_file
 from verify_server.gpu_memory import gpu_memory
+from verify_server.origin import CERT_HEADER, cert_header_name, proxy_network
 from verify_server.step_costs import load_profile
 
 ENV_PREFIX = "SLED_SERVE_"
@@ -52,8 +53,10 @@ def _announce(default: Any = None, description: str = "", **kwargs: Any) -> Any:
     return Field(default, description=description, json_schema_extra={"group": ANNOUNCE}, **kwargs)
 
 
-def _access(default: Any = None, description: str = "", **kwargs: Any) -> Any:
-    return Field(default, description=description, json_schema_extra={"group": ACCESS}, **kwargs)
+def _access(default: Any = None, description: str = "", extra: dict | None = None,
+            **kwargs: Any) -> Any:
+    return Field(default, description=description,
+                 json_schema_extra={"group": ACCESS, **(extra or {})}, **kwargs)
 
 
 class ServerSettings(BaseSettings):
@@ -89,6 +92,20 @@ class ServerSettings(BaseSettings):
         None, "device tokens, one 'DEVICE_ID TOKEN [cert=NAME] [sessions=N] [tokens_per_s=R]' "
               "a line (sled certs writes one); every call must carry one; re-read on SIGHUP")
     reflection: bool = _access(True, "serve gRPC reflection (the service's schema)")
+    trusted_proxies: Annotated[tuple[str, ...], NoDecode] = _access(
+        (), "a proxy in front of this server (HAProxy, Envoy: an address or CIDR network, IPv4 "
+            "or IPv6; repeat it or give a comma list) whose x-forwarded-for and "
+            "--proxy-cert-header name the devices it carries; from anyone else they are ignored "
+            "(default: none)", extra={"flags": ["--trusted-proxy"], "metavar": "ADDR",
+                                      "repeatable": True})
+    proxy_cert_header: str = _access(
+        CERT_HEADER, "the header a trusted proxy that terminates mutual TLS sets to the verified "
+                     "client certificate's name (x-forwarded-client-cert: Envoy's format); "
+                     "empty: names come only from certificates this server verifies")
+    require_identity: bool = _access(
+        False, "refuse (UNAUTHENTICATED) a call that neither a token nor a client certificate "
+               "names, rather than telling its device by its host (a trusted proxy's forwarded "
+               "one, else the peer's)")
     quota_sessions: int | None = _access(
         None, "open sessions per device before RESOURCE_EXHAUSTED (default: a quarter of "
               "max_sessions, at least 1, for a device its token or certificate names; a host "
@@ -186,6 +203,19 @@ class ServerSettings(BaseSettings):
     announce_tls_name: str = _announce("", "the name on --tls-cert devices should check, when "
                                            "it is not the announced endpoint's host")
 
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _proxy_networks(cls, value: Any) -> tuple[str, ...]:
+        """Addresses and networks, as a list or comma lists (a repeated flag, a variable)."""
+        items = [value] if isinstance(value, str) else list(value or ())
+        entries = [part for item in items for part in str(item).split(",") if part.strip()]
+        return tuple(str(proxy_network(entry)) for entry in entries)
+
+    @field_validator("proxy_cert_header")
+    @classmethod
+    def _cert_header(cls, value: str) -> str:
+        return cert_header_name(value)
+
     @field_validator("kv_budget", "max_message_bytes", "tokenizer_min_rate", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
@@ -250,6 +280,17 @@ class ServerSettings(BaseSettings):
                              "--tls-key FILE) or neither")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mutual TLS) needs TLS: give --tls-cert and --tls-key")
+        return self
+
+    @model_validator(mode="after")
+    def _identity_possible(self) -> "ServerSettings":
+        """require_identity with nothing that names a device would refuse every call."""
+        names = self.auth_tokens or self.tls_client_ca or (self.trusted_proxies
+                                                           and self.proxy_cert_header)
+        if self.require_identity and not names:
+            raise ValueError("require_identity refuses every call when nothing names a device: "
+                             "add --auth-tokens, --tls-client-ca, or --trusted-proxy for a proxy "
+                             "that verifies client certificates (--proxy-cert-header)")
         return self
 
     @field_validator("tls_cert", "tls_key", "tls_client_ca", "auth_tokens",
