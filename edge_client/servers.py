@@ -49,6 +49,9 @@ class Server:
     failed_at: float = 0.0              # monotonic time of the last lost session
     tls_name: str = ""                  # the certificate name it announced ("" = its host)
     untrusted: str = ""                 # why this device will not dial it ("" if it may)
+    # the server ids announcing this endpoint online: replicas behind one proxy each announce
+    # the proxy's address, and one going away leaves the proxy up while another still says so
+    announcers: set[str] = field(default_factory=set)
     connection: Connection | None = field(default=None, repr=False)
     security: ChannelSecurity = field(default_factory=ChannelSecurity, repr=False)
 
@@ -123,7 +126,12 @@ class ServerDirectory:
         server this device cannot authenticate is listed with why, and never dialed."""
         server = self.servers.get(endpoint) or self.servers.setdefault(
             endpoint, self._new(endpoint, "mqtt", tls_name))
-        server.id, server.online, server.load = server_id, online, max(0.0, float(load))
+        server.id, server.load = server_id, max(0.0, float(load))
+        if online:
+            server.announcers.add(server_id)
+        else:
+            server.announcers.discard(server_id)
+        server.online = online or bool(server.announcers)
         if model:
             server.model = model
         if fingerprint:
@@ -134,10 +142,12 @@ class ServerDirectory:
         self._notify()
 
     def withdraw(self, server_id: str) -> None:
-        """A server said it is going (MQTT last will or a cleared announcement)."""
+        """A server said it is going (MQTT last will or a cleared announcement); an endpoint
+        another server id still announces (a proxy in front of replicas) stays online."""
         for server in self.servers.values():
-            if server.id == server_id:
-                server.online = False
+            if server.id == server_id or server_id in server.announcers:
+                server.announcers.discard(server_id)
+                server.online = bool(server.announcers)
         self._notify()
 
     def failed(self, server: Server) -> None:

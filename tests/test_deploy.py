@@ -73,3 +73,23 @@ def test_the_envoy_config_balances_streams_over_http2_with_grpc_health_checks():
     route, = manager["route_config"]["virtual_hosts"][0]["routes"]
     assert route["route"]["cluster"] == cluster["name"] and route["route"]["timeout"] == "0s"
     assert "hash_policy" not in route["route"]
+
+
+async def test_a_proxy_announced_by_two_replicas_stays_up_while_one_does():
+    """Replicas behind one proxy each announce its address (`--announce-endpoint PROXY`) under
+    their own server ids: one replica's last will leaves the proxy online, both leave it off."""
+    from edge_client.servers import ServerDirectory
+
+    directory = ServerDirectory()
+    for server_id in ("gpu-0", "gpu-1"):
+        directory.announce(server_id, "proxy.lan:50051")
+    proxy = directory.servers["proxy.lan:50051"]
+    directory.withdraw("gpu-0")
+    assert proxy.online
+    directory.announce("gpu-0", "proxy.lan:50051")
+    directory.announce("gpu-1", "proxy.lan:50051", online=False)
+    assert proxy.online
+    directory.withdraw("gpu-0")
+    assert not proxy.online
+    directory.announce("gpu-1", "proxy.lan:50051")
+    assert proxy.online
