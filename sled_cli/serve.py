@@ -39,20 +39,32 @@ def run(args: argparse.Namespace) -> int:
         return 2
     with phase("target", f"loading {settings.model}{first_use_note(settings.model)}"):
         # torch and transformers load here: part of the timed target phase, under its spinner
-        from verify_server.server import serve_forever
+        from verify_server.ranks import split
+        from verify_server.server import follow_leader, serve_forever
         from verify_server.target import load_target
+        try:
+            ranks = split(settings, sys.argv[1:])
+        except ValueError as exc:   # a model that does not split over --tp N ranks
+            print(f"sled serve: {one_line(exc)}", file=sys.stderr)
+            return 2
         target = load_target(settings)
+    if ranks is not None and not ranks.leads:
+        follow_leader(target, ranks)
+        return 0
     steady_emulation(settings, target)
     try:
         # Ctrl-C cancels serve_forever, which stops the server (the port is free again) and
         # reaches sled_cli.main as KeyboardInterrupt: one line, exit 130
-        asyncio.run(serve_forever(target, settings, announce=announce))
+        asyncio.run(serve_forever(target, settings, announce=announce, ranks=ranks))
     except ValueError as exc:   # e.g. a KV budget too small for one block
         print(f"sled serve: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:      # e.g. the port is in use
         print(f"sled serve: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if ranks is not None:
+            ranks.wait_children()
     return 0
 
 

@@ -22,6 +22,7 @@ from verify_server.engines import make_engine
 from verify_server.engines.base import Engine
 from verify_server.engines.blocks import KVShape
 from verify_server.engines.emulated import EmulatedEngine
+from verify_server.engines.sharded import Channel, LeadingEngine, PoolSize, follow
 from verify_server.gpu_memory import describe, gpu_memory
 from verify_server.metrics import Metrics
 from verify_server.scheduler import Scheduler
@@ -33,6 +34,7 @@ from verify_server.transport import Undecodable
 
 if TYPE_CHECKING:
     from verify_server.announce import AnnounceConfig
+    from verify_server.ranks import Ranks
 
 log = logging.getLogger("sled.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -59,6 +61,7 @@ class RunningServer:
         if self.evictions is not None:
             self.evictions.cancel()
         await self.scheduler.stop()
+        self.scheduler.engine.close()    # a split server's other ranks stop
 
 
 def _emulated(engine: Engine, profile: StepProfile | None,
@@ -90,9 +93,10 @@ def _kv_budget(settings: ServerSettings, profile: StepProfile | None,
 
 async def start_server(target: Target, settings: ServerSettings | None = None,
                        host: str = "127.0.0.1", port: int = 0,
-                       metrics: Metrics | None = None) -> RunningServer:
+                       metrics: Metrics | None = None, ranks: Ranks | None = None) -> RunningServer:
     """Start serving `target` with `settings` (its limits and KV pool; the address is `host` and
-    `port`: port 0 picks a free port, see RunningServer.port)."""
+    `port`: port 0 picks a free port, see RunningServer.port). With `ranks`, this is rank 0 of
+    a server split over them (verify_server.ranks): its engine leads theirs (follow_leader)."""
     settings = settings or ServerSettings()
     metrics = metrics or Metrics()
     if port and _in_use(host, port):   # before the KV pool is taken
@@ -105,6 +109,10 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     engine = make_engine(target.model, kv_budget_bytes=_kv_budget(settings, profile, target),
                          kv_fraction=settings.kv_fraction, block_tokens=settings.kv_block_tokens,
                          kind=settings.engine, sat=target.sat)
+    if ranks is not None:
+        engine = LeadingEngine(engine, Channel(ranks.group))
+        log.info("split over %d ranks (tensor parallel): the KV pool below is theirs together",
+                 ranks.size)
     metrics.watch_pool(engine.pool)
     log.info("%s engine, KV pool %d tokens (%.0f MiB)", engine.kind, engine.pool.capacity_tokens,
              engine.pool.nbytes / (1 << 20))
@@ -220,11 +228,11 @@ def _in_use(host: str, port: int) -> bool:
 
 
 async def serve_forever(target: Target, settings: ServerSettings,
-                        announce: AnnounceConfig | None = None) -> None:
+                        announce: AnnounceConfig | None = None, ranks: Ranks | None = None) -> None:
     """Serve on settings.host:settings.port until interrupted (metrics on settings.metrics_port);
-    with `announce`, also announce the server over MQTT."""
+    with `announce`, also announce the server over MQTT; with `ranks`, as rank 0 of them."""
     host = settings.host
-    running = await start_server(target, settings, host, settings.port)
+    running = await start_server(target, settings, host, settings.port, ranks=ranks)
     if settings.auth_tokens:   # revoke or add devices without a restart
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, running.service.gate.reload)
     if settings.metrics_port is not None:
@@ -250,6 +258,18 @@ async def serve_forever(target: Target, settings: ServerSettings,
             announcing.cancel()
             await asyncio.gather(announcing, return_exceptions=True)
         await running.stop()
+
+
+def follow_leader(target: Target, ranks: Ranks) -> None:
+    """A rank other than 0 of a split server: its engine over its shard of `target`, the same
+    kind and blocks as rank 0's, running rank 0's steps until rank 0 stops."""
+    channel = Channel(ranks.group)
+    size = channel.receive()
+    if not isinstance(size, PoolSize):
+        raise RuntimeError(f"rank {ranks.rank}: rank 0 sent {type(size).__name__} first")
+    engine = make_engine(target.model, kv_budget_bytes=size.nbytes, block_tokens=size.block_tokens,
+                         kind=size.kind, sat=target.sat)
+    follow(engine, channel)
 
 
 def describe_sat(sat) -> str:

@@ -71,6 +71,9 @@ class ServerSettings(BaseSettings):
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(
         "float32", description="float32, float64, bfloat16 or float16")
     device: str = Field("cpu", description="torch device, e.g. cuda:0")
+    tp: int = Field(1, ge=1, le=64, description="split the target over this many GPUs of this "
+                    "machine (tensor parallelism: ranks 0..N-1 on cuda:0..N-1, or N CPU processes "
+                    "with --device cpu); under torchrun, give it --nproc-per-node N")
     trust_remote_code: bool = Field(False, description="run the model repo's own code")
     context_length: int | None = Field(None, ge=2, description="cap below the model's limit")
     sat: bool = Field(True, description="serve the target's semantic adaptive tokens, if it has "

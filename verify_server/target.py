@@ -11,7 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+try:       # where transformers takes its tensor-parallel plan in a config (5.x, later releases)
+    from transformers.distributed import DistributedConfig
+except ImportError:
+    DistributedConfig = None
 
 from sled.cache import MAX_TOKENIZER_CHUNK_BYTES
 from sled.chat_templates import with_chat_template
@@ -41,14 +46,18 @@ class Target:
     @classmethod
     def load(cls, model_id: str, dtype: str = "float32", device: str = "cpu",
              trust_remote_code: bool = False, name: str | None = None,
-             sat_adapter: str | None = None, sat: bool = True) -> "Target":
+             sat_adapter: str | None = None, sat: bool = True, tp: int = 1) -> "Target":
         """Load an AutoModelForCausalLM from safetensors (a local path or a hub id); `name` is
         what devices are told the model is called, as given (default: model_id, but of a path
         only its folder's name). SATs come from
         `sat_adapter`, an adapter file beside the model, or the model's config; sat=False
-        serves the model without them."""
+        serves the model without them. tp > 1: this process's shard of the model split over tp
+        ranks (transformers' tensor-parallel plan; the process group is joined, verify_server.ranks),
+        on the device that rank uses."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        if tp > 1:
+            check_splittable(model_id, tp, trust_remote_code, name)
         if is_synthetic(model_id):
             return cls.synthetic(model_id, dtype, device, name)
         with phase("target.tokenizer", f"loading the tokenizer of {name or public_name(model_id)}"):
@@ -57,7 +66,9 @@ class Target:
         with phase("target.weights", f"loading the weights of {name or public_name(model_id)}"):
             model = AutoModelForCausalLM.from_pretrained(
                 model_id, dtype=DTYPES[dtype], use_safetensors=True,
-                trust_remote_code=trust_remote_code).to(device).eval()
+                trust_remote_code=trust_remote_code, **split_plan(tp)).eval()
+            if tp == 1:     # a split model is placed on its rank's device by the plan
+                model = model.to(device)
         local = Path(model_id) if Path(model_id).is_dir() else None
         spec = sat_spec_of(model, local, sat_adapter) if sat else None
         return cls._of(model, tokenizer, model_id, spec, name)
@@ -117,6 +128,39 @@ class Target:
     @property
     def device(self) -> str:
         return str(next(self.model.parameters()).device)
+
+def split_plan(tp: int) -> dict:
+    """from_pretrained's arguments for this rank's shard of a model split over tp ranks:
+    transformers' own tensor-parallel plan (a DistributedConfig where this transformers takes
+    one, else the older tp_plan argument)."""
+    if tp == 1:
+        return {}
+    try:
+        return {"distributed_config": DistributedConfig(tp_plan="auto")}
+    except TypeError:       # no DistributedConfig, or one without tp_plan
+        return {"tp_plan": "auto"}
+
+
+def check_splittable(model_id: str, tp: int, trust_remote_code: bool = False,
+                     name: str | None = None) -> None:
+    """ValueError (one line) unless the model splits over `tp` ranks: transformers has a
+    tensor-parallel plan for it, and its attention and KV heads divide by tp. Reads the
+    config only: sled serve --tp N asks before it starts any rank."""
+    name = name or public_name(model_id)
+    if is_synthetic(model_id):
+        raise ValueError(f"{name} has random weights made in each process, which cannot be split "
+                         "over ranks: give --tp 1, or a checkpoint")
+    config = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+    text = config.get_text_config(decoder=True)
+    if not getattr(text, "base_model_tp_plan", None):
+        raise ValueError(f"{name} ({text.model_type}) has no tensor-parallel plan in "
+                         "transformers: serve it with --tp 1")
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % tp or kv_heads % tp:
+        raise ValueError(f"{name} has {heads} attention heads and {kv_heads} KV heads, which do "
+                         f"not split over --tp {tp}: use a --tp that divides {kv_heads}")
+
 
 def serialize_tokenizer(tokenizer) -> dict[str, bytes]:
     """The files save_pretrained writes, by name."""
@@ -192,4 +236,4 @@ def load_target(settings):
         adapter = builtin_sat_adapter(settings.model)
     return Target.load(resolve_model(settings.model), dtype=settings.dtype, device=settings.device,
                        trust_remote_code=settings.trust_remote_code, name=settings.model,
-                       sat_adapter=adapter, sat=settings.sat)
+                       sat_adapter=adapter, sat=settings.sat, tp=settings.tp)

@@ -41,10 +41,13 @@ def make_engine(model: torch.nn.Module, *, kv_budget_bytes: int | None = None,
                 kv_fraction: float = 0.25, block_tokens: int = 16, kind: str = "auto",
                 sat: SatSpec | None = None) -> Engine:
     """An engine over a pool of `kv_budget_bytes` (default: `kv_fraction` of free memory);
-    `sat`: the target's SATs, for rows that append SAT slots."""
+    `sat`: the target's SATs, for rows that append SAT slots. For a model split over ranks (its
+    tp_size) this is one rank's engine; the budget counts the whole server (every GPU gives
+    `kv_fraction` of its free memory) and each rank's pool holds its own KV heads of it."""
     shape = KVShape.of(model)
     device = next(model.parameters()).device
-    budget = kv_budget_bytes if kv_budget_bytes is not None else int(free_memory_bytes(device) * kv_fraction)
+    budget = kv_budget_bytes if kv_budget_bytes is not None else int(
+        free_memory_bytes(device) * kv_fraction * (shape.shards if device.type == "cuda" else 1))
     # Block 0 is the zero block that padding reads; it is never handed to a session.
     blocks = budget // (block_tokens * shape.bytes_per_token)
     if blocks < 2:
@@ -55,6 +58,9 @@ def make_engine(model: torch.nn.Module, *, kv_budget_bytes: int | None = None,
     pool = BlockPool(shape, blocks, block_tokens, device)
     if kind == "auto":
         kind = auto_kind(model, device)
+    if kind == "padded" and shape.shards > 1:
+        raise ValueError("the padded engine cannot serve a model split over ranks (--tp): use "
+                         "--engine paged or flex, on a model with transformers' attention interface")
     if kind == "flex":
         return FlexEngine(model, pool, sat, flex=serving_flex(pool))
     return {"paged": PagedEngine, "padded": PaddedEngine}[kind](model, pool, sat)

@@ -100,6 +100,10 @@ class Engine:
         """Before serving: compile or capture what the first steps of up to `max_rows` rows and
         `max_step_tokens` tokens would otherwise pay for inside a request (nothing, here)."""
 
+    def close(self) -> None:
+        """After the last step: let go of what the engine holds beyond its pool (a split
+        server's other ranks, engines.sharded; nothing, here)."""
+
     def _fresh_decoder(self) -> None:
         """Before a step: fuse again if the model's weights were replaced since (moved, cast)."""
         if self.decoder is not None and not self.decoder.fresh():

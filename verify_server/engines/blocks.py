@@ -36,10 +36,18 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class KVShape:
+    """The model's KV of one token. A model split over `shards` ranks (sled serve --tp N) keeps
+    kv_heads / shards heads on each rank: a rank's pool holds `local_kv_heads`, while every
+    count in bytes (bytes_per_token, the pool's nbytes) is the whole server's."""
     layers: int
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    shards: int = 1
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.kv_heads // self.shards
 
     @property
     def bytes_per_token(self) -> int:
@@ -47,11 +55,13 @@ class KVShape:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "KVShape":
+        """The shape of `model`'s KV; split as the model is (transformers' tp_size)."""
         config = model.config.get_text_config(decoder=True)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(config.num_hidden_layers, kv_heads, head_dim, next(model.parameters()).dtype)
+        return cls(config.num_hidden_layers, kv_heads, head_dim, next(model.parameters()).dtype,
+                   getattr(model, "tp_size", None) or 1)
 
 
 class PoolExhausted(Exception):
@@ -92,7 +102,7 @@ class BlockPool:
         # Per layer: keys and values [slots, kv_heads, head_dim], every slot zero (block 0 is
         # the block padding reads, never given to a session; the flex engine reads a row's
         # last block whole, its unwritten slots masked, and a masked 0 times a NaN is NaN)
-        self.keys = [zeros((slots, shape.kv_heads, shape.head_dim), shape.dtype, device)
+        self.keys = [zeros((slots, shape.local_kv_heads, shape.head_dim), shape.dtype, device)
                      for _ in range(shape.layers)]
         self.values = [zeros(k.shape, shape.dtype, device) for k in self.keys]
         self.refs = [0] * num_blocks
@@ -105,6 +115,7 @@ class BlockPool:
         self.outstanding = 0                      # reserved blocks not allocated yet
         self.bytes_written = 0                    # KV bytes written into the pool, ever
         self.held_tokens = 0                      # sessions' committed tokens (shared blocks count for each)
+        self.followers = None     # a split server's other ranks (engines.sharded): told every copy
 
     @property
     def usable_blocks(self) -> int:
@@ -191,7 +202,7 @@ class BlockPool:
     # --- data --------------------------------------------------------------------------------------
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys/values: [tokens, kv_heads, head_dim] into `slots` [tokens]."""
+        """keys/values: [tokens, local_kv_heads, head_dim] into `slots` [tokens]."""
         self.keys[layer].index_copy_(0, slots, keys.to(self.shape.dtype))
         self.values[layer].index_copy_(0, slots, values.to(self.shape.dtype))
         if not torch.compiler.is_compiling():   # a compiled step would guard on the count
@@ -200,6 +211,8 @@ class BlockPool:
     def copy(self, source: torch.Tensor, dest: torch.Tensor) -> None:
         """Every layer's keys and values at slots `source` [n] written to slots `dest` [n]
         (read whole before any is written, so the two may overlap)."""
+        if self.followers is not None:
+            self.followers.copy(source, dest)
         source, dest = source.to(self.keys[0].device), dest.to(self.keys[0].device)
         for layer in range(self.shape.layers):
             self.write(layer, dest, *self.read(layer, source))

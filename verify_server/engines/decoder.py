@@ -38,9 +38,12 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 
 def supports(model: torch.nn.Module) -> bool:
     """Whether sled's forward covers this model: a Llama or Gemma 3 causal LM (text), with an
-    activation it knows."""
+    activation it knows, whole on this process (a model split over ranks, sled serve --tp N,
+    runs transformers' forward: its split layers carry the all-reduces)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in FAMILIES:
+        return False
+    if (getattr(model, "tp_size", None) or 1) > 1:
         return False
     inner = getattr(model, "model", None)
     return (hasattr(inner, "layers") and hasattr(model, "lm_head")

@@ -127,7 +127,7 @@ class FlexGroup:
         # full-block lists then cost more than the mask they save (H200, llama-8b: 16 rows x
         # 2048 ran 15.2 ms with full blocks, 12.6 without; 64 rows 20.6 against 22.8)
         rows = self.table.shape[0]
-        self.full = step.full_blocks and rows * step.pool.shape.kv_heads >= step.unsplit_rows
+        self.full = step.full_blocks and rows * step.pool.shape.local_kv_heads >= step.unsplit_rows
 
     def block_mask(self, window: int | None, heads_per_kv: int) -> BlockMask:
         if window not in self.masks:

@@ -31,6 +31,17 @@ class SessionKV:
         self.tenant = b""     # whose prefix blocks it may share (verify_server.tenant)
         self._slot_ids = torch.empty(0, dtype=torch.long)   # slot of every position the table covers
 
+    @classmethod
+    def mirror(cls, pool: BlockPool, table: Sequence[int], length: int) -> "SessionKV":
+        """Another rank's copy of a session's KV (engines.sharded): its block table and length
+        as the serving rank holds them, nothing reserved (that rank allocates)."""
+        kv = cls(pool)
+        kv.table, kv._length = list(table), length
+        bt = pool.block_tokens
+        blocks = torch.tensor(kv.table, dtype=torch.long)
+        kv._slot_ids = (blocks[:, None] * bt + torch.arange(bt)).flatten()
+        return kv
+
     @property
     def length(self) -> int:
         return self._length

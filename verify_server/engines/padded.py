@@ -73,7 +73,7 @@ class PaddedEngine(Engine):
         layers = []
         for layer in range(self.pool.shape.layers):
             keys = self.pool.keys[layer].new_zeros(
-                (len(rows), self.pool.shape.kv_heads, max_past, self.pool.shape.head_dim))
+                (len(rows), self.pool.shape.local_kv_heads, max_past, self.pool.shape.head_dim))
             values = torch.zeros_like(keys)
             for b, row in enumerate(rows):
                 if row.kv.length:

@@ -1,0 +1,129 @@
+"""`sled serve --tp 2`: one server split over two processes (gloo on this CPU), each holding half
+of a tiny Llama's attention and KV heads. Its outputs are the unsplit target's: greedy output
+equals generate(do_sample=False) for chains, trees and 8 concurrent sessions, and seeded
+sampling repeats the --tp 1 server token for token. A model that does not split is refused in
+one line before any rank starts."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from conftest import PROMPT_TEXTS, greedy_reference
+from drafters.hf import HFDrafter
+from drafters.ngram import NgramDrafter
+from edge_client.session import RoundSettings, generate
+from edge_client.wire import SessionRequest
+from lab.server_process import ServerProcess
+from sled.v1 import verifier_pb2_grpc as pb_grpc
+from sled.wire.sampling import Sampling
+from verify_server.target import check_splittable
+
+NEW_TOKENS = 24
+SEEDS = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(pair):
+    target_dir, drafter_dir = pair
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    drafter = AutoModelForCausalLM.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompts = [tokenizer(text).input_ids for text in PROMPT_TEXTS]
+    return target_dir, model, drafter, tokenizer, prompts
+
+
+@pytest.fixture(scope="module")
+async def split_server(checkpoint):
+    async with ServerProcess(str(checkpoint[0]), "--tp", "2", "--kv-budget", "64MiB",
+                             "--max-sessions", "32") as server:
+        yield server
+
+
+async def run(address: str, drafter, prompt, *, tree: int = 1, sampling: Sampling = Sampling()):
+    async with grpc.aio.insecure_channel(address) as channel:
+        result = await generate(pb_grpc.VerifierStub(channel), drafter,
+                                SessionRequest(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                               sampling=sampling),
+                                settings=RoundSettings(draft_len=4, tree=tree))
+    return result.token_ids
+
+
+async def test_chains_and_trees_of_8_concurrent_sessions_are_the_targets_greedy_output(
+        split_server, checkpoint):
+    _, model, drafter_model, tokenizer, prompts = checkpoint
+    cases = [(prompts[i % len(prompts)], tree) for i, tree in enumerate([1, 3] * 4)]
+    got = await asyncio.gather(*(
+        run(split_server.address, HFDrafter(drafter_model, tokenizer), prompt, tree=tree)
+        for prompt, tree in cases))
+    for (prompt, tree), tokens in zip(cases, got):
+        assert tokens == greedy_reference(model, prompt, NEW_TOKENS), f"tree={tree}"
+    assert split_server.metric("sled_forward_passes_total") > 0
+
+
+async def test_seeded_sampling_repeats_the_unsplit_server(split_server, checkpoint, serve):
+    _, model, _, tokenizer, prompts = checkpoint
+    whole = await serve(model, tokenizer=tokenizer)
+    sampling = [Sampling(temperature=1.0, top_k=12, seed=seed) for seed in range(SEEDS)]
+    split = await asyncio.gather(*(run(split_server.address, NgramDrafter(), prompts[0],
+                                       sampling=s) for s in sampling))
+    unsplit = await asyncio.gather(*(run(whole.address, NgramDrafter(), prompts[0], sampling=s)
+                                     for s in sampling))
+    assert split == unsplit
+    assert len({tuple(tokens) for tokens in split}) > 1    # the seeds did sample
+
+
+def sled_serve(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sled_cli.main", "serve", "--port", "0", *flags],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_kv_heads_that_do_not_divide_are_refused_in_one_line(checkpoint):
+    done = sled_serve("--model", str(checkpoint[0]), "--tp", "3")
+    assert done.returncode == 2
+    said = done.stderr.strip().splitlines()     # after the progress line of the target
+    assert said[-1] == (f"sled serve: {checkpoint[0]} has 4 attention heads and 2 KV heads, "
+                        "which do not split over --tp 3: use a --tp that divides 2")
+    assert len(said) <= 2 and "Traceback" not in done.stderr
+
+
+def test_a_model_without_a_tensor_parallel_plan_is_refused(tmp_path):
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"\(gpt2\) has no tensor-parallel plan in transformers: "
+                                         r"serve it with --tp 1"):
+        check_splittable(str(tmp_path), 2)
+
+
+def test_a_synthetic_target_is_refused():
+    done = sled_serve("--model", "synthetic:gemma3-1b", "--tp", "2")
+    assert done.returncode == 2
+    assert "cannot be split over ranks: give --tp 1, or a checkpoint" in done.stderr
+
+
+async def test_the_other_rank_goes_with_rank_0(checkpoint):
+    async with ServerProcess(str(checkpoint[0]), "--tp", "2", "--kv-budget", "16MiB") as server:
+        pid = server.proc.pid
+        children = [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+        assert len(children) == 1
+        os.kill(pid, signal.SIGKILL)
+        server.proc.wait(10)
+        for _ in range(100):
+            if not os.path.exists(f"/proc/{children[0]}") or _zombie(children[0]):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("rank 1 outlived its rank 0")
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
