@@ -118,6 +118,7 @@ def test_the_certificate_header_is_the_configured_one():
 @pytest.mark.parametrize("value, name", [
     ('By=spiffe://sled/gpu;Hash=ab12;Subject="CN=dev-1,O=fleet";DNS=dev-1.lan', "dev-1"),
     ('Hash=ab12;Subject="O=fleet,CN=dev-1"', "dev-1"),                 # RFC 2253 order
+    ('Hash=ab12;Subject="/C=US/O=fleet/CN=dev-1"', "dev-1"),           # OpenSSL's one-line form
     ('Hash=ab12;Subject="CN=a\\,b,O=x"', "a,b"),                       # an escaped comma
     ('Hash=ab12;DNS=dev-2;DNS=dev-2.lan', "dev-2"),                    # no subject: its DNS name
     ('Hash=1;Subject="CN=old";DNS=x,Hash=2;Subject="CN=dev-3"', "dev-3"),   # the nearest proxy's

@@ -214,7 +214,8 @@ def xfcc_value(raw: str) -> str:
 
 def envoy_cert_name(value: str) -> str | None:
     """The name in an x-forwarded-client-cert value: of its last element (the nearest proxy's),
-    the Subject's common name, else the first DNS name.
+    the Subject's common name (RFC 2253 "CN=dev-1,O=fleet", or OpenSSL's "/O=fleet/CN=dev-1"),
+    else the first DNS name.
 
         'Hash=ab12;Subject="CN=dev-1,O=fleet";DNS=dev-1.lan' -> "dev-1"
     """
@@ -222,7 +223,8 @@ def envoy_cert_name(value: str) -> str | None:
     for pair in split_unquoted(split_unquoted(value, ",")[-1], ";"):
         key, _, raw = pair.partition("=")
         fields.setdefault(key.strip().lower(), raw)
-    for attribute in split_unquoted(xfcc_value(fields.get("subject", "")), ","):
+    subject = xfcc_value(fields.get("subject", ""))
+    for attribute in split_unquoted(subject, "/" if subject.startswith("/") else ","):
         kind, _, name = attribute.partition("=")
         if kind.strip().upper() == "CN" and name.strip():
             return re.sub(r"\\(.)", r"\1", name.strip())     # RFC 4514 escapes: "\," is ","
