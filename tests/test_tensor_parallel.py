@@ -80,6 +80,16 @@ async def test_seeded_sampling_repeats_the_unsplit_server(split_server, checkpoi
     assert len({tuple(tokens) for tokens in split}) > 1    # the seeds did sample
 
 
+async def test_the_flex_engine_runs_on_every_rank(checkpoint):
+    """Flex per rank (warmed up, compiled on this CPU): a chain and a tree as greedy generate."""
+    _, model, drafter_model, tokenizer, prompts = checkpoint
+    async with ServerProcess(str(checkpoint[0]), "--tp", "2", "--engine", "flex",
+                             "--kv-budget", "16MiB", "--max-sessions", "4") as server:
+        got = await asyncio.gather(*(run(server.address, HFDrafter(drafter_model, tokenizer),
+                                         prompts[1], tree=tree) for tree in (1, 3)))
+    assert got == [greedy_reference(model, prompts[1], NEW_TOKENS)] * 2
+
+
 def sled_serve(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sled_cli.main", "serve", "--port", "0", *flags],
                           capture_output=True, text=True, timeout=timeout)
