@@ -6,6 +6,7 @@ one line before any rank starts."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -130,6 +131,34 @@ async def test_the_other_rank_goes_with_rank_0(checkpoint):
             await asyncio.sleep(0.1)
         else:
             pytest.fail("rank 1 outlived its rank 0")
+
+
+def sled_bench_engine(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sled_cli.main", "bench", "engine", *flags],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_engine_bench_times_a_split_step_against_one_device(checkpoint, tmp_path):
+    out = tmp_path / "split.json"
+    done = sled_bench_engine("--model", str(checkpoint[0]), "--tp", "2", "--engines", "paged",
+                             "--sessions", "1,3", "--contexts", "40", "--reps", "2",
+                             "--out", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert results["tp"] == 2 and [c["sessions"] for c in results["cells"]] == [1, 3]
+    for cell in results["cells"]:
+        assert cell["one_ms_p50"] > 0 and cell["split_ms_p50"] > 0
+        assert cell["emitted_agree"] == f"{cell['sessions']}/{cell['sessions']}"
+    assert "split over 2 ranks" in done.stdout
+
+
+def test_the_split_bench_refuses_what_it_cannot_time(checkpoint):
+    done = sled_bench_engine("--model", str(checkpoint[0]), "--tp", "2", "--engines",
+                             "paged,padded")
+    assert done.returncode == 2
+    assert "give --engines paged or flex" in done.stderr
+    done = sled_bench_engine("--shape", "tiny-llama", "--tp", "2", "--engines", "paged")
+    assert done.returncode == 2 and "splits a checkpoint: give --model" in done.stderr
 
 
 def _zombie(pid: int) -> bool:

@@ -51,6 +51,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lab.bench import harness
 from lab.bench.report import percentile, save_figure, subplots, write_json
+from lab.bench.split import split_bench
 from lab.bench.static_step import StaticCacheStep
 from lab.tiny import cached_pair
 from sled.flags import positive_float, positive_int
@@ -105,6 +106,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--write-profile", default=None, metavar="FILE",
                         help="also write a step-cost profile of the first engine's steps (one "
                              "model): what `sled serve --emulate FILE` holds a server to")
+    parser.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                        help="time one engine (paged or flex) of --model split over N ranks "
+                             "(sled serve --tp N; N GPUs, or N CPU processes) against the whole "
+                             "model on one device, side by side")
     harness.add_out_flag(parser, "engine")
 
 
@@ -232,6 +237,8 @@ def bench(args) -> int:
     console = harness.bench_console()
     if args.plan_only:
         return plan_bench(args, console)
+    if args.tp > 1:
+        return split_bench(args, _fill, _step, _agreement)
     contexts = harness.split_list(args.contexts, int)
     sessions = harness.split_list(args.sessions, int)
     kinds = harness.split_list(args.engines, str)
