@@ -66,6 +66,13 @@ def check_user(name: object) -> str:
     return name
 
 
+def replica_login(index: int, server_id: str = SERVER_ID) -> tuple[str, str]:
+    """The broker user and the server id of replica INDEX: the first is the lab's one server
+    ("server", SERVER_ID), the others "server-1", SERVER_ID-1, ..."""
+    return (SERVER_USER, server_id) if index == 0 else (f"{SERVER_USER}-{index}",
+                                                         f"{server_id}-{index}")
+
+
 @dataclass(frozen=True)
 class Fleet:
     """Who logs in to the broker, each under a user name of its own."""
@@ -84,11 +91,13 @@ class Fleet:
                              f"operator needs a user name of its own")
 
     @classmethod
-    def lab(cls, slots: list[DeviceSlot], server_id: str = SERVER_ID) -> "Fleet":
-        """The lab's fleet: a device per slot, "server" announcing `server_id`, operators "lab"
+    def lab(cls, slots: list[DeviceSlot], server_id: str = SERVER_ID,
+            replicas: int = 1) -> "Fleet":
+        """The lab's fleet: a device per slot, "server" announcing `server_id` (and behind a
+        proxy "server-1" announcing `server_id`-1, ...: a user per replica), operators "lab"
         and "lab-config"."""
-        return cls(tuple(slot.id for slot in slots), {SERVER_USER: server_id},
-                   (LAB_USER, CONFIG_USER))
+        servers = dict(replica_login(i, server_id) for i in range(replicas))
+        return cls(tuple(slot.id for slot in slots), servers, (LAB_USER, CONFIG_USER))
 
     @property
     def users(self) -> list[str]:
@@ -166,10 +175,11 @@ class BrokerFiles:
 
     @classmethod
     def write(cls, folder: Path, slots: list[DeviceSlot], prefix: str = "sled",
-              listener: Listener = Listener(), *, server_id: str = SERVER_ID) -> "BrokerFiles":
+              listener: Listener = Listener(), *, server_id: str = SERVER_ID,
+              replicas: int = 1) -> "BrokerFiles":
         """The lab's files (Fleet.lab) into `folder`, for Mosquitto listening as `listener`
         says."""
-        files = cls.write_fleet(folder, Fleet.lab(slots, server_id), prefix, listener)
+        files = cls.write_fleet(folder, Fleet.lab(slots, server_id, replicas), prefix, listener)
         return replace(files, server_id=server_id)
 
     @classmethod

@@ -1,6 +1,7 @@
 """The fault timeline of a phase: each step at its at_s from the phase start.
 
-    server_kill     SIGKILL the verify server, wait down_s, start it again (and wait until it serves)
+    server_kill     SIGKILL the verify server (behind a proxy: the replica it names), wait down_s,
+                    start it again (and wait until it serves)
     broker_restart  stop the broker, wait down_s, start it again
     link_cut        the device's link goes down (MQTT config {"emulation": {"link_down": true}}),
                     down_s later it comes back
@@ -30,7 +31,7 @@ async def run_faults(fleet: Fleet, faults: list[Fault], started: float, prefix: 
 async def _timed(fleet: Fleet, fault: Fault, started: float, prefix: str) -> dict:
     await asyncio.sleep(max(0.0, started + fault.at_s - time.monotonic()))
     record = {"kind": fault.kind, "at_s": round(time.monotonic() - started, 3), "device": fault.device,
-              "down_s": fault.down_s, "done_at_s": None, "ok": False, "note": ""}
+              "replica": fault.replica, "down_s": fault.down_s, "done_at_s": None, "ok": False, "note": ""}
     try:
         record["note"] = await STEPS[fault.kind](fleet, fault, prefix)
         record["ok"] = True
@@ -41,11 +42,13 @@ async def _timed(fleet: Fleet, fault: Fault, started: float, prefix: str) -> dic
 
 
 async def server_kill(fleet: Fleet, fault: Fault, prefix: str) -> str:
-    await fleet.kill_server()
+    replica = fault.replica or 0
+    await fleet.kill_server(replica)
     await asyncio.sleep(fault.down_s)
     begun = time.monotonic()
-    await fleet.start_server()
-    return f"server killed (SIGKILL), serving again {time.monotonic() - begun:.1f} s after restart"
+    await fleet.start_server(replica)
+    which = "server" if fault.replica is None else f"replica {fault.replica}"
+    return f"{which} killed (SIGKILL), serving again {time.monotonic() - begun:.1f} s after restart"
 
 
 async def broker_restart(fleet: Fleet, fault: Fault, prefix: str) -> str:

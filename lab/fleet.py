@@ -1,4 +1,5 @@
-"""The fleet a scenario runs on: one server, one broker and a device per slot.
+"""The fleet a scenario runs on: one server (or replicas behind a proxy), one broker and a
+device per slot.
 
 Two backends implement `Fleet`: LocalFleet (lab/fleet_local.py, processes on this machine) and
 ComposeFleet (lab/fleet_compose.py, Docker Compose). The runner, the driver, the fault timeline
@@ -32,6 +33,7 @@ class Fleet(Protocol):
     mode: str                     # "local" or "compose"
     devices: list[DeviceHandle]   # in slot order, filled by start()
     server_metrics_url: str
+    server_metrics_urls: list[str]  # one per replica (behind a proxy), else [server_metrics_url]
     broker: Broker                # how the lab logs in (user "lab")
     config_broker: Broker         # how it changes devices' settings (user "lab-config")
     traces_dir: Path              # where the runner writes calibrated traces the devices read
@@ -42,11 +44,13 @@ class Fleet(Protocol):
     async def stop(self) -> None:
         """Tear everything down; safe to call twice and after a failed start."""
 
-    async def kill_server(self) -> None:
-        """SIGKILL the verify server (a crash, not a shutdown)."""
+    async def kill_server(self, replica: int = 0) -> None:
+        """SIGKILL the verify server, or replica REPLICA behind the proxy (a crash, not a
+        shutdown)."""
 
-    async def start_server(self) -> None:
-        """Start the server again on the same address and wait until it serves."""
+    async def start_server(self, replica: int = 0) -> None:
+        """Start the server (or replica REPLICA) again on the same address and wait until it
+        serves."""
 
     async def stop_broker(self) -> None:
         """Stop the MQTT broker."""

@@ -47,6 +47,7 @@ class ComposeFleet:
         self.config_broker = Broker(BROKER_HOST, BROKER_PORT, CONFIG_USER,
                                     credentials[CONFIG_USER])
         self.server_metrics_url = f"http://{SERVER_HOST}:{SERVER_METRICS_PORT}/metrics"
+        self.server_metrics_urls = [self.server_metrics_url]
         self.devices: list[DeviceHandle] = []
         self._slot_files: dict[str, dict] = {}
 

@@ -1,6 +1,8 @@
 """LocalFleet: the scenario's fleet as processes on this machine: a Mosquitto with the lab's
 broker files, a real `sled serve` announcing itself over MQTT, and one `sled device` per slot,
 each with its device and link profile emulated in the daemon (user-space links: no netem here).
+With server.replicas > 1, that many `sled serve` replicas behind one HAProxy (lab.proxy): the
+devices dial the proxy, and every replica announces the proxy's address under its own id.
 
 Every process logs to a file under the run folder; stop() ends them all, also after a failed
 start and on Ctrl-C (the runner calls it in a finally).
@@ -20,9 +22,10 @@ from pathlib import Path
 
 import grpc
 
-from lab.broker import CONFIG_USER, LAB_USER, SERVER_USER, BrokerFiles, Listener
+from lab.broker import CONFIG_USER, LAB_USER, BrokerFiles, Listener, replica_login
 from lab.fleet import DeviceHandle, FleetStartError
 from lab.health import wait_health
+from lab.proxy import ProxyProcess
 from lab.scenario import DeviceSlot
 from lab.server_process import HOST, Child, free_port, serve_command, wait_for, wait_serving
 from lab.traces.calibrated import trace_spec
@@ -49,20 +52,26 @@ class LocalFleet:
 
     def __init__(self, target: str, folder: Path, *, server_args: list[str] = (),
                  prefix: str = "sled", startup_timeout_s: float = 300.0,
-                 devices_in_background: bool = False) -> None:
+                 devices_in_background: bool = False, replicas: int = 1) -> None:
         self.target, self.folder, self.prefix = target, Path(folder), prefix
         self.devices_in_background = devices_in_background
         self.server_args = list(server_args)
         self.startup_timeout_s = startup_timeout_s
-        self.broker_port, self.server_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.server_metrics_url = f"http://{HOST}:{self.metrics_port}/metrics"
+        self.broker_port = free_port()
+        self.server_ports = [free_port() for _ in range(replicas)]
+        self.metrics_ports = [free_port() for _ in range(replicas)]
+        self.server_metrics_urls = [f"http://{HOST}:{port}/metrics" for port in self.metrics_ports]
+        self.server_metrics_url = self.server_metrics_urls[0]
+        # what the devices dial and the servers announce: the one server, or the proxy
+        self.server_port = self.server_ports[0] if replicas == 1 else free_port()
         self.traces_dir = self.folder / "traces"
         self.devices: list[DeviceHandle] = []
         self.files: BrokerFiles | None = None
         self.broker: Broker | None = None
         self.config_broker: Broker | None = None
         self._broker: Child | None = None
-        self._server: Child | None = None
+        self._servers: list[Child] = []
+        self._proxy: ProxyProcess | None = None
         self._devices: list[Child] = []
         self._stopped = False
 
@@ -73,17 +82,21 @@ class LocalFleet:
         listener = Listener(port=self.broker_port, bind=HOST,
                             run_as=getpass.getuser() if os.geteuid() == 0 else None,
                             log=str(self.folder / "logs" / "mosquitto.log"))
-        self.files = BrokerFiles.write(self.folder / "broker", slots, self.prefix, listener)
+        self.files = BrokerFiles.write(self.folder / "broker", slots, self.prefix, listener,
+                                       replicas=len(self.server_ports))
         self.broker = Broker(HOST, self.broker_port, username=LAB_USER,
                              password=self.files.password(LAB_USER), keepalive_s=5)
         self.config_broker = replace(self.broker, username=CONFIG_USER,
                                      password=self.files.password(CONFIG_USER))
         self._broker = Child("mosquitto", [mosquitto_binary(), "-c", str(self.files.conf)],
                              self.folder / "logs" / "mosquitto.out")
-        self._server = Child("sled serve", self._server_args(), self.folder / "logs" / "server.log",
-                             {**os.environ, "SLED_MQTT_PASSWORD": self.files.password(SERVER_USER)})
+        self._servers = [self._server_child(i) for i in range(len(self.server_ports))]
         await self.start_broker()
-        await self.start_server()
+        await asyncio.gather(*(self.start_server(i) for i in range(len(self._servers))))
+        if len(self._servers) > 1:
+            self._proxy = ProxyProcess([f"{HOST}:{port}" for port in self.server_ports],
+                                       self.folder / "logs" / "proxy", port=self.server_port)
+            await self._proxy.start()
         for slot in slots:
             handle, child = self._device_child(slot)
             self.devices.append(handle)
@@ -96,7 +109,9 @@ class LocalFleet:
         """Devices first (a clean MQTT goodbye), then the server and the broker."""
         await asyncio.gather(*(child.kill(signal.SIGTERM) for child in self._devices),
                              return_exceptions=True)
-        for child in (self._server, self._broker):
+        if self._proxy is not None:
+            await self._proxy.stop()
+        for child in (*self._servers, self._broker):
             if child is not None:
                 await child.kill(signal.SIGTERM)
         self._stopped = True
@@ -112,22 +127,30 @@ class LocalFleet:
 
     # -- the server ---------------------------------------------------------------------------
 
-    def _server_args(self) -> list[str]:
-        return serve_command(self.target, self.server_port, self.metrics_port,
+    def _server_child(self, index: int) -> Child:
+        """Replica INDEX (the one server when there is one), announcing what devices dial."""
+        user, server_id = replica_login(index, self.files.server_id)
+        log = "server.log" if len(self.server_ports) == 1 else f"server-{index}.log"
+        args = serve_command(self.target, self.server_ports[index], self.metrics_ports[index],
                              "--mqtt-host", HOST, "--mqtt-port", str(self.broker_port),
-                             "--mqtt-username", SERVER_USER,     # its password: SLED_MQTT_PASSWORD
-                             "--mqtt-topic-prefix", self.prefix, "--server-id", self.files.server_id,
-                             "--announce-endpoint", f"{HOST}:{self.server_port}", *self.server_args)
+                             "--mqtt-username", user,     # its password: SLED_MQTT_PASSWORD
+                             "--mqtt-topic-prefix", self.prefix, "--server-id", server_id,
+                             "--announce-endpoint", f"{HOST}:{self.server_port}",
+                             *self.server_args)
+        name = "sled serve" if len(self.server_ports) == 1 else f"sled serve (replica {index})"
+        return Child(name, args, self.folder / "logs" / log,
+                     {**os.environ, "SLED_MQTT_PASSWORD": self.files.password(user)})
 
-    async def kill_server(self) -> None:
-        await self._server.kill(signal.SIGKILL)
+    async def kill_server(self, replica: int = 0) -> None:
+        await self._servers[replica].kill(signal.SIGKILL)
 
-    async def start_server(self) -> None:
+    async def start_server(self, replica: int = 0) -> None:
         self._refuse_after_stop()
-        self._server.start()
-        address = f"{HOST}:{self.server_port}"
+        child = self._servers[replica]
+        child.start()
+        address = f"{HOST}:{self.server_ports[replica]}"
         async with grpc.aio.insecure_channel(address) as channel:
-            await wait_serving(self._server, pb_grpc.VerifierStub(channel), address,
+            await wait_serving(child, pb_grpc.VerifierStub(channel), address,
                                self.startup_timeout_s)
 
     # -- the broker ---------------------------------------------------------------------------

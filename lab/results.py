@@ -1,7 +1,8 @@
 """The results document a lab run writes (results.json) and the report reads.
 
     {"run", "mode", "scenario", "started_at", "machine", "link_emulation",
-     "phases": [{"system", "fleet_size", "wall_s", "requests", "server", "devices"}],
+     "phases": [{"system", "fleet_size", "wall_s", "requests", "server", "devices",
+                 "replicas" (several servers behind a proxy: each one's load)}],
      "faults": [...], "server_power": {"source", "watts"}}
 
 The runner adds phases as they end; write() puts the document beside the report.
@@ -64,10 +65,12 @@ class Results:
     server_power: dict = dataclasses.field(default_factory=lambda: {"source": "assumed", "watts": None})
 
     def add_phase(self, system: str, fleet_size: int, wall_s: float, requests: list,
-                  server: dict, devices: dict) -> dict:
+                  server: dict, devices: dict, replicas: list[dict] | None = None) -> dict:
         phase = {"system": system, "fleet_size": fleet_size, "wall_s": round(wall_s, 3),
                  "requests": [record_dict(r) for r in requests], "server": server,
                  "devices": devices}
+        if replicas is not None:
+            phase["replicas"] = replicas
         self.phases.append(phase)
         return phase
 

@@ -134,7 +134,8 @@ def make_fleet(kind: str, scenario: Scenario, folder: Path) -> Fleet:
     # so the device daemons sharing this machine's cores run only when it leaves one free (64
     # devices at nice 10 overran 46% of the H100's steps; in the background, sled's 0.8%).
     return LocalFleet(scenario.served_target(), folder, server_args=scenario.server.flags,
-                      prefix=PREFIX, devices_in_background=bool(scenario.server.emulate))
+                      prefix=PREFIX, devices_in_background=bool(scenario.server.emulate),
+                      replicas=scenario.server.replicas)
 
 
 def write_calibrated_traces(scenario: Scenario, references, traces_dir: Path) -> None:
@@ -164,7 +165,8 @@ async def run_scenario(scenario: Scenario, prompts: list[str], folder: Path, kin
     results = Results(folder.name, fleet.mode, scenario)
     try:
         write_calibrated_traces(scenario, references, fleet.traces_dir)
-        phase_line(f"starting the fleet: {len(scenario.slots())} devices, target {scenario.target}")
+        phase_line(f"starting the fleet: {len(scenario.slots())} devices, target "
+                   f"{scenario.target}{_behind_proxy(scenario)}")
         await fleet.start(scenario.slots())
         results.link_emulation = fleet.link_emulation()
         await run_phases(fleet, scenario, prompts, outputs(references), results)
@@ -177,6 +179,11 @@ async def run_scenario(scenario: Scenario, prompts: list[str], folder: Path, kin
     results.server_power = server_power(scenario)
     results.write(folder)
     return finish(results, folder, beside)
+
+
+def _behind_proxy(scenario: Scenario) -> str:
+    replicas = scenario.server.replicas
+    return f", {replicas} server replicas behind HAProxy" if replicas > 1 else ""
 
 
 async def greedy_references(scenario: Scenario, prompts: list[str]):
@@ -213,7 +220,7 @@ async def run_phase(fleet: Fleet, scenario: Scenario, system: str, n: int, promp
     devices = fleet.devices[:n]
     await set_mode(fleet, devices, "server" if system == "centralized" else "draft")
     progress = PhaseProgress(f"{system} x{n}", n * (scenario.requests or 0))
-    sampler = scrape.Sampler(fleet.server_metrics_url, devices)
+    sampler = scrape.Sampler(fleet.server_metrics_urls, devices)
     started = time.monotonic()
     async with sampler, progress.live():
         fault_task = asyncio.create_task(run_faults(fleet, faults, started, PREFIX))
@@ -226,7 +233,8 @@ async def run_phase(fleet: Fleet, scenario: Scenario, system: str, n: int, promp
             fault_task.cancel()
             await asyncio.gather(fault_task, return_exceptions=True)
     results.faults += fault_records
-    phase = results.add_phase(system, n, wall_s, records, sampler.server(), sampler.devices())
+    phase = results.add_phase(system, n, wall_s, records, sampler.server(), sampler.devices(),
+                              sampler.replicas() if len(fleet.server_metrics_urls) > 1 else None)
     phase_line(_summary(phase))
 
 

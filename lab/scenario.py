@@ -108,11 +108,15 @@ class Fault(_Strict):
     at_s: float = Field(ge=0)
     kind: Literal["server_kill", "broker_restart", "link_cut"]
     device: str | None = None       # link_cut: the device id
+    replica: int | None = None      # server_kill behind the proxy: which replica (0, 1, ...)
     down_s: float = Field(2.0, ge=0)
 
 
 class ServerSection(_Strict):
     args: list[str] = []
+    # how many `sled serve` replicas, behind one HAProxy when more than one (lab.proxy): the
+    # devices dial the proxy, and each replica's load is in the report
+    replicas: int = Field(1, ge=1, le=8)
     # a step-cost profile (verify_server.step_costs) the server holds its steps to: the fleet
     # as the profiled GPU would serve it (`sled serve --emulate`)
     emulate: str | None = None
@@ -178,7 +182,21 @@ class Scenario(_Strict):
             if fault.kind == "link_cut" and fault.device not in ids:
                 raise ValueError(f"faults.{i}.device: link_cut needs a device id of the fleet "
                                  f"(dev-00..dev-{total - 1:02d}), not {fault.device!r}")
+            self._check_replica(i, fault)
         return self
+
+    def _check_replica(self, i: int, fault: Fault) -> None:
+        """A server_kill behind the proxy names the replica it kills; no other step names one."""
+        replicas = self.server.replicas
+        if fault.kind != "server_kill":
+            if fault.replica is not None:
+                raise ValueError(f"faults.{i}.replica: only a server_kill names a replica")
+        elif replicas > 1 and fault.replica is None:
+            raise ValueError(f"faults.{i}.replica: with server.replicas {replicas}, a "
+                             f"server_kill names the replica it kills (0..{replicas - 1})")
+        elif fault.replica is not None and not 0 <= fault.replica < replicas:
+            raise ValueError(f"faults.{i}.replica: {fault.replica} is not a replica of "
+                             f"server.replicas {replicas} (0..{replicas - 1})")
 
     def slots(self) -> list[DeviceSlot]:
         """The fleet expanded in order: groups [a x2, b x1] give a, a, b, or a, b, a when

@@ -3,9 +3,12 @@
     snapshot = read_metrics("http://127.0.0.1:9100/metrics")   # {sample name: [(labels, value)]}
     forward_passes(snapshot)
 
-    async with Sampler(fleet.server_metrics_url, devices) as sampler:   # polls every second
+    async with Sampler(fleet.server_metrics_urls, devices) as sampler:  # polls every second
         ...                                                             # the phase runs
     phase["server"], phase["devices"] = sampler.server(), sampler.devices()
+    phase["replicas"] = sampler.replicas()     # replicas behind a proxy: each one's load
+
+The server's numbers are the sum over its replicas when there are several.
 
 Counters are summed from one poll to the next, so a server restarted in a fault step (its
 counters back at zero) adds what it counted before and after. A restart is told by the
@@ -31,7 +34,8 @@ Snapshot = dict[str, list[tuple[dict[str, str], float]]]
 
 # Counters the sampler sums over a phase: the server's, then each device's.
 SERVER_COUNTERS = ("sled_forward_passes_total", "sled_forward_seconds_sum",
-                   "sled_emulated_steps_total", "sled_emulated_overruns_total")
+                   "sled_emulated_steps_total", "sled_emulated_overruns_total",
+                   "sled_sessions_total", "sled_emitted_tokens_total")
 DEVICE_COUNTERS = ("sled_device_draft_tokens_total", "sled_device_accepted_tokens_total",
                    "sled_device_paced_drafts_total", "sled_device_late_drafts_total")
 # When the process made its counters: a new value means a restarted process.
@@ -148,12 +152,15 @@ def device_counters(snapshot: Snapshot) -> dict[str, float]:
 
 
 class Sampler:
-    """Polls the server and every device during a phase; the deltas and time series come out in
-    the shape of the results document's "server" and "devices" entries."""
+    """Polls the server (each replica, behind a proxy) and every device during a phase; the
+    deltas and time series come out in the shape of the results document's "server", "devices"
+    and "replicas" entries."""
 
-    def __init__(self, server_url: str, devices: list, interval_s: float = 1.0) -> None:
-        self.server_url, self.handles, self.interval_s = server_url, list(devices), interval_s
-        self.server_totals = Totals()
+    def __init__(self, server_url: str | list[str], devices: list, interval_s: float = 1.0) -> None:
+        self.server_urls = [server_url] if isinstance(server_url, str) else list(server_url)
+        self.handles, self.interval_s = list(devices), interval_s
+        self.replica_totals = [Totals() for _ in self.server_urls]
+        self.replica_polls = [{"ok": 0, "failed": 0} for _ in self.server_urls]
         self.device_totals = {handle.slot.id: Totals() for handle in self.handles}
         self.kv_used: list[list[float]] = []
         self.sessions: list[list[float]] = []
@@ -195,15 +202,15 @@ class Sampler:
             await self.poll(devices=tick % device_every == 0)
 
     async def poll(self, devices: bool = True) -> None:
-        """One scrape of the server and (DEVICES) every device; one that fails is skipped."""
+        """One scrape of the server's replicas and (DEVICES) every device; one that fails is
+        skipped."""
         handles = self.handles if devices else []
-        pages = await asyncio.gather(_fetch(self.server_url),
+        pages = await asyncio.gather(*(_fetch(url) for url in self.server_urls),
                                      *(_fetch(h.metrics_url) for h in handles))
         at = round(time.monotonic() - self.started, 3)
-        self._count("server", pages[0])
-        if pages[0] is not None:
-            self._take_server(at, pages[0])
-        for handle, page in zip(handles, pages[1:]):
+        servers, pages = pages[:len(self.server_urls)], pages[len(self.server_urls):]
+        self._take_servers(at, servers)
+        for handle, page in zip(handles, pages):
             self._count(handle.slot.id, page)
             if page is not None:
                 self.device_totals[handle.slot.id].add(device_counters(page), created_at(page, DEVICE_CREATED))
@@ -214,12 +221,31 @@ class Sampler:
     def reached(self, name: str) -> bool:
         return self.polls[name]["ok"] > 0
 
-    def _take_server(self, at: float, snapshot: Snapshot) -> None:
-        self.server_totals.add(server_counters(snapshot), created_at(snapshot, SERVER_CREATED))
-        used, total = kv_blocks(snapshot)
+    def _take_servers(self, at: float, pages: list[Snapshot | None]) -> None:
+        """Each replica's counters; KV blocks and open sessions summed over those that answered
+        (the server counts as read when any did)."""
+        read = [page for page in pages if page is not None]
+        self._count("server", read[0] if read else None)
+        for i, page in enumerate(pages):
+            self.replica_polls[i]["ok" if page is not None else "failed"] += 1
+            if page is not None:
+                self.replica_totals[i].add(server_counters(page), created_at(page, SERVER_CREATED))
+        if not read:
+            return
+        used = sum(kv_blocks(page)[0] for page in read)
+        total = sum(kv_blocks(page)[1] for page in read)
         self.kv_used.append([at, int(used)])
-        self.sessions.append([at, int(active_sessions(snapshot))])
+        self.sessions.append([at, int(sum(active_sessions(page) for page in read))])
         self.kv_total = max(self.kv_total, int(total))
+
+    @property
+    def server_totals(self) -> Totals:
+        """The counters summed over the replicas (the one server's when there is one)."""
+        summed = Totals()
+        for replica in self.replica_totals:
+            for key, total in replica.total.items():
+                summed.total[key] += total
+        return summed
 
     def server(self) -> dict:
         totals = self.server_totals.total
@@ -234,6 +260,16 @@ class Sampler:
                 "batch_sizes": per_bucket(batches), "kv_blocks_used": self.kv_used,
                 "kv_blocks_total": self.kv_total if known else None, "active_sessions": self.sessions,
                 "polls": dict(self.polls["server"])}
+
+    def replicas(self) -> list[dict]:
+        """Each replica's load over the phase: sessions opened (resumed ones included), tokens
+        it committed, its forward passes (None: never read)."""
+        return [{"replica": i, **_counts(totals.total, polls["ok"] > 0,
+                                         sessions="sled_sessions_total",
+                                         tokens="sled_emitted_tokens_total",
+                                         forward_passes="sled_forward_passes_total"),
+                 "polls": dict(polls)}
+                for i, (totals, polls) in enumerate(zip(self.replica_totals, self.replica_polls))]
 
     def devices(self) -> dict:
         return {handle.slot.id: self._device(handle) for handle in self.handles}

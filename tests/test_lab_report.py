@@ -402,3 +402,21 @@ def test_the_headline_says_what_the_server_spent_per_token():
     assert row["busy_share"] == 0.4 and row["busy_s_per_1k"] == 10.0
     assert row["energy_j_per_1k"] == 7000.0
     assert headline_row(phase)["energy_j_per_1k"] is None      # a server at its own pace
+
+
+def test_each_replicas_load_has_its_share_and_its_own_section(tmp_path):
+    """Servers behind a proxy: each replica's sessions and tokens with their shares of the
+    phase's; a single server's run has no such section."""
+    doc = document()
+    doc["phases"][0]["replicas"] = [
+        {"replica": 0, "sessions": 6, "tokens": 300, "forward_passes": 90},
+        {"replica": 1, "sessions": 2, "tokens": 100, "forward_passes": None}]
+    doc["faults"][0]["replica"] = 1
+    build_report(doc, tmp_path)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [(r["replica"], r["sessions"], r["session_share"], r["tokens"], r["token_share"])
+            for r in report["replicas"]] == [(0, 6, 0.75, 300, 0.75), (1, 2, 0.25, 100, 0.25)]
+    html = (tmp_path / "report.html").read_text()
+    assert "Load per replica" in html and "replica 1" in html
+    assert summarise(document())["replicas"] == []
+    assert "Load per replica" not in (build_report(document(), tmp_path / "one")).read_text()

@@ -65,6 +65,14 @@ def test_an_interleaved_fleet_takes_each_group_in_turn():
     (changed(fleet_sizes=[0]), "fleet_sizes"),
     (changed(faults=[{"kind": "link_cut", "at_s": 1, "device": "dev-07", "down_s": 1}]), "faults.0.device"),
     (changed(faults=[{"kind": "meteor", "at_s": 1}]), "faults.0.kind"),
+    (changed(server={"replicas": 0}), "server.replicas"),
+    (changed(server={"replicas": 2}, faults=[{"kind": "server_kill", "at_s": 1, "replica": 2}]),
+     "faults.0.replica: 2 is not a replica"),
+    (changed(server={"replicas": 2}, faults=[{"kind": "server_kill", "at_s": 1}]),
+     "faults.0.replica: with server.replicas 2"),
+    (changed(faults=[{"kind": "server_kill", "at_s": 1, "replica": 1}]), "faults.0.replica"),
+    (changed(server={"replicas": 2}, faults=[{"kind": "broker_restart", "at_s": 1, "replica": 0}]),
+     "faults.0.replica: only a server_kill"),
     (changed(duration_s=10), "requests and duration_s"),
     (changed(requests=None), "requests and duration_s"),
     (changed(sampling={"temprature": 0.5}), "sampling.temprature"),
@@ -102,6 +110,13 @@ def test_built_in_names_resolve_to_the_shipped_files():
     assert len({slot.device for slot in smoke.slots()}) == 2
     assert {slot.drafter.split(":")[0] for slot in smoke.slots()} == {"ngram", "gguf"}
     assert {f.kind for f in smoke.faults} == {"server_kill", "link_cut"} and smoke.centralized
+
+
+def test_replicas_is_two_servers_behind_the_proxy_and_kills_one():
+    replicas = load_scenario("replicas")
+    assert replicas.server.replicas == 2 and len(replicas.slots()) == 16
+    assert [(f.kind, f.replica) for f in replicas.faults] == [("server_kill", 1)]
+    assert load_scenario("smoke").server.replicas == 1
 
 
 @pytest.mark.parametrize("name", builtin_scenarios())

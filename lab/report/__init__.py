@@ -27,6 +27,7 @@ def summarise(results: dict) -> dict:
             "slo": slo, "headline": rows, "capacity": capacity,
             "capacity_ratio": summary.capacity_ratio(capacity, rows) if rows else None,
             "acceptance": summary.acceptance(results), "server": summary.server(results),
+            "replicas": summary.replica_load(results),
             "costs": costs(results), "faults": summary.faults(results), "lossless_detail": detail,
             "errors": {"count": detail["errored"], "first": [e["error"] for e in detail["errors"][:5]]}}
 

@@ -164,13 +164,36 @@ def links_table(report: dict) -> str:
     return _table(["device", "link emulation"], [list(r) for r in rows]) if rows else "<p>No device ran.</p>"
 
 
+def replicas_section(report: dict) -> str:
+    """Each replica's load per phase, when the server ran as replicas behind a proxy."""
+    rows = report.get("replicas") or []
+    if not rows:
+        return ""
+    table = _table(["system", "devices", "replica", "sessions opened", "share", "tokens", "share",
+                    "forward passes"],
+                   [[r["system"], r["fleet_size"], r["replica"], r["sessions"], r["session_share"],
+                     r["tokens"], r["token_share"], r["forward_passes"]] for r in rows])
+    return ("<h2>Load per replica</h2><p>The server ran as replicas behind HAProxy; sessions "
+            "opened include those a replica took over from a lost one (each resumed session is "
+            "opened again, and its prompt prefilled again, on the replica that takes it). A killed "
+            "replica's counts since its last scrape (at most a second) are lost with it.</p>"
+            + table)
+
+
 def faults_table(report: dict) -> str:
     if not report["faults"]:
         return "<p>No fault steps.</p>"
-    rows = [[f["kind"], f["at_s"], f.get("device"), f.get("down_s"), f["ok"], f["requests_overlapping"],
+    rows = [[f["kind"], f["at_s"], _target(f), f.get("down_s"), f["ok"], f["requests_overlapping"],
              f["lost_tokens"], f["duplicated_tokens"], f.get("note")] for f in report["faults"]]
-    return _table(["fault", "at s", "device", "down s", "ok", "requests open", "lost tokens",
-                   "duplicated tokens", "note"], rows)
+    return _table(["fault", "at s", "device / replica", "down s", "ok", "requests open",
+                   "lost tokens", "duplicated tokens", "note"], rows)
+
+
+def _target(fault: dict):
+    """What a fault step hit: its device, or its replica behind the proxy."""
+    if fault.get("replica") is not None:
+        return f"replica {fault['replica']}"
+    return fault.get("device")
 
 
 def page(report: dict, out_dir: Path) -> str:
@@ -183,6 +206,7 @@ def page(report: dict, out_dir: Path) -> str:
         f"{_e(machine.get('platform'))}, GPU {_e(machine.get('gpu'))}.</p>",
         emulation_block(report), board_line(report), capacity_line(report),
         lossless_line(report), errors_line(report), "<h2>Headline</h2>", headline_table(report), DEFINITIONS,
+        replicas_section(report),
         "<h2>Plots</h2>", figures(report, out_dir), "<h2>Fault steps</h2>", faults_table(report), "<h2>Cost and energy</h2>", cost_tables(report),
         "<h2>Link emulation</h2>", links_table(report)]
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'

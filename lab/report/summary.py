@@ -186,6 +186,28 @@ def server(results: dict) -> list[dict]:
     return rows
 
 
+def replica_load(results: dict) -> list[dict]:
+    """Per phase and replica (several servers behind a proxy): the sessions it opened, resumed
+    ones included, and the tokens it committed, each with its share of the phase's; empty when
+    one server ran."""
+    rows = []
+    for phase in results["phases"]:
+        replicas = phase.get("replicas") or []
+        sessions = sum(r.get("sessions") or 0 for r in replicas)
+        tokens = sum(r.get("tokens") or 0 for r in replicas)
+        for r in replicas:
+            rows.append({"system": phase["system"], "fleet_size": phase["fleet_size"],
+                         "replica": r["replica"], "sessions": r.get("sessions"),
+                         "session_share": _share(r.get("sessions"), sessions),
+                         "tokens": r.get("tokens"), "token_share": _share(r.get("tokens"), tokens),
+                         "forward_passes": r.get("forward_passes")})
+    return rows
+
+
+def _share(part: int | None, whole: int) -> float | None:
+    return round(part / whole, 6) if part is not None and whole else None
+
+
 def utilisation(phase: dict) -> float | None:
     """The server's seconds in steps over the phase's wall time (None when either is unknown)."""
     busy, wall = (phase.get("server") or {}).get("forward_seconds"), phase.get("wall_s") or 0.0
