@@ -101,7 +101,7 @@ def test_kv_heads_that_do_not_divide_are_refused_in_one_line(checkpoint):
     assert done.returncode == 2
     said = done.stderr.strip().splitlines()     # after the progress line of the target
     assert said[-1] == (f"sled serve: {checkpoint[0]} has 4 attention heads and 2 KV heads, "
-                        "which do not split over --tp 3: use a --tp that divides 2")
+                        "which do not split over --tp 3: use --tp 1 or 2")
     assert len(said) <= 2 and "Traceback" not in done.stderr
 
 

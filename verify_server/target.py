@@ -158,8 +158,10 @@ def check_splittable(model_id: str, tp: int, trust_remote_code: bool = False,
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if heads % tp or kv_heads % tp:
+        fits = [str(n) for n in range(1, kv_heads + 1) if not heads % n and not kv_heads % n]
+        choice = f"--tp {', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else "--tp 1"
         raise ValueError(f"{name} has {heads} attention heads and {kv_heads} KV heads, which do "
-                         f"not split over --tp {tp}: use a --tp that divides {kv_heads}")
+                         f"not split over --tp {tp}: use {choice}")
 
 
 def serialize_tokenizer(tokenizer) -> dict[str, bytes]:
