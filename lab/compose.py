@@ -9,7 +9,8 @@ tail of its log) and exit status 3:
                device images (that plus the project's wheel: seconds) and the broker image
   run folder   broker files (lab.broker), the scenario (a prompt file copied beside it), the
                compose environment and override
-  up           broker, server and one device replica per slot (--scale device=N)
+  up           broker, server and one device replica per slot (--scale device=N); with
+               server.replicas 2 (profile replicas) also server-1 and the HAProxy the devices dial
   limits       each device container's CPU quota and memory limit from its device profile
   passwords    each device container gets its own broker password, and only its own: devices
                mount state/ and scenario.yaml, never broker/ (credentials.json holds them all)
@@ -35,12 +36,13 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from lab.broker import BrokerFiles, Listener
+from lab.broker import BrokerFiles, Listener, replica_login
 from sled.pki import write_secret
 from lab.device_entry import GGUF_FILES, PASSWORD_FILE, wait_slot_files
 from lab.images import (DOCKER, ROOT, TORCH, BuildError, base_image, build_images, project_wheel,
                         remove_images, run_step, wheelhouse)
 from lab.profiles import device_profile
+from lab.proxy import haproxy_config
 from lab.scenario import TINY_TARGET, ScenarioError, load_scenario, scenario_path
 from lab.workload import is_prompt_file
 from sled.cache import cache_dir
@@ -50,6 +52,10 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 GPU_FILE = ROOT / "docker-compose.gpu.yml"
 OVERRIDE = "lab.override.yml"
 SLOT_WAIT_S = 180.0
+# The replicas profile: the servers' services in replica order, and the proxy devices dial.
+REPLICA_SERVICES = ("server", "server-1")
+PROXY_ENDPOINT = "proxy:50051"
+DOCKER_DNS = "127.0.0.11:53"        # the engine's resolver inside a compose network
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,6 +127,15 @@ def docker_ready() -> None:
         raise BuildError("docker", f"the Docker engine does not answer: {done.stderr.strip()}")
 
 
+def replicas_ready(scenario) -> None:
+    """Compose runs one server, or two replicas behind the proxy (the services of its replicas
+    profile)."""
+    if scenario.server.replicas > len(REPLICA_SERVICES):
+        raise BuildError("replicas", f"server.replicas {scenario.server.replicas}: the compose lab "
+                         f"runs at most {len(REPLICA_SERVICES)} (docker-compose.yml's replicas "
+                         "profile); `sled lab run` runs more on this machine")
+
+
 def models_ready(scenario) -> None:
     """The built-in models the containers read from the host's cache are there (the containers
     have no models extra to assemble or convert them)."""
@@ -178,12 +193,24 @@ class ComposeLab:
                                     "--env-file", str(self.run_dir / ".env")]
         for file in files:
             argv += ["-f", str(file)]
-        for profile in ["lab"] + (["observe"] if self.observe else []):
+        profiles = ["lab"] + (["replicas"] if self.replicas > 1 else []) + (["observe"] if
+                                                                               self.observe else [])
+        for profile in profiles:
             argv += ["--profile", profile]
         return argv + list(words)
 
+    @property
+    def replicas(self) -> int:
+        return self.scenario.server.replicas
+
+    @property
+    def servers(self) -> list[str]:
+        """The server services of this run: `server`, and `server-1` behind the proxy."""
+        return list(REPLICA_SERVICES[:self.replicas])
+
     def run_all(self, args: argparse.Namespace) -> int:
         progress = Steps()
+        progress.step("replicas", replicas_ready, self.scenario)
         progress.step("docker", docker_ready)
         progress.step("models", target_ready, self.scenario)
         progress.step("models", models_ready, self.scenario)
@@ -215,8 +242,8 @@ class ComposeLab:
 
     def up(self) -> None:
         n = len(self.scenario.slots())
-        services = ["broker", "server", "device"] + (["prometheus", "grafana"] if self.observe
-                                                     else [])
+        services = (["broker", *self.servers] + (["proxy"] if self.replicas > 1 else [])
+                    + ["device"] + (["prometheus", "grafana"] if self.observe else []))
         run_step("up", self.compose("up", "-d", "--no-build", "--scale", f"device={n}",
                                     *services))
 
@@ -238,7 +265,9 @@ class ComposeLab:
         folder = self.out / self.run_name / "logs"
         folder.mkdir(parents=True, exist_ok=True)
         with (folder / "compose.log").open("w") as sink:
-            subprocess.run(self.compose("logs", "--no-color", "broker", "server", "device"),
+            proxy = ["proxy"] if self.replicas > 1 else []
+            subprocess.run(self.compose("logs", "--no-color", "broker", *self.servers, *proxy,
+                                        "device"),
                            stdout=sink, stderr=subprocess.STDOUT)
 
     def down(self) -> None:
@@ -276,9 +305,17 @@ def write_run_folder(lab: ComposeLab) -> None:
     # The broker container stays root (`user root`): the password file is 0600 and the host's,
     # and a uid inside the image cannot be known from here.
     files = BrokerFiles.write(run_dir / "broker", slots,
-                              listener=Listener(root="/mosquitto/config", port=1883, run_as="root"))
+                              listener=Listener(root="/mosquitto/config", port=1883, run_as="root"),
+                              replicas=lab.replicas)
     write_scenario(lab, run_dir)
+    (run_dir / "proxy").mkdir()
+    if lab.replicas > 1:
+        (run_dir / "proxy" / "haproxy.cfg").write_text(haproxy_config(
+            "0.0.0.0:50051", [f"{service}:50051" for service in lab.servers],
+            nameserver=DOCKER_DNS))
     env = compose_env(lab, files.password("server"))
+    if lab.replicas > 1:
+        env["SLED_SERVER_1_MQTT_PASSWORD"] = files.password(replica_login(1)[0])
     write_secret(run_dir / ".env", "".join(f"{k}={v}\n" for k, v in env.items()))
     (run_dir / OVERRIDE).write_text(override_text(lab))
 
@@ -307,6 +344,7 @@ def compose_env(lab: ComposeLab, server_password: str) -> dict[str, str]:
         "SLED_SERVER_IMAGE": lab.tags.get("server", "sled-lab-server:latest"),
         "SLED_DEVICE_IMAGE": lab.tags.get("device", "sled-lab-device:latest"),
         "SLED_BROKER_IMAGE": lab.tags.get("broker", "sled-lab-broker:latest"),
+        "SLED_PROXY_IMAGE": lab.tags.get("proxy", "sled-lab-proxy:latest"),
         "SLED_TARGET": lab.scenario.target,
         "SLED_RUN_DIR": str(lab.run_dir),
         "SLED_RESULTS": str(lab.out),
@@ -317,18 +355,26 @@ def compose_env(lab: ComposeLab, server_password: str) -> dict[str, str]:
 
 
 def override_text(lab: ComposeLab) -> str:
-    """The scenario's part of the compose model: the server's extra flags (as a list, so no
+    """The scenario's part of the compose model: each server's extra flags (as a list, so no
     shell splits them) and labels naming the run. JSON is YAML, and needs no quoting rules."""
-    server_cmd = (["serve", "--model", lab.scenario.target] + (["--device", "cuda"] if lab.gpu
-                                                               else [])
-                  + ["--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400",
-                     "--mqtt-host", "broker", "--mqtt-username", "server",
-                     "--server-id", "lab-server", "--announce-endpoint", "server:50051"]
-                  + list(lab.scenario.server.flags))
     labels = {"sled.lab.run": lab.run_name, "sled.lab.scenario": lab.scenario.name}
-    services = {name: {"labels": labels} for name in ("broker", "server", "device", "lab")}
-    services["server"]["command"] = server_cmd
+    services = {name: {"labels": labels} for name in ("broker", "device", "lab", *lab.servers)}
+    if lab.replicas > 1:
+        services["proxy"] = {"labels": labels}
+    for index, service in enumerate(lab.servers):
+        services[service]["command"] = server_command(lab, index)
     return json.dumps({"services": services}, indent=2) + "\n"
+
+
+def server_command(lab: ComposeLab, index: int) -> list[str]:
+    """Replica INDEX's `sled serve` (the one server's when there is one): it announces the
+    proxy's address when the devices dial a proxy, its own otherwise."""
+    user, server_id = replica_login(index)
+    endpoint = PROXY_ENDPOINT if lab.replicas > 1 else "server:50051"
+    return (["serve", "--model", lab.scenario.target] + (["--device", "cuda"] if lab.gpu else [])
+            + ["--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400",
+               "--mqtt-host", "broker", "--mqtt-username", user, "--server-id", server_id,
+               "--announce-endpoint", endpoint] + list(lab.scenario.server.flags))
 
 
 def read_slot_files(folder: Path, count: int, timeout_s: float = SLOT_WAIT_S) -> list[dict]:

@@ -35,6 +35,7 @@ from sled.cache import cache_dir
 
 API_PORT = 8000
 SERVER = "server:50051"
+PROXY = "proxy:50051"       # server.replicas > 1: the replicas behind HAProxy (profile replicas)
 BROKER_HOST = "broker"
 # Inside the container only (not a mount): this device's broker password, from sled lab compose.
 PASSWORD_FILE = "/tmp/sled-mqtt-password"
@@ -62,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        slots = load_scenario(args.scenario).slots()
+        scenario = load_scenario(args.scenario)
+        slots = scenario.slots()
     except ScenarioError as exc:
         print(f"sled lab device: {exc}", file=sys.stderr)
         return 2
@@ -83,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"sled lab device: the traces of {slot.drafter} did not arrive in "
                   f"{Path(args.state) / TRACES} within {TRACES_WAIT_S:.0f} s", file=sys.stderr)
             return 3
-    env = daemon_env(slot, emulation, password, Path(args.state) / TRACES)
+    env = daemon_env(slot, emulation, password, Path(args.state) / TRACES,
+                     server=PROXY if scenario.server.replicas > 1 else SERVER)
     if args.dry_run:
         print(json.dumps({k: v for k, v in env.items() if k.startswith("SLED_DEVICE_")
                           and "PASSWORD" not in k}, indent=2))
@@ -186,11 +189,13 @@ def drafter_spec(spec: str, cache: Path, traces: Path) -> str:
     return trace_spec(spec, traces)
 
 
-def daemon_env(slot, emulation: str, password: str, traces: Path) -> dict[str, str]:
+def daemon_env(slot, emulation: str, password: str, traces: Path,
+               server: str = SERVER) -> dict[str, str]:
+    """The device daemon's settings; SERVER: what it dials (the server, or the proxy)."""
     env = {
         "SLED_DEVICE_ID": slot.id,
         "SLED_DEVICE_DRAFTER": drafter_spec(slot.drafter, cache_dir(), traces),
-        "SLED_DEVICE_SERVERS": json.dumps([SERVER]),
+        "SLED_DEVICE_SERVERS": json.dumps([server]),
         # The runner reaches each device's API over the compose network, so it listens beyond
         # loopback; the lab is a testbed on a private network with no published device ports,
         # so it serves the API with no key (sled device refuses that unless api_open is set).

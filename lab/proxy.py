@@ -66,13 +66,25 @@ def haproxy_binary() -> str | None:
 
 
 def haproxy_config(bind: str, backends: list[str], *, check_interval_s: float = 1.0,
-                   session_timeout_s: int = 3600) -> str:
+                   session_timeout_s: int = 3600, nameserver: str | None = None) -> str:
     """An haproxy.cfg balancing gRPC calls on BIND over BACKENDS ("host:port" each, plaintext
     gRPC). session_timeout_s: how long a session's stream may stay silent (a device thinking,
-    a resume waiting) before the proxy closes it."""
+    a resume waiting) before the proxy closes it. nameserver ("ip:port", e.g. Docker's
+    127.0.0.11:53): backends named by host are looked up there, again as they come and go (a
+    restarted container may come back on another address), and one not there yet at start is
+    left down until it is."""
     if not backends:
         raise ValueError("haproxy_config needs at least one backend")
     inter = f"{int(check_interval_s * 1000)}ms"
+    resolvers, lookup = "", ""
+    if nameserver:
+        resolvers = f"""
+resolvers names
+    nameserver dns {nameserver}
+    hold valid 1s
+    hold obsolete 1s
+"""
+        lookup = " resolvers names init-addr last,libc,none"
     servers = "\n".join(f"    server replica-{i} {address}" for i, address in enumerate(backends))
     return f"""\
 global
@@ -86,7 +98,7 @@ defaults
     # a replica that refuses the connection is tried again, on another one
     retries 2
     option redispatch
-
+{resolvers}
 frontend sled
     bind {bind} proto h2
     default_backend sled_replicas
@@ -97,7 +109,7 @@ backend sled_replicas
     option tcp-check
     tcp-check send-binary {HEALTH_CHECK_SEND.hex()}
     tcp-check expect binary {HEALTH_CHECK_SERVING.hex()}
-    default-server proto h2 check inter {inter} fall 2 rise 1
+    default-server proto h2 check inter {inter} fall 2 rise 1{lookup}
 {servers}
 """
 

@@ -81,7 +81,7 @@ def test_compose_config_shows_the_fleet_services():
     done = subprocess.run(compose + ["-f", str(ROOT / "docker-compose.yml"), "--profile", "lab",
                                      "--profile", "observe", "config", "--services"],
                           capture_output=True, text=True, cwd=ROOT, check=True)
-    assert set(done.stdout.split()) == {"broker", "server", "device", "lab", "prometheus",
+    assert set(done.stdout.split()) >= {"broker", "server", "device", "lab", "prometheus",
                                         "grafana"}
 
 
@@ -119,6 +119,70 @@ def test_scenario_override_validates_for_smoke(tmp_path):
     assert env["SLED_SERVER_MQTT_PASSWORD"] == credentials["server"]
     assert {"dev-00", "dev-01", "dev-02", "server", "lab"} <= set(credentials)
     assert "/mosquitto/config/passwords" in (lab.run_dir / "broker" / "mosquitto.conf").read_text()
+
+
+def test_the_replicas_profile_adds_a_second_server_and_the_proxy():
+    import yaml
+
+    compose = require_compose()[0]
+    done = subprocess.run(compose + ["--project-directory", str(ROOT), "-f",
+                                     str(ROOT / "docker-compose.yml"), "--profile", "lab",
+                                     "--profile", "replicas", "config"],
+                          capture_output=True, text=True, cwd=ROOT, check=True)
+    services = yaml.safe_load(done.stdout)["services"]
+    assert {"broker", "server", "server-1", "proxy", "device", "lab"} <= set(services)
+    profiled = {name for name, service in services.items()
+                if "replicas" in (service.get("profiles") or [])}
+    assert profiled == {"server-1", "proxy"}
+    assert "/usr/local/etc/haproxy" in json.dumps(services["proxy"]["volumes"])
+
+
+def test_the_replicas_scenario_renders_its_profile(tmp_path):
+    """server.replicas 2: the run folder holds an haproxy.cfg over both replicas, both announce
+    the proxy's address under their own ids and broker users, the devices dial the proxy, and
+    the model with the override validates under the replicas profile."""
+    import yaml
+
+    from lab.fleet_compose import ComposeFleet
+    from lab.proxy import haproxy_binary
+
+    data = dict(SCENARIO, name="replicas-test", server={"replicas": 2},
+                faults=[{"kind": "server_kill", "at_s": 1.0, "down_s": 1.0, "replica": 1}])
+    path = tmp_path / "r.yaml"
+    path.write_text(json.dumps(data))
+    lab = run_folder(tmp_path, path)
+    argv = lab.compose("config")
+    assert argv[argv.index("replicas") - 1] == "--profile"
+    model = yaml.safe_load(subprocess.run(argv, capture_output=True, text=True, cwd=ROOT,
+                                          check=True).stdout)
+    services = model["services"]
+    assert {"server", "server-1", "proxy"} <= set(services)
+    for service, user in (("server", "server"), ("server-1", "server-1")):
+        command = services[service]["command"]
+        assert command[command.index("--announce-endpoint") + 1] == "proxy:50051"
+        assert command[command.index("--mqtt-username") + 1] == user
+    ids = {services[s]["command"][services[s]["command"].index("--server-id") + 1]
+           for s in ("server", "server-1")}
+    assert ids == {"lab-server", "lab-server-1"}
+    env = dict(line.split("=", 1) for line in (lab.run_dir / ".env").read_text().splitlines())
+    credentials = json.loads((lab.run_dir / "broker" / "credentials.json").read_text())
+    assert env["SLED_SERVER_1_MQTT_PASSWORD"] == credentials["server-1"]
+    assert "lab-server-1" in (lab.run_dir / "broker" / "acl").read_text()
+    config = lab.run_dir / "proxy" / "haproxy.cfg"
+    assert "server:50051" in config.read_text() and "server-1:50051" in config.read_text()
+    if haproxy_binary():
+        done = subprocess.run([haproxy_binary(), "-c", "-f", str(config)], capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+    slot = load_scenario(path).slots()[0]
+    assert json.loads(device_entry.daemon_env(slot, "netem", "pw", tmp_path,
+                                              server=device_entry.PROXY)["SLED_DEVICE_SERVERS"]) \
+        == ["proxy:50051"]
+    fleet = ComposeFleet(load_scenario(path), broker_files=lab.run_dir / "broker")
+    assert fleet.server_metrics_urls == ["http://server:9400/metrics",
+                                         "http://server-1:9400/metrics"]
+    with pytest.raises(lab_compose.BuildError, match="at most 2"):
+        lab_compose.replicas_ready(parse_scenario(dict(data, server={"replicas": 3}, faults=[])))
 
 
 def test_override_carries_the_scenarios_server_flags(tmp_path):
