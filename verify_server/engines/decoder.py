@@ -15,7 +15,13 @@ sled's:
 - attention is the engine's registered function, called as transformers calls it (the layer's
   attention module, q/k/v as [1, heads, tokens, head_dim], the step's keyword arguments), so the
   paged and the flex engine run under it unchanged;
-- logits only at the positions the caller keeps.
+- logits only at the positions the caller keeps;
+- a model split over ranks (sled serve --tp N: transformers' tensor-parallel plan, its weights
+  DTensors) runs on each rank's shards: the fused weights are the local shards' (transformers'
+  modules keep DTensors over views of them), a layer's heads are its local ones, and the outputs
+  of o_proj and down (row shards) are summed over the ranks by an all-reduce inside
+  `after_attention`, compiled with it; the embedding and lm_head keep transformers' own split
+  forward (its all-reduce, its all-gather of the logits).
 
 The numbers are transformers' own, operation for operation (norms in float32 as each family
 computes them, rotary as `apply_rotary_pos_emb` does): the engines' tests hold fp32 logits within
@@ -28,7 +34,10 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 # The model classes whose forward is replaced, by the text config's model_type
@@ -43,11 +52,23 @@ def supports(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in FAMILIES:
         return False
-    if (getattr(model, "tp_size", None) or 1) > 1:
-        return False
     inner = getattr(model, "model", None)
-    return (hasattr(inner, "layers") and hasattr(model, "lm_head")
-            and _activation_name(config) in ACTIVATIONS)
+    if not (hasattr(inner, "layers") and hasattr(model, "lm_head")
+            and _activation_name(config) in ACTIVATIONS):
+        return False
+    # split: the row shards' bias would be added on every rank (none of these families has one)
+    return _ranks(model) == 1 or all(layer.self_attn.o_proj.bias is None
+                                     and layer.mlp.down_proj.bias is None for layer in inner.layers)
+
+
+def _ranks(model: torch.nn.Module) -> int:
+    """The ranks the model is split over (transformers' tp_size; 1: whole)."""
+    return getattr(model, "tp_size", None) or 1
+
+
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's shard of a split weight (a DTensor), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _activation_name(config) -> str | None:
@@ -85,6 +106,12 @@ class Dims:
     eps: float
     gemma: bool           # Gemma 3: q/k norms, norms after attention and the MLP, (1 + w) norms
     activation: str
+    group: str | None = None   # split over ranks: the process group summing the row shards
+
+
+def _summed(x: torch.Tensor, dims: Dims) -> torch.Tensor:
+    """A row shard's partial output summed over the ranks (as it is, on a whole model)."""
+    return x if dims.group is None else funcol.all_reduce(x, "sum", dims.group)
 
 
 def before_attention(hidden, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, cos, sin, dims: Dims):
@@ -106,7 +133,7 @@ def after_attention(attn, residual, o_w, o_b, post_attn_w, pre_ff_w, post_ff_w, 
                     gate_up_b, down_w, down_b, dims: Dims):
     """attn [T, H * D] and the layer's input [T, hidden] -> the layer's output [T, hidden]."""
     norm = gemma_norm if dims.gemma else llama_norm
-    x = F.linear(attn, o_w, o_b)
+    x = _summed(F.linear(attn, o_w, o_b), dims)
     if dims.gemma:
         hidden = residual + norm(x, post_attn_w, dims.eps)
         x = norm(hidden, pre_ff_w, dims.eps)
@@ -114,7 +141,7 @@ def after_attention(attn, residual, o_w, o_b, post_attn_w, pre_ff_w, post_ff_w, 
         hidden = residual + x
         x = norm(hidden, post_attn_w, dims.eps)
     gate, up = F.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
-    x = F.linear(ACTIVATIONS[dims.activation](gate) * up, down_w, down_b)
+    x = _summed(F.linear(ACTIVATIONS[dims.activation](gate) * up, down_w, down_b), dims)
     if dims.gemma:
         x = norm(x, post_ff_w, dims.eps)
     return hidden + x
@@ -129,10 +156,10 @@ class Layer:
         qkv, gate_up = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
         self.qkv_w, self.qkv_b = _fuse(qkv), _fuse(qkv, "bias")
         self.gate_up_w, self.gate_up_b = _fuse(gate_up), _fuse(gate_up, "bias")
-        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
-        self.down_w, self.down_b = mlp.down_proj.weight, mlp.down_proj.bias
-        self.norm_w = layer.input_layernorm.weight
-        self.post_attn_w = layer.post_attention_layernorm.weight
+        self.o_w, self.o_b = _local(attn.o_proj.weight), _local(attn.o_proj.bias)
+        self.down_w, self.down_b = _local(mlp.down_proj.weight), _local(mlp.down_proj.bias)
+        self.norm_w = _local(layer.input_layernorm.weight)
+        self.post_attn_w = _local(layer.post_attention_layernorm.weight)
         self.pre_ff_w = _weight(getattr(layer, "pre_feedforward_layernorm", None))
         self.post_ff_w = _weight(getattr(layer, "post_feedforward_layernorm", None))
         self.q_norm_w = _weight(getattr(attn, "q_norm", None))
@@ -144,11 +171,11 @@ class Layer:
     def fresh(self) -> bool:
         """Whether transformers' q_proj still holds a view of the fused weight (a model moved or
         cast since replaced its parameters, or their data)."""
-        return self.attention.q_proj.weight.data_ptr() == self.qkv_w.data_ptr()
+        return _local(self.attention.q_proj.weight).data_ptr() == self.qkv_w.data_ptr()
 
 
 def _weight(module) -> torch.Tensor | None:
-    return None if module is None else module.weight
+    return None if module is None else _local(module.weight)
 
 
 @torch.no_grad()
@@ -158,15 +185,26 @@ def _fuse(linears, attr: str = "weight") -> torch.Tensor | None:
     parts = [getattr(m, attr) for m in linears]
     if all(p is None for p in parts):
         return None
-    fused = torch.cat([p.detach() if p is not None else m.weight.new_zeros(m.weight.shape[0])
+    fused = torch.cat([_local(p).detach() if p is not None
+                       else _local(m.weight).new_zeros(_local(m.weight).shape[0])
                        for m, p in zip(linears, parts)])
     start = 0
     for m, p in zip(linears, parts):
-        rows = m.weight.shape[0]
+        rows = _local(m.weight).shape[0]
         if p is not None:
-            setattr(m, attr, torch.nn.Parameter(fused[start:start + rows], requires_grad=False))
+            setattr(m, attr, torch.nn.Parameter(_like(p, fused[start:start + rows]),
+                                                requires_grad=False))
         start += rows
     return fused
+
+
+def _like(weight: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` in the place of `weight`: as it is, or, for a split weight, a DTensor of the
+    same split over it."""
+    if not isinstance(weight, DTensor):
+        return local
+    return DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False,
+                              shape=weight.shape, stride=weight.stride())
 
 
 class Decoder:
@@ -182,9 +220,11 @@ class Decoder:
         self.layers = [Layer(layer) for layer in self.inner.layers[:config.num_hidden_layers]]
         norm = self.inner.layers[0].input_layernorm
         eps = getattr(norm, "variance_epsilon", None) or norm.eps      # Llama's name, Gemma's
-        self.dims = Dims(config.num_attention_heads, config.num_key_value_heads,
+        ranks = _ranks(model)
+        self.dims = Dims(config.num_attention_heads // ranks, config.num_key_value_heads // ranks,
                          self.layers[0].attention.head_dim, float(eps),
-                         config.model_type == "gemma3_text", _activation_name(config))
+                         config.model_type == "gemma3_text", _activation_name(config),
+                         dist.group.WORLD.group_name if ranks > 1 else None)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.rotary = _rotary(self.inner)
         self.functions = {False: (before_attention, after_attention)}
