@@ -146,6 +146,7 @@ def test_the_engine_bench_times_a_split_step_against_one_device(checkpoint, tmp_
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())
     assert results["tp"] == 2 and [c["sessions"] for c in results["cells"]] == [1, 3]
+    assert results["forward"] == "sled"        # the decoder over each rank's shards
     for cell in results["cells"]:
         assert cell["one_ms_p50"] > 0 and cell["split_ms_p50"] > 0
         assert cell["emitted_agree"] == f"{cell['sessions']}/{cell['sessions']}"

@@ -54,7 +54,8 @@ def split_bench(args, fill, step, agreement) -> int:
     one = _engine(whole, budget, kind, args)
     results = {"model": shard.model_id, "device": args.device, "dtype": args.dtype,
                "tp": args.tp, "engine": args.engines, "k": args.draft_len, "reps": args.reps,
-               "cells": []}
+               # whose forward the split ranks run: sled's decoder, or transformers'
+               "forward": "sled" if split.sled_forward else "transformers", "cells": []}
     console = harness.bench_console()
     try:
         for n in harness.split_list(args.sessions, int):
