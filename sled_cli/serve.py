@@ -44,10 +44,10 @@ def run(args: argparse.Namespace) -> int:
         from verify_server.target import load_target
         try:
             ranks = split(settings, sys.argv[1:])
-        except ValueError as exc:   # a model that does not split over --tp N ranks
+            target = load_target(settings)
+        except ValueError as exc:   # e.g. a model that does not split over --tp N ranks
             print(f"sled serve: {one_line(exc)}", file=sys.stderr)
             return 2
-        target = load_target(settings)
     if ranks is not None and not ranks.leads:
         follow_leader(target, ranks)
         return 0

@@ -6,6 +6,7 @@ one line before any rank starts."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -20,11 +21,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 from conftest import PROMPT_TEXTS, greedy_reference
 from drafters.hf import HFDrafter
 from drafters.ngram import NgramDrafter
+from edge_client.server_side import generate_server_side
 from edge_client.session import RoundSettings, generate
 from edge_client.wire import SessionRequest
 from lab.server_process import ServerProcess
+from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from sled.wire.sampling import Sampling
+from verify_server.sdsat import save_adapter
 from verify_server.target import check_splittable
 
 NEW_TOKENS = 24
@@ -89,6 +93,42 @@ async def test_the_flex_engine_runs_on_every_rank(checkpoint):
         got = await asyncio.gather(*(run(server.address, HFDrafter(drafter_model, tokenizer),
                                          prompts[1], tree=tree) for tree in (1, 3)))
     assert got == [greedy_reference(model, prompts[1], NEW_TOKENS)] * 2
+
+
+async def test_sat_self_drafting_and_hints_on_a_split_target(checkpoint, tmp_path):
+    """SAT slots written into a split model's embeddings: self-drafting and lookahead hints
+    (the target's SAT guesses) leave the output the target's greedy output."""
+    target_dir, model, drafter_model, tokenizer, prompts = checkpoint
+    rows = torch.tensor([[11, 57, 203]])
+    adapter = save_adapter(tmp_path / "sat.safetensors",
+                           model.get_input_embeddings()(rows)[0].detach(), {"base": "tiny"})
+    async with ServerProcess(str(target_dir), "--tp", "2", "--sat-adapter", str(adapter),
+                             "--kv-budget", "16MiB") as server:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.VerifierStub(channel)
+            request = SessionRequest(prompts[2], max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            own = await generate_server_side(stub, dataclasses.replace(
+                request, mode=pb.GENERATION_MODE_SERVER_SAT))
+            hinted = await generate(stub, HFDrafter(drafter_model, tokenizer), request,
+                                    settings=RoundSettings(draft_len=3, lookahead=2, hints="always"))
+    reference = greedy_reference(model, prompts[2], NEW_TOKENS)
+    assert own.token_ids == reference and hinted.token_ids == reference
+    assert hinted.hint_tokens > 0          # the SAT guesses came back from both ranks' pass
+
+
+def test_a_sat_adapter_with_lora_deltas_is_refused(checkpoint, tmp_path):
+    from test_sat_lora import random_lora
+
+    model = checkpoint[1]
+    adapter = save_adapter(tmp_path / "sat.safetensors",
+                           model.get_input_embeddings()(torch.tensor([[11, 57]]))[0].detach(),
+                           {"base": "tiny"}, lora=random_lora(model))
+    done = sled_serve("--model", str(checkpoint[0]), "--tp", "2", "--sat-adapter", str(adapter))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"sled serve: the SAT adapter {adapter} carries LoRA deltas, which sled does not apply "
+        "to a model split over ranks: serve it with --tp 1, or with --no-sat")
+    assert "Traceback" not in done.stderr
 
 
 def sled_serve(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -71,6 +71,10 @@ class Target:
                 model = model.to(device)
         local = Path(model_id) if Path(model_id).is_dir() else None
         spec = sat_spec_of(model, local, sat_adapter) if sat else None
+        if tp > 1 and spec is not None and spec.lora is not None:
+            raise ValueError(f"the SAT adapter {spec.source} carries LoRA deltas, which sled "
+                             "does not apply to a model split over ranks: serve it with --tp 1, "
+                             "or with --no-sat")
         return cls._of(model, tokenizer, model_id, spec, name)
 
     @classmethod
