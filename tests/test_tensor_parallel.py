@@ -24,7 +24,7 @@ from drafters.ngram import NgramDrafter
 from edge_client.server_side import generate_server_side
 from edge_client.session import RoundSettings, generate
 from edge_client.wire import SessionRequest
-from lab.server_process import ServerProcess
+from lab.server_process import ServerProcess, free_port
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from sled.wire.sampling import Sampling
@@ -129,6 +129,36 @@ def test_a_sat_adapter_with_lora_deltas_is_refused(checkpoint, tmp_path):
         f"sled serve: the SAT adapter {adapter} carries LoRA deltas, which sled does not apply "
         "to a model split over ranks: serve it with --tp 1, or with --no-sat")
     assert "Traceback" not in done.stderr
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+            "sled_cli.main", *args]
+
+
+async def test_under_torchrun_every_rank_is_started_by_torchrun(checkpoint):
+    target_dir, model, _, _, prompts = checkpoint
+    port = free_port()
+    child = subprocess.Popen(torchrun("serve", "--model", str(target_dir), "--tp", "2",
+                                      "--port", str(port), "--kv-budget", "16MiB"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        address = f"127.0.0.1:{port}"
+        async with grpc.aio.insecure_channel(address) as channel:
+            await asyncio.wait_for(channel.channel_ready(), 120)
+        assert await run(address, NgramDrafter(), prompts[0]) == \
+            greedy_reference(model, prompts[0], NEW_TOKENS)
+    finally:
+        child.terminate()
+        child.wait(30)
+
+
+def test_torchrun_with_another_process_count_is_refused(checkpoint):
+    done = subprocess.run(torchrun("serve", "--model", str(checkpoint[0]), "--tp", "1",
+                                   "--port", "0"), capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert ("sled serve: torchrun started 2 processes for --tp 1: give torchrun "
+            "--nproc-per-node 1, or sled serve --tp 2") in done.stderr
 
 
 def sled_serve(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess:

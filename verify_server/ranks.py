@@ -59,8 +59,12 @@ def split(settings, argv: list[str]) -> Ranks | None:
     """sled serve's rank when its settings ask for --tp N > 1 (None for --tp 1): rank 0 run
     plainly starts the others with `argv`. ValueError (one line) for a model that does not
     split over N ranks, asked before any rank starts."""
-    if settings.tp == 1:
+    started = int(os.environ.get("WORLD_SIZE", "1"))     # by torchrun
+    if settings.tp == 1 and started == 1:
         return None
+    if "WORLD_SIZE" in os.environ and started != settings.tp:
+        raise ValueError(f"torchrun started {started} processes for --tp {settings.tp}: give "
+                         f"torchrun --nproc-per-node {settings.tp}, or sled serve --tp {started}")
     check_splittable(resolve_model(settings.model), settings.tp, settings.trust_remote_code,
                      settings.model)
     return start_ranks(settings.tp, settings.device, argv)
@@ -73,9 +77,6 @@ def start_ranks(tp: int, device: str, argv: list[str]) -> Ranks:
     if "WORLD_SIZE" not in os.environ:
         children = _start_children(tp, argv)
     size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    if size != tp:
-        raise ValueError(f"--tp {tp} but torchrun started {size} processes: give "
-                         f"--nproc-per-node {tp}")
     local = int(os.environ.get("LOCAL_RANK", rank))
     cuda = device.startswith("cuda")
     if cuda:
