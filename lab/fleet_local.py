@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +26,8 @@ from lab.fleet import DeviceHandle, FleetStartError
 from lab.health import wait_health
 from lab.proxy import ProxyProcess
 from lab.scenario import DeviceSlot
-from lab.server_process import HOST, Child, free_port, serve_command, wait_for, wait_serving
+from lab.server_process import (HOST, Child, free_port, serve_command, wait_listening,
+                                wait_serving)
 from lab.traces.calibrated import trace_spec
 from sled.mqtt import Broker
 from sled.v1 import verifier_pb2_grpc as pb_grpc
@@ -161,16 +161,7 @@ class LocalFleet:
     async def start_broker(self) -> None:
         self._refuse_after_stop()
         self._broker.start()
-
-        async def listens() -> bool | None:
-            self._broker.started_or_fail()
-            try:
-                socket.create_connection((HOST, self.broker_port), timeout=0.5).close()
-            except OSError:
-                return None
-            return True
-        await wait_for(listens, BROKER_START_S,
-                         f"mosquitto did not listen on {HOST}:{self.broker_port}", 0.05)
+        await wait_listening(self._broker, self.broker_port, BROKER_START_S)
 
     # -- the devices --------------------------------------------------------------------------
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 from pathlib import Path
 
 from lab.fleet import FleetStartError
-from lab.server_process import HOST, Child, free_port, wait_for
+from lab.server_process import HOST, Child, free_port, wait_listening
 
 HAPROXY = ("haproxy", "/usr/sbin/haproxy", "/usr/local/sbin/haproxy")
 START_S = 15.0
@@ -142,16 +141,7 @@ class ProxyProcess:
 
     async def start(self) -> None:
         self.child.start()
-
-        async def listens() -> bool | None:
-            self.child.started_or_fail()
-            try:
-                socket.create_connection((HOST, self.port), timeout=0.5).close()
-            except OSError:
-                return None
-            return True
-        await wait_for(listens, START_S, f"haproxy did not listen on {self.address}", 0.05,
-                       self.child)
+        await wait_listening(self.child, self.port, START_S)
 
     async def stop(self) -> None:
         await self.child.kill(signal.SIGTERM)

@@ -93,6 +93,20 @@ async def wait_for(check, timeout_s: float, what: str, interval_s: float,
         raise FleetStartError(f"{exc}: {log.tail()}" if log else str(exc)) from None
 
 
+async def wait_listening(child: Child, port: int, timeout_s: float) -> None:
+    """Until CHILD accepts TCP connections on loopback PORT; FleetStartError with the end of its
+    log if it exits first or does not listen in time."""
+    async def listens() -> bool | None:
+        child.started_or_fail()
+        try:
+            socket.create_connection((HOST, port), timeout=0.5).close()
+        except OSError:
+            return None
+        return True
+    await wait_for(listens, timeout_s, f"{child.name} did not listen on {HOST}:{port}", 0.05,
+                   child)
+
+
 def serve_command(model: str, port: int, metrics_port: int, *extra: str) -> list[str]:
     """The `sled serve` command line of a child on loopback `port`."""
     return [sys.executable, "-m", "sled_cli.main", "serve", "--model", model, "--host", HOST,

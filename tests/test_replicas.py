@@ -207,7 +207,10 @@ async def test_a_replica_killed_mid_generation_loses_nothing(replicas):
     victim, survivor = replicas.servers
 
     def spread() -> bool:
-        return all(value(metrics(s), "sled_active_sessions") > 0 for s in replicas.servers)
+        """Every device's session is open, some on each replica."""
+        pages = [metrics(s) for s in replicas.servers]
+        opened = sum(value(page, "sled_sessions_total") for page in pages) - sum(before)
+        return opened == DEVICES and all(value(p, "sled_active_sessions") > 0 for p in pages)
     try:
         await until(lambda: runs.done() or spread(), 60, "the sessions did not reach both replicas")
         assert not runs.done(), "the fleet finished before both replicas had sessions"
