@@ -127,9 +127,12 @@ def docker_ready() -> None:
         raise BuildError("docker", f"the Docker engine does not answer: {done.stderr.strip()}")
 
 
-def replicas_ready(scenario) -> None:
+def replicas_ready(scenario, gpu: bool = False) -> None:
     """Compose runs one server, or two replicas behind the proxy (the services of its replicas
-    profile)."""
+    profile) on the CPU: docker-compose.gpu.yml gives the one server its GPU."""
+    if gpu and scenario.server.replicas > 1:
+        raise BuildError("replicas", "--gpu gives one GPU to the one server "
+                         "(docker-compose.gpu.yml); run server.replicas 2 without --gpu")
     if scenario.server.replicas > len(REPLICA_SERVICES):
         raise BuildError("replicas", f"server.replicas {scenario.server.replicas}: the compose lab "
                          f"runs at most {len(REPLICA_SERVICES)} (docker-compose.yml's replicas "
@@ -210,7 +213,7 @@ class ComposeLab:
 
     def run_all(self, args: argparse.Namespace) -> int:
         progress = Steps()
-        progress.step("replicas", replicas_ready, self.scenario)
+        progress.step("replicas", replicas_ready, self.scenario, self.gpu)
         progress.step("docker", docker_ready)
         progress.step("models", target_ready, self.scenario)
         progress.step("models", models_ready, self.scenario)

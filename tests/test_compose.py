@@ -183,6 +183,8 @@ def test_the_replicas_scenario_renders_its_profile(tmp_path):
                                          "http://server-1:9400/metrics"]
     with pytest.raises(lab_compose.BuildError, match="at most 2"):
         lab_compose.replicas_ready(parse_scenario(dict(data, server={"replicas": 3}, faults=[])))
+    with pytest.raises(lab_compose.BuildError, match="without --gpu"):
+        lab_compose.replicas_ready(load_scenario(path), gpu=True)
 
 
 def test_override_carries_the_scenarios_server_flags(tmp_path):
