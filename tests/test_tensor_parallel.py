@@ -28,6 +28,7 @@ from lab.server_process import ServerProcess, free_port
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from sled.wire.sampling import Sampling
+from verify_server.engines.blocks import BlockPool, KVShape
 from verify_server.sdsat import save_adapter
 from verify_server.target import check_splittable
 
@@ -71,6 +72,9 @@ async def test_chains_and_trees_of_8_concurrent_sessions_are_the_targets_greedy_
     for (prompt, tree), tokens in zip(cases, got):
         assert tokens == greedy_reference(model, prompt, NEW_TOKENS), f"tree={tree}"
     assert split_server.metric("sled_forward_passes_total") > 0
+    # --kv-budget is the whole server's: the blocks one device would hold, half on each rank
+    blocks = (64 << 20) // (16 * KVShape.of(model).bytes_per_token) - 1
+    assert split_server.metric("sled_kv_blocks_total") == blocks
 
 
 async def test_seeded_sampling_repeats_the_unsplit_server(split_server, checkpoint, serve):
@@ -159,6 +163,13 @@ def test_torchrun_with_another_process_count_is_refused(checkpoint):
     assert done.returncode != 0
     assert ("sled serve: torchrun started 2 processes for --tp 1: give torchrun "
             "--nproc-per-node 1, or sled serve --tp 2") in done.stderr
+
+
+def test_a_ranks_pool_holds_its_kv_heads_and_counts_the_whole_server():
+    split = BlockPool(KVShape(2, 8, 16, torch.float32, shards=4), 10, 16)
+    whole = BlockPool(KVShape(2, 8, 16, torch.float32), 10, 16)
+    assert split.keys[0].shape == (160, 2, 16) and whole.keys[0].shape == (160, 8, 16)
+    assert split.nbytes == whole.nbytes and split.capacity_tokens == whole.capacity_tokens
 
 
 def sled_serve(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
