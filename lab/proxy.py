@@ -97,6 +97,8 @@ defaults
     # a replica that refuses the connection is tried again, on another one
     retries 2
     option redispatch
+    # the device's address, for sled serve --trusted-proxies (docs/security.md)
+    option forwardfor
 {resolvers}
 frontend sled
     bind {bind} proto h2

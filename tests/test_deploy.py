@@ -33,9 +33,9 @@ def test_the_haproxy_configs_are_valid(tmp_path):
 
 
 def rules(text: str) -> dict[str, str]:
-    """The lines of an haproxy.cfg that decide balancing and health, by their first words."""
+    """The lines of an haproxy.cfg that decide balancing, health and the forwarded address, by their first words."""
     keys = ("balance", "option tcp-check", "tcp-check send-binary", "tcp-check expect binary",
-            "option redispatch", "bind", "default-server")
+            "option redispatch", "option forwardfor", "bind", "default-server")
     found = {}
     for line in text.splitlines():
         line = line.strip()
@@ -51,7 +51,7 @@ def test_the_deployed_haproxy_config_follows_the_tested_rules():
     assert deployed["tcp-check send-binary"] == HEALTH_CHECK_SEND.hex()
     assert deployed["tcp-check expect binary"] == HEALTH_CHECK_SERVING.hex()
     for key in ("balance", "option tcp-check", "tcp-check send-binary", "tcp-check expect binary",
-                "option redispatch"):
+                "option redispatch", "option forwardfor"):
         assert deployed[key] == tested[key], key
     assert deployed["bind"].endswith("proto h2") and tested["bind"].endswith("proto h2")
     assert re.search(r"\bproto h2\b", deployed["default-server"])
