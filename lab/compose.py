@@ -2,7 +2,8 @@
 
 Steps, each shown as it runs; a step that fails ends the command with one line (the step and the
 tail of its log) and exit status 3:
-  base image   sled-base:bookworm from debootstrap (--build-base; cached by tag), or --base-image
+  base image   sled-base:bookworm-HASH from debootstrap (--build-base; HASH: its packages), or
+               --base-image
   wheelhouse   every dependency of the images (cached by pyproject.toml, llama.cpp flags, torch)
   project      the project's wheel, built from this tree
   images       each image's dependencies image (cached by wheelhouse + base), then the server and
@@ -65,10 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", default=None, metavar="NAME",
                         help="the run's folder name under --out (default: scenario and time)")
     parser.add_argument("--base-image", default=None, metavar="IMAGE",
-                        help="the images' base (default: sled-base:bookworm when built, else "
+                        help="the images' base (default: sled-base:bookworm-HASH when built, else "
                              "python:3.11-slim-bookworm)")
     parser.add_argument("--build-base", action="store_true",
-                        help="build sled-base:bookworm with debootstrap when it is missing")
+                        help="build sled-base:bookworm-HASH (HASH: its Debian packages) with "
+                             "debootstrap when it is missing")
     parser.add_argument("--gpu", action="store_true",
                         help="the server on one NVIDIA GPU (docker-compose.gpu.yml)")
     parser.add_argument("--observe", action="store_true",

@@ -1,6 +1,6 @@
 """The lab's container images, built without a registry: a base image, a wheelhouse, the images.
 
-    base_image(build=True)  -> "sled-base:bookworm"  (debootstrap + docker import, cached by tag)
+    base_image(build=True)  -> "sled-base:bookworm-<packages>"  (debootstrap + docker import, cached by tag)
     wheelhouse()            -> ~/.cache/sled/wheelhouse/<key>/  (every dependency of the images)
     project_wheel(out)      -> the project's own wheel, built from this tree
     build_images(base, house, wheel) -> {"server": "sled-lab-server:<key>", "device": ...,
@@ -31,12 +31,14 @@ from sled.cache import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent       # the repository (pyproject.toml, docker/)
 DOCKER = ROOT / "docker"
-BASE_TAG = "sled-base:bookworm"
 DEFAULT_BASE = "python:3.11-slim-bookworm"          # a public image, for sites that can pull
 # What debootstrap puts in the local base: Python with venv, the broker, the replicas' proxy, tc
 # for netem.
 BASE_PACKAGES = ("python3", "python3-venv", "mosquitto", "haproxy", "iproute2", "ca-certificates",
                  "libgomp1")
+# tagged by its packages: a base built before one was added is not taken for this one (its
+# containers could not fetch the package: they reach no registry)
+BASE_TAG = "sled-base:bookworm-" + hashlib.sha256(",".join(BASE_PACKAGES).encode()).hexdigest()[:8]
 TORCH = "torch==2.13.0"
 # The Python of the bookworm base (debootstrap's and the public default's): the wheelhouse's
 # compiled wheels must be built for it.

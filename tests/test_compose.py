@@ -35,8 +35,10 @@ SCENARIO = {
     "max_tokens": 16,
     "sampling": {"temperature": 0.0},
     "centralized": False,
+    # the replicas profile: two servers behind HAProxy, the devices dialing the proxy
+    "server": {"replicas": 2},
     # through the Docker Engine API from inside the lab container
-    "faults": [{"kind": "server_kill", "at_s": 1.0, "down_s": 1.0}],
+    "faults": [{"kind": "server_kill", "at_s": 1.0, "down_s": 1.0, "replica": 1}],
 }
 
 
@@ -502,7 +504,9 @@ def test_compose_lab_runs_a_fleet_losslessly(tmp_path):
     records = [r for phase in results["phases"] for r in phase["requests"]]
     assert len(records) == 3 and all(r["lossless"] is True and not r["error"] for r in records)
     assert set(results["link_emulation"]) == {"dev-00", "dev-01", "dev-02"}
-    assert [(f["kind"], f["ok"]) for f in results["faults"]] == [("server_kill", True)], tail
+    assert [(f["kind"], f["replica"], f["ok"]) for f in results["faults"]] == \
+        [("server_kill", 1, True)], tail
+    assert [row["replica"] for row in report["replicas"]] == [0, 1]    # each replica's load
     assert not any(leftovers.values()), f"left behind: {leftovers}"
     assert not (out / ".compose-ct").exists()
     assert "serving gemma3-270m" in (out / "ct" / "logs" / "compose.log").read_text()
