@@ -190,14 +190,15 @@ def test_the_replicas_scenario_renders_its_profile(tmp_path):
 
 
 def test_override_carries_the_scenarios_server_flags(tmp_path):
-    data = dict(SCENARIO, server={"args": ["--max-sessions", "7"]})
+    data = dict(SCENARIO, server={"replicas": 2, "args": ["--max-sessions", "7"]})
     path = tmp_path / "s.yaml"
     path.write_text(json.dumps(data))
     lab = run_folder(tmp_path, path)
     override = json.loads((lab.run_dir / lab_compose.OVERRIDE).read_text())
-    command = override["services"]["server"]["command"]
-    assert command[:3] == ["serve", "--model", "gemma3-270m"]
-    assert command[-2:] == ["--max-sessions", "7"]
+    for replica in ("server", "server-1"):
+        command = override["services"][replica]["command"]
+        assert command[:3] == ["serve", "--model", "gemma3-270m"]
+        assert command[-2:] == ["--max-sessions", "7"]
 
 
 def test_devices_mount_neither_the_broker_files_nor_the_run_folder(tmp_path):
