@@ -47,8 +47,8 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 
 def supports(model: torch.nn.Module) -> bool:
     """Whether sled's forward covers this model: a Llama or Gemma 3 causal LM (text), with an
-    activation it knows, whole on this process (a model split over ranks, sled serve --tp N,
-    runs transformers' forward: its split layers carry the all-reduces)."""
+    activation it knows, whole or split over ranks (sled serve --tp N) without biases on the
+    row-split projections."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in FAMILIES:
         return False
@@ -64,6 +64,14 @@ def supports(model: torch.nn.Module) -> bool:
 def _ranks(model: torch.nn.Module) -> int:
     """The ranks the model is split over (transformers' tp_size; 1: whole)."""
     return getattr(model, "tp_size", None) or 1
+
+
+def _group_name(weight: torch.Tensor, ranks: int) -> str | None:
+    """The process group a split weight's shards are summed over (its mesh's); None: whole."""
+    if ranks == 1:
+        return None
+    return (weight.device_mesh.get_group() if isinstance(weight, DTensor)
+            else dist.group.WORLD).group_name
 
 
 def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -224,7 +232,7 @@ class Decoder:
         self.dims = Dims(config.num_attention_heads // ranks, config.num_key_value_heads // ranks,
                          self.layers[0].attention.head_dim, float(eps),
                          config.model_type == "gemma3_text", _activation_name(config),
-                         dist.group.WORLD.group_name if ranks > 1 else None)
+                         _group_name(self.inner.layers[0].self_attn.o_proj.weight, ranks))
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.rotary = _rotary(self.inner)
         self.functions = {False: (before_attention, after_attention)}
