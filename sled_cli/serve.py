@@ -40,16 +40,21 @@ def run(args: argparse.Namespace) -> int:
     with phase("target", f"loading {settings.model}{first_use_note(settings.model)}"):
         # torch and transformers load here: part of the timed target phase, under its spinner
         from verify_server.ranks import split
-        from verify_server.server import follow_leader, serve_forever
+        from verify_server.engines.sharded import follow_leader
+        from verify_server.server import serve_forever
         from verify_server.target import load_target
+        ranks = None
         try:
             ranks = split(settings, sys.argv[1:])
             target = load_target(settings)
         except ValueError as exc:   # e.g. a model that does not split over --tp N ranks
             print(f"sled serve: {one_line(exc)}", file=sys.stderr)
+            if ranks is not None:
+                ranks.end()
             return 2
     if ranks is not None and not ranks.leads:
         follow_leader(target, ranks)
+        ranks.end()
         return 0
     steady_emulation(settings, target)
     try:
@@ -64,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         if ranks is not None:
-            ranks.wait_children()
+            ranks.end()
     return 0
 
 

@@ -23,6 +23,7 @@ from drafters.hf import HFDrafter
 from drafters.ngram import NgramDrafter
 from edge_client.server_side import generate_server_side
 from edge_client.session import RoundSettings, generate
+from edge_client.transport import VerifyError
 from edge_client.wire import SessionRequest
 from lab.server_process import ServerProcess, free_port
 from sled.v1 import verifier_pb2 as pb
@@ -202,7 +203,7 @@ def test_a_synthetic_target_is_refused():
 async def test_the_other_rank_goes_with_rank_0(checkpoint):
     async with ServerProcess(str(checkpoint[0]), "--tp", "2", "--kv-budget", "16MiB") as server:
         pid = server.proc.pid
-        children = [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+        children = _children(pid)
         assert len(children) == 1
         os.kill(pid, signal.SIGKILL)
         server.proc.wait(10)
@@ -241,6 +242,34 @@ def test_the_split_bench_refuses_what_it_cannot_time(checkpoint):
     assert "give --engines paged or flex" in done.stderr
     done = sled_bench_engine("--shape", "tiny-llama", "--tp", "2", "--engines", "paged")
     assert done.returncode == 2 and "splits a checkpoint: give --model" in done.stderr
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+
+
+async def test_a_rank_lost_ends_the_server_at_its_next_step(checkpoint):
+    """Rank 1 killed: rank 0's next step cannot run on its own, so it exits (70) with a line
+    that says why, and the device's call ends UNAVAILABLE (a lost server: it resumes)."""
+    _, _, _, _, prompts = checkpoint
+    async with ServerProcess(str(checkpoint[0]), "--tp", "2", "--kv-budget", "16MiB") as server:
+        follower, = _children(server.proc.pid)
+        os.kill(follower, signal.SIGKILL)
+        with pytest.raises(VerifyError) as lost:
+            await run(server.address, NgramDrafter(), prompts[0])
+        assert lost.value.code == grpc.StatusCode.UNAVAILABLE
+        assert await asyncio.to_thread(server.proc.wait, 30) == 70
+        assert "its ranks may no longer agree, so this process ends (exit 70)" in \
+            server.child.tail(4000)
+
+
+async def test_ctrl_c_stops_both_ranks(checkpoint):
+    async with ServerProcess(str(checkpoint[0]), "--tp", "2", "--kv-budget", "16MiB") as server:
+        follower, = _children(server.proc.pid)
+        os.kill(server.proc.pid, signal.SIGINT)
+        assert await asyncio.to_thread(server.proc.wait, 30) == 130
+        assert not os.path.exists(f"/proc/{follower}") or _zombie(follower)
+        assert "Traceback" not in server.child.tail(4000)
 
 
 def _zombie(pid: int) -> bool:

@@ -22,7 +22,7 @@ from verify_server.engines import make_engine
 from verify_server.engines.base import Engine
 from verify_server.engines.blocks import KVShape
 from verify_server.engines.emulated import EmulatedEngine
-from verify_server.engines.sharded import Channel, LeadingEngine, PoolSize, follow
+from verify_server.engines.sharded import Channel, LeadingEngine
 from verify_server.gpu_memory import describe, gpu_memory
 from verify_server.metrics import Metrics
 from verify_server.scheduler import Scheduler
@@ -106,7 +106,11 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     if target.sat is not None:
         target.sat.check(target.model)
     profile = load_profile(settings.emulate) if settings.emulate else None
-    engine = make_engine(target.model, kv_budget_bytes=_kv_budget(settings, profile, target),
+    budget = _kv_budget(settings, profile, target)
+    if ranks is not None:      # the ranks' least free memory (each rank asks: a collective)
+        shared = ranks.kv_budget(target.device, settings.kv_fraction)
+        budget = shared if budget is None else budget
+    engine = make_engine(target.model, kv_budget_bytes=budget,
                          kv_fraction=settings.kv_fraction, block_tokens=settings.kv_block_tokens,
                          kind=settings.engine, sat=target.sat)
     if ranks is not None:
@@ -258,18 +262,6 @@ async def serve_forever(target: Target, settings: ServerSettings,
             announcing.cancel()
             await asyncio.gather(announcing, return_exceptions=True)
         await running.stop()
-
-
-def follow_leader(target: Target, ranks: Ranks) -> None:
-    """A rank other than 0 of a split server: its engine over its shard of `target`, the same
-    kind and blocks as rank 0's, running rank 0's steps until rank 0 stops."""
-    channel = Channel(ranks.group)
-    size = channel.receive()
-    if not isinstance(size, PoolSize):
-        raise RuntimeError(f"rank {ranks.rank}: rank 0 sent {type(size).__name__} first")
-    engine = make_engine(target.model, kv_budget_bytes=size.nbytes, block_tokens=size.block_tokens,
-                         kind=size.kind, sat=target.sat)
-    follow(engine, channel)
 
 
 def describe_sat(sat) -> str:

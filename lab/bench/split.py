@@ -24,9 +24,8 @@ from lab.bench.report import percentile, write_json
 from sled.models import resolve_model
 from verify_server.engines import make_engine
 from verify_server.engines.blocks import KVShape
-from verify_server.engines.sharded import Channel, LeadingEngine
+from verify_server.engines.sharded import Channel, LeadingEngine, follow_leader
 from verify_server.ranks import start_ranks
-from verify_server.server import follow_leader
 from verify_server.target import Target, check_splittable
 
 # the engines a split server runs (`sled serve --engine`: flex with CUDA graphs on a GPU)
@@ -47,9 +46,11 @@ def split_bench(args, fill, step, agreement) -> int:
     shard = Target.load(model_id, dtype=args.dtype, device=ranks.device, tp=args.tp)
     if not ranks.leads:
         follow_leader(shard, ranks)
+        ranks.end()
         return harness.DONE
     whole = Target.load(model_id, dtype=args.dtype, device=ranks.device).model
     budget = _budget(whole, args)
+    ranks.kv_budget(ranks.device, 0.0)      # the others ask it first, as of a server's rank 0
     split = LeadingEngine(_engine(shard.model, budget, kind, args), Channel(ranks.group))
     one = _engine(whole, budget, kind, args)
     results = {"model": shard.model_id, "device": args.device, "dtype": args.dtype,
@@ -65,7 +66,7 @@ def split_bench(args, fill, step, agreement) -> int:
                 write_json(args.out, results)
     finally:
         split.close()
-        ranks.wait_children()
+        ranks.end()
     console.print(_table(results))
     harness.write_results(console, args.out, results)
     return harness.DONE

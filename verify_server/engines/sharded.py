@@ -10,7 +10,9 @@ other ranks the step, so that all of them run the same forward together, each on
     rank k:              Step -> the same rows on its pool -> forward (its logits are dropped)
 
 The messages go over a gloo group of their own (CPU tensors, whatever the model's backend), in
-the order rank 0 sends them: the engine thread sends every one of them.
+the order rank 0 sends them: the engine thread sends every one of them. A step, copy or warm-up
+that fails on any rank once the ranks began it ends that rank's process (ranks.abandon): the
+others would wait for it in a collective that never completes.
 """
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from verify_server.engines import make_engine
 from verify_server.engines.base import Engine, StepLogits
 from verify_server.engines.blocks import BlockPool
 from verify_server.engines.kv import SessionKV
 from verify_server.engines.rows import Row
+from verify_server.ranks import abandon
 
 log = logging.getLogger("sled.server.ranks")
 
@@ -118,25 +122,37 @@ class LeadingEngine:
         return getattr(self.engine, name)
 
     def forward(self, rows: Sequence[Row]) -> StepLogits:
-        self.channel.send(Step(tuple(RowPlan.of(row) for row in rows)))
-        return self.engine.forward(rows)
+        plans = tuple(RowPlan.of(row) for row in rows)
+        try:
+            self.channel.send(Step(plans))
+            return self.engine.forward(rows)
+        except Exception as exc:
+            abandon(f"a step failed ({type(exc).__name__}: {exc})")
 
     def warm_up(self, max_rows: int, max_step_tokens: int) -> None:
-        self.channel.send(WarmUp(max_rows, max_step_tokens))
-        self.engine.warm_up(max_rows, max_step_tokens)
+        try:
+            self.channel.send(WarmUp(max_rows, max_step_tokens))
+            self.engine.warm_up(max_rows, max_step_tokens)
+        except Exception as exc:
+            abandon(f"the warm-up failed ({type(exc).__name__}: {exc})")
 
     def close(self) -> None:
-        """The other ranks stop (once)."""
+        """The other ranks stop (once; a rank already gone is past telling)."""
         if self.engine.pool.followers is not None:
             self.engine.pool.followers = None
-            self.channel.send(Stop())
+            try:
+                self.channel.send(Stop())
+            except Exception as exc:
+                log.warning("could not tell the other ranks to stop: %s", exc)
 
 
 def follow(engine: Engine, channel: Channel) -> None:
-    """A following rank: run what rank 0 says until it says Stop. A step that fails here failed
-    on rank 0 too (the same rows on the same blocks): it is logged, and the next one comes."""
+    """A following rank: run what rank 0 says until it says Stop (or is gone)."""
     while True:
-        message = channel.receive()
+        try:
+            message = channel.receive()
+        except Exception as exc:
+            abandon(f"rank 0 is gone ({type(exc).__name__}: {exc})")
         if isinstance(message, Stop):
             return
         try:
@@ -148,5 +164,20 @@ def follow(engine: Engine, channel: Channel) -> None:
                 engine.warm_up(message.max_rows, message.max_step_tokens)
             else:
                 raise TypeError(f"unknown message {type(message).__name__}")
-        except Exception:
-            log.exception("rank %d: a %s failed", dist.get_rank(), type(message).__name__)
+        except Exception as exc:
+            log.exception("a %s failed", type(message).__name__)
+            abandon(f"a {type(message).__name__} failed ({type(exc).__name__}: {exc})")
+
+
+def follow_leader(target, ranks) -> None:
+    """A rank other than 0 of a split server (`ranks`: verify_server.ranks.Ranks): its engine
+    over its shard of `target` (verify_server.target.Target), the same kind and blocks as rank
+    0's, running rank 0's steps until rank 0 stops."""
+    channel = Channel(ranks.group)
+    ranks.kv_budget(target.device, 0.0)     # rank 0 sizes the pool by every rank's memory
+    size = channel.receive()
+    if not isinstance(size, PoolSize):
+        raise RuntimeError(f"rank {ranks.rank}: rank 0 sent {type(size).__name__} first")
+    engine = make_engine(target.model, kv_budget_bytes=size.nbytes, block_tokens=size.block_tokens,
+                         kind=size.kind, sat=target.sat)
+    follow(engine, channel)
