@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     with phase("target", f"loading {settings.model}{first_use_note(settings.model)}"):
         # torch and transformers load here: part of the timed target phase, under its spinner
         from verify_server.ranks import split
-        from verify_server.engines.sharded import follow_leader
+        from verify_server.follower import follow_leader
         from verify_server.server import serve_forever
         from verify_server.target import load_target
         ranks = None

@@ -24,7 +24,8 @@ from lab.bench.report import percentile, write_json
 from sled.models import resolve_model
 from verify_server.engines import make_engine
 from verify_server.engines.blocks import KVShape
-from verify_server.engines.sharded import Channel, LeadingEngine, follow_leader
+from verify_server.engines.sharded import Channel, LeadingEngine
+from verify_server.follower import follow_leader
 from verify_server.ranks import start_ranks
 from verify_server.target import Target, check_splittable
 

@@ -12,6 +12,7 @@
     flex_plan.py   the flex engine's step plan, made in numpy
     flex_check.py  the start-up probe of a compiled CPU flex kernel
     emulated.py    EmulatedEngine: an engine held to a step-cost profile's time
+    sharded.py     a server split over ranks (--tp N): rank 0's engine telling the others each step
 
 `make_engine` sizes the pool and picks the engine.
 """

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from verify_server.engines import make_engine
 from verify_server.engines.base import Engine, StepLogits
 from verify_server.engines.blocks import BlockPool
 from verify_server.engines.kv import SessionKV
@@ -167,17 +166,3 @@ def follow(engine: Engine, channel: Channel) -> None:
         except Exception as exc:
             log.exception("a %s failed", type(message).__name__)
             abandon(f"a {type(message).__name__} failed ({type(exc).__name__}: {exc})")
-
-
-def follow_leader(target, ranks) -> None:
-    """A rank other than 0 of a split server (`ranks`: verify_server.ranks.Ranks): its engine
-    over its shard of `target` (verify_server.target.Target), the same kind and blocks as rank
-    0's, running rank 0's steps until rank 0 stops."""
-    channel = Channel(ranks.group)
-    ranks.kv_budget(target.device, 0.0)     # rank 0 sizes the pool by every rank's memory
-    size = channel.receive()
-    if not isinstance(size, PoolSize):
-        raise RuntimeError(f"rank {ranks.rank}: rank 0 sent {type(size).__name__} first")
-    engine = make_engine(target.model, kv_budget_bytes=size.nbytes, block_tokens=size.block_tokens,
-                         kind=size.kind, sat=target.sat)
-    follow(engine, channel)
