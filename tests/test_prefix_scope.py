@@ -91,15 +91,17 @@ def test_the_tenant_cannot_be_left_out():
 
 # --- through the server -------------------------------------------------------------------------
 
-def open_msg(prompt, salt: str, mode=pb.GENERATION_MODE_SERVER) -> pb.DeviceMessage:
-    return pb.DeviceMessage(open=pb.Open(prompt_ids=list(prompt), max_new_tokens=MAX_NEW,
+def open_msg(prompt, salt: str, mode=pb.GENERATION_MODE_SERVER,
+             max_new: int = MAX_NEW) -> pb.DeviceMessage:
+    return pb.DeviceMessage(open=pb.Open(prompt_ids=list(prompt), max_new_tokens=max_new,
                                          ignore_eos=True, mode=mode, cache_salt=salt))
 
 
-async def server_session(stub, prompt, salt: str) -> tuple[int, list[int]]:
-    """A server-generated session: (its cached prompt tokens, its output)."""
+async def server_session(stub, prompt, salt: str,
+                         max_new: int = MAX_NEW) -> tuple[int, list[int]]:
+    """A server-generated session to its end: (its cached prompt tokens, its output)."""
     call = stub.Generate()
-    await call.write(open_msg(prompt, salt))
+    await call.write(open_msg(prompt, salt, max_new=max_new))
     opened = (await call.read()).opened
     tokens = []
     while True:

@@ -31,6 +31,7 @@ from lab.scrape import parse_metrics, value
 from lab.server_process import ServerProcess, free_port
 from lab.tiny import cached_pair
 from sled.v1 import verifier_pb2 as pb
+from test_prefix_scope import server_session
 
 pytestmark = pytest.mark.skipif(haproxy_binary() is None,
                                 reason="HAProxy is not installed (make haproxy, or "
@@ -41,6 +42,7 @@ MAX_NEW = 96
 # two devices of their own behind the proxy: one allowed a single session per replica
 QUOTA_DEVICE, OTHER_DEVICE, QUOTA = "cam-a", "cam-b", 1
 SHARED = list(range(40, 120))          # an 80-token prompt: 5 blocks of 16 to cache
+SESSION_TOKENS = 4                     # what each server-generated session emits
 
 
 def metrics(server: ServerProcess) -> dict:
@@ -119,23 +121,6 @@ async def test_the_health_check_is_a_grpc_health_call(tmp_path):
         await server.stop(0)
 
 
-async def server_session(stub, prompt: list[int]) -> tuple[int, list[int]]:
-    """A server-generated session to its end: (its cached prompt tokens, its output)."""
-    call = stub.Generate()
-    await call.write(pb.DeviceMessage(open=pb.Open(prompt_ids=prompt, max_new_tokens=4,
-                                                   ignore_eos=True,
-                                                   mode=pb.GENERATION_MODE_SERVER)))
-    opened = (await call.read()).opened
-    tokens = []
-    while True:
-        verdict = (await call.read()).verdict
-        tokens.extend(verdict.emitted_ids)
-        if verdict.finish_reason:
-            break
-    await call.done_writing()
-    return opened.cached_prompt_tokens, tokens
-
-
 async def test_devices_behind_the_proxy_keep_their_own_quotas(replicas):
     """cam-a (sessions=1) holds one session on each replica and is refused a third; cam-b,
     through the same proxy from the same address, still opens sessions."""
@@ -154,7 +139,7 @@ async def test_devices_behind_the_proxy_keep_their_own_quotas(replicas):
                     refused = error
                     break
                 held.append(stream)
-            _, tokens = await server_session(stub_b, [5, 6, 7])
+            _, tokens = await server_session(stub_b, [5, 6, 7], "", SESSION_TOKENS)
         finally:
             for call in held:
                 call.cancel()
@@ -164,7 +149,7 @@ async def test_devices_behind_the_proxy_keep_their_own_quotas(replicas):
                                               "REASON_QUOTA"), refused
     assert "quota" in refused.message and not lost_server(refused)
     assert len(held) == len(replicas.servers) * QUOTA            # the quota holds per replica
-    assert len(tokens) == 4                                      # cam-b: served all the same
+    assert len(tokens) == SESSION_TOKENS                         # cam-b: served all the same
     opened = [value(metrics(s), "sled_device_sessions_total", device=QUOTA_DEVICE)
               for s in replicas.servers]
     assert opened == [QUOTA, QUOTA], opened                     # one on each replica
@@ -176,12 +161,12 @@ async def test_devices_behind_the_proxy_keep_their_own_prefix_cache(replicas):
     async with replicas.channel(QUOTA_DEVICE) as stub_a, replicas.channel(OTHER_DEVICE) as stub_b:
         before = [value(metrics(s), "sled_device_sessions_total", device=QUOTA_DEVICE)
                   for s in replicas.servers]
-        first = [await server_session(stub_a, SHARED) for _ in range(2)]
+        first = [await server_session(stub_a, SHARED, "", SESSION_TOKENS) for _ in range(2)]
         after = [value(metrics(s), "sled_device_sessions_total", device=QUOTA_DEVICE)
                  for s in replicas.servers]
         assert [a - b for a, b in zip(after, before)] == [1, 1], (before, after)
-        other, _ = await server_session(stub_b, SHARED)
-        again, _ = await server_session(stub_a, SHARED)
+        other, _ = await server_session(stub_b, SHARED, "", SESSION_TOKENS)
+        again, _ = await server_session(stub_a, SHARED, "", SESSION_TOKENS)
     assert [cached for cached, _ in first] == [0, 0]            # the first on each replica
     assert other == 0                                           # another tenant: nothing
     assert again >= 64                                          # its own tenant: 4+ blocks
