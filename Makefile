@@ -46,37 +46,31 @@ models: $(STAMP)
 # of failing at once on the dpkg lock.
 APT := apt-get -o DPkg::Lock::Timeout=600
 
-# The MQTT tests start a real Mosquitto broker; install it from the Debian packages when missing
-# (as root, else through passwordless sudo). The demo does not need it.
-mosquitto:
-	@if command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ]; then :; \
-	elif [ "$$(id -u)" = 0 ]; then \
-		DEBIAN_FRONTEND=noninteractive $(APT) install -y -q mosquitto || \
-		{ $(APT) update -q && DEBIAN_FRONTEND=noninteractive $(APT) install -y -q mosquitto; }; \
-	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
-		sudo -n env DEBIAN_FRONTEND=noninteractive $(APT) install -y -q mosquitto || \
-		{ sudo -n $(APT) update -q && sudo -n env DEBIAN_FRONTEND=noninteractive $(APT) install -y -q mosquitto; }; \
-	else \
-		echo "Mosquitto is missing and cannot be installed from here (not root, no passwordless sudo)."; \
-		echo "Install it, then run make test again:  sudo apt-get install mosquitto  (Debian/Ubuntu)"; \
-		echo "The MQTT tests fail until it is installed."; \
-	fi
+# $(call debian_package,PACKAGE,NAME,WITHOUT_IT): install PACKAGE (its command has the same
+# name) from the Debian packages when missing, as root, else through passwordless sudo; else say
+# how, and WITHOUT_IT (what the suite does until then).
+define debian_package
+@if command -v $(1) >/dev/null 2>&1 || [ -x /usr/sbin/$(1) ]; then :; \
+elif [ "$$(id -u)" = 0 ]; then \
+	DEBIAN_FRONTEND=noninteractive $(APT) install -y -q $(1) || \
+	{ $(APT) update -q && DEBIAN_FRONTEND=noninteractive $(APT) install -y -q $(1); }; \
+elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
+	sudo -n env DEBIAN_FRONTEND=noninteractive $(APT) install -y -q $(1) || \
+	{ sudo -n $(APT) update -q && sudo -n env DEBIAN_FRONTEND=noninteractive $(APT) install -y -q $(1); }; \
+else \
+	echo "$(2) is missing and cannot be installed from here (not root, no passwordless sudo)."; \
+	echo "Install it, then run make test again:  sudo apt-get install $(1)  (Debian/Ubuntu)"; \
+	echo "$(3)"; \
+fi
+endef
 
-# The replicas tests put HAProxy in front of two servers; install it from the Debian packages
-# when missing, as for Mosquitto. Without it those tests are skipped, saying so.
+# The MQTT tests start a real Mosquitto broker. The demo does not need it.
+mosquitto:
+	$(call debian_package,mosquitto,Mosquitto,The MQTT tests fail until it is installed.)
+
+# The replicas tests put HAProxy in front of two servers. Without it they are skipped, saying so.
 haproxy:
-	@if command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; then :; \
-	elif [ "$$(id -u)" = 0 ]; then \
-		DEBIAN_FRONTEND=noninteractive $(APT) install -y -q haproxy || \
-		{ $(APT) update -q && DEBIAN_FRONTEND=noninteractive $(APT) install -y -q haproxy; }; \
-	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
-		sudo -n env DEBIAN_FRONTEND=noninteractive $(APT) install -y -q haproxy || \
-		{ sudo -n $(APT) update -q && sudo -n env DEBIAN_FRONTEND=noninteractive $(APT) install -y -q haproxy; }; \
-	else \
-		echo "HAProxy is missing and cannot be installed from here (not root, no passwordless sudo)."; \
-		echo "Install it, then run make test again:  sudo apt-get install haproxy  (Debian/Ubuntu)"; \
-		echo "The replicas tests are skipped until it is installed."; \
-	fi
+	$(call debian_package,haproxy,HAProxy,The replicas tests are skipped until it is installed.)
 
 # The compose lab's test builds images and runs a fleet in Docker: install what is missing of the
 # engine, Compose and debootstrap (the local base image) from the Debian packages, one package at
