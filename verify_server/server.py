@@ -106,24 +106,9 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     if target.sat is not None:
         target.sat.check(target.model)
     profile = load_profile(settings.emulate) if settings.emulate else None
-    budget = _kv_budget(settings, profile, target)
-    if ranks is not None:      # the ranks' least free memory (each rank asks: a collective)
-        shared = ranks.kv_budget(target.device, settings.kv_fraction)
-        budget = shared if budget is None else budget
-    engine = make_engine(target.model, kv_budget_bytes=budget,
-                         kv_fraction=settings.kv_fraction, block_tokens=settings.kv_block_tokens,
-                         kind=settings.engine, sat=target.sat)
-    if ranks is not None:
-        engine = LeadingEngine(engine, Channel(ranks.group))
-        log.info("split over %d ranks (tensor parallel): the KV pool below is theirs together",
-                 ranks.size)
+    engine = _engine(target, settings, profile, ranks)
     metrics.watch_pool(engine.pool)
-    log.info("%s engine, KV pool %d tokens (%.0f MiB)", engine.kind, engine.pool.capacity_tokens,
-             engine.pool.nbytes / (1 << 20))
-    started = time.perf_counter()     # the flex engine: its buckets captured, its flex compiled
-    engine.warm_up(settings.max_batch_sessions, settings.max_step_tokens)
-    if time.perf_counter() - started > 1:
-        log.info("%s engine warmed up in %.1f s", engine.kind, time.perf_counter() - started)
+    _warm_up(engine, settings)
     scheduler = Scheduler(_emulated(engine, profile, metrics), metrics,
                           settings.max_batch_sessions, settings.max_step_tokens)
     scheduler.start()
@@ -152,6 +137,35 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     evictions = asyncio.get_running_loop().create_task(service.core.run_evictions(),
                                                        name="sled-evictions")
     return RunningServer(server, bound, service, scheduler, metrics, health_servicer, evictions)
+
+
+def _engine(target: Target, settings: ServerSettings, profile: StepProfile | None,
+            ranks: Ranks | None) -> Engine | LeadingEngine:
+    """The engine over the KV pool the settings (or the profiled GPU) ask for; with `ranks`,
+    rank 0's, leading the other ranks' (the pool sized by their least free memory)."""
+    budget = _kv_budget(settings, profile, target)
+    if ranks is not None:      # the ranks' least free memory (each rank asks: a collective)
+        shared = ranks.kv_budget(target.device, settings.kv_fraction)
+        budget = shared if budget is None else budget
+    engine = make_engine(target.model, kv_budget_bytes=budget,
+                         kv_fraction=settings.kv_fraction, block_tokens=settings.kv_block_tokens,
+                         kind=settings.engine, sat=target.sat)
+    if ranks is not None:
+        engine = LeadingEngine(engine, Channel(ranks.group))
+        log.info("split over %d ranks (tensor parallel): the KV pool below is theirs together",
+                 ranks.size)
+    log.info("%s engine, KV pool %d tokens (%.0f MiB)", engine.kind, engine.pool.capacity_tokens,
+             engine.pool.nbytes / (1 << 20))
+    return engine
+
+
+def _warm_up(engine: Engine | LeadingEngine, settings: ServerSettings) -> None:
+    """What the first steps would compile or capture (the flex engine: its buckets, its flex),
+    before serving; said when it took a while."""
+    started = time.perf_counter()
+    engine.warm_up(settings.max_batch_sessions, settings.max_step_tokens)
+    if time.perf_counter() - started > 1:
+        log.info("%s engine warmed up in %.1f s", engine.kind, time.perf_counter() - started)
 
 
 def describe_access(settings: ServerSettings) -> str:
