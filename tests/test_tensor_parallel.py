@@ -30,6 +30,7 @@ from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 from sled.wire.sampling import Sampling
 from verify_server.engines.blocks import BlockPool, KVShape
+from verify_server import ranks
 from verify_server.sdsat import save_adapter
 from verify_server.target import check_splittable
 
@@ -171,6 +172,22 @@ def test_a_ranks_pool_holds_its_kv_heads_and_counts_the_whole_server():
     whole = BlockPool(KVShape(2, 8, 16, torch.float32), 10, 16)
     assert split.keys[0].shape == (160, 2, 16) and whole.keys[0].shape == (160, 8, 16)
     assert split.nbytes == whole.nbytes and split.capacity_tokens == whole.capacity_tokens
+
+
+@pytest.mark.parametrize("device, gpus, said", [
+    ("cuda", 1, "--tp 2 needs 2 GPUs on this machine; it shows 1"),
+    ("cpu", 2, "--tp 2 --device cpu on a machine with GPUs would split the model over them: "
+               "give --device cuda, or hide them with CUDA_VISIBLE_DEVICES="),
+])
+def test_devices_that_cannot_hold_the_ranks_are_refused_before_any_starts(monkeypatch, device,
+                                                                          gpus, said):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    started = []
+    monkeypatch.setattr(ranks, "_start_children", lambda *a: started.append(a))
+    with pytest.raises(ValueError) as refused:
+        ranks.start_ranks(2, device, ["serve"])
+    assert str(refused.value) == said and not started
 
 
 def sled_serve(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
