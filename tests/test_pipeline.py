@@ -4,7 +4,6 @@ seeded sampling run unrepeatable."""
 from __future__ import annotations
 
 import asyncio
-import math
 
 import grpc
 import pytest
@@ -21,7 +20,7 @@ from lab.profiles import DeviceProfile, Link, LinkProfile
 from lab.traces import Trace, TraceDrafter
 from sled.wire.sampling import Sampling
 from sled.v1.verifier_pb2_grpc import VerifierStub
-from test_sampling_e2e import total_variation
+from test_sampling_e2e import total_variation, unseeded_tv_bound
 from verify_server.warp import warp
 
 MAX_NEW = 24
@@ -213,7 +212,9 @@ async def test_pipelined_sampling_still_follows_the_target_distribution(serve, m
                                                                          tokenizer, prompts):
     """Unseeded sampling pipelines: the third token's draft was often drafted ahead, after a
     guessed bonus. Given the first two tokens the third still follows the target's p, both over
-    all sessions and over the sessions whose third token came from a draft made ahead."""
+    all sessions and over the sessions whose third token came from a draft made ahead. Four
+    tokens, not three: with one token left the server verifies no draft, so a third token would
+    be the bonus, whatever was drafted ahead."""
     model = models["llama"]
     prompt = prompts[0]
     server = await serve(model, max_batch_sessions=64)
@@ -223,7 +224,7 @@ async def test_pipelined_sampling_still_follows_the_target_distribution(serve, m
     async def one(_):
         async with gate:
             return await generate(stub, HFDrafter(drafter_models["llama"], tokenizer, q_support=8),
-                                  SessionRequest(prompt, max_new_tokens=3, ignore_eos=True,
+                                  SessionRequest(prompt, max_new_tokens=4, ignore_eos=True,
                                                  sampling=SAMPLING),
                                   settings=RoundSettings(draft_len=1, pipeline=True))
 
@@ -237,4 +238,5 @@ async def test_pipelined_sampling_still_follows_the_target_distribution(serve, m
         want = sum(p3[tuple(r.token_ids[:2])] for r in chosen) / len(chosen)
         support = int((want > 1e-4).sum())
         distance = total_variation([r.token_ids[2] for r in chosen], want)
-        assert distance < 0.8 * math.sqrt(support / len(chosen)), (distance, support, len(chosen))
+        # The support's tokens and one bin for the rest; a false alarm once in a million runs.
+        assert distance < unseeded_tv_bound(support + 1, len(chosen)), (distance, support, len(chosen))

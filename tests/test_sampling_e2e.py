@@ -44,6 +44,13 @@ def total_variation(samples: list[int], p: torch.Tensor) -> float:
     return 0.5 * float((counts / counts.sum() - p).abs().sum())
 
 
+def unseeded_tv_bound(categories: int, n: int, false_alarm: float = 1e-6) -> float:
+    """TV that n unseeded draws from a distribution over `categories` outcomes exceed with
+    probability at most `false_alarm` (Bretagnolle-Huber-Carol: P(TV >= t) <= 2^k exp(-2 n t^2)).
+    For tests whose draws cannot be seeded, so that CI fails on a defect, not on chance."""
+    return math.sqrt((categories * math.log(2) + math.log(1 / false_alarm)) / (2 * n))
+
+
 async def sample_pairs(server, drafter_factory, prompt, n: int, concurrency: int = 64):
     stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(server.address))
     gate = asyncio.Semaphore(concurrency)
