@@ -25,5 +25,8 @@ def test_demo_runs_three_devices_losslessly():
     assert "SIMULATED" in done.stdout
     assert "simulated server: h200-llama8b-flex-graph" in done.stdout
     assert "16 devices: sled carries" in done.stdout and "GPU-seconds per token" in done.stdout
+    # which fleet the table is (every device always asking), beside the buyer's answer's
+    words = " ".join(done.stdout.split())        # the notes wrap at the terminal's width
+    assert "asks again the moment it is answered" in words and "twice a minute" in words
     simulated = done.stdout[done.stdout.index("SIMULATED"):]
     assert simulated.count("as scripted") == 4 and "DIFFERENT" not in simulated
