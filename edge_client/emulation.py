@@ -26,6 +26,7 @@ from drafters.capabilities import Capabilities, capabilities_of
 from drafters.wrapper import Wrapper
 from edge_client.transport import Stream, Transport, VerifyError
 from sled.plugins import plugin
+from sled.v1 import verifier_pb2 as pb
 from sled.wire.tree import depths
 from sled.wire.sampling import Sampling
 
@@ -237,11 +238,14 @@ class CutStream:
     async def receive(self):
         if self.inner is None:
             raise link_lost()
-        return await self._unless_cut(self.inner.receive())
+        msg = await self._unless_cut(self.inner.receive())
+        if msg.verdict.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self.emulation.forget(self)     # the last verdict: a cut now loses nothing
+        return msg
 
     async def done_writing(self) -> None:
-        """The session has its last verdict: a cut now loses nothing, so it is not an error."""
-        self.emulation.forget(self)
+        """The device sends nothing more: after its last verdict, or at once after the Open
+        in a server mode (whose stream stays cuttable until its last verdict)."""
         if self.inner is not None and not self._cut.done():
             await self.inner.done_writing()
 

@@ -444,6 +444,11 @@ async def open_stream(transport: Transport, stub, opening: pb.DeviceMessage, tim
 
 async def _sent_and_taken(stream: Stream, opening: pb.DeviceMessage) -> None:
     await stream.send(opening)
+    if opening.open.mode != pb.GENERATION_MODE_DEVICE_DRAFTS:
+        # A server mode: the Open is all the device sends, and it says so at once. A stream the
+        # server ends while the device's side is still open is reset, not ended, and a proxy may
+        # turn that reset into CANCELLED before the last verdicts get through (docs/protocol.md).
+        await stream.done_writing()
     await stream.accepted()
 
 

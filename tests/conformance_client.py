@@ -239,14 +239,15 @@ def greedy_outputs(api, info, tokenizer, config: dict) -> list[dict]:
 
 def server_mode(api, prompt_ids: list[int], max_new_tokens: int) -> dict:
     """GENERATION_MODE_SERVER: no drafts and no fingerprint needed; a verdict per step; the
-    server ends the stream after the finishing verdict (its status, its verdicts)."""
+    server ends the stream after the finishing verdict (its status, its verdicts). The Open is
+    all the device sends, so it half-closes at once."""
     stream = Stream(api)
     mode = api.enum("GenerationMode", "GENERATION_MODE_SERVER")
     stream.send(open=open_message(api, prompt_ids, "", max_new_tokens, mode=mode))
+    stream.half_close()
     first = stream.receive().WhichOneof("kind")
     verdicts = [message.verdict for message in stream.call]   # to the end the server makes
     code = stream.call.code().name
-    stream.half_close()
     return {"first": first, "code": code, "rounds": [v.round for v in verdicts],
             "finish_reason": api.enum_name("FinishReason", verdicts[-1].finish_reason),
             "token_ids": [t for v in verdicts for t in v.emitted_ids]}

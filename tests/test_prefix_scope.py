@@ -99,9 +99,11 @@ def open_msg(prompt, salt: str, mode=pb.GENERATION_MODE_SERVER,
 
 async def server_session(stub, prompt, salt: str,
                          max_new: int = MAX_NEW) -> tuple[int, list[int]]:
-    """A server-generated session to its end: (its cached prompt tokens, its output)."""
+    """A server-generated session to its end: (its cached prompt tokens, its output). The Open
+    is all it sends: it half-closes at once (docs/protocol.md, "The end of a session")."""
     call = stub.Generate()
     await call.write(open_msg(prompt, salt, max_new=max_new))
+    await call.done_writing()
     opened = (await call.read()).opened
     tokens = []
     while True:
@@ -109,7 +111,6 @@ async def server_session(stub, prompt, salt: str,
         tokens.extend(verdict.emitted_ids)
         if verdict.finish_reason:
             break
-    await call.done_writing()
     return opened.cached_prompt_tokens, tokens
 
 
