@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Callable
 
 import grpc
+from grpc._cython import cygrpc     # ExecuteBatchError: what a half-close of an ended call raises
 
 from sled.printable import printable
 from sled.v1 import verifier_pb2 as pb
@@ -67,10 +68,15 @@ class Stream:
             raise VerifyError(await self.call.code(),
                               await self.call.details() or "stream ended before the session finished")
         if msg.WhichOneof("kind") == "error":
+            # A refused session sends nothing more, and says so at once: the server ends the
+            # call once the device's side is closed, so the refusal passes a proxy whole
+            # (docs/protocol.md, "Refusals").
+            await half_close(self.call)
             reason = pb.ErrorDetail.Reason.Name(msg.error.reason)
             raise VerifyError(refusal_code(await self.call.code(), msg.error.reason),
                               msg.error.message, reason)
         return msg
+
 
     async def done_writing(self) -> None:
         """The session is over: nothing more will be sent."""
@@ -132,6 +138,16 @@ async def receive_within(stream: "Stream", seconds: float, what: str) -> pb.Serv
 
 # transport(stub, timeout=..., wait_for_ready=...) -> a Stream (or anything with its methods)
 Transport = Callable[..., Stream]
+
+
+async def half_close(call) -> None:
+    """Say that nothing more will be sent on a Generate call. A call that ended meanwhile makes
+    grpc raise its own internal ExecuteBatchError (or an AioRpcError); its status then says how
+    it ended, so neither is raised here."""
+    try:
+        await call.done_writing()
+    except (grpc.aio.AioRpcError, cygrpc.ExecuteBatchError):
+        pass
 
 
 def lost_server(error: Exception) -> bool:

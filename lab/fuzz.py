@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from drafters.ngram import NgramDrafter
 from edge_client.session import generate
+from edge_client.transport import half_close
 from edge_client.wire import SessionRequest
 from sled.v1 import verifier_pb2 as pb
 
@@ -303,7 +304,9 @@ async def send(call, frame) -> bool:
 
 
 async def read_reply(call, replies: list, until_end: bool = False) -> bool:
-    """One reply (or all, until the stream ends) into `replies`; True once the stream has ended."""
+    """One reply (or all, until the stream ends) into `replies`; True once the stream has ended.
+    A refusal is the stream's last message: as a device does, the client half-closes on it, and
+    the server then ends the call (docs/protocol.md, "Refusals")."""
     while True:
         try:
             reply = await call.read()
@@ -312,7 +315,9 @@ async def read_reply(call, replies: list, until_end: bool = False) -> bool:
         if reply is grpc.aio.EOF:
             return True
         replies.append(reply)
-        until_end = until_end or reply.WhichOneof("kind") == "error"   # the stream's last message
+        if reply.WhichOneof("kind") == "error":
+            await half_close(call)
+            until_end = True
         if not until_end:
             return False
 

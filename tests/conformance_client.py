@@ -166,6 +166,7 @@ class Stream:
                 message = self.receive()
                 if message.WhichOneof("kind") == "error":
                     reason = self.api.reason(message.error.reason)
+                    self.half_close()       # nothing more to send: the status follows at once
         except grpc.RpcError as error:
             code = error.code()
         except StopIteration:

@@ -19,7 +19,7 @@ from conftest import greedy_reference
 from drafters.hf import HFDrafter
 from drafters.ngram import NgramDrafter
 from edge_client.session import RoundSettings, Target, generate
-from edge_client.transport import VerifyError
+from edge_client.transport import VerifyError, half_close
 from edge_client.wire import SessionRequest
 from sled.wire.fingerprint import fingerprint_tokenizer, fingerprint_vocab, short
 from sled.v1 import verifier_pb2 as pb
@@ -236,9 +236,11 @@ async def run_steps(stub, steps: list[pb.DeviceMessage]):
 
 async def assert_refused(call, reply, code: grpc.StatusCode, reason: int, phrases=(),
                          round: int | None = None) -> str:
-    """The stream's last message is an ErrorDetail with `reason`; then it ends with `code`."""
+    """The stream's last message is an ErrorDetail with `reason`; then, the device's side
+    closed, it ends with `code`."""
     assert reply is not grpc.aio.EOF, "stream ended without an ErrorDetail"
     assert reply.WhichOneof("kind") == "error", f"expected an error, got {reply}"
+    await half_close(call)
     assert Reason.Name(reply.error.reason) == Reason.Name(reason)
     assert await call.code() == code
     details = await call.details()

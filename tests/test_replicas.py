@@ -4,12 +4,13 @@ loopback: the health check is a real gRPC Health/Check that a replica saying NOT
 SIGKILLed mid-generation loses nothing (each of its sessions is resumed on the other through
 the proxy, every output the target's greedy one, no token lost or duplicated); two devices
 behind the one proxy keep their own session quotas and prefix-cache tenants (their tokens name
-them, not the proxy's address they all come from).
+them, not the proxy's address they all come from); refusals reach their devices whole.
 
 Skipped only where HAProxy is not installed (make haproxy installs it)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import secrets
 import time
@@ -43,6 +44,7 @@ MAX_NEW = 96
 QUOTA_DEVICE, OTHER_DEVICE, QUOTA = "cam-a", "cam-b", 1
 SHARED = list(range(40, 120))          # an 80-token prompt: 5 blocks of 16 to cache
 SESSION_TOKENS = 4                     # what each server-generated session emits
+REFUSALS = 200                         # refused Opens sent through the proxy
 
 
 def metrics(server: ServerProcess) -> dict:
@@ -153,6 +155,27 @@ async def test_devices_behind_the_proxy_keep_their_own_quotas(replicas):
     opened = [value(metrics(s), "sled_device_sessions_total", device=QUOTA_DEVICE)
               for s in replicas.servers]
     assert opened == [QUOTA, QUOTA], opened                     # one on each replica
+
+
+async def test_refusals_reach_their_devices_through_the_proxy(replicas):
+    """Refused Opens, ten at a time, each answered with its status and reason rather than a
+    bare CANCELLED (a lost server, to the device). The server ends a refused call only once the
+    device has half-closed, so HAProxy has no reset to pass on; before that, 812 of 2000 such
+    refusals reached sled's devices as bare CANCELLED here with both cores busy, and a few in
+    a hundred with them idle."""
+    async with replicas.channel(OTHER_DEVICE) as stub:
+        async def refused() -> tuple:
+            stream = Stream.open(stub)
+            await stream.send(pb.DeviceMessage(open=pb.Open(
+                prompt_ids=[5, 6, 7], max_new_tokens=4, tokenizer_fingerprint="sha256:another")))
+            with pytest.raises(VerifyError) as refusal:
+                await stream.receive()
+            return refusal.value.code, refusal.value.reason
+        seen = []
+        for _ in range(REFUSALS // 10):
+            seen += await asyncio.gather(*(refused() for _ in range(10)))
+    assert set(seen) == {(grpc.StatusCode.FAILED_PRECONDITION, "REASON_TOKENIZER_MISMATCH")}, \
+        collections.Counter(seen)
 
 
 async def test_devices_behind_the_proxy_keep_their_own_prefix_cache(replicas):

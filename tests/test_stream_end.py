@@ -1,9 +1,9 @@
-"""How a device ends its side of a server-mode stream: the Open is all it sends, so it
-half-closes at once, before the server can end the stream. A server that ends a stream whose
-device side is still open resets it (HTTP/2 RST_STREAM), HAProxy passes that reset on as
-CANCELLED, and the device could lose the last verdicts to it (docs/protocol.md, "The end of a
-session"). The server here streams nothing until the device's side is closed, so a device that
-half-closes late never gets its first verdict."""
+"""Who closes a Generate stream first. A server that ends a stream whose device side is still
+open resets it (HTTP/2 RST_STREAM), HAProxy passes that reset on as CANCELLED, and what the
+server sent last can be lost with it (docs/protocol.md, "The end of a session", "Refusals").
+So a server-mode device half-closes right after its Open (the Open is all it sends); a device
+that reads a refusal half-closes at once; and the server ends a refused call only once the
+device's side is closed (or after REFUSAL_LINGER_S). The proxy itself: tests/test_replicas.py."""
 from __future__ import annotations
 
 import asyncio
@@ -12,10 +12,12 @@ import grpc
 import pytest
 
 from edge_client.server_side import generate_server_side
+from edge_client.transport import Stream, VerifyError
 from edge_client.wire import SessionRequest
 from lying_server import VOCAB, LyingVerifier, serve
 from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
+from verify_server import service
 
 PROMPT, MAX_NEW = [10, 11], 6
 HALF_CLOSE_S = 5.0      # how long the server waits for the device's side to close
@@ -46,6 +48,12 @@ class AfterHalfClose(LyingVerifier):
 
 
 @pytest.fixture
+async def serve_target(serve, models):
+    """sled's own server of the tiny Llama target, in this process."""
+    return await serve(models["llama"])
+
+
+@pytest.fixture
 async def server():
     verifier = AfterHalfClose()
     grpc_server, address = await serve(verifier)
@@ -62,3 +70,60 @@ async def test_a_server_mode_device_half_closes_right_after_its_open(server, mod
         stub, SessionRequest(PROMPT, MAX_NEW, mode=mode), vocab_size=VOCAB), 2 * HALF_CLOSE_S)
     assert verifier.after_open == [grpc.aio.EOF]            # closed before anything came back
     assert result.token_ids == list(range(len(PROMPT), len(PROMPT) + MAX_NEW))
+
+
+def wrong_tokenizer_open() -> pb.DeviceMessage:
+    return pb.DeviceMessage(open=pb.Open(prompt_ids=[5, 6, 7], max_new_tokens=4,
+                                         tokenizer_fingerprint="sha256:another"))
+
+
+async def test_the_server_ends_a_refused_call_once_the_device_half_closes(serve_target,
+                                                                          monkeypatch):
+    """The refusal comes at once; its status only after the device's half-close."""
+    monkeypatch.setattr(service, "REFUSAL_LINGER_S", 600.0)
+    async with grpc.aio.insecure_channel(serve_target.address) as channel:
+        call = pb_grpc.VerifierStub(channel).Generate()
+        await call.write(wrong_tokenizer_open())
+        reply = await call.read()
+        assert reply.error.reason == pb.ErrorDetail.REASON_TOKENIZER_MISMATCH
+        await asyncio.sleep(0.5)
+        assert not call.done()                   # the server waits for the device's side
+        await call.done_writing()
+        assert await asyncio.wait_for(call.code(), 60) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_a_device_that_never_half_closes_still_hears_its_refusal(serve_target):
+    """After REFUSAL_LINGER_S the server ends the call all the same."""
+    async with grpc.aio.insecure_channel(serve_target.address) as channel:
+        call = pb_grpc.VerifierStub(channel).Generate()
+        await call.write(wrong_tokenizer_open())
+        assert (await call.read()).error.reason == pb.ErrorDetail.REASON_TOKENIZER_MISMATCH
+        assert await asyncio.wait_for(call.code(), 60) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+class RefusedCall:
+    """A Generate call that answers with a refusal, and notes what the device did in order."""
+
+    def __init__(self) -> None:
+        self.steps: list[str] = []
+
+    async def read(self) -> pb.ServerMessage:
+        self.steps.append("read")
+        return pb.ServerMessage(error=pb.ErrorDetail(
+            reason=pb.ErrorDetail.REASON_TOKENIZER_MISMATCH, message="another tokenizer"))
+
+    async def done_writing(self) -> None:
+        self.steps.append("half-close")
+
+    async def code(self) -> grpc.StatusCode:
+        self.steps.append("status")
+        return grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_a_refused_device_half_closes_before_it_waits_for_the_status():
+    call = RefusedCall()
+    with pytest.raises(VerifyError) as refused:
+        await Stream(call).receive()
+    assert call.steps == ["read", "half-close", "status"]
+    assert (refused.value.code, refused.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION,
+                                                          "REASON_TOKENIZER_MISMATCH")

@@ -31,6 +31,7 @@ from verify_server.transport import Undecodable, deadline_of, detached, end_call
 
 log = logging.getLogger("sled.server")
 EVICTED_GRACE = 4     # idle timeouts an evicted live session's stream waits for its device
+REFUSAL_LINGER_S = 1.0    # how long a refused stream waits for its device to half-close
 __all__ = ["EVICTED_GRACE", "Undecodable", "VerifierService"]
 
 
@@ -206,6 +207,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         message = None          # the last request goes before a refusal is sent
         if refusal is not None:
             yield self._refuse(session, device, refusal)
+            await self._until_half_closed(context)
             end_call(context, refusal)
 
     async def _next(self, session: Session | None, context):
@@ -243,6 +245,20 @@ class VerifierService(pb_grpc.VerifierServicer):
             evicted.cancel()
         if not read.done() and not session.finished:
             await asyncio.wait((read,), timeout=EVICTED_GRACE * self.settings.idle_timeout)
+
+    async def _until_half_closed(self, context) -> None:
+        """Until the device, having read the refusal, half-closes its side (at most
+        REFUSAL_LINGER_S). A call the server ends while the device's side is open is reset, not
+        ended, and a proxy may pass the reset on as CANCELLED, dropping the refusal with it
+        (HAProxy 2.6 does, under load): the device would take a refused session for a lost
+        server. What the device sent before it read the refusal is dropped unread."""
+        async def drained() -> None:
+            while await context.read() is not grpc.aio.EOF:
+                pass
+        try:
+            await asyncio.wait_for(drained(), REFUSAL_LINGER_S)
+        except asyncio.TimeoutError:
+            pass
 
     def _refuse(self, session: Session | None, device: str, error: SessionError) -> pb.ServerMessage:
         self.metrics.errors.labels(error.reason_name).inc()
