@@ -79,8 +79,8 @@ class Stream:
 
 
     async def done_writing(self) -> None:
-        """The session is over: nothing more will be sent."""
-        await self.call.done_writing()
+        """Nothing more will be sent (the session is over, or it is a server mode's)."""
+        await half_close(self.call)
 
     def cancel(self) -> None:
         """Drop the call (the server frees the session)."""

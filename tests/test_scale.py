@@ -13,6 +13,7 @@ from conftest import greedy_reference
 from drafters.capabilities import Capabilities
 from drafters.hf import HFDrafter
 from edge_client.session import RoundSettings, generate
+from edge_client.transport import half_close
 from edge_client.wire import SessionRequest
 from lab.tiny import make_tokenizer
 from sled.wire.fingerprint import fingerprint_tokenizer
@@ -41,6 +42,7 @@ async def read_error(call, code: grpc.StatusCode, reason: int) -> str:
         while (msg := await call.read()) is not grpc.aio.EOF:
             if msg.WhichOneof("kind") == "error":
                 detail = msg.error
+                await half_close(call)      # as a device does: the status follows at once
     except grpc.aio.AioRpcError:
         pass
     assert await call.code() == code, await call.details()

@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from conftest import greedy_reference, run_sled
+from edge_client.transport import half_close
 from lab.tiny import make_tokenizer
 from sled.wire.fingerprint import fingerprint_tokenizer
 from sled.v1 import verifier_pb2 as pb
@@ -117,6 +118,7 @@ async def refused(call, code: grpc.StatusCode, reason: int) -> str:
     reply = await call.read()
     assert reply is not grpc.aio.EOF and reply.WhichOneof("kind") == "error", reply
     assert Reason.Name(reply.error.reason) == Reason.Name(reason), reply.error.message
+    await half_close(call)              # as a device does: the status follows at once
     assert await call.code() == code
     return reply.error.message
 

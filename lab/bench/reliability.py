@@ -20,6 +20,7 @@ import psutil
 from rich.progress import Progress
 from rich.table import Table
 
+from edge_client.transport import half_close
 from lab.bench import harness
 from lab.tiny import cached_pair
 from sled.flags import positive_float, positive_int
@@ -115,6 +116,7 @@ async def _refused_for_size(call) -> None:
     if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "error":
         call.cancel()
         raise harness.Stop(f"an over-long prompt was not refused: {reply}", harness.SERVER_FAILED)
+    await half_close(call)          # as a device does: the status follows at once
     code, error = await call.code(), reply.error
     if (error.reason != pb.ErrorDetail.REASON_CONTEXT_OVERFLOW
             or code != grpc.StatusCode.INVALID_ARGUMENT):
