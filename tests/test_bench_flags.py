@@ -203,6 +203,9 @@ class RefusedOpen:
     async def read(self):
         return self.reply
 
+    async def done_writing(self) -> None:
+        pass
+
     async def code(self):
         return self._code
 
