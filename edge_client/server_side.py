@@ -1,8 +1,9 @@
 """Generation the server does alone, for devices without a drafter: centralized serving
 (GENERATION_MODE_SERVER) or the target drafting for itself with SATs (GENERATION_MODE_SERVER_SAT).
 The device opens a session, half-closes its side at once (the Open is all it sends) and reads
-one verdict per server step until one carries a finish reason. A server lost mid-session is waited for as a drafting session waits
-(edge_client.session.Reconnect), and the session reopened where its committed tokens end.
+one verdict per server step until one carries a finish reason. A server lost mid-session is
+waited for as a drafting session waits (edge_client.session.Reconnect), and the session
+reopened where its committed tokens end.
 """
 from __future__ import annotations
 

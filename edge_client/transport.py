@@ -77,7 +77,6 @@ class Stream:
                               msg.error.message, reason)
         return msg
 
-
     async def done_writing(self) -> None:
         """Nothing more will be sent (the session is over, or it is a server mode's)."""
         await half_close(self.call)

@@ -33,6 +33,7 @@ from lab.server_process import ServerProcess, free_port
 from lab.tiny import cached_pair
 from sled.v1 import verifier_pb2 as pb
 from test_prefix_scope import server_session
+from test_stream_end import wrong_tokenizer_open
 
 pytestmark = pytest.mark.skipif(haproxy_binary() is None,
                                 reason="HAProxy is not installed (make haproxy, or "
@@ -166,8 +167,7 @@ async def test_refusals_reach_their_devices_through_the_proxy(replicas):
     async with replicas.channel(OTHER_DEVICE) as stub:
         async def refused() -> tuple:
             stream = Stream.open(stub)
-            await stream.send(pb.DeviceMessage(open=pb.Open(
-                prompt_ids=[5, 6, 7], max_new_tokens=4, tokenizer_fingerprint="sha256:another")))
+            await stream.send(wrong_tokenizer_open())
             with pytest.raises(VerifyError) as refusal:
                 await stream.receive()
             return refusal.value.code, refusal.value.reason
