@@ -10,9 +10,10 @@ import asyncio
 
 import grpc
 import pytest
+from grpc._cython import cygrpc
 
 from edge_client.server_side import generate_server_side
-from edge_client.transport import Stream, VerifyError
+from edge_client.transport import Stream, VerifyError, half_close
 from edge_client.wire import SessionRequest
 from lying_server import VOCAB, LyingVerifier, serve
 from sled.v1 import verifier_pb2 as pb
@@ -127,3 +128,22 @@ async def test_a_refused_device_half_closes_before_it_waits_for_the_status():
     assert call.steps == ["read", "half-close", "status"]
     assert (refused.value.code, refused.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION,
                                                           "REASON_TOKENIZER_MISMATCH")
+
+
+class EndedCall:
+    """A call whose half-close fails as grpc's does on a call that ended meanwhile."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def done_writing(self) -> None:
+        raise self.error
+
+
+async def test_a_half_close_of_a_call_that_ended_meanwhile_is_not_an_error():
+    await half_close(EndedCall(cygrpc.ExecuteBatchError("Failed \"execute_batch\"")))
+
+
+async def test_a_half_close_raises_what_is_not_an_ended_call():
+    with pytest.raises(RuntimeError, match="not grpc's"):
+        await half_close(EndedCall(RuntimeError("not grpc's")))
