@@ -6,7 +6,8 @@ and a `namespace` that refuses underscore names. What a template sees is rebuilt
 JSON-like values (messages, tools, documents and every extra variable).
 
 A template that raises (raise_exception, an undefined name used wrongly, a sandbox refusal)
-raises jinja2's TemplateError (or the error jinja2 met): the caller decides what a person reads.
+raises jinja2's TemplateError (a TypeError or ValueError it met as itself, any other error as a
+TemplateError that names it): the caller decides what a person reads.
 
 A template may come from a server, so it is rendered only on a jinja2 whose sandbox has no known
 escape (MIN_JINJA2 and later, else a RuntimeError of one line), and within a budget instead of
@@ -17,7 +18,12 @@ taking the device's memory or CPU (TemplateBudgetError, a SecurityError, past an
   forty times, repeated a billion times, a number of a billion digits), the rest after;
 - the whole text is at most MAX_OUTPUT characters;
 - one rendering takes at most MAX_STEPS steps (loop turns, calls, lookups, operations) and
-  RENDER_SECONDS of wall time, checked at every step.
+  RENDER_SECONDS of wall time, checked at every step;
+- all it holds at once (its values, however built: a list grown in a loop, a macro's text, a
+  block set, a filter's list; the conversation it is given; its text) is at most RENDER_MEMORY
+  bytes: render() renders in a process of its own (edge_client.bounded_workers, up to RENDERERS
+  at once) whose address space is bounded, killed at HARD_SECONDS when one step runs long, so
+  that neither reaches the daemon; what comes back is the text, or an error's name and message.
 """
 from __future__ import annotations
 
@@ -25,8 +31,10 @@ import contextvars
 import dataclasses
 import functools
 import json
+import pickle
 import re
 import string
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from datetime import datetime
@@ -38,8 +46,9 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
 import jinja2.visitor
-import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from edge_client.bounded_workers import BoundedWorkers, WorkerOverBudget
 
 # The names a message's reasoning may come under; templates read the first.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -48,6 +57,10 @@ MAX_RESULT = 1 << 20        # characters (or digits' bits / 8) one value a templ
 MAX_OUTPUT = 4 << 20        # characters one rendering may write
 MAX_STEPS = 1_000_000       # loop turns, calls, lookups and operations of one rendering
 RENDER_SECONDS = 1.0        # wall time of one rendering
+RENDER_MEMORY = 128 << 20   # bytes one rendering may hold at once, beyond its process's start
+HARD_SECONDS = RENDER_SECONDS + 1.0   # then its process is killed (one step that runs long)
+RENDERERS = 2               # rendering processes: renderings at once
+MAX_MESSAGE = 4096          # characters of a template's error that come back
 
 # transformers' apply_chat_template keywords sled does not implement, each with the value that
 # asks for nothing beyond what sled does (text, or a plain list of ids)
@@ -446,7 +459,8 @@ def plain(value: Any) -> Any:
         return [plain(item) for item in value]
     if isinstance(value, tuple):
         return tuple(plain(item) for item in value)
-    if isinstance(value, np.generic):
+    numpy = sys.modules.get("numpy")          # a numpy value exists only once numpy is imported
+    if numpy is not None and isinstance(value, numpy.generic):
         return plain(value.item())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {field.name: plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
@@ -472,19 +486,76 @@ def template_messages(conversation) -> list[dict]:
 
 def render(template: str, conversation, add_generation_prompt: bool = False, tools=None,
            documents=None, variables: Mapping[str, Any] | None = None) -> str:
-    """The conversation written out by the template. `variables` (the tokenizer's special
-    tokens as strings, then the caller's extra names) are visible to the template as well; a
-    transformers keyword sled does not implement among them is a TypeError (check_keywords)."""
+    """The conversation written out by the template, in a rendering process. `variables` (the
+    tokenizer's special tokens as strings, then the caller's extra names) are visible to the
+    template as well; a transformers keyword sled does not implement among them is a TypeError
+    (check_keywords)."""
     check_jinja2()
     check_keywords(variables or {})
     if tools is not None and not all(isinstance(tool, dict) for tool in tools):
         raise ValueError("tools must be JSON schemas (dicts)")
     if documents is not None and not all(isinstance(doc, dict) for doc in documents):
         raise TypeError("documents must be dicts with 'title' and 'text' keys")
+    values = dict(messages=template_messages(conversation), tools=plain(tools),
+                  documents=plain(documents), add_generation_prompt=add_generation_prompt,
+                  **plain(dict(variables or {})))
+    try:
+        reply = _RENDERERS.run(pickle.dumps((template, values), pickle.HIGHEST_PROTOCOL))
+    except WorkerOverBudget as over:
+        raise TemplateBudgetError(_OVER[over.bound]) from None
+    return _text_or_error(reply)
+
+
+def render_in_process(template: str, values: Mapping[str, Any]) -> str:
+    """The template's text for VALUES (plain values under the names it reads), rendered here:
+    within every budget but RENDER_MEMORY, which only a rendering process has."""
     budget = _BUDGET.set(_Budget())
     try:
-        return _bounded_output(compiled(template).generate(
-            messages=template_messages(conversation), tools=plain(tools), documents=plain(documents),
-            add_generation_prompt=add_generation_prompt, **plain(dict(variables or {}))))
+        return _bounded_output(compiled(template).generate(**values))
     finally:
         _BUDGET.reset(budget)
+
+
+# -- rendering processes ------------------------------------------------------------------------
+_RENDERERS = BoundedWorkers("edge_client.chat_render:render_request", memory=RENDER_MEMORY,
+                            seconds=HARD_SECONDS, size=RENDERERS, max_reply=4 * MAX_OUTPUT + 1)
+_OVER = {
+    "memory": f"the chat template needs more than {RENDER_MEMORY >> 20} MiB at once to render (its "
+              f"budget): it keeps too much alive or is hostile",
+    "seconds": f"the chat template takes more than {RENDER_SECONDS:g} s to render (its budget): it "
+               f"loops without end or is hostile",
+    "stopped": "the chat template's rendering process stopped: the template is hostile, or the "
+               "process was killed",
+}
+TEXT, ERROR = b"T", b"E"        # the first byte of a rendering process's reply
+# The errors that come back as themselves; any other comes back as a TemplateError.
+_ERRORS = {error.__name__: error for error in (
+    TemplateBudgetError, jinja2.exceptions.SecurityError, jinja2.exceptions.UndefinedError,
+    jinja2.exceptions.TemplateRuntimeError, jinja2.exceptions.TemplateError, TypeError, ValueError)}
+
+
+def render_request(request: bytes) -> bytes:
+    """In a rendering process: a pickled (template, values) to TEXT and the text in UTF-8, or
+    ERROR and the error's name and message in JSON. A MemoryError is the process's to answer."""
+    template, values = pickle.loads(request)
+    try:
+        text = render_in_process(template, values)
+    except MemoryError:
+        raise
+    except Exception as exc:  # the template's own error, for the caller to read
+        error = {"name": type(exc).__name__, "message": str(exc)[:MAX_MESSAGE]}
+        return ERROR + json.dumps(error).encode()
+    return TEXT + text.encode("utf-8", "surrogatepass")
+
+
+def _text_or_error(reply: bytes) -> str:
+    if reply[:1] == TEXT:
+        return reply[1:].decode("utf-8", "surrogatepass")
+    try:
+        error = json.loads(reply[1:]) if reply[:1] == ERROR else {}
+        name, message = str(error["name"]), str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        raise TemplateBudgetError(_OVER["stopped"]) from None
+    if name in _ERRORS:
+        raise _ERRORS[name](message)
+    raise jinja2.exceptions.TemplateError(f"{name}: {message}")
