@@ -492,7 +492,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # a template renders within its own budget (edge_client.chat_render), off the event loop
     prompt_ids = await asyncio.to_thread(chat_prompt, device, body.messages, template)
     # the reply ends with its turn, like an EOS (the model's own EOS may be another token)
-    turn_end = [] if body.ignore_eos else turn_end_ids(_tokenizer(device), template)
+    turn_end = [] if body.ignore_eos else await asyncio.to_thread(turn_end_ids, _tokenizer(device),
+                                                                    template)
     job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", body.model, int(time.time()),
               len(prompt_ids), body.include_usage)
     return await _answer(request, device, body, job, prompt_ids,
