@@ -107,6 +107,58 @@ async def test_a_session_through_the_core_emits_the_targets_own_greedy_output(
     assert kv_free(core) and core.kv_reserved == {}
 
 
+def shaped_draft(round: int, right: list[int], wrong: int) -> tuple[list[int], list[int], int]:
+    """Round `round`'s draft, one of five shapes in turn, from the target's greedy continuation
+    `right` (4 tokens) and a token it does not take: (tokens, parents (none for a chain), draft
+    tokens a greedy target accepts).
+
+        a chain accepted whole            a chain rejected at its second token
+        a tree whose second branch wins   a tree where a node that is no child of the accepted
+        a chain rejected at once          one holds the target's next token (not taken)
+    """
+    r0, r1, r2, r3 = right
+    shapes = [([r0, r1, r2], [], 3),
+              ([r0, wrong, r2, r3], [], 1),
+              ([wrong, r0, r1, r2], [0, 0, 2, 3], 3),       # root -> wrong; root -> r0 -> r1 -> r2
+              ([wrong, r1, r0], [0, 1, 0], 1),              # root -> wrong -> r1; root -> r0
+              ([wrong, wrong], [], 0)]
+    return shapes[round % len(shapes)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampling"])
+async def test_after_every_round_the_kv_holds_the_prompt_and_output_but_the_last(
+        make_core, models, prompts, temperature):
+    """Many rounds of chains and trees, accepted whole, rejected, on another branch: after each
+    the session's KV length is its prompt and output less the last token (fed with the next
+    draft). A rejected token's KV kept, or an accepted one's lost, breaks it at once."""
+    core = await make_core()
+    prompt, model = prompts[0], models["llama"]
+    request = open_request(core, prompt, max_new_tokens=40)
+    request.sampling.temperature, request.sampling.top_k, request.sampling.seed = temperature, 3, 7
+    session = core.open(None, request, DEV_1)
+    await core.prefill(session, deadline=None)
+    judged: list[tuple[int, int]] = []
+    while not session.finished:
+        right = greedy_reference(model, prompt + session.generated, 4)
+        wrong = min(set(range(8)) - set(right))
+        tokens, parents, accepts = shaped_draft(session.round, right, wrong)
+        verdict = await core.verify(session, pb.Draft(round=session.round, token_ids=tokens,
+                                                      parents=parents), None)
+        judged.append((verdict.verified, verdict.accepted))
+        if session.finished:
+            break
+        assert session.kv.length == len(prompt) + len(session.generated) - 1, session.round
+        if temperature == 0.0:
+            assert (verdict.accepted, list(verdict.emitted_ids)) == (accepts, right[:accepts + 1])
+    assert len(judged) >= 8
+    assert any(accepted < verified for verified, accepted in judged)     # rejections
+    assert sum(accepted for _, accepted in judged) > 0
+    if temperature == 0.0:
+        assert session.generated == greedy_reference(model, prompt, 40)
+    assert kv_free(core)
+    core.close(session)
+
+
 async def test_a_server_mode_session_decodes_the_targets_greedy_output(make_core, models, prompts):
     core = await make_core()
     prompt = prompts[1]

@@ -114,4 +114,18 @@ class Session:
             self.kv.commit(1 + outcome.accepted)
         self.round += 1
         self.finish = finish
+        self.check_kv()
         return emitted, finish, min(outcome.accepted, len(emitted))
+
+    def check_kv(self) -> None:
+        """While the session goes on, its KV holds the prompt and every generated token but the
+        last (fed with the next draft). A round that kept a rejected token's KV, or lost an
+        accepted one's, would shift every later position: the session ends here instead of
+        emitting what the target would not have. A finished session's KV is freed unread."""
+        if self.kv is None or self.finished:
+            return
+        seen = len(self.prompt_ids) + len(self.generated) - 1
+        if self.kv.length != seen:
+            raise RuntimeError(f"session {self.id}'s KV holds {self.kv.length} tokens after "
+                               f"round {self.round}, not the {seen} of its prompt and output but "
+                               "the last")
