@@ -3,7 +3,9 @@
 The greedy oracle holds with tree drafts from every drafter that branches, under concurrency; a
 tree whose right branch is not its first moves that branch's KV into place; malformed trees,
 sampled trees and trees on a chains-only engine are each refused with INVALID_ARGUMENT or
-FAILED_PRECONDITION while another session on the server goes on."""
+FAILED_PRECONDITION while another session on the server goes on. Acceptance, greedy and sampled,
+walks a tree from its root down its edges only: a node that is no child of the last accepted one
+is never taken, whatever token it holds."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +14,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import greedy_reference
 from drafters.base import KVDrafter, Proposal, unsure_alternatives
@@ -25,7 +29,7 @@ from sled.wire.sampling import Sampling
 from sled.wire.tree import Trie, children, cut, depths, tree_problem
 from tests.test_bad_input import TARGET_FP, open_msg
 from tests.test_lossless import server_stub
-from verify_server.acceptance import verify_greedy, verify_greedy_tree
+from verify_server.acceptance import verify_greedy, verify_greedy_tree, verify_sampling_tree
 from verify_server.engines import make_engine
 from verify_server.engines.rows import Row
 
@@ -98,6 +102,80 @@ def test_greedy_tree_with_a_chain_decides_as_a_chain_does():
     chain = verify_greedy(logits, [5, 9, 4])
     tree = verify_greedy_tree(logits, [5, 9, 4], [0, 1, 2])
     assert (tree.accepted, tree.emitted, tree.path) == (chain.accepted, chain.emitted, (1, 2))
+
+
+# Acceptance walks a tree from the root down its edges only. Small vocabularies make the target's
+# token often sit on a node that is no child of where the walk stands (a sibling, a cousin, a
+# grandchild): that node is never taken.
+PROPERTY = settings(max_examples=300, deadline=None, derandomize=True, database=None)
+VOCAB_SMALL = 4
+
+
+@st.composite
+def token_trees(draw) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of a tree of 1-8 nodes over VOCAB_SMALL ids, siblings may repeat."""
+    n = draw(st.integers(1, 8))
+    parents = [draw(st.integers(0, i)) for i in range(n)]
+    tokens = draw(st.lists(st.integers(0, VOCAB_SMALL - 1), min_size=n, max_size=n))
+    return tokens, parents
+
+
+def assert_a_walk_of_children(outcome, tokens: list[int], parents: list[int]) -> None:
+    """The accepted path goes root -> child -> child ..., and the emitted tokens spell it, then
+    the target's one."""
+    kids = children(parents)
+    for above, node in zip((0, *outcome.path), outcome.path):
+        assert node in kids[above], (outcome.path, parents)
+    assert outcome.accepted == len(outcome.path) and len(outcome.emitted) == outcome.accepted + 1
+    assert outcome.emitted[:-1] == [tokens[node - 1] for node in outcome.path]
+
+
+@PROPERTY
+@given(tree=token_trees(), data=st.data())
+def test_a_greedy_tree_accepts_the_longest_walk_of_children_the_target_agrees_with(tree, data):
+    tokens, parents = tree
+    targets = data.draw(st.lists(st.integers(0, VOCAB_SMALL - 1), min_size=len(tokens) + 1,
+                                 max_size=len(tokens) + 1))     # argmax p after the root, each node
+    outcome = verify_greedy_tree(one_hot_logits(targets, VOCAB_SMALL), tokens, parents)
+    assert_a_walk_of_children(outcome, tokens, parents)
+    last = outcome.path[-1] if outcome.path else 0
+    for above, node in zip((0, *outcome.path), outcome.path):
+        assert tokens[node - 1] == targets[above]               # each step is the target's token
+    assert all(tokens[c - 1] != targets[last] for c in children(parents)[last])   # the longest
+    assert outcome.emitted[-1] == targets[last]
+
+
+@PROPERTY
+@given(tree=token_trees(), data=st.data(), seed=st.integers(0, 2**32 - 1))
+def test_a_sampled_tree_accepts_a_walk_of_children_the_target_gives_mass_to(tree, data, seed):
+    tokens, parents = tree
+    weights = data.draw(st.lists(st.lists(st.integers(0, 3), min_size=VOCAB_SMALL,
+                                          max_size=VOCAB_SMALL).filter(any),
+                                 min_size=len(tokens) + 1, max_size=len(tokens) + 1))
+    p = torch.tensor(weights, dtype=torch.float64)
+    p = p / p.sum(dim=-1, keepdim=True)                         # [len(tokens) + 1, vocab]
+    outcome = verify_sampling_tree(p, tokens, parents, torch.Generator().manual_seed(seed))
+    assert_a_walk_of_children(outcome, tokens, parents)
+    for above, node in zip((0, *outcome.path), outcome.path):
+        assert p[above, tokens[node - 1]] > 0
+    assert p[outcome.path[-1] if outcome.path else 0, outcome.emitted[-1]] > 0
+
+
+@pytest.mark.parametrize("after_root, after_first", [(7, 9), (9, 7)])
+def test_a_node_that_is_no_child_is_never_taken_though_it_holds_the_targets_token(after_root,
+                                                                                  after_first):
+    """root -> 7, root -> 5 -> 9. The target wants 7 then 9 (9 sits under 5, not under 7), or
+    9 at once (a grandchild): the walk stops where the children end, greedy and sampled."""
+    tokens, parents = [7, 5, 9], [0, 0, 2]
+    targets = [after_root, after_first, 0, 0]                  # after the root, 7, 5, 9
+    want_path = (1,) if after_root == 7 else ()
+    want = [7, 9] if after_root == 7 else [9]
+    greedy = verify_greedy_tree(one_hot_logits(targets), tokens, parents)
+    assert (greedy.path, greedy.emitted) == (want_path, want)
+    p = one_hot_logits(targets).double()                       # every target token certain
+    for seed in range(20):
+        sampled = verify_sampling_tree(p, tokens, parents, torch.Generator().manual_seed(seed))
+        assert (sampled.path, sampled.emitted) == (want_path, want)
 
 
 # --- the engine -------------------------------------------------------------------------------
