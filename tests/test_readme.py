@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import shlex
 from pathlib import Path
@@ -329,14 +330,53 @@ def test_the_link_check_resolves_from_the_page(document, target, resolves):
     assert (link_problem(document, target) is None) == resolves
 
 
+def file_values(table: dict, prefix: str = "") -> dict[str, object]:
+    """Every key a settings file sets, sections dotted (mqtt.host), as the file writes it."""
+    flat: dict[str, object] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            flat.update(file_values(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def as_loaded(value: object) -> object:
+    """A file's value as the settings hold it: a size ("4GiB") in bytes, "" as none."""
+    size = re.fullmatch(r"(\d+)([KMG])iB", value) if isinstance(value, str) else None
+    if size:
+        return int(size[1]) << {"K": 10, "M": 20, "G": 30}[size[2]]
+    return None if value == "" else value
+
+
+def held(settings: object, dotted: str) -> object:
+    """The loaded value of a dotted key, a secret as its text and "" as none."""
+    for name in dotted.split("."):
+        settings = getattr(settings, name)
+    if hasattr(settings, "get_secret_value"):
+        settings = settings.get_secret_value()
+    return None if settings == "" else settings
+
+
 @pytest.mark.parametrize("config", ["docs/serve.example.toml", "docs/device.example.toml"])
 def test_the_example_configs_load(config, monkeypatch):
+    """Every key the example sets is loaded with the value it writes (read here with tomllib,
+    apart from the loader), untouched by the environment."""
+    import tomllib
+
     monkeypatch.chdir(ROOT)
+    for name in [n for n in os.environ if n.startswith(("SLED_DEVICE_", "SLED_SERVE_"))]:
+        monkeypatch.delenv(name)
     if "device" in config:
         from edge_client.settings import load_settings
     else:
         from verify_server.settings import load_settings
-    load_settings(config)
+    loaded = load_settings(config)
+    written = file_values(tomllib.loads((ROOT / config).read_text()))
+    assert len(written) >= 20, sorted(written)
+    wrong = {key: (value, held(loaded, key)) for key, value in written.items()
+             if held(loaded, key) != as_loaded(value)}
+    assert wrong == {}, wrong
 
 
 @pytest.mark.parametrize("argv", [("/nonexistent-checkpoint",),
