@@ -24,7 +24,7 @@ class RoundStat:
     queue_ms: float          # waiting on the server for a place in a forward
     verified: int            # draft tokens the server checked
     accepted: int            # ... and accepted
-    suggested_draft_len: int = 0   # the server's advice for the next draft (0 = none)
+    suggested_draft_len: int = 0   # the server's advice, at most max_draft_len (0 = none)
     pipelined: int = 0             # draft tokens drafted while the previous verdict was in flight
 
 

@@ -24,7 +24,7 @@ from edge_client.proposer import Draft, Head, Proposer
 from edge_client.result import LOST, RESUMED, GenerationResult, RoundStat, ServerEvent
 from edge_client.speculation import Speculation
 from edge_client.transport import ServerLost, Stream, Transport, VerifyError, lost_server, receive_within
-from edge_client.verdict_check import Asked, check_verdict
+from edge_client.verdict_check import Asked, advised_draft_len, check_verdict
 from edge_client.wire import SessionRequest, draft_message, drafter_label
 from sled import clock
 from sled.backoff import Backoff
@@ -50,10 +50,10 @@ class RoundSettings:
     """How a device drafts and talks to the server. The output is the target's either way; these
     only change how many tokens a round yields and how long it takes.
 
-    draft_len: tokens per draft; "auto" drafts what the previous verdict suggested
-    (AUTO_FIRST_DRAFT_LEN at first); "adaptive" lets a DraftPolicy pick the length with the most
-    expected tokens per second from the session's acceptance, drafting speed and round trips (at
-    most max_draft_len, capped by the suggestion).
+    draft_len: tokens per draft; "auto" drafts what the previous verdict suggested, at most
+    max_draft_len (AUTO_FIRST_DRAFT_LEN at first); "adaptive" lets a DraftPolicy pick the length
+    with the most expected tokens per second from the session's acceptance, drafting speed and
+    round trips (at most max_draft_len, capped by the suggestion).
     min_confidence > 0 ends a draft early after the first token the drafter is less sure of (its
     probability of the token it drafted); drafters without a confidence draft draft_len.
     pipeline keeps drafting while each verdict is in flight, on the path where the whole draft is
@@ -345,7 +345,8 @@ class DeviceSession:
         """The round's stats, and what they say about the next draft length."""
         stat = RoundStat((self.sent_at - self.turn_at) * 1e3, (self.verdict_at - self.sent_at) * 1e3,
                          verdict.timings.forward_ms, verdict.timings.queue_ms, verdict.verified,
-                         verdict.accepted, verdict.suggested_draft_len, draft.pipelined)
+                         verdict.accepted, advised_draft_len(verdict, self.settings.max_draft_len),
+                         draft.pipelined)
         self.result.round_stats.append(stat)
         if self.hooks.on_round is not None:
             self.hooks.on_round(stat)

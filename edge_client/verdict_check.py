@@ -13,11 +13,17 @@ can check everything else a verdict says against what the device sent and asked:
     ids        every emitted and hinted id inside the target's vocabulary (when known)
     hints      at most the lookahead asked for
     loose      loose acceptance only in a session opened loose, and never more than accepted
+    advice     suggested_draft_len clamped to the device's largest draft (max_draft_len)
 
 A verdict that breaks a rule raises BrokenVerdict before any of its tokens is committed, shown
 or counted: the session ends with that error, and its output is never labelled lossless.
 Each check costs O(draft + emitted) after the O(1) length checks, so a verdict of 500,000
 tokens is refused without reading them.
+
+The advice is the one rule that clamps instead of refusing: it is no token of the output, and
+an honest server may advise up to its own max_draft_tokens (32 by default), more than a device
+drafts (16), so a device drafts min(advice, max_draft_len) and a suggested length of 20,000,000
+costs it no more than its own largest draft.
 """
 from __future__ import annotations
 
@@ -64,6 +70,12 @@ def check_verdict(verdict: pb.Verdict, asked: Asked) -> None:
                or _id_problem(verdict, asked))
     if problem:
         raise BrokenVerdict(problem)
+
+
+def advised_draft_len(verdict: pb.Verdict, largest: int) -> int:
+    """The verdict's suggested_draft_len, at most `largest` (the device's max_draft_len);
+    0 when the server gave no advice."""
+    return min(verdict.suggested_draft_len, largest)
 
 
 def _round_problem(verdict: pb.Verdict, asked: Asked) -> str | None:
