@@ -14,13 +14,13 @@ from edge_client.device_requests import Chunk, DeviceError, Request
 from edge_client.device_status import DeviceMetrics, Window
 from edge_client.emulation import LinkEmulation, PacedDrafter, board
 from edge_client.proposer import Proposer
-from edge_client.result import RoundStat, ServerEvent
+from edge_client.result import LOST, RoundStat, ServerEvent
 from edge_client.server_choice import ServerChoice, log_server_event
 from edge_client.server_side import generate_server_side
 from edge_client.servers import Server
 from edge_client.session import RoundSettings, SessionHooks, Target, generate
 from edge_client.settings import DeviceSettings
-from edge_client.transport import ServerLost, VerifyError
+from edge_client.transport import ServerLost, ServerSilent, VerifyError
 from edge_client.verdict_check import BrokenVerdict
 from edge_client.wire import SessionRequest
 
@@ -92,10 +92,13 @@ class RequestRunner:
             committed.extend(tokens)
             lossless = request.loose is None
             self.telemetry.emitted(len(tokens), lossless)
+            self.choice.answered(current["server"])       # a verdict came: it is not silent
             queue.put_nowait(Chunk(list(tokens), lossless=lossless))
 
         def on_server(event: ServerEvent) -> None:
             log_server_event(request.request_id, current["server"], event)
+            if event.kind == LOST and event.silent:
+                self.choice.went_silent(current["server"], event.detail)
 
         generation = Generation(request, max_tokens, settings, on_tokens, on_server)
         try:
@@ -104,17 +107,14 @@ class RequestRunner:
             else:
                 result = await self.drafted(server, generation, reopen)
         except VerifyError as exc:
-            if exc.code == grpc.StatusCode.UNAVAILABLE and settings.unverified_fallback:
+            if isinstance(exc, ServerSilent):
+                self.choice.went_silent(current["server"], exc.last.message)
+            lost = exc.code == grpc.StatusCode.UNAVAILABLE or isinstance(exc, ServerSilent)
+            if lost and settings.unverified_fallback:
                 await self.draft_alone(request, request.prompt_ids + committed,
                                        max_tokens - len(committed), queue)
                 return
-            if isinstance(exc, ServerLost):
-                raise DeviceError("unavailable", f"lost the verify server: {exc.message}") from None
-            if isinstance(exc, BrokenVerdict):
-                raise DeviceError("unavailable", f"the verify server {server.endpoint} sent a "
-                                  f"verdict that breaks the protocol, so nothing of it was kept: "
-                                  f"{exc.problem}") from None
-            raise DeviceError(_kind(exc), f"the verify server refused: {exc}") from None
+            raise _failure(exc, current["server"]) from None
         metrics.resumes.inc(result.resumes)
         queue.put_nowait(Chunk([], result.finish_reason))
 
@@ -130,7 +130,8 @@ class RequestRunner:
                 min_confidence=policy.min_confidence, pipeline=policy.pipeline,
                 lookahead=policy.lookahead, hints=policy.hints, tree=policy.tree,
                 max_draft_tokens=server.max_draft_tokens or 32, reconnect_s=settings.reconnect_s,
-                open_timeout_s=settings.open_timeout_s, verdict_timeout_s=settings.verdict_timeout_s),
+                open_timeout_s=settings.open_timeout_s, verdict_timeout_s=settings.verdict_timeout_s,
+                silent_retries=settings.silent_retries),
             target=Target(server.fingerprint or None, server.model, server.vocab_size),
             transport=self.link.transport(),
             hooks=SessionHooks(reopen_on=reopen, on_tokens=generation.on_tokens,
@@ -141,11 +142,13 @@ class RequestRunner:
         centralized baseline). The first open waits for a server (or a cut link) up to
         reconnect_s, as a drafting session's does."""
         request = replace(generation.session_request(self.bootstrap.cache_salt), loose=None)
+        settings = generation.settings
         return await generate_server_side(
             server.stub, request,
             hooks=SessionHooks(on_tokens=generation.on_tokens, on_server=generation.on_server),
-            transport=self.link.transport(), reconnect_s=generation.settings.reconnect_s,
-            wait_first=True, vocab_size=server.vocab_size)
+            transport=self.link.transport(), reconnect_s=settings.reconnect_s,
+            wait_first=True, vocab_size=server.vocab_size, open_timeout_s=settings.open_timeout_s,
+            verdict_timeout_s=settings.verdict_timeout_s, silent_retries=settings.silent_retries)
 
     def session_drafter(self, settings: DeviceSettings):
         """The shared drafter, paced to the emulated board's speed when there is one."""
@@ -172,6 +175,18 @@ class RequestRunner:
             if finish:
                 return
         queue.put_nowait(Chunk([], "length", lossless=False))
+
+
+def _failure(error: VerifyError, server: Server) -> DeviceError:
+    """What a request answers when its session on `server` ended with `error`: one line."""
+    if isinstance(error, ServerSilent):
+        return DeviceError("unavailable", error.naming(server.endpoint))
+    if isinstance(error, ServerLost):
+        return DeviceError("unavailable", f"lost the verify server: {error.message}")
+    if isinstance(error, BrokenVerdict):
+        return DeviceError("unavailable", f"the verify server {server.endpoint} sent a verdict "
+                           f"that breaks the protocol, so nothing of it was kept: {error.problem}")
+    return DeviceError(_kind(error), f"the verify server refused: {error}")
 
 
 def _kind(error: VerifyError) -> str:

@@ -36,6 +36,7 @@ class ServerEvent:
     committed: int           # tokens committed so far (kept either way)
     wait_s: float            # how long the session waits for a server (its reconnect_s)
     detail: str = ""         # what the transport said (lost), how long it took (resumed)
+    silent: bool = False     # LOST: the server sent no Opened or verdict in time (it went silent)
 
 
 @dataclass(slots=True)

@@ -1,6 +1,7 @@
 """Which verify server a device's requests use: the directory's pick, waited for up to
 reconnect_s when there is none; another one after a lost server (failover); and the probes that
-keep the directory fresh. The choice shows in the device's state (DeviceState)."""
+keep the directory fresh. The choice shows in the device's state (DeviceState): ready on a
+server, degraded on one that went silent (no other answers), or waiting."""
 from __future__ import annotations
 
 import asyncio
@@ -51,18 +52,37 @@ class ServerChoice:
         one (the directory moves on), else the same (it may be restarting)."""
         self.directory.failed(lost)
         try:
-            return self.directory.pick()
+            return self.directory.pick(besides=lost)
         except NoServer:
             return lost
 
+    def went_silent(self, server: Server, detail: str) -> None:
+        """A session's server sent no Opened or verdict in time (`detail`): the others come
+        first, and while none answers the device is degraded, until this one answers again."""
+        self.directory.silent(server, detail)
+        self.show()
+
+    def answered(self, server: Server) -> None:
+        """A verdict came from `server`: if it had gone silent, it is as good as any again."""
+        if server.silent:
+            self.directory.answered(server)
+            self.show()
+
     def show(self) -> None:
-        """The device's state as the directory has it now: ready on a server, or waiting."""
+        """The device's state as the directory has it now: ready on a server, degraded on one
+        that went silent (the best there is), or waiting."""
         try:
             server = self.directory.pick()
-            self.state.set("ready", f"verifying on {printable(server.id or server.endpoint, 200)}")
         except NoServer as exc:
             fallback = " (drafting alone: lossy output)" if self.settings().unverified_fallback else ""
             self.state.set("waiting", str(exc) + fallback)
+            return
+        where = printable(server.id or server.endpoint, 200)
+        if server.silent:
+            self.state.set("degraded", f"the verify server {where} went silent (no Opened or verdict "
+                                       "in time) and no other compatible server answers")
+        else:
+            self.state.set("ready", f"verifying on {where}")
 
     async def keep_probing(self, changed: Callable[[], Awaitable[None]]) -> None:
         """Every PROBE_S, probe the servers that were not reachable or not compatible, then

@@ -15,6 +15,7 @@ import grpc
 
 from edge_client.result import GenerationResult
 from edge_client.session import OPEN_TIMEOUT_S, VERDICT_TIMEOUT_S, Reconnect, SessionHooks, open_stream
+from edge_client.silences import SILENT_RETRIES
 from edge_client.transport import Stream, Transport, VerifyError, lost_server, receive_within
 from edge_client.verdict_check import Asked, check_verdict
 from edge_client.wire import SessionRequest
@@ -94,17 +95,22 @@ class ServerSideSession:
 async def generate_server_side(stub, request: SessionRequest, *, hooks: SessionHooks = SessionHooks(),
                                timeout: float | None = None, transport: Transport = Stream.open,
                                reconnect_s: float = 0.0, wait_first: bool = False,
-                               vocab_size: int = 0) -> GenerationResult:
+                               vocab_size: int = 0, open_timeout_s: float = OPEN_TIMEOUT_S,
+                               verdict_timeout_s: float = VERDICT_TIMEOUT_S,
+                               silent_retries: int = SILENT_RETRIES) -> GenerationResult:
     """Open a session for `request` in its server mode (request.mode; one left at the device
     drafting is GENERATION_MODE_SERVER: the server generates alone) and collect the verdicts the
     server streams to its end; hooks.on_tokens sees each verdict's tokens; request.cache_salt
     scopes the server's prefix cache. reconnect_s: how long a lost server is waited for to
     resume the session (0: ServerLost at once); hooks.on_server is told the loss and the resume
     (ServerEvent); wait_first: the first open waits for the server up to reconnect_s too;
-    vocab_size: the target's, which every emitted id is checked against (0: unknown)."""
+    vocab_size: the target's, which every emitted id is checked against (0: unknown);
+    open_timeout_s, verdict_timeout_s and silent_retries as a drafting session's (RoundSettings)."""
     mode = pb.GENERATION_MODE_SERVER if request.mode == pb.GENERATION_MODE_DEVICE_DRAFTS else request.mode
     session = ServerSideSession(stub, replace(request, drafter="server", mode=mode), timeout=timeout,
-                                transport=transport, reconnect=Reconnect(reconnect_s, hooks.on_server),
+                                transport=transport,
+                                reconnect=Reconnect(reconnect_s, hooks.on_server, silent_retries),
                                 on_tokens=hooks.on_tokens, wait_first=wait_first,
-                                vocab_size=vocab_size)
+                                vocab_size=vocab_size, open_timeout_s=open_timeout_s,
+                                verdict_timeout_s=verdict_timeout_s)
     return await session.run()

@@ -6,6 +6,8 @@ until it answers again.
     await directory.probe_all()            # GetModelInfo: model, tokenizer, reachable or not
     server = directory.pick()              # raises NoServer with the reason when none fits
     directory.failed(server)               # a session lost it: prefer the others for a while
+    directory.silent(server, "no verdict ...")   # it went silent: the others first, until it answers
+    directory.answered(server)             # ... which it did
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class Server:
     unreachable: str = ""               # why the last probe failed ("" when it answered)
     mismatch: str = ""                  # how its tokenizer differs from the device's ("" if not)
     failed_at: float = 0.0              # monotonic time of the last lost session
+    silent: str = ""                    # how it went silent in a session ("" once it answers)
     tls_name: str = ""                  # the certificate name it announced ("" = its host)
     untrusted: str = ""                 # why this device will not dial it ("" if it may)
     # the server ids announcing this endpoint online: replicas behind one proxy each announce
@@ -76,7 +79,7 @@ class Server:
                 "model": printable(self.model, 200),
                 "fingerprint": printable(short(self.fingerprint)) if self.fingerprint else "",
                 "load": round(self.load, 3), "online": self.online, "reachable": self.reachable,
-                "problem": self.problem}
+                "problem": self.problem, "silent": self.silent}
 
 
 class ServerDirectory:
@@ -155,6 +158,18 @@ class ServerDirectory:
         server.failed_at = time.monotonic()
         self._notify()
 
+    def silent(self, server: Server, detail: str) -> None:
+        """A session's server sent no Opened or verdict in time: it comes after every server
+        that did not, until it answers a session again (answered)."""
+        server.silent = printable(detail, 200) or "it went silent"
+        self._notify()
+
+    def answered(self, server: Server) -> None:
+        """A silent server sent a session's verdict: it is chosen as any other again."""
+        if server.silent:
+            server.silent = ""
+            self._notify()
+
     # -- probing -------------------------------------------------------------------------
     async def probe(self, server: Server, timeout: float = 5.0) -> None:
         """Ask the server for its model info: reachable, model and tokenizer fingerprint."""
@@ -181,17 +196,19 @@ class ServerDirectory:
 
     # -- choosing ------------------------------------------------------------------------
     def compatible(self) -> list[Server]:
-        """Usable servers, best first: not recently failed, then least loaded."""
+        """Usable servers, best first: not silent, not recently failed, then least loaded."""
         now = time.monotonic()
         usable = [s for s in self.servers.values()
                   if s.online and s.reachable is not False and not s.mismatch and not s.untrusted]
-        return sorted(usable, key=lambda s: (now - s.failed_at < AVOID_S, s.load, s.endpoint))
+        return sorted(usable, key=lambda s: (bool(s.silent), now - s.failed_at < AVOID_S, s.load,
+                                             s.endpoint))
 
-    def pick(self) -> Server:
+    def pick(self, besides: Server | None = None) -> Server:
+        """The best compatible server; besides: another than this one, when there is one."""
         servers = self.compatible()
-        if servers:
-            return servers[0]
-        raise NoServer(self.why_none())
+        if not servers:
+            raise NoServer(self.why_none())
+        return next((s for s in servers if s is not besides), servers[0])
 
     def why_none(self) -> str:
         if not self.servers:

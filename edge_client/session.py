@@ -22,8 +22,10 @@ from edge_client.draft_policy import DraftPolicy
 from edge_client.hint_policy import HINT_USES, HintPolicy
 from edge_client.proposer import Draft, Head, Proposer
 from edge_client.result import LOST, RESUMED, GenerationResult, RoundStat, ServerEvent
+from edge_client.silences import SILENT_RETRIES, Silences
 from edge_client.speculation import Speculation
-from edge_client.transport import ServerLost, Stream, Transport, VerifyError, lost_server, receive_within
+from edge_client.transport import (ServerLost, Silence, Stream, Transport, VerifyError, lost_server,
+                                   receive_within)
 from edge_client.verdict_check import Asked, advised_draft_len, check_verdict
 from edge_client.wire import SessionRequest, draft_message, drafter_label
 from sled import clock
@@ -75,7 +77,11 @@ class RoundSettings:
     reconnect_s: how long a lost server is retried, with backoff, before the session fails
     (0: at once). timeout: the deadline of each Generate call (None: none). open_timeout_s and
     verdict_timeout_s: how long the server may take to answer an open with Opened and a draft
-    with its verdict; a server silent longer is treated as lost (resumed, or failed over).
+    with its verdict; a server silent longer is treated as lost (resumed, or failed over), at
+    most silent_retries times per server: its next silence ends the session (ServerSilent), unless
+    the server chooser offers another. A server that answers Opened and then stays silent thus
+    holds a session for at most (silent_retries + 1) x verdict_timeout_s, plus the reopening
+    (within reconnect_s).
     """
     draft_len: int | str = 4
     max_draft_len: int = 16
@@ -89,6 +95,7 @@ class RoundSettings:
     timeout: float | None = None
     open_timeout_s: float = OPEN_TIMEOUT_S
     verdict_timeout_s: float = VERDICT_TIMEOUT_S
+    silent_retries: int = SILENT_RETRIES
 
     def __post_init__(self) -> None:
         fixed = isinstance(self.draft_len, int) and not isinstance(self.draft_len, bool)
@@ -98,8 +105,9 @@ class RoundSettings:
             raise ValueError(f"max_draft_len must be >= 1, got {self.max_draft_len}")
         if not 0.0 <= self.min_confidence <= 1.0:
             raise ValueError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
-        if self.lookahead < 0 or self.reconnect_s < 0:
-            raise ValueError("lookahead and reconnect_s must be >= 0")
+        if self.lookahead < 0 or self.reconnect_s < 0 or self.silent_retries < 0:
+            raise ValueError(f"lookahead, reconnect_s and silent_retries must be >= 0, got "
+                             f"{self.lookahead}, {self.reconnect_s} and {self.silent_retries}")
         if not (self.open_timeout_s > 0 and self.verdict_timeout_s > 0):
             raise ValueError(f"open_timeout_s and verdict_timeout_s must be > 0, got "
                              f"{self.open_timeout_s} and {self.verdict_timeout_s}")
@@ -160,7 +168,7 @@ class DeviceSession:
         self.stub, self.request, self.settings = stub, request, settings
         self.vocab_size = vocab_size
         self.transport, self.hooks = transport, hooks
-        self.reconnect = Reconnect(settings.reconnect_s, hooks.on_server)
+        self.reconnect = Reconnect(settings.reconnect_s, hooks.on_server, settings.silent_retries)
         self.proposer = Proposer(drafter, request.sampling, settings.min_confidence, settings.tree,
                                  settings.max_draft_tokens)
         # Seeded sampling never pipelines: how many tokens get drafted ahead depends on timing,
@@ -227,16 +235,22 @@ class DeviceSession:
 
     async def open_once(self, connect_s: float | None = None, switch: bool = False) -> Stream:
         """One attempt. connect_s (resuming) waits up to that long for the server to take the
-        open message, then as long as the prefill takes."""
+        open message, then as long as the prefill takes. A server past its silent retries is not
+        tried again (ServerSilent), and one that sends no Opened in time has one silence more."""
         if switch and self.hooks.reopen_on is not None:
             self.stub = self.hooks.reopen_on()
+        self.reconnect.silences.check(self.stub)
         if not self.request.fingerprint and self.stub is not None:
             # a drafter with no tokenizer of its own drafts the target's ids: say which
             fingerprint = await target_fingerprint(self.stub, connect_s)
             self.request = replace(self.request, fingerprint=fingerprint)
         opening = self.request.open_message(self.result.token_ids)
-        return await open_stream(self.transport, self.stub, opening, self.settings.timeout, connect_s,
-                                 self.settings.open_timeout_s)
+        try:
+            return await open_stream(self.transport, self.stub, opening, self.settings.timeout,
+                                     connect_s, self.settings.open_timeout_s)
+        except Silence as silence:
+            self.reconnect.silences.heard(self.stub, silence)
+            raise
 
     async def reopen(self, lost: bool) -> Stream:
         """Attempts with backoff until reconnect_s has passed (Reconnect.reopen)."""
@@ -256,7 +270,8 @@ class DeviceSession:
         if evicted:
             await self.open()
         else:
-            self.stream = await self.reconnect.recover(error, len(self.result.token_ids), self.open_once)
+            self.stream = await self.reconnect.recover(error, len(self.result.token_ids), self.open_once,
+                                                       self.stub, switch=self.hooks.reopen_on is not None)
         self.round, self.head, self.verdict_at = 0, None, None
 
     async def abandon(self) -> None:
@@ -366,16 +381,26 @@ Attempt = Callable[[float, bool], Awaitable[Stream]]
 class Reconnect:
     """How any session (device drafts or server modes) waits for a lost server: it tells
     `on_server` at once (LOST), retries its opening with backoff until reconnect_s has passed,
-    and tells again when a server took the session back (RESUMED); ServerLost when none did."""
+    and tells again when a server took the session back (RESUMED); ServerLost when none did.
+    A server that went silent is retried at most silent_retries times (`silences`)."""
 
-    def __init__(self, reconnect_s: float,
-                 on_server: Callable[[ServerEvent], None] | None = None) -> None:
+    def __init__(self, reconnect_s: float, on_server: Callable[[ServerEvent], None] | None = None,
+                 silent_retries: int = SILENT_RETRIES) -> None:
         self.reconnect_s, self.on_server = reconnect_s, on_server
+        self.silences = Silences(silent_retries)
 
-    async def recover(self, error: Exception, committed: int, attempt: Attempt) -> Stream:
-        """The server went away after `committed` tokens: say so, wait for it (or another)."""
+    async def recover(self, error: Exception, committed: int, attempt: Attempt,
+                      server: object = None, switch: bool = False) -> Stream:
+        """The server went away after `committed` tokens: say so, wait for it (or another). A
+        silence counts against `server`; one past its retries ends the session here
+        (ServerSilent), unless the attempts `switch` servers (a chooser may offer another)."""
+        silent = isinstance(error, Silence)
+        if silent:
+            self.silences.heard(server, error)
+            if not switch:
+                self.silences.check(server)
         detail = printable(error.message if isinstance(error, VerifyError) else str(error), 200)
-        self.tell(ServerEvent(LOST, committed, self.reconnect_s, detail))
+        self.tell(ServerEvent(LOST, committed, self.reconnect_s, detail, silent=silent))
         if not self.reconnect_s:
             raise self.gave_up(committed) from None
         started = clock.now()

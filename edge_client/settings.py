@@ -145,6 +145,9 @@ class DeviceSettings(BaseSettings):
     # work) and each draft with its verdict; silent longer, it is treated as lost (resume)
     open_timeout_s: float = Field(120.0, gt=0)
     verdict_timeout_s: float = Field(60.0, gt=0)
+    # how many times a request reopens on a server that went silent; its next silence ends the
+    # request (503, an MQTT error) unless another compatible server takes it
+    silent_retries: int = Field(1, ge=0)
     # how long fetching the target's tokenizer from a server may take, all files together
     tokenizer_timeout_s: float = Field(60.0, gt=0)
     # with no server reachable, go on with the drafter alone: lossy, marked "lossless": false
@@ -231,7 +234,8 @@ class DeviceSettings(BaseSettings):
 
 # Keys that take effect at once when changed at run time; the rest need a restart.
 LIVE_KEYS = {"servers", "drafter", "policy", "max_new_tokens", "reconnect_s", "unverified_fallback",
-             "max_sessions", "mode", "emulation", "open_timeout_s", "verdict_timeout_s"}
+             "max_sessions", "mode", "emulation", "open_timeout_s", "verdict_timeout_s",
+             "silent_retries"}
 
 
 def _merge(base: dict, changes: dict) -> dict:

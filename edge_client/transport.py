@@ -126,13 +126,39 @@ def refusal_code(code: grpc.StatusCode, reason: int) -> grpc.StatusCode:
 
 async def receive_within(stream: "Stream", seconds: float, what: str) -> pb.ServerMessage:
     """stream.receive(), which must come within `seconds`: a server silent longer is treated as a
-    lost one (a VerifyError with UNAVAILABLE, which a session resumes or fails over)."""
+    lost one (Silence, which a session resumes or fails over)."""
     try:
         return await asyncio.wait_for(stream.receive(), seconds)
     except asyncio.TimeoutError:
-        raise VerifyError(grpc.StatusCode.UNAVAILABLE,
-                          f"the server sent no {what} within {seconds:g} s: it went silent, so it "
-                          "is treated as lost") from None
+        raise Silence(what, seconds) from None
+
+
+class Silence(VerifyError):
+    """The server sent no `what` (Opened, a verdict) within `seconds`. It counts as a lost server
+    (UNAVAILABLE): the session resumes, on it or another, a bounded number of times
+    (edge_client.silences)."""
+
+    def __init__(self, what: str, seconds: float) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, f"the server sent no {what} within "
+                         f"{seconds:g} s: it went silent, so it is treated as lost")
+        self.what, self.seconds = what, seconds
+
+
+class ServerSilent(VerifyError):
+    """A server went silent once more after its retries: the session ends. DEADLINE_EXCEEDED,
+    not a lost server, so nothing waits for it again. The committed tokens are the target's own
+    and stay valid."""
+
+    def __init__(self, times: int, last: Silence) -> None:
+        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED,
+                         f"it went silent {times} times (the last: no {last.what} within "
+                         f"{last.seconds:g} s)")
+        self.times, self.last = times, last
+
+    def naming(self, server: str) -> str:
+        """The one line that ends a request: which server, how often, how long it was waited for."""
+        return (f"the verify server {printable(server, 200)} went silent {self.times} times (the "
+                f"last: no {self.last.what} within {self.last.seconds:g} s), so the request ends")
 
 
 # transport(stub, timeout=..., wait_for_ready=...) -> a Stream (or anything with its methods)

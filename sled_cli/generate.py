@@ -14,14 +14,16 @@ from edge_client.connection import Connection
 from edge_client.result import INTERRUPTED, LOST, SERVER_LOST, GenerationResult
 from edge_client.security import ChannelSecurity
 from edge_client.server_side import generate_server_side
-from edge_client.session import RoundSettings, SessionHooks, Target, device_session
+from edge_client.session import (OPEN_TIMEOUT_S, VERDICT_TIMEOUT_S, RoundSettings, SessionHooks,
+                                  Target, device_session)
+from edge_client.silences import SILENT_RETRIES
 from edge_client.text import OutputText
-from edge_client.transport import ServerLost, VerifyError, lost_server
+from edge_client.transport import ServerLost, ServerSilent, VerifyError, lost_server
 from edge_client.verdict_check import BrokenVerdict
 from edge_client.wire import SessionRequest
 from sled.cache import CacheError
 from sled.flags import (builtin_aliases, loose_flag, non_negative_float, non_negative_int,
-                            open_probability, positive_int)
+                            open_probability, positive_float, positive_int)
 from sled.printable import printable
 from sled.v1 import verifier_pb2 as pb
 from sled.wire.sampling import Sampling
@@ -67,9 +69,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cache-salt", default="", metavar="TEXT",
                         help="share the server's cached prompt blocks only with sessions from "
                              "this host that send the same salt (default: empty)")
-    parser.add_argument("--reconnect-s", type=non_negative_float, default=30.0, metavar="S",
-                        help="how long a lost server (or another) is waited for to resume the "
-                             "session before giving up with the partial output (0: at once)")
+    _waiting_arguments(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object instead of text")
     access = parser.add_argument_group("access", "a server started with --tls-cert, "
@@ -85,6 +85,24 @@ def add_arguments(parser) -> None:
     access.add_argument("--token", metavar="TEXT", default=os.environ.get("SLED_DEVICE_TOKEN", ""),
                         help="this device's token (default: $SLED_DEVICE_TOKEN, which keeps "
                              "it out of the process list)")
+
+
+def _waiting_arguments(parser) -> None:
+    """How long the server is waited for: lost, slow to answer, silent."""
+    waiting = parser.add_argument_group("waiting", "how long a server that is lost or silent is "
+                                        "waited for")
+    waiting.add_argument("--reconnect-s", type=non_negative_float, default=30.0, metavar="S",
+                         help="how long a lost server (or another) is waited for to resume the "
+                              "session before giving up with the partial output (0: at once)")
+    waiting.add_argument("--open-timeout-s", type=positive_float, default=OPEN_TIMEOUT_S, metavar="S",
+                         help="how long the server may take to answer the open (its prefill); "
+                              "silent longer, it is treated as lost")
+    waiting.add_argument("--verdict-timeout-s", type=positive_float, default=VERDICT_TIMEOUT_S,
+                         metavar="S", help="how long the server may take to answer each draft; "
+                                           "silent longer, it is treated as lost")
+    waiting.add_argument("--silent-retries", type=non_negative_int, default=SILENT_RETRIES,
+                         metavar="N", help="how many times the session reopens on a server that "
+                                           "went silent; its next silence ends it (exit 4)")
 
 
 async def run(args) -> int:
@@ -124,8 +142,8 @@ async def _generate(args, shown: "Shown") -> int:
 
 
 async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, shown: "Shown") -> int:
-    """Run the session to its end and print it: 0; a refusal: 4; a lost server: 5 (partial
-    output kept)."""
+    """Run the session to its end and print it: 0; a refusal, a broken verdict or a server silent
+    past its retries: 4; a lost server: 5 (partial output kept)."""
     args = shown.args
     try:
         if drafter is None:   # a thin device: the server generates (and drafts with SATs)
@@ -134,7 +152,9 @@ async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, sh
                 SessionRequest(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                stop_ids=args.stop_id, mode=mode, cache_salt=args.cache_salt),
                 hooks=SessionHooks(on_tokens=shown.stream, on_server=shown.server_event),
-                reconnect_s=args.reconnect_s, vocab_size=info.vocab_size)
+                reconnect_s=args.reconnect_s, vocab_size=info.vocab_size,
+                open_timeout_s=settings.open_timeout_s, verdict_timeout_s=settings.verdict_timeout_s,
+                silent_retries=settings.silent_retries)
         else:
             shown.session = device_session(
                 stub, drafter,
@@ -146,6 +166,8 @@ async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, sh
                 hooks=SessionHooks(on_tokens=shown.stream, on_server=shown.server_event))
             result = await shown.session.run()
     except (VerifyError, grpc.aio.AioRpcError) as exc:
+        if isinstance(exc, ServerSilent):
+            return shown.fail(exc.naming(args.server), 4)
         if isinstance(exc, ServerLost) or lost_server(exc):
             return shown.end(SERVER_LOST, waited=isinstance(exc, ServerLost))
         if isinstance(exc, VerifyError) and exc.reason == "REASON_TOKENIZER_MISMATCH":
@@ -174,7 +196,10 @@ def _round_inputs(args, server_modes):
         raise ValueError("--loose checks a drafter's greedy drafts: use it with --temperature 0 "
                          "and a drafter (not server or sat)")
     settings = RoundSettings(draft_len=args.draft_len, lookahead=args.lookahead, hints=args.hints,
-                             tree=args.tree, reconnect_s=args.reconnect_s)
+                             tree=args.tree, reconnect_s=args.reconnect_s,
+                             open_timeout_s=args.open_timeout_s,
+                             verdict_timeout_s=args.verdict_timeout_s,
+                             silent_retries=args.silent_retries)
     drafter = None if args.drafter in server_modes else load_drafter(args.drafter)
     return sampling, settings, drafter
 
@@ -207,8 +232,10 @@ class Shown:
     def server_event(self, event) -> None:
         """The session lost its server, or got one back: say so at once."""
         if event.kind == LOST:
-            self.say(f"lost the server at {self.args.server} after "
-                     f"{_count(event.committed, 'token')}; waiting up to {event.wait_s:g} s for it (or another) to resume")
+            how = " (it went silent)" if event.silent else ""
+            self.say(f"lost the server at {self.args.server}{how} after "
+                     f"{_count(event.committed, 'token')}; waiting up to {event.wait_s:g} s for it "
+                     "(or another) to resume")
         else:
             self.say(f"the server is back: resumed after {_count(event.committed, 'token')} "
                      f"({event.detail})")

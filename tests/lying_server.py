@@ -7,7 +7,8 @@ round `lie_at`, whose verdict it replaces with one lie:
     undrafted    accepts tokens the device never drafted
     too_many     emits 15,000 tokens (whatever max_new_tokens was)
     huge         emits 500,000 tokens in one verdict
-    silent       answers nothing from that round on (the stream stays open)
+    silent       answers nothing from that round (a server mode: that step) on, the stream
+                 open; every open is answered with Opened (set `lie` to "" to have it answer again)
     silent_open  never sends Opened
     wrong_round  answers another round
     out_of_vocab emits a token past ModelInfo.vocab_size
@@ -64,6 +65,8 @@ class LyingVerifier(pb_grpc.VerifierServicer):
                 yield pb.ServerMessage(opened=pb.Opened(session_id="s", max_new_tokens=left))
                 if message.open.mode != pb.GENERATION_MODE_DEVICE_DRAFTS:
                     for verdict in self.server_steps(context_ids, left):
+                        if self.lie == "silent" and verdict.round >= self.lie_at:
+                            await asyncio.Event().wait()
                         yield pb.ServerMessage(verdict=verdict)
                     return
                 continue
