@@ -13,6 +13,8 @@ check is a real grpc.health.v1.Health/Check call whose answer must carry SERVING
 refuses a new connection is left for another (`option redispatch`). A replica lost mid-session
 breaks its streams (CANCELLED, then UNAVAILABLE for new calls until the check marks it down),
 and each device reopens its session through the proxy on a replica still up (edge_client.session).
+No device names itself: the proxy appends each device's address to x-forwarded-for and drops
+any certificate name a device sent (verify_server.origin.CERT_HEADER).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from lab.fleet import FleetStartError
 from lab.server_process import HOST, Child, free_port, wait_listening
+from verify_server.origin import CERT_HEADER
 
 HAPROXY = ("haproxy", "/usr/sbin/haproxy", "/usr/local/sbin/haproxy")
 START_S = 15.0
@@ -97,11 +100,13 @@ defaults
     # a replica that refuses the connection is tried again, on another one
     retries 2
     option redispatch
-    # the device's address, for sled serve --trusted-proxies (docs/security.md)
+    # the device's address, for sled serve --trusted-proxy (docs/security.md)
     option forwardfor
 {resolvers}
 frontend sled
     bind {bind} proto h2
+    # no device names itself (sled serve --proxy-cert-header)
+    http-request del-header {CERT_HEADER}
     default_backend sled_replicas
 
 backend sled_replicas

@@ -1,9 +1,9 @@
 """Behind a proxy every call's peer is the proxy: who a call is from comes from its token, else
 the certificate name a trusted proxy verified, else the address a trusted proxy forwards. Those
-headers are believed from --trusted-proxy addresses only; from anyone else they are ignored, so
-no device can claim another's identity by sending them itself. Through a real server, two
-devices behind a trusted proxy hold their own session quotas and prefix caches; behind an
-untrusted one they are one host."""
+headers are believed from --trusted-proxy addresses only, the certificate header only when
+--proxy-cert-header names it; from anyone else they are ignored, so no device can claim another's
+identity by sending them itself. Through a real server, two devices behind a trusted proxy hold
+their own session quotas and prefix caches; behind an untrusted one they are one host."""
 from __future__ import annotations
 
 import logging
@@ -17,8 +17,8 @@ from sled.v1.verifier_pb2_grpc import VerifierStub
 from sled_cli import serve as serve_cli
 from verify_server.auth import Gate, TokenFileError, access_of
 from verify_server.errors import SessionError
-from verify_server.origin import (Origin, TrustedProxies, envoy_cert_name, forwarded_host,
-                                  proxy_network)
+from verify_server.origin import (CERT_HEADER, Origin, TrustedProxies, envoy_cert_name,
+                                  forwarded_host, proxy_network)
 from verify_server.settings import ServerSettings, SettingsError, load_settings
 
 PROXY = "ipv4:10.0.0.2:40000"              # a trusted proxy's connection
@@ -31,13 +31,13 @@ def xff(*values: str) -> list[tuple[str, str]]:
     return [("x-forwarded-for", value) for value in values]
 
 
-def cert(name: str, header: str = "x-sled-client-cert") -> list[tuple[str, str]]:
+def cert(name: str, header: str = CERT_HEADER) -> list[tuple[str, str]]:
     return [(header, name)]
 
 
 @pytest.fixture
 def proxies() -> TrustedProxies:
-    return TrustedProxies(NETWORKS)
+    return TrustedProxies(NETWORKS, cert_header=CERT_HEADER)
 
 
 # --- what a call's metadata and peer resolve to --------------------------------------------------
@@ -113,6 +113,18 @@ def test_the_certificate_header_is_the_configured_one():
     assert proxies.origin(cert("dev-1", "x-client-cn"), PROXY).names == ("dev-1",)
     assert proxies.origin(cert("dev-1"), PROXY).names == ()
     assert TrustedProxies(NETWORKS, cert_header="").origin(cert("dev-1"), PROXY).names == ()
+
+
+def test_no_header_names_a_device_unless_the_operator_names_it():
+    unnamed = TrustedProxies(NETWORKS)
+    assert unnamed.cert_header == "" and not unnamed.name_devices
+    for header in (CERT_HEADER, "x-forwarded-client-cert"):
+        assert unnamed.origin(cert("dev-a", header) + xff("203.0.113.7"), PROXY).names == ()
+    gate = Gate(proxies=unnamed, require_identity=True)
+    with pytest.raises(SessionError) as refused:
+        gate.identify(cert("dev-a"), {}, PROXY)
+    assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert ServerSettings().proxy_cert_header == ""
 
 
 @pytest.mark.parametrize("value, name", [
@@ -214,12 +226,13 @@ def test_an_unnamed_call_through_a_trusted_proxy_is_pooled_and_said_once(proxies
 
 def test_pins_need_mutual_tls_or_a_proxy_that_verifies_certificates(tmp_path):
     tokens = str(token_file(tmp_path / "tokens", f"dev-1 {TOKEN} cert=dev-1"))
-    gate, _ = access_of(ServerSettings(auth_tokens=tokens, trusted_proxies=["10.0.0.0/8"]))
+    gate, _ = access_of(ServerSettings(auth_tokens=tokens, trusted_proxies=["10.0.0.0/8"],
+                                       proxy_cert_header=CERT_HEADER))
     assert gate.certificates and gate.proxies.trusts("10.9.8.7")
     for settings in (ServerSettings(auth_tokens=tokens),
-                     ServerSettings(auth_tokens=tokens, trusted_proxies=["10.0.0.0/8"],
-                                    proxy_cert_header="")):
-        with pytest.raises(TokenFileError, match="--trusted-proxy"):
+                     ServerSettings(auth_tokens=tokens, trusted_proxies=["10.0.0.0/8"])):
+        with pytest.raises(TokenFileError, match=f"--trusted-proxy and --proxy-cert-header "
+                                                 f"{CERT_HEADER}"):
             access_of(settings)
 
 
@@ -254,6 +267,8 @@ def test_trusted_proxies_repeat_and_take_comma_lists(monkeypatch):
     (["--require-identity"], "require_identity refuses every call"),
     (["--require-identity", "--trusted-proxy", "10.0.0.1", "--proxy-cert-header", ""],
      "require_identity refuses every call"),
+    (["--require-identity", "--trusted-proxy", "10.0.0.1"], "with --proxy-cert-header"),
+    (["--proxy-cert-header", CERT_HEADER], "believed only from a --trusted-proxy"),
 ])
 def test_bad_proxy_settings_name_the_key_and_the_flag(argv, says):
     with pytest.raises(SettingsError) as caught:
@@ -306,7 +321,7 @@ async def test_devices_behind_a_trusted_proxy_hold_their_own_quotas_and_caches(s
     forwarded hosts are two devices, each with its one session (--quota-sessions 1) and its own
     prefix cache, and the certificate header names a third. Untrusted (another network listed):
     the headers are ignored and all of them are the one host 127.0.0.1."""
-    server = await serve(models["llama"], quota_sessions=1,
+    server = await serve(models["llama"], quota_sessions=1, proxy_cert_header=CERT_HEADER,
                          trusted_proxies=["127.0.0.1"] if trusted else ["10.255.0.0/16"])
     fingerprint = server.service.target.fingerprint
     async with grpc.aio.insecure_channel(server.address) as channel:

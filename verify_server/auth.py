@@ -1,9 +1,9 @@
 """Who is calling: a device's identity from its bearer token and, under mutual TLS, its
 certificate. Every Verifier call passes the gate first; the health service never does. Every
 call, health and reflection included, is counted against its caller (Gate.caller: its token's
-device, else its certificate's name, else its host) by verify_server.call_bounds. Behind a
-trusted proxy the certificate name and the host are the ones the proxy forwards
-(verify_server.origin): a header never outweighs a token.
+device, else its certificate's name, else its host's address block) by
+verify_server.call_bounds. Behind a trusted proxy the certificate name and the host are the ones
+the proxy forwards (verify_server.origin): a header never outweighs a token.
 
 The token file (`sled serve --auth-tokens FILE`), one device a line, re-read on SIGHUP:
 
@@ -34,7 +34,7 @@ from sled.wire.auth import bearer_token
 from sled.wire.topics import check_topic_level
 from sled.printable import printable
 from verify_server import errors
-from verify_server.origin import NAME_CHARS, Origin, TrustedProxies
+from verify_server.origin import CERT_HEADER, NAME_CHARS, CallerPrefixes, Origin, TrustedProxies
 
 log = logging.getLogger("sled.server.auth")
 
@@ -54,15 +54,17 @@ def access_of(settings) -> tuple["Gate", object]:
     credentials = server_credentials(settings)
     tokens = Path(settings.auth_tokens) if settings.auth_tokens else None
     proxies = TrustedProxies(settings.trusted_proxies, settings.proxy_cert_header)
+    prefixes = CallerPrefixes(settings.caller_prefix_v4, settings.caller_prefix_v6,
+                              settings.loopback_one_caller)
     gate = Gate(tokens, client_certs=bool(settings.tls_client_ca), proxies=proxies,
-                require_identity=settings.require_identity)
+                require_identity=settings.require_identity, prefixes=prefixes)
     pinned = [grant.device for grant in gate.grants if grant.cert is not None]
     if pinned and not gate.certificates:
         raise TokenFileError(f"the token file {tokens} pins {len(pinned)} tokens to client "
                              f"certificates (cert=..., e.g. {pinned[0]}), which only mutual TLS "
-                             "proves: add --tls-client-ca (or --trusted-proxy for a proxy that "
-                             "verifies them and sets --proxy-cert-header), or drop the cert= "
-                             "options")
+                             "proves: add --tls-client-ca (or --trusted-proxy and "
+                             f"--proxy-cert-header {CERT_HEADER}, the header a proxy that "
+                             "verifies them sets), or drop the cert= options")
     return gate, credentials
 
 
@@ -93,7 +95,7 @@ class Grant:
 @dataclass(frozen=True, slots=True)
 class Identity:
     """Who a call comes from. `key` tells devices apart for quotas and the prefix cache: the
-    device id when it was proven, else the peer's host."""
+    device id when it was proven, else the address block of the peer's host (CallerPrefixes)."""
     device: str
     authenticated: bool
     key: str
@@ -170,25 +172,28 @@ def certificate_names(auth_context: dict) -> list[str]:
     return names
 
 
-def tokenless_identity(origin: Origin) -> Identity:
-    """A caller without a token: its certificate's first name, else its host."""
+def tokenless_identity(origin: Origin, prefixes: CallerPrefixes = CallerPrefixes()) -> Identity:
+    """A caller without a token: its certificate's first name, else its host's address block
+    ("host:2001:db8:1:2::/64", "host:127.0.0.0/8", "host:203.0.113.7")."""
     if origin.names:
         return Identity(origin.names[0], True, "cert:" + origin.names[0])
-    return Identity(ANONYMOUS, False, "host:" + origin.host)
+    return Identity(ANONYMOUS, False, "host:" + prefixes.caller(origin.host))
 
 
 class Gate:
     """Checks each call's identity: a known token when there is a token file, a client
     certificate the CA signed under mutual TLS (checked by the TLS handshake itself), or the
     one a trusted proxy verified. `require_identity`: a call that neither a token nor a
-    certificate names is refused, rather than known by its host."""
+    certificate names is refused, rather than known by its host's address block (`prefixes`)."""
 
     def __init__(self, tokens: Path | None = None, client_certs: bool = False,
-                 proxies: TrustedProxies | None = None, require_identity: bool = False) -> None:
+                 proxies: TrustedProxies | None = None, require_identity: bool = False,
+                 prefixes: CallerPrefixes = CallerPrefixes()) -> None:
         self.path = tokens
         self.client_certs = client_certs
         self.proxies = proxies or TrustedProxies()
         self.require_identity = require_identity
+        self.prefixes = prefixes
         self.grants = read_token_file(tokens) if tokens is not None else []
         self.unknown_tokens, self.warned_at = 0, float("-inf")   # since the last warning
         self.unnamed_calls, self.unnamed_warned_at = 0, float("-inf")
@@ -244,12 +249,12 @@ class Gate:
         grant = self._known(bearer_token(metadata)) if self.required else None
         if grant is not None and (grant.cert is None or grant.cert in origin.names):
             return grant.identity()
-        return tokenless_identity(origin)
+        return tokenless_identity(origin, self.prefixes)
 
     def _tokenless(self, origin: Origin) -> Identity:
         """A call without a token (none asked for): its certificate's name, else its host;
         refused under require_identity when no certificate names it."""
-        identity = tokenless_identity(origin)
+        identity = tokenless_identity(origin, self.prefixes)
         if identity.authenticated:
             return identity
         if self.require_identity:

@@ -10,10 +10,12 @@ else (a device that sends them itself is known by its own address):
   `option forwardfor`, Envoy). It is read from the right, past the entries of trusted proxies;
   the first other entry is the device's host. A garbled entry there ends the walk: nothing left
   of it can be believed.
-- the certificate header (--proxy-cert-header, x-sled-client-cert): the name on the client
-  certificate the proxy verified when it terminated mutual TLS, set (never appended) by the
-  proxy. Named x-forwarded-client-cert, it is read in Envoy's format: the Subject's common name
-  of the element the nearest proxy added, else its first DNS name. Sent twice, it is ignored.
+- the certificate header, only when the operator names it (--proxy-cert-header; none by
+  default, x-sled-client-cert in the shipped configs): the name on the client certificate the
+  proxy verified when it terminated mutual TLS, set (never appended) by the proxy, which removes
+  whatever its client sent under that name. Named x-forwarded-client-cert, it is read in Envoy's
+  format: the Subject's common name of the element the nearest proxy added, else its first DNS
+  name. Sent twice, it is ignored.
 
 A call through a trusted proxy never takes its connection's certificate for the device's: that
 is the proxy's own. A proxy that passes TLS through untouched is not listed: the device's own
@@ -24,6 +26,15 @@ certificate reaches the server, and its headers are the device's.
         # Origin(host="192.168.1.7", names=(), proxy="10.0.0.2")
     proxies.origin([("x-forwarded-for", "192.168.1.7")], "ipv4:172.16.0.9:40000", ())
         # Origin(host="172.16.0.9", names=(), proxy=None): not a trusted proxy
+
+A caller that neither a token nor a certificate names is told apart by its host, and one machine
+may hold many addresses: a whole IPv6 /64 is routed to one host, and a local user can dial from
+any of 127.0.0.0/8. CallerPrefixes makes each such block one caller (its quotas, its bounds on
+streams, calls and KV, its prefix-cache tenant):
+
+    CallerPrefixes().caller("2001:db8:1:2::7")    # "2001:db8:1:2::/64"
+    CallerPrefixes().caller("127.0.0.5")          # "127.0.0.0/8"
+    CallerPrefixes().caller("203.0.113.7")        # "203.0.113.7": IPv4 is /32 unless configured
 """
 from __future__ import annotations
 
@@ -36,10 +47,11 @@ from urllib.parse import unquote
 from sled.printable import printable
 
 FORWARDED_FOR = "x-forwarded-for"
-CERT_HEADER = "x-sled-client-cert"          # the default --proxy-cert-header
+CERT_HEADER = "x-sled-client-cert"   # what the shipped proxy configs set (deploy/), when named
 ENVOY_CERT_HEADER = "x-forwarded-client-cert"
 NAME_CHARS = 128               # a certificate name as a device name: printable, this long at most
 HEADER_NAME = re.compile(r"[0-9a-z_.-]+")   # what gRPC allows in a metadata key
+LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -131,9 +143,10 @@ def cert_header_name(name: str) -> str:
 
 
 class TrustedProxies:
-    """The proxies whose headers are believed (none by default: every caller is its peer)."""
+    """The proxies whose headers are believed (none by default: every caller is its peer), and
+    the header they name devices in ("" by default: none does)."""
 
-    def __init__(self, networks: Iterable[str] = (), cert_header: str = CERT_HEADER) -> None:
+    def __init__(self, networks: Iterable[str] = (), cert_header: str = "") -> None:
         self.networks = tuple(proxy_network(n) for n in networks)
         self.cert_header = cert_header_name(cert_header)
 
@@ -181,6 +194,31 @@ class TrustedProxies:
         name = envoy_cert_name(values[0]) if self.cert_header == ENVOY_CERT_HEADER else values[0]
         name = printable((name or "").strip(), NAME_CHARS)
         return name or None
+
+
+@dataclass(frozen=True, slots=True)
+class CallerPrefixes:
+    """How much of a host's address tells one tokenless caller from another: the leading `v4`
+    bits of an IPv4 address, `v6` of an IPv6 one, and all of loopback (127.0.0.0/8) as one when
+    `loopback` (::1 is one address anyway). A host that is not an IP address (unix:PATH) is
+    itself."""
+    v4: int = 32
+    v6: int = 64
+    loopback: bool = True
+
+    def caller(self, host: str) -> str:
+        """The address block `host` counts in, as a caller's name: "2001:db8:1:2::/64", or the
+        address itself when the block is one address."""
+        try:
+            ip = ipaddress.ip_address(ip_host(host) or host)
+        except ValueError:
+            return host
+        if self.loopback and ip in LOOPBACK:
+            return str(LOOPBACK)
+        prefix = self.v4 if ip.version == 4 else self.v6
+        if prefix == ip.max_prefixlen or ip.version == 6 and ip.is_loopback:
+            return str(ip)
+        return str(ipaddress.ip_network((ip, prefix), strict=False))
 
 
 # --- Envoy's x-forwarded-client-cert -------------------------------------------------------------

@@ -116,6 +116,8 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     server = grpc.aio.server(interceptors=[CallBounds(service.core)], options=[
         ("grpc.max_receive_message_length", settings.receive_limit(target.context_length)),
         ("grpc.so_reuseport", 0),      # a second server on a used port fails, never shares it
+        # what one connection holds, refused calls its client never reads included, is bounded
+        ("grpc.max_concurrent_streams", settings.max_streams_per_connection),
     ])
     add_verifier(service, server)
     health_servicer = health.aio.HealthServicer()

@@ -102,13 +102,24 @@ class ServerSettings(BaseSettings):
             "(default: none)", extra={"flags": ["--trusted-proxy"], "metavar": "ADDR",
                                       "repeatable": True})
     proxy_cert_header: str = _access(
-        CERT_HEADER, "the header a trusted proxy that terminates mutual TLS sets to the verified "
-                     "client certificate's name (x-forwarded-client-cert: Envoy's format); "
-                     "empty: names come only from certificates this server verifies")
+        "", "the header in which a --trusted-proxy that terminates mutual TLS names the client "
+            f"certificate it verified, having removed any its client sent ({CERT_HEADER} in "
+            "deploy/haproxy.cfg; x-forwarded-client-cert: Envoy's format) (default: none: names "
+            "come only from certificates this server verifies)", extra={"metavar": "HEADER"})
     require_identity: bool = _access(
         False, "refuse (UNAUTHENTICATED) a call that neither a token nor a client certificate "
                "names, rather than telling its device by its host (a trusted proxy's forwarded "
                "one, else the peer's)")
+    caller_prefix_v4: int = _access(
+        32, "leading bits of an IPv4 address that tell one caller without a token or "
+            "certificate from another: its quotas, its bounds on streams, calls and KV, its "
+            "prefix cache (32: each address; 24: a /24 is one caller)", ge=1, le=32)
+    caller_prefix_v6: int = _access(
+        64, "the same for an IPv6 address: one host holds a whole /64 (128: each address)",
+        ge=1, le=128)
+    loopback_one_caller: bool = _access(
+        True, "every loopback address (127.0.0.0/8, any of which a local user may dial from) is "
+              "one caller without a token or certificate; off: caller_prefix_v4 tells them apart")
     quota_sessions: int | None = _access(
         None, "open sessions per device before RESOURCE_EXHAUSTED (default: a quarter of "
               "max_sessions, at least 1, for a device its token or certificate names; a host "
@@ -161,6 +172,10 @@ class ServerSettings(BaseSettings):
                                       "health, reflection) before RESOURCE_EXHAUSTED")
     max_watch_streams: int = Field(1024, ge=1, description="Health.Watch streams open at once, "
                                    "all callers together, before RESOURCE_EXHAUSTED")
+    max_streams_per_connection: int = Field(
+        100, ge=1, description="calls one connection may have open at once (HTTP/2's "
+        "max_concurrent_streams, gRPC's too): a client's next call waits until one ends, so what "
+        "a client that never reads holds is bounded per connection")
     # --- the KV cache ---
     kv_budget: int | None = Field(None, ge=1, description="KV cache size, e.g. 2GiB or 512MiB "
                                   "(default: --kv-fraction of free memory)",
@@ -292,8 +307,17 @@ class ServerSettings(BaseSettings):
                                                            and self.proxy_cert_header)
         if self.require_identity and not names:
             raise ValueError("require_identity refuses every call when nothing names a device: "
-                             "add --auth-tokens, --tls-client-ca, or --trusted-proxy for a proxy "
-                             "that verifies client certificates (--proxy-cert-header)")
+                             "add --auth-tokens, --tls-client-ca, or --trusted-proxy with "
+                             f"--proxy-cert-header (e.g. {CERT_HEADER}) for a proxy that verifies "
+                             "client certificates")
+        return self
+
+    @model_validator(mode="after")
+    def _header_of_a_proxy(self) -> "ServerSettings":
+        """A certificate header is read only from a trusted proxy: without one it names no one."""
+        if self.proxy_cert_header and not self.trusted_proxies:
+            raise ValueError(f"proxy_cert_header ({self.proxy_cert_header}) is believed only from "
+                             "a --trusted-proxy: add the proxy's address, or leave the header out")
         return self
 
     @field_validator("tls_cert", "tls_key", "tls_client_ca", "auth_tokens",

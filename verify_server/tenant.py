@@ -5,12 +5,14 @@ and a shorter prefill), so a session finds only the blocks its own tenant publis
 the caller's identity (auth.Identity.key) together with the salt the client chose
 (Open.cache_salt). A device its token or client certificate names shares with itself from any
 address, and two such devices behind one NAT never share. A call without either is its host's
-(the port left out, since every stream comes from a new one; behind a trusted proxy the host the
-proxy forwards, verify_server.origin), so a client cannot reach another host's blocks by guessing
-its salt.
+address block's (the port left out, since every stream comes from a new one; an IPv6 /64 and all
+of loopback are one host, verify_server.origin.CallerPrefixes; behind a trusted proxy the host
+the proxy forwards), so a client cannot reach another host's blocks by guessing its salt, nor
+hold a cache of its own per address it dials from.
 
     tenant_key("device:cam-3", "") != tenant_key("device:dev-1", "")
     tenant_key("host:10.0.0.7", "a") != tenant_key("host:10.0.0.7", "b")
+    tenant_key("host:2001:db8:1:2::/64", "")      # every address of that /64
 """
 from __future__ import annotations
 

@@ -38,6 +38,7 @@ T = TypeVar("T")
 
 DONE, LOSSY, BAD_FLAGS, SERVER_FAILED = 0, 1, 2, 3
 FORWARD_PASSES = "sled_forward_passes_total"
+BENCH_CONNECTION_STREAMS = "100000"    # calls the benchmark's one connection may hold at once
 
 
 class Stop(Exception):
@@ -265,7 +266,9 @@ async def serving(model: str, server_args: list[str] = (), console=None,
     # aiomqtt, which lab.server_process needs
     from lab.server_process import ServerProcess
 
-    server = ServerProcess(model, *server_args, security=security)
+    # one connection carries every emulated device's calls, which N devices' own would carry
+    server = ServerProcess(model, "--max-streams-per-connection", BENCH_CONNECTION_STREAMS,
+                           *server_args, security=security)
     try:
         with console.status(status) if console is not None else _quiet():
             await server.__aenter__()

@@ -1,0 +1,127 @@
+"""Many addresses, one caller: a caller that neither a token nor a certificate names is told apart
+by its host's address block, not the address alone. An IPv6 /64 is one host's (--caller-prefix-v6
+64), every loopback address one local machine's (--loopback-one-caller), and IPv4 stays one
+caller per address unless --caller-prefix-v4 says otherwise. Its quotas, its shares (Generate
+streams, calls, KV) and its prefix-cache tenant follow the block."""
+from __future__ import annotations
+
+import argparse
+
+import grpc
+import pytest
+
+from sled.v1 import verifier_pb2 as pb
+from sled.v1.verifier_pb2_grpc import VerifierStub
+from sled_cli import serve as serve_cli
+from verify_server.auth import Gate, access_of
+from verify_server.origin import CallerPrefixes, TrustedProxies
+from verify_server.settings import ServerSettings, SettingsError, load_settings
+
+PROXY = "ipv4:10.0.0.2:40000"
+
+
+@pytest.mark.parametrize("host, caller", [
+    ("2001:db8:1:2::7", "2001:db8:1:2::/64"),
+    ("2001:db8:1:2:ffff:ffff:ffff:ffff", "2001:db8:1:2::/64"),
+    ("2001:db8:1:3::7", "2001:db8:1:3::/64"),
+    ("127.0.0.1", "127.0.0.0/8"),
+    ("127.8.9.10", "127.0.0.0/8"),
+    ("::ffff:127.0.0.9", "127.0.0.0/8"),          # loopback through a dual-stack socket
+    ("::1", "::1"),
+    ("203.0.113.7", "203.0.113.7"),
+    ("::ffff:203.0.113.7", "203.0.113.7"),
+    ("unix:/run/sled.sock", "unix:/run/sled.sock"),
+])
+def test_the_defaults_make_a_v6_64_and_loopback_one_caller_each(host, caller):
+    assert CallerPrefixes().caller(host) == caller
+
+
+def test_the_prefixes_are_configurable():
+    assert CallerPrefixes(v4=24).caller("203.0.113.7") == "203.0.113.0/24"
+    assert CallerPrefixes(v6=48).caller("2001:db8:1:2::7") == "2001:db8:1::/48"
+    assert CallerPrefixes(v6=128).caller("2001:db8:1:2::7") == "2001:db8:1:2::7"
+    apart = CallerPrefixes(loopback=False)
+    assert apart.caller("127.0.0.1") != apart.caller("127.0.0.2")
+    assert CallerPrefixes(v4=16, loopback=False).caller("127.0.9.9") == "127.0.0.0/16"
+
+
+def test_tokenless_callers_of_one_block_are_one_identity():
+    gate = Gate(proxies=TrustedProxies(["10.0.0.0/8"]))
+    keys = {gate.identify(metadata, {}, peer).key for metadata, peer in (
+        ((), "ipv6:[2001:db8:1:2::7]:5000"),
+        ((), "ipv6:[2001:db8:1:2::8]:5001"),
+        ([("x-forwarded-for", "2001:db8:1:2::9")], PROXY),       # the host a proxy forwards
+    )}
+    assert keys == {"host:2001:db8:1:2::/64"}
+    assert gate.caller((), {}, "ipv6:[2001:db8:1:2::7]:1").key == "host:2001:db8:1:2::/64"
+    assert gate.identify((), {}, "ipv6:[2001:db8:1:3::7]:1").key == "host:2001:db8:1:3::/64"
+    assert gate.identify((), {}, "ipv4:127.0.0.2:1").key == "host:127.0.0.0/8"
+    assert gate.identify((), {}, "ipv4:203.0.113.7:1").key != \
+        gate.identify((), {}, "ipv4:203.0.113.8:1").key
+
+
+def test_a_named_caller_is_its_name_from_any_address():
+    gate = Gate(client_certs=True)
+    names = {"x509_common_name": [b"dev-1"]}
+    assert gate.identify((), names, "ipv6:[2001:db8:1:2::7]:1").key == "cert:dev-1"
+
+
+def settings_of(*argv: str) -> ServerSettings:
+    parser = argparse.ArgumentParser(prog="sled serve")
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args(argv)
+    return load_settings(args.config, {k: v for k, v in vars(args).items() if k != "config"})
+
+
+def test_the_server_settings_reach_the_gate(monkeypatch):
+    defaults = ServerSettings()
+    assert (defaults.caller_prefix_v4, defaults.caller_prefix_v6,
+            defaults.loopback_one_caller) == (32, 64, True)
+    monkeypatch.setenv("SLED_SERVE_CALLER_PREFIX_V4", "24")
+    settings = settings_of("--caller-prefix-v6", "56", "--no-loopback-one-caller")
+    gate, _ = access_of(settings)
+    assert gate.prefixes == CallerPrefixes(v4=24, v6=56, loopback=False)
+
+
+@pytest.mark.parametrize("argv, key", [(["--caller-prefix-v6", "129"], "caller_prefix_v6"),
+                                       (["--caller-prefix-v6", "0"], "caller_prefix_v6"),
+                                       (["--caller-prefix-v4", "33"], "caller_prefix_v4")])
+def test_a_prefix_out_of_range_is_refused_naming_its_flag(argv, key):
+    with pytest.raises(SettingsError) as caught:
+        settings_of(*argv)
+    assert key in str(caught.value) and argv[0] in str(caught.value)
+
+
+# --- through a real server -----------------------------------------------------------------------
+
+PROMPT = list(range(40, 120)) + [5]      # five 16-token blocks to find in the prefix cache
+
+
+async def opened(stub, server, forwarded: str):
+    """A session opened as the host a trusted proxy (this test's client) forwards."""
+    call = stub.Generate(metadata=(("x-forwarded-for", forwarded),))
+    await call.write(pb.DeviceMessage(open=pb.Open(
+        prompt_ids=PROMPT, max_new_tokens=4, ignore_eos=True,
+        tokenizer_fingerprint=server.service.target.fingerprint)))
+    return call, await call.read()
+
+
+async def test_one_64_holds_one_quota_and_one_prefix_cache(serve, models):
+    """Two addresses of one /64 share the session quota (1) and find each other's cached
+    prompt; an address of the next /64 is another caller with a cache of its own."""
+    server = await serve(models["llama"], quota_sessions=1, trusted_proxies=["127.0.0.1"])
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = VerifierStub(channel)
+        first, reply = await opened(stub, server, "2001:db8:1:2::7")
+        assert reply.opened.cached_prompt_tokens == 0
+        await first.write(pb.DeviceMessage(close=pb.Close()))
+        await first.done_writing()
+        assert await first.code() == grpc.StatusCode.OK
+        held, reply = await opened(stub, server, "2001:db8:1:2::8")
+        assert reply.opened.cached_prompt_tokens == len(PROMPT) // 16 * 16    # its own tenant
+        over, reply = await opened(stub, server, "2001:db8:1:2::9")
+        assert reply.error.reason == pb.ErrorDetail.REASON_QUOTA              # one caller
+        neighbour, reply = await opened(stub, server, "2001:db8:1:3::7")
+        assert reply.opened.cached_prompt_tokens == 0                         # another one
+        for call in (held, over, neighbour):
+            call.cancel()
