@@ -15,11 +15,12 @@ from sled import clock
 from sled.v1 import verifier_pb2 as pb
 from tests.conftest import greedy_reference
 from verify_server import core as core_module
-from verify_server.auth import Identity
+from verify_server.auth import Gate, Identity
 from verify_server.core import VerifierCore
 from verify_server.engines import make_engine
 from verify_server.errors import Reason, SessionError
 from verify_server.metrics import Metrics
+from verify_server.origin import TrustedProxies
 from verify_server.scheduler import Scheduler
 from verify_server.settings import ServerSettings
 from verify_server.target import Target
@@ -171,6 +172,17 @@ async def test_a_server_mode_session_decodes_the_targets_greedy_output(make_core
                                                                             prompt, MAX_NEW)
     core.close(session)
     assert core.sessions == {} and kv_free(core) and core.kv_reserved == {}
+
+
+async def test_devices_a_proxy_names_by_certificate_share_the_kv_cache(make_core):
+    """Certificates a trusted proxy verified name devices as mutual TLS does: each gets a part
+    of the KV cache (a quarter), never all of it; hosts alone are one NAT's devices (all of it)."""
+    named = await make_core()
+    named.gate = Gate(proxies=TrustedProxies(("10.0.0.5",), "x-sled-client-cert"))
+    block = named.pool.block_tokens
+    assert named.kv_share_tokens() == named.pool.capacity_tokens // 4 // block * block
+    named.gate = Gate(proxies=TrustedProxies(("10.0.0.5",)))      # no header: hosts only
+    assert named.kv_share_tokens() == named.pool.capacity_tokens
 
 
 async def test_admission_refuses_past_a_devices_share_and_past_the_pool(make_core, prompts):

@@ -327,7 +327,7 @@ class VerifierCore:
     def _devices_sharing_kv(self) -> int:
         if self.gate.required:
             return max(len(self.gate.grants), 1)
-        return UNLISTED_DEVICES if self.gate.client_certs else 1
+        return UNLISTED_DEVICES if self.gate.certificates else 1
 
     def _unreserve(self, session: Session) -> None:
         """Its KV no longer counts against its device's share (once)."""
