@@ -2,11 +2,13 @@
 of a tiny Llama's attention and KV heads. Its outputs are the unsplit target's: greedy output
 equals generate(do_sample=False) for chains, trees and 8 concurrent sessions, and seeded
 sampling repeats the --tp 1 server token for token. A model that does not split is refused in
-one line before any rank starts."""
+one line before any rank starts. Its ranks listen on no network but for the ports it was given,
+and meet in a store only the server's user can open (more: tests/test_rank_isolation.py)."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import json
 import os
 import signal
@@ -14,6 +16,7 @@ import subprocess
 import sys
 
 import grpc
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
@@ -31,6 +34,7 @@ from sled.v1 import verifier_pb2_grpc as pb_grpc
 from sled.wire.sampling import Sampling
 from verify_server.engines.blocks import BlockPool, KVShape
 from verify_server import ranks
+from verify_server.rendezvous import STORE_KEY
 from verify_server.sdsat import save_adapter
 from verify_server.target import check_splittable
 
@@ -89,6 +93,30 @@ async def test_seeded_sampling_repeats_the_unsplit_server(split_server, checkpoi
                                      for s in sampling))
     assert split == unsplit
     assert len({tuple(tokens) for tokens in split}) > 1    # the seeds did sample
+
+
+def test_the_ranks_listen_on_no_network_and_meet_in_a_store_that_is_gone(split_server):
+    """Rank 0 and its child: no listener off loopback but the ports sled serve was given (the
+    ranks' own sockets are gloo's, on loopback, and nothing else of theirs leaves it); they met
+    in a file store, not on a TCP one, and rank 0 removed it once they had."""
+    rank_0 = psutil.Process(split_server.proc.pid)
+    follower, = rank_0.children()
+    named = {split_server.port, split_server.metrics_port}
+    listening = [(process.pid, c.laddr) for process in (rank_0, follower)
+                 for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    assert [(pid, address) for pid, address in listening
+            if address.port not in named and not _loopback(address.ip)] == []
+    assert any(pid == follower.pid for pid, _ in listening)     # gloo's, on loopback
+    talking = [c for c in follower.net_connections("tcp") if c.raddr]
+    assert talking and all(_loopback(c.laddr.ip) and _loopback(c.raddr.ip) for c in talking)
+    environment = follower.environ()
+    assert "MASTER_PORT" not in environment and environment["GLOO_SOCKET_IFNAME"] == "lo"
+    assert not os.path.exists(os.path.dirname(environment[STORE_KEY]))
+
+
+def _loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
 
 async def test_the_flex_engine_runs_on_every_rank(checkpoint):
@@ -156,7 +184,9 @@ async def test_under_torchrun_every_rank_is_started_by_torchrun(checkpoint):
             greedy_reference(model, prompts[0], NEW_TOKENS)
     finally:
         child.terminate()
-        child.wait(30)
+        said = child.communicate(timeout=30)[1]
+    # torchrun's store is open to whoever reaches it: rank 0 says where, once
+    assert said.count("the ranks meet on torchrun's store at ") == 1, said[-3000:]
 
 
 def test_torchrun_with_another_process_count_is_refused(checkpoint):

@@ -5,7 +5,8 @@ started by torchrun and reads its rank from the environment; run plainly, `sled 
 is rank 0 and starts ranks 1..N-1 itself, as children in a session of their own (Ctrl-C reaches
 rank 0 alone, which stops them) that die with it. Rank r uses GPU r of the machine (cuda:r,
 after CUDA_VISIBLE_DEVICES); the model's collectives go over NCCL on GPUs, gloo on a CPU; rank
-0's step messages (engines.sharded) over a gloo group of their own.
+0's step messages (engines.sharded) over a gloo group of their own. Where they meet, and on
+which network they talk, is verify_server.rendezvous's to say.
 
 A split server whose ranks no longer agree cannot serve: a step that fails on one rank leaves
 the others waiting in a collective. Such a failure ends the process (`abandon`), its ranks go
@@ -21,7 +22,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from sled.models import resolve_model
 from verify_server.engines import free_memory_bytes
+from verify_server.rendezvous import STORE_KEY, Meeting, warn_open_network
 from verify_server.target import check_splittable
 
 log = logging.getLogger("sled.server.ranks")
@@ -53,6 +54,7 @@ class Ranks:
     device: str                  # this rank's torch device
     children: tuple[subprocess.Popen, ...] = ()   # the ranks rank 0 started itself
     group: object = None         # the gloo group of rank 0's step messages
+    meeting: Meeting | None = None   # where ranks on one machine meet (None: torchrun's store)
 
     @property
     def leads(self) -> bool:
@@ -61,14 +63,18 @@ class Ranks:
     def kv_budget(self, device: str, fraction: float) -> int:
         """The whole server's KV bytes when none is given: `fraction` of the least free memory
         of the ranks' GPUs, on each of them (of the one memory a CPU's ranks share). A
-        collective: every rank calls it, once, before rank 0 makes its engine."""
+        collective: every rank calls it, once, before rank 0 makes its engine. Every rank has
+        loaded its shard and made its groups by then: the ranks have met, their store goes."""
         free = torch.tensor([free_memory_bytes(torch.device(device))], dtype=torch.int64)
         dist.all_reduce(free, op=dist.ReduceOp.MIN, group=self.group)
+        if self.meeting is not None:
+            self.meeting.close()
         return int(int(free) * fraction * (self.size if device.startswith("cuda") else 1))
 
     def end(self, timeout_s: float = 10.0) -> None:
         """As this rank ends: the children it started exit (at once once it said Stop; killed
-        past `timeout_s`, e.g. when rank 0 failed before its engine was made), then the group."""
+        past `timeout_s`, e.g. when rank 0 failed before its engine was made), then the group,
+        and the ranks' store if they never met."""
         for child in self.children:
             try:
                 child.wait(timeout_s)
@@ -77,6 +83,8 @@ class Ranks:
                 child.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.meeting is not None:
+            self.meeting.close()
 
 
 def abandon(what: str) -> None:
@@ -108,19 +116,34 @@ def start_ranks(tp: int, device: str, argv: list[str]) -> Ranks:
     """This process's rank of a server over `tp` ranks, the process group joined; rank 0 run
     plainly starts the others with `argv` (sled's own arguments) first."""
     _check_devices(tp, device)
-    children = ()
+    children, meeting = (), None
     if PARENT_KEY in os.environ:
         _follow_parent(int(os.environ[PARENT_KEY]))
+        meeting = Meeting.joined(os.environ[STORE_KEY])
     elif "WORLD_SIZE" not in os.environ:
-        children = _start_children(tp, argv)
+        meeting = Meeting.open()
+        children = _start_children(tp, argv, meeting)
     size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     local = int(os.environ.get("LOCAL_RANK", rank))
+    if meeting is None and rank == 0:
+        warn_open_network()
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=COLLECTIVE_WAIT)
+    _join(size, rank, torch.device("cuda", local) if cuda else None, meeting)
     group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
-    return Ranks(rank, size, f"cuda:{local}" if cuda else device, children, group)
+    return Ranks(rank, size, f"cuda:{local}" if cuda else device, children, group, meeting)
+
+
+def _join(size: int, rank: int, gpu: torch.device | None, meeting: Meeting | None) -> None:
+    """The process group: NCCL's communicator made now on a GPU (the ranks meet once, at start),
+    gloo on a CPU; through `meeting`'s store, else torchrun's (env://)."""
+    backend = "nccl" if gpu is not None else "gloo"
+    if meeting is None:
+        dist.init_process_group(backend, timeout=COLLECTIVE_WAIT, device_id=gpu)
+    else:
+        dist.init_process_group(backend, timeout=COLLECTIVE_WAIT, device_id=gpu,
+                                store=meeting.store(size), rank=rank, world_size=size)
 
 
 def _check_devices(tp: int, device: str) -> None:
@@ -137,12 +160,10 @@ def _check_devices(tp: int, device: str) -> None:
                          "CUDA_VISIBLE_DEVICES=")
 
 
-def _start_children(tp: int, argv: list[str]) -> tuple[subprocess.Popen, ...]:
-    """Ranks 1..tp-1 of this machine, each `sled` with `argv` and the environment torchrun
-    would give it; this process becomes rank 0."""
-    port = _free_port()
-    common = {"WORLD_SIZE": str(tp), "LOCAL_WORLD_SIZE": str(tp), "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": str(port)}
+def _start_children(tp: int, argv: list[str], meeting: Meeting) -> tuple[subprocess.Popen, ...]:
+    """Ranks 1..tp-1 of this machine, each `sled` with `argv`, the ranks' variables torchrun
+    would give it and `meeting`'s (where they meet); this process becomes rank 0."""
+    common = {"WORLD_SIZE": str(tp), "LOCAL_WORLD_SIZE": str(tp), **meeting.environment()}
     os.environ.update(common, RANK="0", LOCAL_RANK="0")
     children = []
     for rank in range(1, tp):
@@ -160,8 +181,3 @@ def _follow_parent(parent: int) -> None:
     if os.getppid() != parent:
         os._exit(ABANDONED)
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
