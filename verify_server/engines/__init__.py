@@ -13,6 +13,7 @@
     flex_check.py  the start-up probe of a compiled CPU flex kernel
     emulated.py    EmulatedEngine: an engine held to a step-cost profile's time
     sharded.py     a server split over ranks (--tp N): rank 0's engine telling the others each step
+    step_messages.py  those steps' messages, and their wire: int64 tensors of a fixed layout
 
 `make_engine` sizes the pool and picks the engine.
 """

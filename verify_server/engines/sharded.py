@@ -9,99 +9,51 @@ other ranks the step, so that all of them run the same forward together, each on
     rank 0:  plan rows -> Step(rows as RowPlans) -> forward -> decide -> keep (Copy for a tree)
     rank k:              Step -> the same rows on its pool -> forward (its logits are dropped)
 
-The messages go over a gloo group of their own (CPU tensors, whatever the model's backend), in
-the order rank 0 sends them: the engine thread sends every one of them. A step, copy or warm-up
-that fails on any rank once the ranks began it ends that rank's process (ranks.abandon): the
-others would wait for it in a collective that never completes.
+The messages (step_messages) go over a gloo group of their own as int64 tensors of a fixed
+layout (CPU tensors, whatever the model's backend), in the order rank 0 sends them: the engine
+thread sends every one of them. A step, copy or warm-up that fails on any rank once the ranks
+began it ends that rank's process (ranks.abandon): the others would wait for it in a collective
+that never completes. So does a message a following rank cannot read: it acts on none of it.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from verify_server.engines.base import Engine, StepLogits
-from verify_server.engines.blocks import BlockPool
-from verify_server.engines.kv import SessionKV
 from verify_server.engines.rows import Row
+from verify_server.engines.step_messages import (
+    HEADER, Copy, PoolSize, RowPlan, Step, Stop, Unreadable, WarmUp, decode, encode,
+    payload_length)
 from verify_server.ranks import abandon
 
 log = logging.getLogger("sled.server.ranks")
 
 
-@dataclass(frozen=True, slots=True)
-class RowPlan:
-    """A row as another rank needs it: its session's block table and length, and its entries."""
-    table: tuple[int, ...]
-    length: int
-    tokens: tuple[int, ...]
-    want_logits: bool
-    sat_slots: int
-    sat_anchors: tuple[int, ...]
-    parents: tuple[int, ...]
-
-    @classmethod
-    def of(cls, row: Row) -> "RowPlan":
-        """The plan of `row`, its blocks allocated first (the forward would allocate them)."""
-        kv = row.kv
-        kv.slots(kv.length, kv.length + row.width)
-        return cls(tuple(kv.table), kv.length, tuple(row.tokens), row.want_logits, row.sat_slots,
-                   tuple(row.sat_anchors), tuple(row.parents))
-
-    def row(self, pool: BlockPool) -> Row:
-        """The same row over this rank's pool."""
-        return Row(SessionKV.mirror(pool, self.table, self.length), list(self.tokens),
-                   self.want_logits, self.sat_slots, self.sat_anchors, self.parents)
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    rows: tuple[RowPlan, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Copy:
-    """BlockPool.copy: a tree's accepted path moved to the slots after its root."""
-    source: tuple[int, ...]
-    dest: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class WarmUp:
-    max_rows: int
-    max_step_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class PoolSize:
-    """The first message: the engine every rank builds, and its pool's bytes (the whole
-    server's: the same blocks on every rank)."""
-    kind: str
-    nbytes: int
-    block_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class Stop:
-    pass
-
-
 class Channel:
-    """Rank 0's messages to the other ranks, broadcast over `group` (gloo)."""
+    """Rank 0's messages to the other ranks, broadcast over `group` (gloo): a header, then the
+    payload it announces (step_messages)."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
 
     def send(self, message) -> None:
-        dist.broadcast_object_list([message], src=0, group=self.group)
+        header, payload = encode(message)
+        dist.broadcast(header, src=0, group=self.group)
+        if len(payload):
+            dist.broadcast(payload, src=0, group=self.group)
 
     def receive(self):
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        """Rank 0's next message; Unreadable for anything else (nothing of it is acted on)."""
+        header = torch.zeros(HEADER, dtype=torch.int64)   # a shorter message leaves zeros
+        dist.broadcast(header, src=0, group=self.group)
+        payload = torch.zeros(payload_length(header), dtype=torch.int64)
+        if len(payload):
+            dist.broadcast(payload, src=0, group=self.group)
+        return decode(header, payload)
 
     def copy(self, source: torch.Tensor, dest: torch.Tensor) -> None:
         """BlockPool.followers: every copy rank 0's pool makes, made on every rank."""
@@ -145,13 +97,21 @@ class LeadingEngine:
                 log.warning("could not tell the other ranks to stop: %s", exc)
 
 
+def receive(channel: Channel):
+    """A following rank's next message from rank 0; one it cannot read, or a rank 0 gone, ends
+    this rank."""
+    try:
+        return channel.receive()
+    except Unreadable as exc:
+        abandon(f"a message from rank 0 could not be read ({exc}); none of it ran")
+    except Exception as exc:
+        abandon(f"rank 0 is gone ({type(exc).__name__}: {exc})")
+
+
 def follow(engine: Engine, channel: Channel) -> None:
     """A following rank: run what rank 0 says until it says Stop (or is gone)."""
     while True:
-        try:
-            message = channel.receive()
-        except Exception as exc:
-            abandon(f"rank 0 is gone ({type(exc).__name__}: {exc})")
+        message = receive(channel)
         if isinstance(message, Stop):
             return
         try:
