@@ -20,7 +20,7 @@ from edge_client.server_side import generate_server_side
 from edge_client.servers import Server
 from edge_client.session import RoundSettings, SessionHooks, Target, generate
 from edge_client.settings import DeviceSettings
-from edge_client.transport import ServerLost, ServerSilent, VerifyError
+from edge_client.transport import ServerGivenUp, ServerLost, ServerSilent, VerifyError
 from edge_client.verdict_check import BrokenVerdict
 from edge_client.wire import SessionRequest
 
@@ -109,7 +109,7 @@ class RequestRunner:
         except VerifyError as exc:
             if isinstance(exc, ServerSilent):
                 self.choice.went_silent(current["server"], exc.last.message)
-            lost = exc.code == grpc.StatusCode.UNAVAILABLE or isinstance(exc, ServerSilent)
+            lost = exc.code == grpc.StatusCode.UNAVAILABLE or isinstance(exc, ServerGivenUp)
             if lost and settings.unverified_fallback:
                 await self.draft_alone(request, request.prompt_ids + committed,
                                        max_tokens - len(committed), queue)
@@ -179,7 +179,7 @@ class RequestRunner:
 
 def _failure(error: VerifyError, server: Server) -> DeviceError:
     """What a request answers when its session on `server` ended with `error`: one line."""
-    if isinstance(error, ServerSilent):
+    if isinstance(error, ServerGivenUp):
         return DeviceError("unavailable", error.naming(server.endpoint))
     if isinstance(error, ServerLost):
         return DeviceError("unavailable", f"lost the verify server: {error.message}")

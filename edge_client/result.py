@@ -11,6 +11,8 @@ FINISH_NAMES = {pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_STOP: "stop",
 # How a session ends early on the device's side; its committed tokens are kept as partial output.
 INTERRUPTED = "interrupted"      # the user stopped it (Ctrl-C)
 SERVER_LOST = "server_lost"      # the server went away and none came back in time
+SERVER_SILENT = "server_silent"  # the server went silent past its retries (ServerSilent)
+SERVER_FAILED = "server_failed"  # ... or dropped the session without a verdict (ServerGivenUp)
 # What a session tells about its server mid-session (ServerEvent.kind).
 LOST = "lost"          # the server went away: the session waits for it or another
 RESUMED = "resumed"    # a server took the session back where its committed tokens end

@@ -1,7 +1,8 @@
 """Which verify server a device's requests use: the directory's pick, waited for up to
 reconnect_s when there is none; another one after a lost server (failover); and the probes that
 keep the directory fresh. The choice shows in the device's state (DeviceState): ready on a
-server, degraded on one that went silent (no other answers), or waiting."""
+server, degraded on one that went silent and has answered nothing since (no other answers), or
+waiting."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +19,7 @@ from sled.printable import printable
 
 log = logging.getLogger("sled.device")
 
-# How often servers that could not be reached are asked again.
+# How often servers that could not be reached, or went silent, are asked again.
 PROBE_S = 3.0
 
 
@@ -48,8 +49,9 @@ class ServerChoice:
                 await self.directory.wait_changed(min(left, PROBE_S))
 
     def failover(self, lost: Server) -> Server:
-        """The server to use after `lost` lost a session: another compatible one when there is
-        one (the directory moves on), else the same (it may be restarting)."""
+        """The server to use after `lost` lost a session: another compatible one that did not go
+        silent when there is one (the directory moves on), else the same (it may be restarting)
+        or, when that went silent, the best of the silent ones."""
         self.directory.failed(lost)
         try:
             return self.directory.pick(besides=lost)
@@ -58,7 +60,8 @@ class ServerChoice:
 
     def went_silent(self, server: Server, detail: str) -> None:
         """A session's server sent no Opened or verdict in time (`detail`): the others come
-        first, and while none answers the device is degraded, until this one answers again."""
+        first until it answers a session again, and while none answers the device is degraded,
+        until this one answers a probe (keep_probing) or a session."""
         self.directory.silent(server, detail)
         self.show()
 
@@ -70,7 +73,7 @@ class ServerChoice:
 
     def show(self) -> None:
         """The device's state as the directory has it now: ready on a server, degraded on one
-        that went silent (the best there is), or waiting."""
+        that went silent and has answered nothing since (the best there is), or waiting."""
         try:
             server = self.directory.pick()
         except NoServer as exc:
@@ -78,18 +81,22 @@ class ServerChoice:
             self.state.set("waiting", str(exc) + fallback)
             return
         where = printable(server.id or server.endpoint, 200)
-        if server.silent:
+        if server.unheard:
             self.state.set("degraded", f"the verify server {where} went silent (no Opened or verdict "
                                        "in time) and no other compatible server answers")
+        elif server.silent:
+            self.state.set("ready", f"verifying on {where} (it went silent in a session, and has "
+                                    "answered probes since)")
         else:
             self.state.set("ready", f"verifying on {where}")
 
     async def keep_probing(self, changed: Callable[[], Awaitable[None]]) -> None:
-        """Every PROBE_S, probe the servers that were not reachable or not compatible, then
-        `changed()`. Runs until cancelled."""
+        """Every PROBE_S, probe the servers that were not reachable, not compatible, or silent
+        and unheard since, then `changed()`. Runs until cancelled."""
         while True:
             await asyncio.sleep(PROBE_S)
-            stale = [s for s in self.directory.servers.values() if s.reachable is not True or s.mismatch]
+            stale = [s for s in self.directory.servers.values()
+                     if s.reachable is not True or s.mismatch or s.unheard]
             await asyncio.gather(*(self.directory.probe(s) for s in stale))
             await changed()
 

@@ -15,7 +15,7 @@ import grpc
 
 from edge_client.result import GenerationResult
 from edge_client.session import OPEN_TIMEOUT_S, VERDICT_TIMEOUT_S, Reconnect, SessionHooks, open_stream
-from edge_client.silences import SILENT_RETRIES
+from edge_client.strikes import SILENT_RETRIES
 from edge_client.transport import Stream, Transport, VerifyError, lost_server, receive_within
 from edge_client.verdict_check import Asked, check_verdict
 from edge_client.wire import SessionRequest
@@ -28,8 +28,9 @@ class ServerSideSession:
     a lost server is waited for up to reconnect_s (ServerLost when none came back in time, and
     `result` keeps the committed tokens). wait_first: the first open waits and retries the same
     way (a daemon's request that may find its server restarting), as a drafting session does.
-    Each verdict must come within verdict_timeout_s (else the server is lost) and keep the
-    rules a device can check (edge_client.verdict_check; ids against `vocab_size` when known)."""
+    Each verdict must come within verdict_timeout_s (else the server is lost, with a strike
+    against it, as is a loss with no verdict since the open: Reconnect) and keep the rules a
+    device can check (edge_client.verdict_check; ids against `vocab_size` when known)."""
 
     def __init__(self, stub, request: SessionRequest, *, timeout: float | None = None,
                  transport: Transport = Stream.open, reconnect: Reconnect | None = None,

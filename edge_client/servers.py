@@ -1,13 +1,15 @@
 """Which verify server a device uses: the configured ones and the ones announced over MQTT,
 filtered to those whose tokenizer matches, least loaded first; a server that fails is avoided
-until it answers again.
+until it answers again, and one that went silent on a session comes after every other until it
+answers a session again (a probe it answers says only that it is up, not that it verifies).
 
     directory = ServerDirectory(["10.0.0.2:50051"], fingerprint="sha256:...")
     await directory.probe_all()            # GetModelInfo: model, tokenizer, reachable or not
     server = directory.pick()              # raises NoServer with the reason when none fits
     directory.failed(server)               # a session lost it: prefer the others for a while
     directory.silent(server, "no verdict ...")   # it went silent: the others first, until it answers
-    directory.answered(server)             # ... which it did
+    await directory.probe(server)          # it answers: no longer unheard, still after the others
+    directory.answered(server)             # a session's verdict came: as good as any again
 """
 from __future__ import annotations
 
@@ -49,7 +51,9 @@ class Server:
     unreachable: str = ""               # why the last probe failed ("" when it answered)
     mismatch: str = ""                  # how its tokenizer differs from the device's ("" if not)
     failed_at: float = 0.0              # monotonic time of the last lost session
-    silent: str = ""                    # how it went silent in a session ("" once it answers)
+    silent: str = ""                    # how it went silent in a session ("" once it answers one)
+    silent_at: float = 0.0              # monotonic time it last went silent
+    probed_at: float = 0.0              # monotonic time the last probe it answered was sent
     tls_name: str = ""                  # the certificate name it announced ("" = its host)
     untrusted: str = ""                 # why this device will not dial it ("" if it may)
     # the server ids announcing this endpoint online: replicas behind one proxy each announce
@@ -68,6 +72,11 @@ class Server:
     @property
     def stub(self):
         return self.connect().stub
+
+    @property
+    def unheard(self) -> bool:
+        """It went silent in a session and has answered nothing since, not even a probe."""
+        return bool(self.silent) and self.probed_at <= self.silent_at
 
     @property
     def problem(self) -> str:
@@ -160,8 +169,10 @@ class ServerDirectory:
 
     def silent(self, server: Server, detail: str) -> None:
         """A session's server sent no Opened or verdict in time: it comes after every server
-        that did not, until it answers a session again (answered)."""
+        that did not, until it answers a session again (answered), and it is unheard until it
+        answers a probe sent after this."""
         server.silent = printable(detail, 200) or "it went silent"
+        server.silent_at = time.monotonic()
         self._notify()
 
     def answered(self, server: Server) -> None:
@@ -172,9 +183,11 @@ class ServerDirectory:
 
     # -- probing -------------------------------------------------------------------------
     async def probe(self, server: Server, timeout: float = 5.0) -> None:
-        """Ask the server for its model info: reachable, model and tokenizer fingerprint."""
+        """Ask the server for its model info: reachable, model and tokenizer fingerprint. One
+        that answers is no longer unheard (it may still come after the others: silent)."""
         if server.untrusted:
             return
+        asked = time.monotonic()
         try:
             info = await server.connect().model_info(timeout=timeout, wait_for_ready=False, refresh=True)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
@@ -183,7 +196,7 @@ class ServerDirectory:
             return
         if server.unreachable:
             server.failed_at = 0.0          # it is back: no longer passed over for failing
-        server.reachable, server.unreachable = True, ""
+        server.reachable, server.unreachable, server.probed_at = True, "", asked
         server.model, server.fingerprint = info.model_id, info.tokenizer_fingerprint
         server.files_sha256 = info.tokenizer_files_sha256
         server.max_draft_tokens = info.limits.max_draft_tokens
@@ -204,11 +217,12 @@ class ServerDirectory:
                                              s.endpoint))
 
     def pick(self, besides: Server | None = None) -> Server:
-        """The best compatible server; besides: another than this one, when there is one."""
+        """The best compatible server; besides: another than this one that did not go silent,
+        when there is one, else the best there is (this one, unless it went silent too)."""
         servers = self.compatible()
         if not servers:
             raise NoServer(self.why_none())
-        return next((s for s in servers if s is not besides), servers[0])
+        return next((s for s in servers if s is not besides and not s.silent), servers[0])
 
     def why_none(self) -> str:
         if not self.servers:

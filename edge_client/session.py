@@ -22,7 +22,7 @@ from edge_client.draft_policy import DraftPolicy
 from edge_client.hint_policy import HINT_USES, HintPolicy
 from edge_client.proposer import Draft, Head, Proposer
 from edge_client.result import LOST, RESUMED, GenerationResult, RoundStat, ServerEvent
-from edge_client.silences import SILENT_RETRIES, Silences
+from edge_client.strikes import SILENT_RETRIES, Strikes
 from edge_client.speculation import Speculation
 from edge_client.transport import (ServerLost, Silence, Stream, Transport, VerifyError, lost_server,
                                    receive_within)
@@ -38,7 +38,9 @@ from sled.wire.fingerprint import short
 AUTO_FIRST_DRAFT_LEN = 4
 # Reopening: each attempt waits this long for its server at first, doubling up to the most ...
 CONNECT_S, MAX_CONNECT_S = 1.0, 8.0
-# ... and attempts after a lost server are this far apart at first, doubling up to the most.
+# ... and attempts after a lost server are this far apart at first, doubling up to the most;
+# so are the reopenings after a strike (a server that failed the session with no verdict since
+# it opened, or went silent), until a verdict comes.
 PAUSE_S, MAX_PAUSE_S = 0.05, 2.0
 # A first open's server must take the call this soon (a resuming open: its connect_s).
 ACCEPT_S = 30.0
@@ -77,11 +79,17 @@ class RoundSettings:
     reconnect_s: how long a lost server is retried, with backoff, before the session fails
     (0: at once). timeout: the deadline of each Generate call (None: none). open_timeout_s and
     verdict_timeout_s: how long the server may take to answer an open with Opened and a draft
-    with its verdict; a server silent longer is treated as lost (resumed, or failed over), at
-    most silent_retries times per server: its next silence ends the session (ServerSilent), unless
-    the server chooser offers another. A server that answers Opened and then stays silent thus
+    with its verdict; a server silent longer is treated as lost (resumed, or failed over).
+    silent_retries: how many strikes a server may have before the session gives it up; a strike
+    is a silence, or a lost stream or an eviction with no verdict since the session last opened
+    (edge_client.strikes). The next strike ends the session (ServerSilent after a silence, else
+    ServerGivenUp), unless the server chooser offers another server, and each reopening after a
+    strike waits a little longer first. A server that answers Opened and then stays silent thus
     holds a session for at most (silent_retries + 1) x verdict_timeout_s, plus the reopening
-    (within reconnect_s).
+    (within reconnect_s): that is per server, so with N such servers to fail over between, up
+    to N times as long (2N x verdict_timeout_s by default). A server that answers each verdict
+    just under verdict_timeout_s is not silent: nothing caps it but max_new_tokens x
+    verdict_timeout_s.
     """
     draft_len: int | str = 4
     max_draft_len: int = 16
@@ -235,11 +243,11 @@ class DeviceSession:
 
     async def open_once(self, connect_s: float | None = None, switch: bool = False) -> Stream:
         """One attempt. connect_s (resuming) waits up to that long for the server to take the
-        open message, then as long as the prefill takes. A server past its silent retries is not
-        tried again (ServerSilent), and one that sends no Opened in time has one silence more."""
+        open message, then as long as the prefill takes. A server past its retries is not tried
+        again (ServerGivenUp), and one that sends no Opened in time has one strike more."""
         if switch and self.hooks.reopen_on is not None:
             self.stub = self.hooks.reopen_on()
-        self.reconnect.silences.check(self.stub)
+        self.reconnect.strikes.check(self.stub)
         if not self.request.fingerprint and self.stub is not None:
             # a drafter with no tokenizer of its own drafts the target's ids: say which
             fingerprint = await target_fingerprint(self.stub, connect_s)
@@ -249,7 +257,7 @@ class DeviceSession:
             return await open_stream(self.transport, self.stub, opening, self.settings.timeout,
                                      connect_s, self.settings.open_timeout_s)
         except Silence as silence:
-            self.reconnect.silences.heard(self.stub, silence)
+            self.reconnect.strikes.add(self.stub, silence)
             raise
 
     async def reopen(self, lost: bool) -> Stream:
@@ -258,8 +266,10 @@ class DeviceSession:
 
     async def resume(self, error: Exception) -> None:
         """The server freed this session (idle eviction) or went away (restart, network):
-        reopen it where the committed tokens end. A verdict that never arrived committed nothing
-        here, so no token is lost or repeated. Any other error ends the session."""
+        reopen it where the committed tokens end (Reconnect: on the same server after an
+        eviction; a strike against it when no verdict came since the last open). A verdict that
+        never arrived committed nothing here, so no token is lost or repeated. Any other error
+        ends the session."""
         evicted = isinstance(error, VerifyError) and error.reason == "REASON_EVICTED"
         if not evicted and not lost_server(error):
             raise error
@@ -267,11 +277,13 @@ class DeviceSession:
         await self.stop_speculating()
         self.proposer.rollback(len(self.context))
         self.result.resumes += 1
+        committed = len(self.result.token_ids)
         if evicted:
-            await self.open()
+            self.stream = await self.reconnect.resume_evicted(error, committed, self.open_once,
+                                                              self.stub)
         else:
-            self.stream = await self.reconnect.recover(error, len(self.result.token_ids), self.open_once,
-                                                       self.stub, switch=self.hooks.reopen_on is not None)
+            self.stream = await self.reconnect.recover(error, committed, self.open_once, self.stub,
+                                                       switch=self.hooks.reopen_on is not None)
         self.round, self.head, self.verdict_at = 0, None, None
 
     async def abandon(self) -> None:
@@ -382,32 +394,62 @@ class Reconnect:
     """How any session (device drafts or server modes) waits for a lost server: it tells
     `on_server` at once (LOST), retries its opening with backoff until reconnect_s has passed,
     and tells again when a server took the session back (RESUMED); ServerLost when none did.
-    A server that went silent is retried at most silent_retries times (`silences`)."""
+    A server that went silent, or failed the session with no verdict since it last opened, has
+    a strike (`strikes`): the reopening then waits a pause first, longer after each strike until
+    a verdict comes, and a server is retried at most silent_retries times."""
 
     def __init__(self, reconnect_s: float, on_server: Callable[[ServerEvent], None] | None = None,
                  silent_retries: int = SILENT_RETRIES) -> None:
         self.reconnect_s, self.on_server = reconnect_s, on_server
-        self.silences = Silences(silent_retries)
+        self.strikes = Strikes(silent_retries)
+        self.struck = Backoff(PAUSE_S, most=MAX_PAUSE_S)   # the pause before reopening after a strike
+        self.opened_with = 0                                # tokens committed at the last open
 
     async def recover(self, error: Exception, committed: int, attempt: Attempt,
                       server: object = None, switch: bool = False) -> Stream:
         """The server went away after `committed` tokens: say so, wait for it (or another). A
-        silence counts against `server`; one past its retries ends the session here
-        (ServerSilent), unless the attempts `switch` servers (a chooser may offer another)."""
-        silent = isinstance(error, Silence)
-        if silent:
-            self.silences.heard(server, error)
-            if not switch:
-                self.silences.check(server)
+        strike counts against `server`; one past its retries ends the session here
+        (ServerGivenUp), unless the attempts `switch` servers (a chooser may offer another)."""
+        struck = self.strike(server, error, committed, check=not switch)
         detail = printable(error.message if isinstance(error, VerifyError) else str(error), 200)
-        self.tell(ServerEvent(LOST, committed, self.reconnect_s, detail, silent=silent))
+        self.tell(ServerEvent(LOST, committed, self.reconnect_s, detail,
+                              silent=isinstance(error, Silence)))
         if not self.reconnect_s:
             raise self.gave_up(committed) from None
         started = clock.now()
+        await self.pause(struck)
         stream = await self.reopen(attempt, committed, lost=True)
         self.tell(ServerEvent(RESUMED, committed, self.reconnect_s,
                               f"after {clock.now() - started:.1f} s"))
         return stream
+
+    async def resume_evicted(self, error: VerifyError, committed: int, attempt: Attempt,
+                      server: object = None) -> Stream:
+        """The server freed the session (an idle eviction) after `committed` tokens: reopen it
+        there at once, or after a pause when that is a strike (ServerGivenUp past its retries)."""
+        await self.pause(self.strike(server, error, committed))
+        stream = await attempt(None, False)
+        self.opened_with = committed
+        return stream
+
+    def strike(self, server: object, error: Exception, committed: int, check: bool = True) -> bool:
+        """Whether `error` is a strike against `server`, counted when it is: a silence, or any
+        failure with no token committed since the session last opened. check: ServerGivenUp
+        when that puts it past its retries."""
+        if not isinstance(error, Silence) and committed > self.opened_with:
+            return False
+        self.strikes.add(server, error)
+        if check:
+            self.strikes.check(server)
+        return True
+
+    async def pause(self, struck: bool) -> None:
+        """Before reopening: a pause after a strike, each longer than the last (a server that
+        opens and then fails every draft is not reopened in a tight loop); none after progress."""
+        if struck:
+            await self.struck.wait()
+        else:
+            self.struck.reset()
 
     async def reopen(self, attempt: Attempt, committed: int, lost: bool) -> Stream:
         """Attempts with backoff until reconnect_s has passed. Each waits for its server a
@@ -418,7 +460,9 @@ class Reconnect:
         while True:
             left = give_up - clock.now()
             try:
-                return await attempt(max(min(left, waits.current), 0.01), lost)
+                stream = await attempt(max(min(left, waits.current), 0.01), lost)
+                self.opened_with = committed
+                return stream
             except asyncio.TimeoutError:
                 if left <= waits.current:
                     raise self.gave_up(committed) from None

@@ -145,8 +145,9 @@ class DeviceSettings(BaseSettings):
     # work) and each draft with its verdict; silent longer, it is treated as lost (resume)
     open_timeout_s: float = Field(120.0, gt=0)
     verdict_timeout_s: float = Field(60.0, gt=0)
-    # how many times a request reopens on a server that went silent; its next silence ends the
-    # request (503, an MQTT error) unless another compatible server takes it
+    # how many times a request reopens on a server that went silent, or dropped the session
+    # without a verdict; the next time ends the request (503, an MQTT error) unless another
+    # compatible server takes it
     silent_retries: int = Field(1, ge=0)
     # how long fetching the target's tokenizer from a server may take, all files together
     tokenizer_timeout_s: float = Field(60.0, gt=0)

@@ -136,7 +136,7 @@ async def receive_within(stream: "Stream", seconds: float, what: str) -> pb.Serv
 class Silence(VerifyError):
     """The server sent no `what` (Opened, a verdict) within `seconds`. It counts as a lost server
     (UNAVAILABLE): the session resumes, on it or another, a bounded number of times
-    (edge_client.silences)."""
+    (edge_client.strikes)."""
 
     def __init__(self, what: str, seconds: float) -> None:
         super().__init__(grpc.StatusCode.UNAVAILABLE, f"the server sent no {what} within "
@@ -144,21 +144,41 @@ class Silence(VerifyError):
         self.what, self.seconds = what, seconds
 
 
-class ServerSilent(VerifyError):
-    """A server went silent once more after its retries: the session ends. DEADLINE_EXCEEDED,
-    not a lost server, so nothing waits for it again. The committed tokens are the target's own
-    and stay valid."""
+class ServerGivenUp(VerifyError):
+    """A server failed a session once more after its retries (edge_client.strikes): `times`
+    strikes, `silences` of them silences (each of the rest ended the session with no verdict
+    since it opened), the last `last`. The session ends: ABORTED, not a lost server, so nothing
+    waits for it again. The committed tokens are the target's own and stay valid."""
+    CODE = grpc.StatusCode.ABORTED
 
-    def __init__(self, times: int, last: Silence) -> None:
-        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED,
-                         f"it went silent {times} times (the last: no {last.what} within "
-                         f"{last.seconds:g} s)")
-        self.times, self.last = times, last
+    def __init__(self, times: int, last: VerifyError, silences: int = 0) -> None:
+        self.times, self.last, self.silences = times, last, silences
+        super().__init__(self.CODE, f"it {self.how} {times} times (the last: {self.last_said})")
+
+    @property
+    def how(self) -> str:
+        """What the server did, each time."""
+        if self.silences == self.times:
+            return "went silent"
+        dropped = "dropped the session without a verdict"
+        return f"went silent or {dropped}" if self.silences else dropped
+
+    @property
+    def last_said(self) -> str:
+        """How the last strike went, in a few words."""
+        if isinstance(self.last, Silence):
+            return f"no {self.last.what} within {self.last.seconds:g} s"
+        return f"{self.last.code.name}: {printable(self.last.message, 200)}"
 
     def naming(self, server: str) -> str:
-        """The one line that ends a request: which server, how often, how long it was waited for."""
-        return (f"the verify server {printable(server, 200)} went silent {self.times} times (the "
-                f"last: no {self.last.what} within {self.last.seconds:g} s), so the request ends")
+        """The one line that ends a request: which server, how often and how it failed it."""
+        return (f"the verify server {printable(server, 200)} {self.how} {self.times} times (the "
+                f"last: {self.last_said}), so the request ends")
+
+
+class ServerSilent(ServerGivenUp):
+    """A server given up whose last strike was a silence: DEADLINE_EXCEEDED."""
+    CODE = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 # transport(stub, timeout=..., wait_for_ready=...) -> a Stream (or anything with its methods)

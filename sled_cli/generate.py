@@ -11,14 +11,15 @@ import grpc
 
 from drafters import bind_target_tokenizer, load_drafter
 from edge_client.connection import Connection
-from edge_client.result import INTERRUPTED, LOST, SERVER_LOST, GenerationResult
+from edge_client.result import (INTERRUPTED, LOST, SERVER_FAILED, SERVER_LOST, SERVER_SILENT,
+                                GenerationResult)
 from edge_client.security import ChannelSecurity
 from edge_client.server_side import generate_server_side
 from edge_client.session import (OPEN_TIMEOUT_S, VERDICT_TIMEOUT_S, RoundSettings, SessionHooks,
                                   Target, device_session)
-from edge_client.silences import SILENT_RETRIES
+from edge_client.strikes import SILENT_RETRIES
 from edge_client.text import OutputText
-from edge_client.transport import ServerLost, ServerSilent, VerifyError, lost_server
+from edge_client.transport import ServerGivenUp, ServerLost, ServerSilent, VerifyError, lost_server
 from edge_client.verdict_check import BrokenVerdict
 from edge_client.wire import SessionRequest
 from sled.cache import CacheError
@@ -102,13 +103,15 @@ def _waiting_arguments(parser) -> None:
                                            "silent longer, it is treated as lost")
     waiting.add_argument("--silent-retries", type=non_negative_int, default=SILENT_RETRIES,
                          metavar="N", help="how many times the session reopens on a server that "
-                                           "went silent; its next silence ends it (exit 4)")
+                                           "went silent, or dropped it without a verdict; the "
+                                           "next time ends it (exit 4, the partial output kept)")
 
 
 async def run(args) -> int:
-    """Connect, generate, print. Ctrl-C (the cancelled task) and a server that does not come
-    back still print the committed tokens, then one line: exit 130 and 5. A Ctrl-C after the
-    output has ended (while the connection closes) prints nothing more: the exit code stays."""
+    """Connect, generate, print. Ctrl-C (the cancelled task), a server that does not come back
+    and one given up (silent, or dropping the session, past --silent-retries) still print the
+    committed tokens, then one line: exit 130, 5 and 4. A Ctrl-C after the output has ended
+    (while the connection closes) prints nothing more: the exit code stays."""
     shown = Shown(args)
     try:
         return await _generate(args, shown)
@@ -142,8 +145,8 @@ async def _generate(args, shown: "Shown") -> int:
 
 
 async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, shown: "Shown") -> int:
-    """Run the session to its end and print it: 0; a refusal, a broken verdict or a server silent
-    past its retries: 4; a lost server: 5 (partial output kept)."""
+    """Run the session to its end and print it: 0; a refusal, a broken verdict or a server given
+    up past its retries: 4 (that last with the partial output); a lost server: 5 (the same)."""
     args = shown.args
     try:
         if drafter is None:   # a thin device: the server generates (and drafts with SATs)
@@ -166,8 +169,8 @@ async def _session(stub, info, prompt_ids, sampling, settings, drafter, mode, sh
                 hooks=SessionHooks(on_tokens=shown.stream, on_server=shown.server_event))
             result = await shown.session.run()
     except (VerifyError, grpc.aio.AioRpcError) as exc:
-        if isinstance(exc, ServerSilent):
-            return shown.fail(exc.naming(args.server), 4)
+        if isinstance(exc, ServerGivenUp):
+            return shown.given_up(exc)
         if isinstance(exc, ServerLost) or lost_server(exc):
             return shown.end(SERVER_LOST, waited=isinstance(exc, ServerLost))
         if isinstance(exc, VerifyError) and exc.reason == "REASON_TOKENIZER_MISMATCH":
@@ -207,7 +210,8 @@ def _round_inputs(args, server_modes):
 class Shown:
     """What one `sled generate` shows: the text streamed so far, the session behind it, and one
     line on stderr for each thing a person should know (a lost server, a resumed one, the end).
-    It ends once (finish, end or fail decide the exit code); after that it prints nothing more."""
+    It ends once (finish, end, given_up or fail decide the exit code); after that it prints
+    nothing more."""
 
     def __init__(self, args) -> None:
         self.args = args
@@ -271,21 +275,36 @@ class Shown:
         output has ended, nothing is printed: the exit code already decided."""
         if self.code is not None:
             return self.code
-        self.code = 130 if finish_reason == INTERRUPTED else 5
+        kept = self._cut_short(finish_reason, 130 if finish_reason == INTERRUPTED else 5)
+        if finish_reason == INTERRUPTED:
+            self.say(f"interrupted after {kept}")
+        elif waited:
+            self.say(f"the server at {self.args.server} did not come back within "
+                     f"{self.args.reconnect_s:g} s; {kept} kept")
+        else:
+            self.say(f"lost the server at {self.args.server}; {kept} kept")
+        return self.code
+
+    def given_up(self, error: ServerGivenUp) -> int:
+        """The session gave its server up (silent, or dropping it, past its retries): the
+        committed tokens as output (server_silent or server_failed), then the line naming the
+        server; 4."""
+        if self.code is not None:
+            return self.code
+        self._cut_short(SERVER_SILENT if isinstance(error, ServerSilent) else SERVER_FAILED, 4)
+        self.say(error.naming(self.args.server))
+        return self.code
+
+    def _cut_short(self, finish_reason: str, code: int) -> str:
+        """The output ends early with `code`: the committed tokens printed, ended for
+        finish_reason; how many, in words ("3 tokens")."""
+        self.code = code
         if self.session is not None:
             result = self.session.partial(finish_reason)
         else:
             result = GenerationResult(token_ids=list(self.committed), finish_reason=finish_reason)
         self._print(result)
-        if finish_reason == INTERRUPTED:
-            self.say(f"interrupted after {_count(len(result.token_ids), 'token')}")
-        elif waited:
-            self.say(f"the server at {self.args.server} did not come back within "
-                     f"{self.args.reconnect_s:g} s; {_count(len(result.token_ids), 'token')} kept")
-        else:
-            self.say(f"lost the server at {self.args.server}; "
-                     f"{_count(len(result.token_ids), 'token')} kept")
-        return self.code
+        return _count(len(result.token_ids), "token")
 
     def _print(self, result, whole: bool = False) -> None:
         """The result as one JSON object, or the rest of its text and the newline that ends it

@@ -10,6 +10,9 @@ round `lie_at`, whose verdict it replaces with one lie:
     silent       answers nothing from that round (a server mode: that step) on, the stream
                  open; every open is answered with Opened (set `lie` to "" to have it answer again)
     silent_open  never sends Opened
+    unavailable  ends the stream with UNAVAILABLE at that round (a server mode: that step) and
+                 at every one after, each open answered with Opened
+    evicted      refuses that round's draft and every one after with REASON_EVICTED
     wrong_round  answers another round
     out_of_vocab emits a token past ModelInfo.vocab_size
     loose        claims loose acceptance in a session opened exact
@@ -29,8 +32,9 @@ from sled.v1 import verifier_pb2 as pb
 from sled.v1 import verifier_pb2_grpc as pb_grpc
 
 VOCAB = 320
-LIES = ("undrafted", "too_many", "huge", "silent", "silent_open", "wrong_round", "out_of_vocab",
-        "loose", "unfinished", "silent_tokenizer")
+DROPPED = "the liar drops the stream"       # what `unavailable` ends each stream with
+LIES = ("undrafted", "too_many", "huge", "silent", "silent_open", "unavailable", "evicted",
+        "wrong_round", "out_of_vocab", "loose", "unfinished", "silent_tokenizer")
 
 
 class LyingVerifier(pb_grpc.VerifierServicer):
@@ -67,19 +71,27 @@ class LyingVerifier(pb_grpc.VerifierServicer):
                     for verdict in self.server_steps(context_ids, left):
                         if self.lie == "silent" and verdict.round >= self.lie_at:
                             await asyncio.Event().wait()
+                        if self.lie == "unavailable" and verdict.round >= self.lie_at:
+                            await context.abort(grpc.StatusCode.UNAVAILABLE, DROPPED)
                         yield pb.ServerMessage(verdict=verdict)
                     return
                 continue
             draft = message.draft
             if self.lie == "silent" and draft.round >= self.lie_at:
                 await asyncio.Event().wait()
+            if self.lie == "unavailable" and draft.round >= self.lie_at:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DROPPED)
+            if self.lie == "evicted" and draft.round >= self.lie_at:
+                yield pb.ServerMessage(error=pb.ErrorDetail(
+                    reason=pb.ErrorDetail.REASON_EVICTED, message="the liar evicts every draft"))
+                await refused(request_iterator, context, grpc.StatusCode.ABORTED)
+                return
             verdict = honest(draft, context_ids, left)
             if draft.round == self.lie_at and self.lie:
                 verdict = lied(self.lie, verdict, draft, left)
             context_ids += verdict.emitted_ids
             left -= len(verdict.emitted_ids)
             yield pb.ServerMessage(verdict=verdict)
-
 
     def server_steps(self, context_ids: list[int], left: int):
         """A server mode's verdicts: one target token a step (the lie at step lie_at)."""
@@ -91,6 +103,14 @@ class LyingVerifier(pb_grpc.VerifierServicer):
             yield verdict
             if verdict.finish_reason:
                 return
+
+
+async def refused(request_iterator, context, code: grpc.StatusCode) -> None:
+    """End a call whose refusal was sent, as sled's server does: once the device half-closed."""
+    async for _ in request_iterator:
+        pass
+    context.set_code(code)
+    context.set_details("refused")
 
 
 def honest(draft: pb.Draft, context_ids: list[int], left: int) -> pb.Verdict:
