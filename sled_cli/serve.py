@@ -53,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
                 ranks.end()
             return 2
     if ranks is not None and not ranks.leads:
-        follow_leader(target, ranks)
+        follow_leader(target, ranks, max_rows=settings.max_batch_sessions,
+                      max_step_tokens=settings.max_step_tokens,
+                      block_tokens=settings.kv_block_tokens, engine=settings.engine)
         ranks.end()
         return 0
     steady_emulation(settings, target)

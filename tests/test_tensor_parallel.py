@@ -2,8 +2,8 @@
 of a tiny Llama's attention and KV heads. Its outputs are the unsplit target's: greedy output
 equals generate(do_sample=False) for chains, trees and 8 concurrent sessions, and seeded
 sampling repeats the --tp 1 server token for token. A model that does not split is refused in
-one line before any rank starts. Its ranks listen on no network but for the ports it was given,
-and meet in a store only the server's user can open (more: tests/test_rank_isolation.py)."""
+one line before any rank starts. Its ranks listen off loopback on no port but those it was
+given, and meet in a store only the server's user can open (more: tests/test_rank_isolation.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -95,7 +95,7 @@ async def test_seeded_sampling_repeats_the_unsplit_server(split_server, checkpoi
     assert len({tuple(tokens) for tokens in split}) > 1    # the seeds did sample
 
 
-def test_the_ranks_listen_on_no_network_and_meet_in_a_store_that_is_gone(split_server):
+def test_the_ranks_listen_only_on_loopback_and_meet_in_a_store_that_is_gone(split_server):
     """Rank 0 and its child: no listener off loopback but the ports sled serve was given (the
     ranks' own sockets are gloo's, on loopback, and nothing else of theirs leaves it); they met
     in a file store, not on a TCP one, and rank 0 removed it once they had."""

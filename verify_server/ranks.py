@@ -26,6 +26,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -87,7 +88,7 @@ class Ranks:
             self.meeting.close()
 
 
-def abandon(what: str) -> None:
+def abandon(what: str) -> NoReturn:
     """A step failed on this rank after the ranks began it: they may no longer agree on what
     comes next, so this process ends now (its children with it)."""
     log.critical("%s on rank %d of a split server: its ranks may no longer agree, so this "

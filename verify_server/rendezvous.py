@@ -3,9 +3,13 @@
 Run plainly, every rank is on this machine, and they meet where only the server's own processes
 can: a torch.distributed FileStore in a folder of rank 0's that only its user can open (0700),
 its path given to the children in their environment, and gloo's and NCCL's sockets on loopback.
-Nothing of it listens on a network, so no other host can join the ranks or pose as one of them.
-Rank 0 removes the folder once the ranks have met, or as it exits before (a rank 0 killed
-before leaves it behind: a file in a private folder, on which nothing listens).
+The store keeps everyone else out of the meeting: no other host, and no other user of this
+machine, can join the ranks or pose as one of them. Rank 0 removes the folder once the ranks
+have met, or as it exits before (a rank 0 killed before leaves it behind: a file in a private
+folder). gloo's listeners and NCCL's bootstrap stay open on loopback for the server's life (the
+model's collectives need them): a local user of the machine can reach them, not to join the
+ranks but to disrupt them, so a split server belongs on a machine without untrusted users, or
+in a network namespace of its own (docs/security.md).
 
     meeting = Meeting.open()              # rank 0, before it starts the children
     env = {**os.environ, **meeting.environment()}

@@ -46,7 +46,7 @@ def split_bench(args, fill, step, agreement) -> int:
     ranks = start_ranks(args.tp, args.device, sys.argv[1:])
     shard = Target.load(model_id, dtype=args.dtype, device=ranks.device, tp=args.tp)
     if not ranks.leads:
-        follow_leader(shard, ranks)
+        follow_leader(shard, ranks, **_follower_limits(kind, args))
         ranks.end()
         return harness.DONE
     whole = Target.load(model_id, dtype=args.dtype, device=ranks.device).model
@@ -82,6 +82,15 @@ def _kind(args) -> str:
         raise harness.Stop(f"--tp {args.tp} splits a checkpoint: give --model (a --shape has "
                            "random weights made in each process)", harness.BAD_FLAGS)
     return kinds[0]
+
+
+def _follower_limits(kind: str, args) -> dict:
+    """What another rank takes from rank 0 here: a step of every session's verify rows, or a
+    prefill chunk of a context at most."""
+    rows = max(harness.split_list(args.sessions, int))
+    tokens = max(harness.split_list(args.contexts, int)) + args.draft_len + 1
+    return {"max_rows": rows, "max_step_tokens": tokens, "block_tokens": args.block_tokens,
+            "engine": kind}
 
 
 def _budget(model, args) -> int:

@@ -14,6 +14,7 @@
     emulated.py    EmulatedEngine: an engine held to a step-cost profile's time
     sharded.py     a server split over ranks (--tp N): rank 0's engine telling the others each step
     step_messages.py  those steps' messages, and their wire: int64 tensors of a fixed layout
+    step_checks.py    what another rank takes of them: each checked against its own limits
 
 `make_engine` sizes the pool and picks the engine.
 """

@@ -13,7 +13,8 @@ The messages (step_messages) go over a gloo group of their own as int64 tensors 
 layout (CPU tensors, whatever the model's backend), in the order rank 0 sends them: the engine
 thread sends every one of them. A step, copy or warm-up that fails on any rank once the ranks
 began it ends that rank's process (ranks.abandon): the others would wait for it in a collective
-that never completes. So does a message a following rank cannot read: it acts on none of it.
+that never completes. So does a message a following rank cannot read, or one outside its own
+limits (step_checks: its settings, target and pool): it acts on none of it.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from verify_server.engines.base import Engine, StepLogits
 from verify_server.engines.rows import Row
+from verify_server.engines.step_checks import Limits, OutOfBounds, check
 from verify_server.engines.step_messages import (
     HEADER, Copy, PoolSize, RowPlan, Step, Stop, Unreadable, WarmUp, decode, encode,
     payload_length)
@@ -46,14 +48,17 @@ class Channel:
         if len(payload):
             dist.broadcast(payload, src=0, group=self.group)
 
-    def receive(self):
-        """Rank 0's next message; Unreadable for anything else (nothing of it is acted on)."""
+    def receive(self, limits: Limits):
+        """Rank 0's next message, within this rank's `limits`; Unreadable for anything else,
+        OutOfBounds for a message past them (nothing of either is acted on)."""
         header = torch.zeros(HEADER, dtype=torch.int64)   # a shorter message leaves zeros
         dist.broadcast(header, src=0, group=self.group)
-        payload = torch.zeros(payload_length(header), dtype=torch.int64)
+        payload = torch.zeros(payload_length(header, limits), dtype=torch.int64)
         if len(payload):
             dist.broadcast(payload, src=0, group=self.group)
-        return decode(header, payload)
+        message = decode(header, payload)
+        check(message, limits)
+        return message
 
     def copy(self, source: torch.Tensor, dest: torch.Tensor) -> None:
         """BlockPool.followers: every copy rank 0's pool makes, made on every rank."""
@@ -97,21 +102,24 @@ class LeadingEngine:
                 log.warning("could not tell the other ranks to stop: %s", exc)
 
 
-def receive(channel: Channel):
-    """A following rank's next message from rank 0; one it cannot read, or a rank 0 gone, ends
-    this rank."""
+def receive(channel: Channel, limits: Limits):
+    """A following rank's next message from rank 0; one it cannot read, one past its `limits`,
+    or a rank 0 gone, ends this rank."""
     try:
-        return channel.receive()
+        return channel.receive(limits)
     except Unreadable as exc:
         abandon(f"a message from rank 0 could not be read ({exc}); none of it ran")
+    except OutOfBounds as exc:
+        abandon(f"rank 0 sent what this rank cannot act on ({exc}); none of it ran")
     except Exception as exc:
         abandon(f"rank 0 is gone ({type(exc).__name__}: {exc})")
 
 
-def follow(engine: Engine, channel: Channel) -> None:
-    """A following rank: run what rank 0 says until it says Stop (or is gone)."""
+def follow(engine: Engine, channel: Channel, limits: Limits) -> None:
+    """A following rank: run what rank 0 says, each message within `limits` (those of
+    `engine`'s pool), until it says Stop (or is gone)."""
     while True:
-        message = receive(channel)
+        message = receive(channel, limits)
         if isinstance(message, Stop):
             return
         try:

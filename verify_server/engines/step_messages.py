@@ -14,12 +14,15 @@ int64 tensors of a fixed layout, never pickles. A message is a header, then its 
 
 Every value of every message is a count, a length, an index or a token id: none is negative.
 A receiver reads only what the layout says, checked at every step (`Unreadable` otherwise:
-a header of another layout or kind, a payload longer than MAX_PAYLOAD or of the wrong shape).
+a header of another layout or kind, a payload longer than its own limits allow a message of
+that kind, or one of the wrong shape); whether it can act on what it read is step_checks'.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from verify_server.engines import ENGINES
@@ -27,10 +30,11 @@ from verify_server.engines.blocks import BlockPool
 from verify_server.engines.kv import SessionKV
 from verify_server.engines.rows import Row
 
+if TYPE_CHECKING:
+    from verify_server.engines.step_checks import Limits
+
 LAYOUT = 0x736C6564_0001      # "sled", layout 1: both ends must speak the same
 HEADER = 3                    # int64 values
-# The most a receiver allocates for one payload (128 MiB): far above any step's rows
-MAX_PAYLOAD = 1 << 24
 ROW_FIELDS = 7                # a row's values before its sequences
 
 
@@ -102,14 +106,25 @@ def encode(message) -> tuple[torch.Tensor, torch.Tensor]:
     """The header and payload of `message` (int64 CPU tensors)."""
     kind = KINDS.index(type(message))
     values = _ENCODERS[kind](message)
-    if min(values, default=0) < 0 or len(values) > MAX_PAYLOAD:
+    if min(values, default=0) < 0:
         raise ValueError(f"a {type(message).__name__} the layout cannot carry")
     return (torch.tensor([LAYOUT, kind, len(values)], dtype=torch.int64),
             torch.tensor(values, dtype=torch.int64))
 
 
-def payload_length(header: torch.Tensor) -> int:
-    """The length of the payload `header` announces, once it is known to be rank 0's."""
+def payload_length(header: torch.Tensor, limits: Limits) -> int:
+    """The length of the payload `header` announces, once it is known to be rank 0's and
+    within what the receiver's own `limits` allow its kind."""
+    kind, n = _announced(header)
+    most = limits.max_values(KINDS[kind])
+    if not 0 <= n <= most:
+        raise Unreadable(f"a payload of {n} values (a {KINDS[kind].__name__} here has at most "
+                         f"{most})")
+    return n
+
+
+def _announced(header: torch.Tensor) -> tuple[int, int]:
+    """The kind and payload length of a header of this layout."""
     if header.dtype != torch.int64 or header.shape != (HEADER,):
         raise Unreadable(f"a header of {header.dtype} {tuple(header.shape)}, not int64 ({HEADER},)")
     layout, kind, n = header.tolist()
@@ -117,29 +132,27 @@ def payload_length(header: torch.Tensor) -> int:
         raise Unreadable(f"a header of another layout ({layout:#x}, not {LAYOUT:#x})")
     if not 0 <= kind < len(KINDS):
         raise Unreadable(f"a message of unknown kind {kind}")
-    if not 0 <= n <= MAX_PAYLOAD:
-        raise Unreadable(f"a payload of {n} values (at most {MAX_PAYLOAD})")
-    return n
+    return kind, n
 
 
 def decode(header: torch.Tensor, payload: torch.Tensor):
     """The message of `header` and `payload`; Unreadable unless they are exactly one."""
-    n = payload_length(header)
+    kind, n = _announced(header)
     if payload.dtype != torch.int64 or payload.shape != (n,):
         raise Unreadable(f"a payload of {payload.dtype} {tuple(payload.shape)}, not int64 ({n},)")
-    values = payload.tolist()
-    if min(values, default=0) < 0:
+    if n and int(payload.min()) < 0:
         raise Unreadable("a negative value in the payload")
-    fields = _Fields(values)
-    message = _DECODERS[int(header[1])](fields)
+    fields = _Fields(payload.numpy())
+    message = _DECODERS[kind](fields)
     fields.done()
     return message
 
 
 class _Fields:
-    """A payload read front to back; Unreadable past its end or short of it."""
+    """A payload read front to back, each field made Python ints only as it is read (no list
+    of the whole payload); Unreadable past its end or short of it."""
 
-    def __init__(self, values: list[int]) -> None:
+    def __init__(self, values: np.ndarray) -> None:
         self.values, self.at = values, 0
 
     def take(self, n: int) -> tuple[int, ...]:
@@ -147,7 +160,7 @@ class _Fields:
             raise Unreadable(f"the payload ends early: {n - len(self.values) + self.at} more "
                              "values wanted")
         self.at += n
-        return tuple(self.values[self.at - n:self.at])
+        return tuple(self.values[self.at - n:self.at].tolist())
 
     def one(self) -> int:
         return self.take(1)[0]
