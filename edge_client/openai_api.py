@@ -27,6 +27,7 @@ allowed Origin gets CORS headers and its preflights are answered; any other gets
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import ipaddress
 import json
@@ -36,6 +37,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -290,6 +292,36 @@ def _template_message(message: Message) -> dict:
     return data
 
 
+@functools.cache
+def _renderer_threads() -> ThreadPoolExecutor:
+    """Threads of their own for chat templates, one per rendering process: a rendering waiting
+    for its turn waits on the event loop and holds none of the default executor's threads,
+    where drafts are made."""
+    from edge_client.chat_render import RENDERERS   # jinja2: at the first chat prompt, not at start
+    return ThreadPoolExecutor(RENDERERS, thread_name_prefix="sled-chat-render")
+
+
+async def _rendered(function: Callable, *args):
+    """FUNCTION(*ARGS), which renders a chat template, on a renderer thread."""
+    return await asyncio.get_running_loop().run_in_executor(_renderer_threads(), function, *args)
+
+
+# Each tokenizer's last template with the ids that end its turn. Only ids are kept: no ids may
+# mean a rendering refused under load as well as a template that writes none, so it is asked again.
+_TURN_ENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+async def chat_turn_end(tokenizer, template: str) -> list[int]:
+    """turn_end_ids(TOKENIZER, TEMPLATE), rendered once per tokenizer and template."""
+    known = _TURN_ENDS.get(tokenizer)
+    if known is not None and known[0] == template:
+        return list(known[1])
+    ids = await _rendered(turn_end_ids, tokenizer, template)
+    if ids:
+        _TURN_ENDS[tokenizer] = (template, tuple(ids))
+    return ids
+
+
 def device_request(body: GenerationBody, prompt_ids: list[int], request_id: str,
                    max_tokens: int | None, turn_end: list[int] = ()) -> Request:
     """TURN_END: the ids that end a chat reply besides EOS (stop ids on the wire)."""
@@ -490,10 +522,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_model(device, body.model)
     template = chat_template(device)
     # a template renders within its own budget (edge_client.chat_render), off the event loop
-    prompt_ids = await asyncio.to_thread(chat_prompt, device, body.messages, template)
+    prompt_ids = await _rendered(chat_prompt, device, body.messages, template)
     # the reply ends with its turn, like an EOS (the model's own EOS may be another token)
-    turn_end = [] if body.ignore_eos else await asyncio.to_thread(turn_end_ids, _tokenizer(device),
-                                                                    template)
+    turn_end = [] if body.ignore_eos else await chat_turn_end(_tokenizer(device), template)
     job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", body.model, int(time.time()),
               len(prompt_ids), body.include_usage)
     return await _answer(request, device, body, job, prompt_ids,
