@@ -16,7 +16,9 @@ more than MAX_REPLY bytes (stopped: killed); the next request gets a fresh worke
 
 Up to SIZE workers run at once, each started when first needed and kept for the next requests;
 a request beyond them waits for one. A worker runs in a session of its own (a terminal's Ctrl-C
-is for the daemon) and leaves when its stdin closes: when the daemon exits, even killed.
+is for the daemon) and leaves when its stdin closes: when the daemon exits, even killed. A child
+the daemon forks owns none of them: it closes its copies of their pipes and starts with empty
+pools. Pools are stopped at exit; one no longer used is not kept alive for that.
 Linux only: the bound reads /proc/self/statm.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 FRAME = struct.Struct("!Q")             # the length before every frame's bytes
 READY, REPLY, OUT_OF_MEMORY = b"+", b"R", b"M"   # the first byte of a worker's frame
@@ -56,11 +59,9 @@ class BoundedWorkers:
 
     def __init__(self, target: str, memory: int, seconds: float, size: int, max_reply: int) -> None:
         self.target, self.memory, self.seconds, self.max_reply = target, memory, seconds, max_reply
-        self._slots = threading.BoundedSemaphore(size)
-        self._idle: list[_Worker] = []
-        self._lock = threading.Lock()
-        atexit.register(self.close)
-        os.register_at_fork(after_in_child=self._idle.clear)   # a forked child owns none of them
+        self.size = size
+        self._start_empty()
+        _POOLS.add(self)
 
     def run(self, request: bytes) -> bytes:
         """TARGET(REQUEST) in a worker; WorkerOverBudget past a bound."""
@@ -82,6 +83,13 @@ class BoundedWorkers:
         for worker in idle:
             worker.stop()
 
+    def _start_empty(self) -> None:
+        """No worker, every slot free: a new pool, or a forked child's (where the parent's
+        threads that held slots or the lock are gone)."""
+        self._slots = threading.BoundedSemaphore(self.size)
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
+
     def _take(self) -> _Worker:
         with self._lock:
             while self._idle:
@@ -100,6 +108,7 @@ class _Worker:
         self.process = subprocess.Popen(
             [sys.executable, "-c", BOOT, json.dumps(sys.path), target, str(memory)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, start_new_session=True)
+        _WORKERS.add(self)
         self._poll = select.poll()
         self._poll.register(self.process.stdout.fileno(), select.POLLIN)
         try:
@@ -165,11 +174,38 @@ class _Worker:
 
     def _reap(self) -> None:
         self.process.wait()
+        self.close_pipes()
+
+    def close_pipes(self) -> None:
         for pipe in (self.process.stdin, self.process.stdout):
             try:
                 pipe.close()
             except OSError:
                 pass
+
+
+# Every pool and worker alive, for the two hooks below (weakly: a pool no longer used goes).
+_POOLS: weakref.WeakSet[BoundedWorkers] = weakref.WeakSet()
+_WORKERS: weakref.WeakSet[_Worker] = weakref.WeakSet()
+
+
+def _close_pools() -> None:
+    """At exit: every pool's idle workers stopped."""
+    for pool in list(_POOLS):
+        pool.close()
+
+
+def _forget_in_child() -> None:
+    """In a forked child: no copy of a worker's pipe kept open (the worker leaves when the
+    daemon's copy closes), and every pool empty."""
+    for worker in list(_WORKERS):
+        worker.close_pipes()
+    for pool in list(_POOLS):
+        pool._start_empty()
+
+
+atexit.register(_close_pools)
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 # -- in the worker ----------------------------------------------------------------------------
@@ -186,10 +222,19 @@ def main(argv: list[str]) -> int:
         print(f"sled: {exc}", file=sys.stderr)
         return 2
     _write_frame(replies, READY)
+    return serve(target, requests, replies)
+
+
+def serve(target, requests, replies) -> int:
+    """One reply per request until REQUESTS ends; after a MemoryError, OUT_OF_MEMORY and the
+    end."""
     while (request := _read_frame(requests)) is not None:
+        out_of_memory = False
         try:
             reply = target(request)
         except MemoryError:
+            out_of_memory = True     # answered once its traceback, and all it holds, is gone
+        if out_of_memory:
             _write_frame(replies, OUT_OF_MEMORY)
             return 0
         _write_frame(replies, REPLY, reply)

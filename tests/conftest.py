@@ -86,6 +86,15 @@ def status_kib(field: str, pid: int | str = "self") -> int:
     raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
+def zombie_or_gone(pid: int) -> bool:
+    """Whether process PID has ended: a zombie its parent has not reaped yet, or gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def rss_mib() -> float:
     """This process's resident memory now, MiB."""
     return status_kib("VmRSS") / 1024
