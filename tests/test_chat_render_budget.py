@@ -1,24 +1,33 @@
 """A chat template from a server renders within a budget: no value over MAX_RESULT characters
 (a string doubled in a loop took a device to 1,000 MiB), at most MAX_OUTPUT characters in all,
 and at most MAX_STEPS steps and RENDER_SECONDS; past it a TemplateBudgetError says so, quickly
-and in bounded memory, and the local API answers 400 with that message while /health answers."""
+and in bounded memory, and the local API answers 400 with that message while /health answers.
+
+Each budget is checked where render_in_process renders, in a process bounded far below
+RENDER_MEMORY and killed far later than HARD_SECONDS: what stops a hostile template there is its
+own budget, never those two bounds that render() adds."""
 from __future__ import annotations
 
 import asyncio
 import json
+import pickle
+import threading
 import time
-import tracemalloc
 
 import aiohttp
 import pytest
 
 from edge_client import chat_render
+from edge_client.bounded_workers import BoundedWorkers, WorkerOverBudget
 from edge_client.chat_render import MAX_OUTPUT, MAX_RESULT, TemplateBudgetError
 from edge_client.tokenizer import DeviceTokenizer
 from tests.test_device import make_device
 from tests.test_openai_api import running_api
 
 CHAT = [{"role": "user", "content": "q"}]
+VALUES = dict(messages=chat_render.template_messages(CHAT), tools=None, documents=None,
+              add_generation_prompt=False)
+HELD = 16 * MAX_RESULT + MAX_OUTPUT       # what rendering a hostile template may hold at once
 DOUBLING = ("{% set s = namespace(v='x') %}{% for i in range(40) %}{% set s.v = s.v ~ s.v %}"
             "{% endfor %}{{ s.v }}")
 HOSTILE = {
@@ -38,6 +47,8 @@ HOSTILE = {
     "growing with |replace": ("{% set s = namespace(v='xx') %}{% for i in range(40) %}"
                               "{% set s.v = s.v|replace('x', 'xx') %}{% endfor %}{{ s.v }}"),
     "growing with |indent": ("{% set s = namespace(v='x\\n' * 1000) %}{{ s.v|indent(999999) }}"),
+    "a wide *": "{{ 'x' * 1000000000 }}",
+    "a wide **": "{{ 10 ** 100000000 }}",
     "a wide ljust": "{{ 'x'.ljust(1000000000) }}",
     "a wide center": "{{ 'x'|center(1000000000) }}",
     "a wide %": "{{ '%01000000000d' % 1 }}",
@@ -60,21 +71,38 @@ def tiny(tokenizer, tmp_path_factory):
     return DeviceTokenizer.load(folder)
 
 
-@pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_a_hostile_template_stops_at_its_budget_quickly_in_bounded_memory(name):
-    tracemalloc.start()
-    started = time.perf_counter()
+@pytest.fixture(scope="module")
+def small_renderer():
+    """A rendering process that may hold HELD bytes at once and is killed at 10 s."""
+    renderer = BoundedWorkers("edge_client.chat_render:render_request", memory=HELD, seconds=10.0,
+                              size=1, max_reply=4 * MAX_OUTPUT + 1)
+    yield renderer
+    renderer.close()
+
+
+def refusal(renderer: BoundedWorkers, template: str) -> dict:
+    """The error render_in_process(TEMPLATE) ends with in RENDERER: {"name", "message"}."""
     try:
-        with pytest.raises(TemplateBudgetError) as refused:
-            chat_render.render(HOSTILE[name], CHAT)
-        took = time.perf_counter() - started
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    message = str(refused.value)
-    assert "chat template" in message and len(message) < 200 and "\n" not in message
-    assert took < 3.0, f"{name}: {took:.1f} s"
-    assert peak < 16 * MAX_RESULT + MAX_OUTPUT, f"{name}: {peak / 2**20:.0f} MiB"
+        reply = renderer.run(pickle.dumps((template, VALUES)))
+    except WorkerOverBudget as over:
+        pytest.fail(f"the rendering process's {over.bound} bound stopped it, not its budget")
+    assert reply[:1] == chat_render.ERROR, f"it rendered {len(reply)} bytes"
+    return json.loads(reply[1:])
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_hostile_template_stops_at_its_budget_quickly_in_bounded_memory(name, small_renderer):
+    started = time.perf_counter()
+    error = refusal(small_renderer, HOSTILE[name])
+    took = time.perf_counter() - started
+    assert error["name"] == "TemplateBudgetError", error
+    assert "chat template" in error["message"] and len(error["message"]) < 200
+    assert "\n" not in error["message"] and took < 3.0, f"{name}: {took:.1f} s"
+
+
+def test_a_hostile_template_is_refused_through_render_too():
+    with pytest.raises(TemplateBudgetError, match=f"more than {MAX_RESULT} bytes"):
+        chat_render.render(DOUBLING, CHAT)
 
 
 def test_templates_within_the_budget_render_as_before():
@@ -93,10 +121,23 @@ def test_templates_within_the_budget_render_as_before():
 
 
 def test_the_budget_holds_in_every_thread_and_ends_with_its_rendering():
-    with pytest.raises(TemplateBudgetError):
-        chat_render.render(HOSTILE["loops without end"], CHAT)
-    assert chat_render._BUDGET.get() is None                       # nothing left behind
-    assert chat_render.render("{% for i in range(5) %}{{ i }}{% endfor %}", CHAT) == "01234"
+    seen = {}
+
+    def render_twice():
+        try:
+            chat_render.render_in_process("{% for i in range(2000) %}{% for j in range(1000) %}"
+                                          "{% endfor %}{% endfor %}", VALUES)      # 2,000,000 steps
+        except TemplateBudgetError as refused:
+            seen["refused"] = str(refused)
+        seen["left"] = chat_render._BUDGET.get()                   # nothing left behind
+        seen["next"] = chat_render.render_in_process("{% for i in range(5) %}{{ i }}{% endfor %}",
+                                                     VALUES)
+
+    thread = threading.Thread(target=render_twice)
+    thread.start()
+    thread.join()
+    assert "to render (its budget)" in seen.get("refused", ""), seen
+    assert seen["left"] is None and seen["next"] == "01234"
 
 
 async def test_the_api_refuses_a_hostile_template_with_a_400_and_health_answers_meanwhile(
