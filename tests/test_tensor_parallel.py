@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from conftest import PROMPT_TEXTS, greedy_reference
+from conftest import PROMPT_TEXTS, greedy_reference, zombie_or_gone
 from drafters.hf import HFDrafter
 from drafters.ngram import NgramDrafter
 from edge_client.server_side import generate_server_side
@@ -255,7 +255,7 @@ async def test_the_other_rank_goes_with_rank_0(checkpoint):
         os.kill(pid, signal.SIGKILL)
         server.proc.wait(10)
         for _ in range(100):
-            if not os.path.exists(f"/proc/{children[0]}") or _zombie(children[0]):
+            if zombie_or_gone(children[0]):
                 break
             await asyncio.sleep(0.1)
         else:
@@ -315,12 +315,7 @@ async def test_ctrl_c_stops_both_ranks(checkpoint):
         follower, = _children(server.proc.pid)
         os.kill(server.proc.pid, signal.SIGINT)
         assert await asyncio.to_thread(server.proc.wait, 30) == 130
-        assert not os.path.exists(f"/proc/{follower}") or _zombie(follower)
+        assert zombie_or_gone(follower)
         assert "Traceback" not in server.child.tail(4000)
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
