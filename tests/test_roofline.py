@@ -69,3 +69,22 @@ def test_the_command_writes_a_loadable_profile_and_refuses_in_one_line(tmp_path,
                  "--measured", FLEX, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("sled bench derive-profile: ") and "\n" not in err
+
+
+def test_every_shipped_profile_carries_the_floor_of_its_gpu_and_shape():
+    """The floor block of a measured profile is its GPU's data sheet under its model's shape
+    (floor_of); a derived one carries its own target's, fp8 weights over bf16 KV."""
+    from verify_server.roofline import floor_of, step_floor
+    from verify_server.step_costs import shipped_profiles
+
+    for name in shipped_profiles():
+        profile = load_profile(name)
+        assert profile.floor is not None, name
+        assert profile.floor == (floor_of(profile.provenance) or
+                                 step_floor("llama-70b", GPUS["H200"], "float8", "bfloat16")), name
+        # every measured step stands above its floor
+        assert all(c.ms > profile.floor.ms(c.new, c.read) for c in profile.cells), name
+    derived = derive_profile("llama-70b", "H200", load_profile(FLEX), weight_dtype="float8")
+    assert derived.floor == step_floor("llama-70b", GPUS["H200"], "float8", "bfloat16")
+    assert derived.floor.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2
+    assert [c.kind for c in derived.cells] == [c.kind for c in load_profile(FLEX).cells]

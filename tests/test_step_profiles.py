@@ -28,9 +28,12 @@ def profile_file(tmp_path, rule: dict, cells=None, provenance=PROVENANCE, name="
     return str(path)
 
 
-def rows(*shape):
-    """Rows of (context, new tokens) as the pacer reads them."""
-    return [types.SimpleNamespace(kv=types.SimpleNamespace(length=c), width=w) for c, w in shape]
+def rows(*shape, kind=None):
+    """Rows of (context, new tokens) as the pacer reads them: verify rows (decode for one
+    token), or prefill or sat rows."""
+    return [types.SimpleNamespace(kv=types.SimpleNamespace(length=c), width=w,
+                                  want_logits=kind != "prefill", sat_slots=int(kind == "sat"))
+            for c, w in shape]
 
 
 class Stepless:
@@ -94,7 +97,10 @@ def test_a_fit_leaves_no_negative_term():
     (lambda d: d["cells"][0].update(ms=float("nan")), "times must be positive"),
     (lambda d: d.update(provenance="an H100"), "provenance must be a mapping"),
     (lambda d: d["cells"].append({"rows": 4, "tokens": 1, "context": 8, "ms": 0.5}),
-     "not monotonic: 4 rows x 1 tokens at 8 (0.5 ms) is faster than the smaller 1 rows"),
+     "not monotonic: 4 rows x 1 tokens at 8 (decode, 0.5 ms) is faster than the smaller 1 rows"),
+    (lambda d: d["cells"][0].update(kind="draft"), "its kind is one of prefill, verify, decode"),
+    (lambda d: d.update(rules={"draft": d["rule"]}), "a rule for 'draft', which is no kind"),
+    (lambda d: d.update(floor={"bandwidth": 1e12}), "floor weight_bytes must be a positive"),
     (lambda d: d["rule"].update(per_token_ms=-0.1), "its rule has a negative term"),
     (lambda d: d.pop("sled_step_profile"), "not a sled step profile"),
     (lambda d: d.pop("rule"), "needs name, cells (rows, tokens, context, ms) and rule"),
@@ -229,7 +235,7 @@ def test_the_engine_bench_writes_the_floor_terms_and_a_kernel_breakdown(tmp_path
         assert sum(kernels[f"{c}_ms"] for c in KERNEL_COLUMNS) == pytest.approx(
             kernels["total_ms"], abs=1e-3)
     printed = capsys.readouterr().out
-    assert "x floor" in printed and "kernels a verify step" in printed
+    assert "x floor" in printed and "kernels a server step" in printed
 
 
 def test_kernels_are_told_apart_by_their_names():
@@ -291,3 +297,124 @@ def test_an_accepted_share_becomes_the_per_position_acceptance_that_keeps_it():
     assert profile_for_share(0.0, 4) == [0.0] and profile_for_share(1.0, 4) == [1.0]
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
         profile_for_share(1.5, 4)
+
+
+# --- kinds of step, their rules, and the floor under them -----------------------------------------
+
+def h200_llama8b_floor():
+    from verify_server.roofline import GPUS, step_floor
+
+    return step_floor("llama-8b", GPUS["H200"], "bfloat16", "bfloat16")
+
+
+def measured_cells():
+    """llama-8b on an H200 as sled's engine ran it (the shipped verify cells), with decode, SAT
+    and prefill cells beside them: a prefill of 2,048 tokens at 60% of the bf16 peak."""
+    verify = list(load_profile("h200-llama8b-sled-forward").cells)
+    return verify + [
+        StepCell(1, 1, 512, 7.1, "decode"), StepCell(64, 1, 2048, 19.0, "decode"),
+        StepCell(1, 9, 512, 21.0, "sat"), StepCell(16, 9, 2048, 30.0, "sat"),
+        StepCell(64, 9, 2048, 41.0, "sat"),
+        StepCell(1, 512, 0, 16.5, "prefill"), StepCell(1, 2048, 0, 52.0, "prefill"),
+        StepCell(4, 512, 0, 51.0, "prefill")]
+
+
+def test_cells_carry_their_kind_and_each_kind_that_runs_apart_its_own_rule(tmp_path):
+    profile = make_profile("kinds", PROVENANCE, measured_cells(), floor=h200_llama8b_floor())
+    assert {c.kind for c in profile.cells} == {"prefill", "verify", "decode", "sat"}
+    # verify and decode share the rule; prefill and sat have their own, with its KV term
+    assert StepRule.fit([c for c in profile.cells if c.kind in ("verify", "decode")]) == \
+        profile.rule
+    assert set(profile.rules) == {"prefill", "sat"}
+    assert all(r.per_kv_token_ms == profile.rule.per_kv_token_ms for r in profile.rules.values())
+    # a step is charged by what its rows are: a prefill chunk by the prefill rule
+    chunk = profile.step_seconds([(0, 2048, "prefill")])
+    assert chunk == pytest.approx(profile.rules["prefill"].ms(2048, 2048) / 1e3, rel=1e-9)
+    assert chunk > profile.step_seconds([(0, 2048, "verify")])
+    assert profile.step_seconds([(512, 9, "sat")]) > profile.step_seconds([(512, 9)])
+    assert profile.worst_fit() < 0.25
+    again = load_profile(str(profile.save(tmp_path / "kinds.json")))
+    assert again == profile and [c.kind for c in again.cells] == [c.kind for c in profile.cells]
+
+
+def test_a_cell_that_names_no_kind_decodes_one_token_and_verifies_more(tmp_path):
+    profile = load_profile(profile_file(tmp_path, {"base_ms": 1.0, "per_token_ms": 0.0,
+                                                   "per_kv_token_ms": 0.0}, cells=[
+        {"rows": 1, "tokens": 1, "context": 8, "ms": 1.0},
+        {"rows": 1, "tokens": 5, "context": 8, "ms": 1.0}]))
+    assert [c.kind for c in profile.cells] == ["decode", "verify"]
+    assert profile.floor is None and not profile.rules
+    # a decode step measured a little slower than a verify step of the same bucket is noise
+    make_profile("same-bucket", PROVENANCE, [StepCell(1, 1, 512, 7.2), StepCell(1, 5, 512, 6.9)])
+
+
+@pytest.mark.parametrize("cells", ["verify only", "every kind"])
+def test_a_profile_never_charges_under_its_floor_for_a_prefill_chunk_of_any_length(cells):
+    """Every chunk the server's step budget allows, alone, after context, and beside 64 verify
+    rows: the charge is at least the roofline of that step on the profile's GPU."""
+    from verify_server.settings import ServerSettings
+
+    floor = h200_llama8b_floor()
+    measured = measured_cells() if cells == "every kind" else \
+        load_profile("h200-llama8b-sled-forward").cells
+    profile = make_profile("floored", PROVENANCE, measured, floor=floor)
+    for chunk in range(1, ServerSettings().max_step_tokens + 1):
+        for context in (0, 512, 2048):
+            for beside in ([], [(2048, 5, "verify")] * 64):
+                shape = [(context, chunk, "prefill"), *beside]
+                new = sum(n for _, n, _ in shape)
+                read = sum(c + n for c, n, _ in shape)
+                assert profile.step_seconds(shape) * 1e3 >= floor.ms(new, read) * (1 - 1e-12)
+    # a 2,048-token chunk is compute-bound: 2 x 7.5e9 parameters x 2048 over 989 TFLOP/s
+    assert floor.ms(2048, 2048) == pytest.approx(2 * 7.5049e9 * 2048 / 989.4e12 * 1e3, rel=1e-3)
+
+
+def test_where_the_rules_fall_under_the_floor_the_profile_says_so():
+    """The shipped sled-forward profile measured verify steps only: its rule charges long
+    prefill chunks under what the GPU can do, so they are charged the floor, and it says so."""
+    shipped = load_profile("h200-llama8b-sled-forward")
+    assert shipped.floor == h200_llama8b_floor()
+    [note] = shipped.floored
+    assert note.startswith("prefill chunks of ") and note.endswith("-8192 tokens at no context")
+    first = int(note.removeprefix("prefill chunks of ").split("-")[0])
+    assert shipped.fitted_ms(first, first, ("prefill",)) < shipped.floor.ms(first, first)
+    assert shipped.step_ms(first, first, ("prefill",)) == shipped.floor.ms(first, first)
+    assert shipped.fitted_ms(first - 1, first - 1, ("prefill",)) >= \
+        shipped.floor.ms(first - 1, first - 1)
+    # with its prefill steps measured, the rules stay above the floor
+    assert not make_profile("measured", PROVENANCE, measured_cells(),
+                            floor=h200_llama8b_floor()).floored
+
+
+def test_an_emulated_server_holds_a_prefill_chunk_to_the_prefill_rule(tmp_path):
+    profile = make_profile("kinds", PROVENANCE, measured_cells(), floor=h200_llama8b_floor())
+    pacer = EmulatedEngine(Stepless(), profile, Metrics())
+    chunk = pacer.due(rows((0, 2048), kind="prefill"), 0.0)
+    assert chunk == pytest.approx(profile.rules["prefill"].ms(2048, 2048) / 1e3)
+    assert pacer.due(rows((512, 9), kind="sat"), 0.0) == \
+        pytest.approx(profile.step_seconds([(512, 9, "sat")]))
+    assert pacer.due(rows((0, 2048)), 0.0) < chunk          # the same shape, as a verify row
+
+
+def test_the_engine_bench_times_every_kind_of_step_and_profiles_them(tmp_path, capsys):
+    from sled_cli.main import main
+
+    out, path = tmp_path / "engine.json", tmp_path / "profile.json"
+    assert main(["bench", "engine", "--shape", "tiny-llama", "--engines", "paged",
+                 "--kinds", "prefill,verify,decode,sat", "--prefill", "1x48,2x32",
+                 "--sat-slots", "3", "--sessions", "2", "--contexts", "32", "--reps", "1",
+                 "--bandwidth", "2e10", "--peak-flops", "1e12", "--kernels", "--out", str(out),
+                 "--write-profile", str(path)]) == 0
+    cells = json.loads(out.read_text())["models"][0]["cells"]
+    assert [(c["kind"], c["sessions"], c["tokens"], c["context"]) for c in cells] == [
+        ("prefill", 1, 48, 0), ("prefill", 2, 32, 0), ("verify", 2, 5, 32),
+        ("decode", 2, 1, 32), ("sat", 2, 8, 32)]
+    assert cells[-1]["sat_slots"] == 3 and cells[-1]["paged_emitted_agree"] == "2/2"
+    assert all(c["paged_kernels"]["count"] > 0 and c["floor_ms"] > 0 for c in cells)
+    profile = load_profile(str(path))
+    assert [(c.kind, c.rows, c.tokens, c.context) for c in profile.cells] == \
+        [(c["kind"], c["sessions"], c["tokens"], c["context"]) for c in cells]
+    assert set(profile.rules) == {"prefill", "sat"} and profile.floor.bandwidth == 2e10
+    assert "--kinds prefill,verify,decode,sat" in profile.provenance["command"]
+    printed = capsys.readouterr().out
+    assert "kernels a server step" in printed and "prefill" in printed and "sat" in printed

@@ -15,6 +15,9 @@ the floor for the bigger model as it was for the measured one.
 
     derive_profile("llama-70b", "H200", measured=load_profile("h200-llama8b-flex-graph"),
                    weight_dtype="float8", kv_dtype="bfloat16")
+
+The same roofline is the floor block of a profile (`step_floor`; `floor_of` for a profile measured
+on a GPU and a shape sled knows): no step it charges costs less.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from datetime import date
 
 from verify_server.gpu_memory import DTYPE_BYTES, KNOWN_GPUS
 from verify_server.shapes import SHAPES, kv_bytes_per_token, parameters, shape_of, streamed_parameters
-from verify_server.step_costs import StepCell, StepProfile, make_profile
+from verify_server.step_costs import StepCell, StepFloor, StepProfile, make_profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +58,38 @@ def gpu_spec(name: str) -> GpuSpec:
     raise ValueError(f"no published spec for GPU {name!r}: sled knows {', '.join(GPUS)}")
 
 
+def step_floor(shape: str, gpu: GpuSpec, weight_dtype: str, kv_dtype: str) -> StepFloor:
+    """The floor of every step of `shape` on `gpu` (see the module's docstring): what a
+    profile's floor block holds."""
+    return StepFloor(bandwidth=gpu.bandwidth,
+                     weight_bytes=streamed_parameters(shape) * DTYPE_BYTES[weight_dtype],
+                     kv_bytes_per_token=kv_bytes_per_token(shape, DTYPE_BYTES[kv_dtype]),
+                     flops_per_token=2.0 * streamed_parameters(shape),
+                     peak_flops=gpu.flops[weight_dtype],
+                     source=f"{gpu.name} data sheet ({gpu.bandwidth / 1e12:g} TB/s, "
+                            f"{gpu.flops[weight_dtype] / 1e12:g} TFLOP/s {weight_dtype}); "
+                            f"{shape}, {kv_dtype} KV")
+
+
+def floor_of(provenance: dict) -> StepFloor | None:
+    """The data sheet's floor under a profile measured on a GPU and a model shape sled knows, in
+    its dtype (None when it is not one of those, or DERIVED: such a profile carries its own)."""
+    if provenance.get("derived"):
+        return None
+    shape, dtype = shape_of(str(provenance.get("model", ""))), str(provenance.get("dtype", ""))
+    try:
+        gpu = gpu_spec(str(provenance.get("device", "")))
+    except ValueError:
+        return None
+    if shape is None or dtype not in gpu.flops:
+        return None
+    return step_floor(shape, gpu, dtype, dtype)
+
+
 def roofline_ms(shape: str, gpu: GpuSpec, weight_dtype: str, kv_dtype: str, new: int,
                 read: int) -> float:
     """The floor of one step in ms (see the module's docstring)."""
-    weights = streamed_parameters(shape) * DTYPE_BYTES[weight_dtype]
-    kv = read * kv_bytes_per_token(shape, DTYPE_BYTES[kv_dtype])
-    flops = 2 * streamed_parameters(shape) * new
-    return 1e3 * max((weights + kv) / gpu.bandwidth, flops / gpu.flops[weight_dtype])
+    return step_floor(shape, gpu, weight_dtype, kv_dtype).ms(new, read)
 
 
 def derive_profile(shape: str, gpu_name: str, measured: StepProfile, weight_dtype: str = "bfloat16",
@@ -88,7 +116,7 @@ def derive_profile(shape: str, gpu_name: str, measured: StepProfile, weight_dtyp
         floor = roofline_ms(measured_shape, gpu, measured_dtype, measured_dtype, cell.new, cell.read)
         ratio = cell.ms / floor
         ms = ratio * roofline_ms(shape, gpu, weight_dtype, kv_dtype, cell.new, cell.read)
-        cells.append(StepCell(cell.rows, cell.tokens, cell.context, round(ms, 3)))
+        cells.append(StepCell(cell.rows, cell.tokens, cell.context, round(ms, 3), cell.kind))
     name = f"derived-{gpu_name.lower()}-{shape.replace('-', '')}-{_short(weight_dtype)}"
     memory, tdp = next(v for k, v in KNOWN_GPUS.items() if k in gpu.name)
     provenance = {
@@ -106,7 +134,8 @@ def derive_profile(shape: str, gpu_name: str, measured: StepProfile, weight_dtyp
     gpu_block = {"memory_bytes": memory, "tdp_watts": tdp,
                  "weight_bytes": parameters(shape) * DTYPE_BYTES[weight_dtype],
                  "kv_bytes_per_token": kv_bytes_per_token(shape, DTYPE_BYTES[kv_dtype])}
-    return make_profile(name, provenance, cells, gpu_block)
+    return make_profile(name, provenance, cells, gpu_block,
+                        step_floor(shape, gpu, weight_dtype, kv_dtype))
 
 
 def _short(dtype: str) -> str:

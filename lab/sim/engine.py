@@ -27,7 +27,7 @@ from verify_server.engines.base import StepLogits, logit_spans
 from verify_server.engines.blocks import BlockPool, KVShape
 from verify_server.engines.kv import SessionKV
 from verify_server.engines.rows import Row
-from verify_server.step_costs import StepProfile
+from verify_server.step_costs import StepProfile, row_kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +105,7 @@ class ScriptedEngine:
         """One engine per simulated server: nothing to route."""
 
     def forward(self, rows: Sequence[Row]) -> StepLogits:
-        gpu = self.profile.step_seconds([(row.kv.length, row.width) for row in rows])
+        gpu = self.profile.step_seconds([(row.kv.length, row.width, row_kind(row)) for row in rows])
         self.gpu_seconds += gpu
         self.seconds = gpu + self.host.seconds(len(rows))
         targets: list[int] = []

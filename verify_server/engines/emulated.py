@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from verify_server.engines.base import Engine, StepLogits
 from verify_server.engines.rows import Row
 from verify_server.metrics import Metrics
-from verify_server.step_costs import StepProfile
+from verify_server.step_costs import StepProfile, row_kind
 
 log = logging.getLogger("sled.server")
 
@@ -46,7 +46,8 @@ class EmulatedEngine:
             log.warning("a step of %d sessions is past the %d the profile %s measured: its time, "
                         "and every such step's, comes from the rule fitted through the cells",
                         len(rows), self.measured_rows, self.profile.name)
-        return started + self.profile.step_seconds([(row.kv.length, row.width) for row in rows])
+        return started + self.profile.step_seconds([(row.kv.length, row.width, row_kind(row))
+                                                    for row in rows])
 
     def hold(self, due: float) -> None:
         """Engine thread, after the step: wait until it is due, or count an overrun."""
