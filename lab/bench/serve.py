@@ -11,18 +11,28 @@ the rate 95% of devices reach or beat), time per output token (p50, p95; a verdi
 share its gap), time to first token, target forward passes per output token. Capacity: the
 largest N whose p5 per-device rate is at least --target-rate.
 
+Before the timed runs each mode runs once at every fleet size, unmeasured (WARM_UP_TOKENS a
+device): the warm-up meets the steps the sweep will meet, so that what a server compiles or
+captures at a step's first use (the flex engine's buckets on a GPU) is done before the clock
+runs. It is reported: its seconds, and the steps over SLOW_STEP_S it took; each timed row counts
+its own such steps (`slow_steps`: 0 when the warm-up met every step the row did).
+
 With --emulate PROFILE the server holds each step to a step-cost profile's time
 (verify_server.step_costs): the sweep is the fleet as the profiled GPU would serve it, while the
 target here still computes every token (so every output is still checked). Each row counts the
-steps that overran the profile; past 1% of them the run does not stand for that GPU.
+steps that overran the profile; past 1% of them the run does not stand for that GPU. --against
+REAL.json puts each row beside the same row of a run on the real server (its results file) and
+gives the error per N, of the emulation and (with --simulate) of the simulator.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import shlex
 import statistics
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from rich.progress import Progress
 from rich.table import Table
@@ -39,6 +49,10 @@ from sled.flags import positive_float, positive_int
 from verify_server.step_costs import MAX_OVERRUN_SHARE, load_profile
 
 OVERRUNS = "sled_emulated_overruns_total"
+WARM_UP_TOKENS = 8      # a device's tokens in the warm-up, at every fleet size
+SLOW_STEP_S = "0.5"     # a step past this (a histogram bucket's bound) compiled or captured
+STEPS = "sled_forward_seconds_count"
+QUICK_STEPS = f'sled_forward_seconds_bucket{{le="{SLOW_STEP_S}"}}'
 
 
 def add_arguments(parser) -> None:
@@ -64,6 +78,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--simulate", action="store_true",
                         help="with --emulate: run the same sweep again on the fleet simulator "
                              "(sled lab simulate) and print how far it is from the emulation")
+    parser.add_argument("--against", default=None, metavar="REAL_JSON",
+                        help="with --emulate: the results file of the same sweep on the real "
+                             "server; each row's error against it (emulated and simulated)")
     harness.add_out_flag(parser, "serve")
 
 
@@ -75,6 +92,8 @@ async def bench(args) -> int:
     console = harness.bench_console()
     (fleet_sizes, modes, device, link, emulated), model, traces = harness.replay_inputs(
         args, console, _settings)
+    with harness.flag_errors():
+        real = real_rows(args.against) if args.against else None
     if isinstance(args.draft_len, int) and args.draft_len > traces.max_draft_len:
         console.print(f"[yellow]--draft-len {args.draft_len} is past the traces' max_draft_len "
                       f"{traces.max_draft_len}: drafts stop at {traces.max_draft_len} tokens[/]")
@@ -82,7 +101,8 @@ async def bench(args) -> int:
         args.server_args = f"{args.server_args} --emulate {shlex.quote(args.emulate)}"
     async with harness.serving_target(model, args, console) as served:
         with harness.server_errors():
-            rows = await sweep(served, traces, fleet_sizes, modes, args, device, link, console)
+            rows, warm = await sweep(served, traces, fleet_sizes, modes, args, device, link,
+                                     console)
     info = served.info
     capacities = {mode: capacity(rows, mode, args.target_rate) for mode in modes}
     server = (f"{info.device}" if not args.emulate else
@@ -90,31 +110,45 @@ async def bench(args) -> int:
     setup = (f"{short_name(model)} on {server}, drafter {short_name(traces.drafter)}, device "
              f"{args.device_profile}, link {args.link}, draft length {args.draft_len}")
     console.print(_table(rows, setup))
+    for line in warm_up_lines(warm, rows, emulated is not None):
+        console.print(line, highlight=False)
     ratio = _print_capacity(console, capacities, args.target_rate, fleet_sizes[-1])
     summary = None if emulated is None else emulation_summary(emulated, rows)
     for line in emulation_lines(emulated, summary) if emulated is not None else ():
         console.print(line, highlight=False)
-    simulated = agreement = None
-    if args.simulate:
-        simulated, host = await asyncio.to_thread(     # its own loop, on virtual time
-            simulated_beside, rows, emulated, harness.server_flags(args), traces, fleet_sizes,
-            modes, device, link, RoundSettings(draft_len=args.draft_len), args.max_new_tokens)
-        agreement = agreement_rows(rows, simulated)
-        console.print(_agreement_table(agreement, emulated.name))
-        console.print(f"this host's time a step, beside the profile's (fitted on the centralized "
-                      f"rows' TPOT p50; the sled rows are out of its sample): {host}",
-                      highlight=False)
+    simulated, agreement = await _simulated(args, console, rows, emulated, traces, fleet_sizes,
+                                            modes, device, link)
+    against = None if real is None else real_errors(real, rows, simulated)
+    if against is not None:
+        console.print(_against_table(against, emulated.name))
     harness.write_results(console, args.out, {
         "model": model, "server_device": info.device, "dtype": info.dtype, "drafter": traces.drafter,
         "traces": args.traces or "recorded", "prompts": len(traces.traces), "max_draft_len": traces.max_draft_len,
         "device_profile": args.device_profile, "link": args.link, "draft_len": args.draft_len,
         "max_new_tokens": args.max_new_tokens, "target_rate": args.target_rate,
         "capacity": {**capacities, "ratio": ratio, "largest_fleet": fleet_sizes[-1]},
-        "emulated": summary, "simulated": simulated, "agreement": agreement,
-        "results": rows}, lambda png: _plot(rows, png, setup))
+        "warm_up": warm, "emulated": summary, "simulated": simulated, "agreement": agreement,
+        "against": against, "results": rows}, lambda png: _plot(rows, png, setup))
     return harness.lossless_exit(console, [
         f"{r['mode']} with {r['devices']} device(s): {r['mismatches']} output(s)"
         for r in rows if r["mismatches"]])
+
+
+async def _simulated(args, console, rows, emulated, traces, fleet_sizes, modes, device,
+                     link) -> tuple[list[dict] | None, list[dict] | None]:
+    """With --simulate: the sweep on the fleet simulator and its agreement with the emulated
+    rows, printed; (None, None) without."""
+    if not args.simulate:
+        return None, None
+    simulated, host = await asyncio.to_thread(     # its own loop, on virtual time
+        simulated_beside, rows, emulated, harness.server_flags(args), traces, fleet_sizes,
+        modes, device, link, RoundSettings(draft_len=args.draft_len), args.max_new_tokens)
+    agreement = agreement_rows(rows, simulated)
+    console.print(_agreement_table(agreement, emulated.name))
+    console.print(f"this host's time a step, beside the profile's (fitted on the centralized "
+                  f"rows' TPOT p50; the sled rows are out of its sample): {host}",
+                  highlight=False)
+    return simulated, agreement
 
 
 def _settings(args) -> tuple[list[int], list[str], object, object, object]:
@@ -134,6 +168,9 @@ def _settings(args) -> tuple[list[int], list[str], object, object, object]:
     if args.simulate and not args.emulate:
         raise ValueError("--simulate needs --emulate PROFILE: the simulator holds its server to "
                          "the profile the emulation is held to")
+    if args.against and not args.emulate:
+        raise ValueError("--against needs --emulate PROFILE: it gives the error of a server held "
+                         "to a profile against the real one")
     device = None if args.device_profile == "recorded" else device_profile(args.device_profile)
     emulated = load_profile(args.emulate) if args.emulate else None
     return fleet_sizes, modes, device, link_profile(args.link), emulated
@@ -156,16 +193,16 @@ def capacity(rows: list[dict], mode: str, target_rate: float) -> int:
 
 
 async def sweep(served, traces, fleet_sizes: list[int], modes: list[str], args, device, link,
-                console) -> list[dict]:
-    """Both modes at every N, alternating which goes first, after one unmeasured warm-up of
-    each; returns the rows."""
+                console) -> tuple[list[dict], dict]:
+    """Both modes at every N, alternating which goes first, after the warm-up (warm_up):
+    (the rows, the warm-up's report)."""
 
     cap = args.max_new_tokens
     served.check_traces(traces)
     fleet = TraceFleet(served.stub, served.fingerprint, device, link,
                        RoundSettings(draft_len=args.draft_len))
-    for mode in modes:
-        await run_fleet(fleet, mode, 1, traces.traces, min(cap, 4))
+    with console.status("warming up: every mode at every fleet size, unmeasured"):
+        warm = await warm_up(served, fleet, modes, fleet_sizes, traces, cap)
     rows = []
     total = sum(len(modes) * min(cap, len(traces.traces[j % len(traces.traces)].target_ids))
                 for n in fleet_sizes for j in range(n))
@@ -174,7 +211,8 @@ async def sweep(served, traces, fleet_sizes: list[int], modes: list[str], args, 
         for index, n in enumerate(fleet_sizes):
             for mode in harness.rotated(modes, index):
                 progress.update(task, description=f"{mode}, {n} device(s)")
-                before, paced = (served.forward_passes(), _overruns(served, args)), []
+                before, paced = (served.forward_passes(), _overruns(served, args),
+                                 slow_steps(served)), []
                 counted = replace(
                     fleet, on_tokens=lambda tokens: progress.advance(task, len(tokens)),
                     on_paced=paced.append)
@@ -182,12 +220,50 @@ async def sweep(served, traces, fleet_sizes: list[int], modes: list[str], args, 
                 passes = served.forward_passes() - before[0]
                 rows.append(summarize(FleetRun(mode, n, results, expected, makespan, passes)))
                 # the emulated devices' drafts that this host's loop gave back late
-                rows[-1].update(paced_drafts=len(paced), late_drafts=sum(paced))
+                rows[-1].update(paced_drafts=len(paced), late_drafts=sum(paced),
+                                slow_steps=slow_steps(served) - before[2])
                 if args.emulate:
                     rows[-1]["overruns"] = _overruns(served, args) - before[1]
     rows.sort(key=lambda r: (r["devices"], MODES.index(r["mode"])))
     add_ratios(rows)
-    return rows
+    return rows, warm
+
+
+async def warm_up(served, fleet, modes: list[str], fleet_sizes: list[int], traces,
+                  cap: int) -> dict:
+    """Every mode at every fleet size, smallest first, WARM_UP_TOKENS a device, unmeasured:
+    its seconds, the steps it ran and those past SLOW_STEP_S (compiled or captured there)."""
+    steps, slow, started = served.server.metric(STEPS), slow_steps(served), time.perf_counter()
+    for n in fleet_sizes:
+        for mode in modes:
+            await run_fleet(fleet, mode, n, traces.traces, min(cap, WARM_UP_TOKENS))
+    return {"seconds": round(time.perf_counter() - started, 2), "fleets": fleet_sizes,
+            "modes": modes, "tokens": min(cap, WARM_UP_TOKENS),
+            "steps": served.server.metric(STEPS) - steps, "slow_steps": slow_steps(served) - slow}
+
+
+def slow_steps(served) -> float:
+    """The server's steps so far that took over SLOW_STEP_S (its forward histogram)."""
+    return served.server.metric(STEPS) - served.server.metric(QUICK_STEPS)
+
+
+def warm_up_lines(warm: dict, rows: list[dict], emulated: bool = False) -> list[str]:
+    """What to print of the warm-up: its seconds and slow steps, and the timed rows' own (of a
+    server held to a profile, its steps last the profile's time: the rows' overruns say it)."""
+    timed = sum(r["slow_steps"] for r in rows)
+    line = (f"warm-up: {' and '.join(warm['modes'])} at N = "
+            f"{', '.join(map(str, warm['fleets']))} ({warm['tokens']} tokens a device), "
+            f"unmeasured: {warm['seconds']:.1f} s, {warm['steps']:.0f} steps")
+    if emulated:
+        return [f"{line} (held to the profile: a step that compiled or captured is an overrun)"]
+    lines = [f"{line}, {warm['slow_steps']:.0f} over {SLOW_STEP_S} s (compiled or captured at "
+             "first use)"]
+    if timed:
+        lines.append(f"[yellow]the timed runs took {timed:.0f} steps over {SLOW_STEP_S} s: they "
+                     "met steps the warm-up did not (their rows hold some warm-up)[/]")
+    else:
+        lines.append(f"the timed runs took no step over {SLOW_STEP_S} s")
+    return lines
 
 
 def _overruns(served, args) -> float:
@@ -297,6 +373,62 @@ def agreement_rows(emulated: list[dict], simulated: list[dict]) -> list[dict]:
                      if real["tpot_ms_p95"] else 0.0,
                      "overruns": real.get("overruns", 0)})
     return rows
+
+
+def real_rows(path: str) -> list[dict]:
+    """The rows of a `sled bench serve` results file (--against); ValueError in one line when
+    it is not one."""
+    try:
+        rows = json.loads(Path(path).read_text())["results"]
+        return [r for r in rows if {"mode", "devices", "throughput", "tpot_ms_p95"} <= set(r)]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--against {path}: not a `sled bench serve` results file "
+                         f"({type(exc).__name__}: {exc})") from None
+
+
+def real_errors(real: list[dict], emulated: list[dict],
+                simulated: list[dict] | None) -> list[dict]:
+    """Per (mode, N) the real run measured: its system throughput and p95 TPOT beside the
+    emulation's and the simulation's (where they ran that N), each one's error against the
+    real server (0.05: 5% high)."""
+    beside = {"emulated": {(r["mode"], r["devices"]): r for r in emulated},
+              "simulated": {(r["mode"], r["devices"]): r for r in simulated or ()}}
+    rows = []
+    for measured in real:
+        key = (measured["mode"], measured["devices"])
+        row = {"mode": key[0], "devices": key[1], "throughput": {"real": measured["throughput"]},
+               "tpot_ms_p95": {"real": measured["tpot_ms_p95"]}}
+        for name, rows_of in beside.items():
+            other = rows_of.get(key)
+            if other is None:
+                continue
+            for metric in ("throughput", "tpot_ms_p95"):
+                row[metric][name] = other[metric]
+                row[f"{metric}_error_{name}"] = _error(other[metric], measured[metric])
+        rows.append(row)
+    return rows
+
+
+def _error(value: float, real: float) -> float | None:
+    return value / real - 1 if real else None
+
+
+def _against_table(rows: list[dict], profile: str):
+    table = Table(title=f"the emulation of {profile} and the simulator against the real server",
+                  caption="error: emulated (or simulated) / real - 1")
+    for column in ("mode", "N", "sys real", "emulated", "error", "simulated", "error",
+                   "TPOT p95 real", "emulated", "error", "simulated", "error"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for r in rows:
+        cells = [r["mode"], str(r["devices"])]
+        for metric, fmt in (("throughput", ".1f"), ("tpot_ms_p95", ".1f")):
+            cells.append(f"{r[metric]['real']:{fmt}}")
+            for name in ("emulated", "simulated"):
+                error = r.get(f"{metric}_error_{name}")
+                cells += ([f"{r[metric][name]:{fmt}}", f"{error:+.1%}" if error is not None
+                           else "-"] if name in r[metric] else ["-", "-"])
+        table.add_row(*cells)
+    return table
 
 
 def _agreement_table(rows: list[dict], profile: str):
