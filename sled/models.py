@@ -164,18 +164,39 @@ def _legacy_is_whole(folder: Path) -> bool:
 def checkpoint_is_whole(folder: Path) -> bool:
     """Its JSON files parse, its weights are all there (model.safetensors, or every shard its
     index names) and each safetensors file is as long as its header says."""
+    return checkpoint_problem(folder) is None
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """What keeps FOLDER from being a whole safetensors checkpoint, as a phrase ("no
+    config.json", "model.safetensors is cut short"); None when it is one (checkpoint_is_whole)."""
     try:
-        for path in folder.iterdir():
-            if path.suffix == ".json":
-                json.loads(path.read_bytes())
-            elif path.suffix == ".safetensors" and not safetensors_is_whole(path):
-                return False
+        if not (folder / "config.json").is_file():
+            return "no config.json"
+        for path in sorted(folder.iterdir()):
+            problem = _file_problem(path)
+            if problem:
+                return f"{path.name} {problem}"
         index = folder / "model.safetensors.index.json"
         weights = set(json.loads(index.read_bytes())["weight_map"].values()) if index.exists() \
             else {"model.safetensors"}
-        return (folder / "config.json").is_file() and all((folder / w).is_file() for w in weights)
-    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError):
-        return False
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"an unreadable weight index ({type(exc).__name__}: {exc})"
+    missing = sorted(w for w in weights if not (folder / w).is_file())
+    return f"no {missing[0]} (sled loads safetensors weights)" if missing else None
+
+
+def _file_problem(path: Path) -> str | None:
+    """Why a checkpoint's file is not whole: a JSON file that does not parse, a safetensors file
+    shorter than its header says."""
+    try:
+        if path.suffix == ".json":
+            json.loads(path.read_bytes())
+        elif path.suffix == ".safetensors" and not safetensors_is_whole(path):
+            return "is cut short"
+    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError) as exc:
+        return f"cannot be read ({type(exc).__name__})"
+    return None
 
 
 def safetensors_is_whole(path: Path) -> bool:

@@ -39,15 +39,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     with phase("target", f"loading {settings.model}{first_use_note(settings.model)}"):
         # torch and transformers load here: part of the timed target phase, under its spinner
+        from verify_server.accelerator import check_device
         from verify_server.ranks import split
         from verify_server.follower import follow_leader
         from verify_server.server import serve_forever
-        from verify_server.target import load_target
+        from verify_server.target import load_target, locate_target
         ranks = None
         try:
+            check_device(settings.device, settings.dtype)   # before any rank starts
+            located = locate_target(settings.model)
             ranks = split(settings, sys.argv[1:])
-            target = load_target(settings)
-        except ValueError as exc:   # e.g. a model that does not split over --tp N ranks
+            target = load_target(settings, located)
+        # e.g. a device torch lacks, a model neither here nor on the hub, one that does not
+        # split over --tp N ranks
+        except ValueError as exc:
             print(f"sled serve: {one_line(exc)}", file=sys.stderr)
             if ranks is not None:
                 ranks.end()

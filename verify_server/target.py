@@ -20,7 +20,8 @@ except ImportError:
 
 from sled.cache import MAX_TOKENIZER_CHUNK_BYTES
 from sled.chat_templates import with_chat_template
-from sled.models import builtin_sat_adapter, resolve_model
+from sled.hub import hub_model, is_hub_id
+from sled.models import BUILTIN, builtin_sat_adapter, checkpoint_problem, resolve_model
 from sled.progress import phase
 from sled.v1 import verifier_pb2 as pb
 from sled.wire.fingerprint import files_fingerprint, fingerprint_tokenizer
@@ -59,7 +60,7 @@ class Target:
         if tp > 1:
             check_splittable(model_id, tp, trust_remote_code, name)
         if is_synthetic(model_id):
-            return cls.synthetic(model_id, dtype, device, name)
+            return cls.synthetic(model_id, dtype, device, name, sat_adapter if sat else None)
         with phase("target.tokenizer", f"loading the tokenizer of {name or public_name(model_id)}"):
             tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
         tokenizer = with_chat_template(tokenizer, model_id)   # a built-in converted without one
@@ -79,13 +80,15 @@ class Target:
 
     @classmethod
     def synthetic(cls, model_id: str, dtype: str = "bfloat16", device: str = "cpu",
-                  name: str | None = None) -> "Target":
-        """synthetic:NAME (verify_server.synthetic): a Gemma 3 shape with random weights, no
-        SATs."""
+                  name: str | None = None, sat_adapter: str | None = None) -> "Target":
+        """synthetic:NAME (verify_server.synthetic): a Gemma 3 shape with random weights; SATs
+        only from `sat_adapter`, a file of its shape (`sled bench sdsat --sat-adapter random`
+        writes one)."""
         shape_of(model_id)      # an unknown name is said before anything is made
         with phase("target.weights", f"making random {dtype} weights for {model_id}"):
             model, tokenizer = synthetic_model(model_id, DTYPES[dtype], device)
-        return cls._of(model, tokenizer, model_id, None, name)
+        spec = sat_spec_of(model, None, sat_adapter) if sat_adapter else None
+        return cls._of(model, tokenizer, model_id, spec, name)
 
     @classmethod
     def from_model(cls, model, tokenizer, model_id: str, sat: SatSpec | None = None) -> "Target":
@@ -234,12 +237,38 @@ def eos_ids_of(model) -> tuple[int, ...]:
     return ()
 
 
-def load_target(settings):
-    """The target the settings name, with its SATs (the built-in adapter for a built-in alias)."""
+def locate_target(spec: str) -> str:
+    """What Target.load should load for SPEC: a built-in alias's converted checkpoint, a local
+    folder that holds a whole safetensors checkpoint, or a hub id as sled.hub finds it (on the
+    hub, else in its cache); synthetic:NAME as given. ValueError (one line: what to give
+    instead) for anything else, before torch loads a byte of it."""
+    if is_synthetic(spec) or spec in BUILTIN:
+        return resolve_model(spec)
+    path = Path(spec).expanduser()
+    if _looks_like_path(spec, path):
+        if not path.is_dir():
+            raise ValueError(f"{spec} is not a folder here: give --model the folder of a "
+                             "transformers checkpoint (config.json, *.safetensors), a hub id "
+                             f"(owner/name), a built-in alias ({', '.join(BUILTIN)}) or "
+                             "synthetic:NAME")
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ValueError(f"{spec} is not a whole safetensors checkpoint ({problem}): give the "
+                             "folder save_pretrained(..., safe_serialization=True) wrote")
+        return str(path)
+    if not is_hub_id(spec):
+        raise ValueError(f"{spec!r} is neither a folder here nor a hub id (owner/name): give "
+                         f"one, a built-in alias ({', '.join(BUILTIN)}) or synthetic:NAME")
+    return hub_model(spec)
+
+
+def load_target(settings, located: str | None = None):
+    """The target the settings name, with its SATs (the built-in adapter for a built-in alias);
+    `located`: the model as locate_target found it, when the caller has asked already."""
 
     adapter = settings.sat_adapter
     if adapter is None and settings.sat:
         adapter = builtin_sat_adapter(settings.model)
-    return Target.load(resolve_model(settings.model), dtype=settings.dtype, device=settings.device,
-                       trust_remote_code=settings.trust_remote_code, name=settings.model,
-                       sat_adapter=adapter, sat=settings.sat, tp=settings.tp)
+    return Target.load(located or locate_target(settings.model), dtype=settings.dtype,
+                       device=settings.device, trust_remote_code=settings.trust_remote_code,
+                       name=settings.model, sat_adapter=adapter, sat=settings.sat, tp=settings.tp)
