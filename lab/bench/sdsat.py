@@ -17,6 +17,10 @@ One server process, one workload, two parts:
    and lookahead m with hints "always" (every hint used: what the hints are worth raw). Per
    (drafter, setting): tokens per round, acceptance, hint tokens used, passes per token, tokens/s.
 
+`--sat-adapter random` serves a target that has no adapter (a synthetic one on a GPU) with a
+random one of its shape (lab.bench.random_sat): the passes cost what a trained adapter's cost,
+their acceptance is a random model's. `--drafters none` leaves the lookahead part out.
+
 The modes run prompt by prompt, alternating which goes first, and one at a time, so the pass
 counter's delta belongs to one mode. Every output must equal the plain mode's output for the same
 prompt, which is the target's own greedy output: a difference fails the benchmark (exit 1).
@@ -36,6 +40,7 @@ from edge_client.server_side import generate_server_side
 from edge_client.session import RoundSettings, Target, generate
 from edge_client.wire import SessionRequest
 from lab.bench import harness
+from lab.bench.random_sat import RANDOM, random_adapter_path, write_random_adapter
 from lab.bench.report import save_figure, short_name, subplots
 from lab.workload import prompt_texts
 from sled.flags import non_negative_float, non_negative_int, positive_int
@@ -52,7 +57,8 @@ def add_arguments(parser) -> None:
     harness.add_server_flags(parser, model_default="gemma3-270m",
                              model_help="target alias or checkpoint path")
     parser.add_argument("--sat-adapter", default=None, help="SAT adapter for the server (default: "
-                        "the one shipped for a built-in target, or one beside the model)")
+                        "the one shipped for a built-in target, or one beside the model; random: "
+                        "a random one of the target's shape, written beside --out)")
     parser.add_argument("--compare-adapter", default=None,
                         help="a second SAT adapter whose greedy self-drafting runs beside (default: "
                              "the embeddings-only adapter shipped for a built-in target; none: skip)")
@@ -60,7 +66,8 @@ def add_arguments(parser) -> None:
                         help="SAT self-drafting also sampled at this temperature (0: skip)")
     harness.add_workload_flags(parser, default="humaneval:10", max_new_tokens=64)
     parser.add_argument("--drafters", default="gguf:gemma3-270m,onnx:gemma3-270m,ngram",
-                        help="comma-separated drafter specs for the lookahead part")
+                        help="comma-separated drafter specs for the lookahead part (none: no "
+                             "lookahead part)")
     harness.add_draft_len_flag(parser, help="tokens drafted per round")
     parser.add_argument("--lookahead", type=non_negative_int, default=None,
                         help="SAT hints per verdict (default: the target's SAT slots)")
@@ -202,7 +209,7 @@ async def lookahead_runs(served, spec: str, prompts: list[list[int]], lookahead:
 
 
 def _validate(args) -> list[str]:
-    specs = [s.strip() for s in args.drafters.split(",") if s.strip()]
+    specs = [s.strip() for s in args.drafters.split(",") if s.strip() and s.strip() != "none"]
     if args.devices < 1:
         raise ValueError(f"--devices must be >= 1, not {args.devices}")
     if args.max_new_tokens < 1:
@@ -210,8 +217,10 @@ def _validate(args) -> list[str]:
     if args.lookahead is not None and args.lookahead < 1:
         raise ValueError(f"--lookahead must be >= 1, not {args.lookahead}")
     for flag, path in (("--sat-adapter", args.sat_adapter), ("--compare-adapter", args.compare_adapter)):
-        if path and path != "none" and not Path(path).is_file():
+        if path and path not in ("none", RANDOM) and not Path(path).is_file():
             raise ValueError(f"{flag} {path}: no such file")
+    if args.compare_adapter == RANDOM:
+        raise ValueError("--compare-adapter random: compare a trained adapter, or none")
     return specs
 
 
@@ -231,6 +240,9 @@ async def bench(args) -> int:
     console = harness.bench_console(width=160)
     with harness.flag_errors():
         specs = _validate(args)
+        if args.sat_adapter == RANDOM:
+            args.sat_adapter = str(write_random_adapter(args.model,
+                                                        random_adapter_path(args.out)))
         server_args, compare_args = _server_args(args), _server_args(args, compared=True)
         model_path = resolve_model(args.model)
     async with harness.serving(model_path, server_args, console,
@@ -248,7 +260,8 @@ async def bench(args) -> int:
              f"slots, {args.workload}, {args.max_new_tokens} new tokens, {args.devices} session(s) "
              "at once")
     console.print(_self_drafting_table(sat_rows, setup))
-    console.print(_lookahead_table(drafter_rows, args.draft_len, lookahead))
+    if drafter_rows:
+        console.print(_lookahead_table(drafter_rows, args.draft_len, lookahead))
     harness.write_results(console, args.out, {
         "model": args.model, "sat_adapter": _adapter_of(server_args),
         "compare_adapter": _adapter_of(compare_args or []), "temperature": args.temperature,
