@@ -6,7 +6,9 @@
 # protobuf pinned, as sled's generated stubs and settings need them); and packs the built-in
 # Gemma 3 tokenizer and config (no weights) that synthetic:gemma3-4b needs. Versions: those
 # sled's .venv runs. Everything lands in .whl/
-# (git ignores it: a device run carries it).
+# (git ignores it: a device run carries it). No weights travel (the built-in gemma3-270m is
+# 253 MB as GGUF, 1.1 GB converted): check.sh's targets are synthetic, made on the GPU, and its
+# SAT part gives one a random adapter of its shape, written there (lab/bench/random_sat.py).
 #
 #   bash lab/gpu/wheels.sh && bash lab/gpu/check.sh OUT
 set -euo pipefail
