@@ -117,7 +117,9 @@ COMMANDS = {
                            "export an HF checkpoint or built-in model to ONNX (drafter)",
                            needs=("export",)),
     "doctor": Command("sled_cli.doctor", "this CPU's vector extensions, llama.cpp's build flags "
-                      "and a decode check of a GGUF (--repair: a portable rebuild on a crash)"),
+                      "and a decode check of a GGUF (--repair: a portable rebuild on a crash); "
+                      "--server: this machine as a verify server (CUDA, GPUs, memory, flex, one "
+                      "step of the target)"),
     "models": Group("built-in offline models", {
         "list": Command("sled_cli.models_list", "aliases, their packages and cached conversions"),
         "prepare": Command("sled_cli.models_prepare",
