@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from verify_server.engines.base import Engine
+from verify_server.engines.base import ENGINES, Engine
 from verify_server.engines.blocks import BlockPool, KVShape
 from verify_server.engines.flex import FlexEngine, serving_flex
 from verify_server.engines.padded import PaddedEngine
@@ -68,8 +68,6 @@ def make_engine(model: torch.nn.Module, *, kv_budget_bytes: int | None = None,
         return FlexEngine(model, pool, sat, flex=serving_flex(pool))
     return {"paged": PagedEngine, "padded": PaddedEngine}[kind](model, pool, sat)
 
-
-ENGINES = ("auto", "paged", "flex", "padded")
 
 
 def auto_kind(model: torch.nn.Module, device: torch.device) -> str:

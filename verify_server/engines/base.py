@@ -20,6 +20,9 @@ from verify_server.engines.kv import SessionKV
 from verify_server.engines.rows import Row
 from verify_server.sdsat import SatSpec
 
+# The engines --engine names ("auto" picks one of the others for the model and device).
+ENGINES = ("auto", "paged", "flex", "padded")
+
 
 @dataclass(slots=True)
 class StepLogits:

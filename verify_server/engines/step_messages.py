@@ -20,22 +20,25 @@ that kind, or one of the wrong shape); whether it can act on what it read is ste
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from verify_server.engines import ENGINES
+from verify_server.engines.base import ENGINES
 from verify_server.engines.blocks import BlockPool
 from verify_server.engines.kv import SessionKV
 from verify_server.engines.rows import Row
 
-if TYPE_CHECKING:
-    from verify_server.engines.step_checks import Limits
-
 LAYOUT = 0x736C6564_0001      # "sled", layout 1: both ends must speak the same
 HEADER = 3                    # int64 values
 ROW_FIELDS = 7                # a row's values before its sequences
+
+
+class PayloadLimits(Protocol):
+    """What a receiver allows a message of each kind (step_checks.Limits)."""
+
+    def max_values(self, kind: type) -> int: ...
 
 
 class Unreadable(ValueError):
@@ -112,7 +115,7 @@ def encode(message) -> tuple[torch.Tensor, torch.Tensor]:
             torch.tensor(values, dtype=torch.int64))
 
 
-def payload_length(header: torch.Tensor, limits: Limits) -> int:
+def payload_length(header: torch.Tensor, limits: PayloadLimits) -> int:
     """The length of the payload `header` announces, once it is known to be rank 0's and
     within what the receiver's own `limits` allow its kind."""
     kind, n = _announced(header)
