@@ -4,8 +4,10 @@ idle session, and that nothing of the core takes a gRPC object."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import inspect
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -158,6 +160,69 @@ async def test_after_every_round_the_kv_holds_the_prompt_and_output_but_the_last
         assert session.generated == greedy_reference(model, prompt, 40)
     assert kv_free(core)
     core.close(session)
+
+
+def other_token(session, token: int) -> int:
+    """A token other than `token` that ends nothing."""
+    return next(t for t in range(token + 1, token + 9) if t not in session.end_ids)
+
+
+# Ways a round's commit goes wrong after its forward (outcome, the session -> the outcome
+# committed), each with the words of the fault it is ended for. The draft is the target's own
+# 3 tokens: accepted whole, with a bonus.
+CORRUPTIONS = {
+    "emits one token less than it keeps": (
+        lambda o, s: replace(o, emitted=o.emitted[:-1]), "of its prompt and output"),
+    "keeps past the tokens its forward wrote": (
+        lambda o, s: replace(o, accepted=o.accepted + 1, emitted=[*o.emitted, o.emitted[-1]]),
+        "its forward wrote 4 tokens"),
+    "its KV grows between its forward and its commit": (
+        lambda o, s: s.kv.commit(1) or o, "its forward wrote 4 tokens"),
+    "emits a token other than the one whose KV it keeps": (
+        lambda o, s: replace(o, emitted=[*o.emitted[:2], other_token(s, o.emitted[2]),
+                                         o.emitted[3]]),
+        "was fed token"),
+}
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+async def test_a_round_whose_kv_is_not_its_output_ends_its_session_only(
+        make_core, models, prompts, monkeypatch, caplog, corruption):
+    """A round committed wrongly ends its session with INTERNAL (REASON_INTERNAL), naming the
+    fault in one line and in the server's log; a session in the same step carries on to the
+    target's own output."""
+    corrupt, fault = CORRUPTIONS[corruption]
+    core = await make_core()
+    model = models["llama"]
+    broken, _ = await opened(core, prompts[0], max_new_tokens=20)
+    healthy, _ = await opened(core, prompts[1], DEV_2)
+    verify = core.scheduler.verify
+
+    async def corrupted(session, *args, **kwargs):
+        outcome, info = await verify(session, *args, **kwargs)
+        return (corrupt(outcome, session) if session is broken else outcome), info
+
+    monkeypatch.setattr(core.scheduler, "verify", corrupted)
+    drafts = [pb.Draft(round=0, token_ids=greedy_reference(model, s.prompt_ids, 3))
+              for s in (broken, healthy)]
+    with caplog.at_level("ERROR", logger="sled.server"):
+        refused, verdict = await asyncio.gather(
+            *(core.verify(s, d, None) for s, d in zip((broken, healthy), drafts)),
+            return_exceptions=True)
+    assert isinstance(refused, SessionError), refused
+    assert (refused.code, refused.reason, refused.round) == (
+        grpc.StatusCode.INTERNAL, Reason.REASON_INTERNAL, 0)
+    assert fault in refused.message and broken.id in refused.message, refused.message
+    assert "\n" not in refused.message
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [refused.message]
+    assert verdict.accepted == 3 and verdict.timings.batch_size == 2     # the same step
+    core.close(broken)                      # as the transport does when the stream ends
+    while not healthy.finished:
+        draft = greedy_reference(model, healthy.prompt_ids + healthy.generated, 3)
+        await core.verify(healthy, pb.Draft(round=healthy.round, token_ids=draft), None)
+    assert healthy.generated == greedy_reference(model, prompts[1], MAX_NEW)
+    core.close(healthy)
+    assert core.sessions == {} and kv_free(core)
 
 
 async def test_a_server_mode_session_decodes_the_targets_greedy_output(make_core, models, prompts):

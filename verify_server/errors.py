@@ -58,6 +58,11 @@ def deadline(reason: int, message: str, round: int = 0) -> SessionError:
     return SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, reason, message, round)
 
 
+def internal(message: str, round: int = 0) -> SessionError:
+    """A fault in the server, not in the request: this session ends, the others carry on."""
+    return SessionError(grpc.StatusCode.INTERNAL, Reason.REASON_INTERNAL, message, round)
+
+
 def unauthenticated(message: str) -> SessionError:
     return SessionError(grpc.StatusCode.UNAUTHENTICATED, Reason.REASON_UNAUTHENTICATED, message)
 

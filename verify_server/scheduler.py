@@ -29,14 +29,15 @@ from verify_server.engines.base import Engine
 from verify_server.engines.rows import Row
 from verify_server.errors import Reason
 from verify_server.metrics import Metrics
-from verify_server.session import Session
+from verify_server.session import Fed, Session
 
 # --- the work a session queues ----------------------------------------------------------------------
 # Each item gives a step its row (`row`) and what deciding it takes (`proposal`: the whole step
 # is decided at once). After the decision `keep` puts the KV in order on the engine thread: a
 # prefill chunk is all kept, so it commits its own KV; a tree's accepted path is moved to where
-# a chain's would be. A round's tokens and the rest of its KV are committed by `Session.commit`
-# when the round finishes (rounds.finish_round).
+# a chain's would be, and the row is recorded on its session (Session.fed). A round's tokens and
+# the rest of its KV are committed by `Session.commit` when the round finishes
+# (rounds.finish_round), checked against that record.
 
 @dataclass(slots=True, eq=False)
 class Work:
@@ -112,6 +113,7 @@ class Verify(Work):
     def keep(self, row: Row, outcome: Outcome | None) -> None:
         if self.parents and outcome is not None:
             self.session.kv.keep_path(outcome.path)
+        self.session.fed = Fed(row.kv.length, row.tokens)    # what Session.commit checks against
 
 
 def sat_step_tokens(draft_len: int, lookahead: int, every_cut: bool = False) -> int:

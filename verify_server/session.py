@@ -5,7 +5,9 @@ much of its KV is context. Nothing else moves either after the prompt is in."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -14,10 +16,21 @@ from sled import clock
 from sled.v1 import verifier_pb2 as pb
 from sled.wire.loose import Loose
 from sled.wire.sampling import Sampling
+from verify_server import errors
 from verify_server.acceptance import Outcome
 from verify_server.auth import Identity
 from verify_server.engines.kv import SessionKV
 from verify_server.warp import new_generator
+
+log = logging.getLogger("sled.server")
+
+
+@dataclass(frozen=True, slots=True)
+class Fed:
+    """What a verify's forward wrote into a session's KV (recorded on the engine thread): its
+    tokens, the last committed token then the draft, at the positions from `start`."""
+    start: int
+    tokens: Sequence[int]
 
 
 @dataclass(slots=True, eq=False)
@@ -43,6 +56,7 @@ class Session:
     device: Identity | None = None          # who opened it (auth.Identity): quotas, logs, metrics
     kv_reserved: int = 0                    # KV tokens it holds against its device's share
     loose: Loose | None = None              # opt-in loose verification: NOT lossless
+    fed: Fed | None = None                  # the round's row as its forward wrote it (scheduler)
 
     @classmethod
     def from_open(cls, request: pb.Open, sampling: Sampling, eos_ids: tuple[int, ...],
@@ -93,11 +107,11 @@ class Session:
 
     def commit(self, outcome: Outcome) -> tuple[list[int], int, int]:
         """Append the verdict's tokens, cut at the first end id or the length limit, and keep the
-        KV of the tokens the round fed that stay: the last token and the accepted draft (the
-        correction or bonus goes in with the next draft).
+        KV of the tokens the round fed that stay (keep_kv).
 
         Returns (emitted, finish reason, accepted draft tokens among the emitted): an EOS inside
         an accepted run drops the draft tokens after it, so they do not count as accepted.
+        Raises SessionError (INTERNAL) when the KV kept is not what the output says.
         """
         emitted: list[int] = []
         finish = pb.FINISH_REASON_UNSPECIFIED
@@ -110,22 +124,57 @@ class Session:
                 finish = pb.FINISH_REASON_LENGTH
                 break
         self.generated.extend(emitted)
-        if self.kv is not None:
-            self.kv.commit(1 + outcome.accepted)
-        self.round += 1
         self.finish = finish
-        self.check_kv()
+        if self.kv is not None:
+            self.keep_kv(outcome)
+        self.round += 1
         return emitted, finish, min(outcome.accepted, len(emitted))
 
-    def check_kv(self) -> None:
+    def keep_kv(self, outcome: Outcome) -> None:
+        """Keep the KV of the last token and the accepted draft (the correction or bonus goes
+        in with the next draft), then check_kv; all O(1). They must be the first 1 + accepted
+        positions the round's forward wrote (a tree's accepted path moved there), as the engine
+        thread recorded them apart from the outcome (`fed`): an outcome that keeps more than
+        its row (a SAT slot, an unwritten position), or a KV that moved between the forward and
+        the commit, ends the session."""
+        fed, self.fed = self.fed, None
+        kept = 1 + outcome.accepted
+        last = outcome.path[-1] if outcome.path else outcome.accepted   # the fed token kept last
+        if fed is None:
+            raise self.kv_fault("no forward wrote its tokens")
+        if self.kv.length != fed.start or max(kept, last + 1) > len(fed.tokens):
+            raise self.kv_fault(f"it would keep the KV of {kept} tokens from position "
+                                f"{self.kv.length}, up to its row's token #{last}, but its "
+                                f"forward wrote {len(fed.tokens)} tokens from position {fed.start}")
+        self.kv.commit(kept)
+        if not self.finished:
+            self.check_kv(fed.tokens[last])
+
+    def check_kv(self, last_fed: int) -> None:
         """While the session goes on, its KV holds the prompt and every generated token but the
-        last (fed with the next draft). A round that kept a rejected token's KV, or lost an
-        accepted one's, would shift every later position: the session ends here instead of
-        emitting what the target would not have. A finished session's KV is freed unread."""
-        if self.kv is None or self.finished:
-            return
-        seen = len(self.prompt_ids) + len(self.generated) - 1
-        if self.kv.length != seen:
-            raise RuntimeError(f"session {self.id}'s KV holds {self.kv.length} tokens after "
-                               f"round {self.round}, not the {seen} of its prompt and output but "
-                               "the last")
+        last (fed with the next draft), and its last position was fed `last_fed`, the token the
+        output has there. This catches a prefill that kept more or less than the prompt, a round
+        that emitted other than accepted + 1 tokens without finishing, and an output whose last
+        accepted token is not the one whose KV was kept (only that position is compared): each
+        would shift or corrupt every later position, so the session ends here. It cannot see
+        which KV sits in a slot (a tree's accepted nodes left unmoved pass). A finished
+        session's KV is freed unread."""
+        context = len(self.prompt_ids) + len(self.generated)
+        if self.kv.length != context - 1:
+            raise self.kv_fault(f"its KV holds {self.kv.length} tokens, not the {context - 1} of "
+                                "its prompt and output but the last")
+        position = self.kv.length - 1
+        held = (self.prompt_ids[position] if position < len(self.prompt_ids)
+                else self.generated[position - len(self.prompt_ids)])
+        if held != last_fed:
+            raise self.kv_fault(f"position {position} of its KV was fed token {last_fed}, its "
+                                f"output has {held} there")
+
+    def kv_fault(self, fault: str) -> errors.SessionError:
+        """The session's KV is not its context after this round: a fault in the server, which
+        ends this session only (INTERNAL) and is logged for the operator."""
+        message = (f"session {self.id} ends after round {self.round}, whose verdict is not "
+                   f"sent: {fault}; a fault in the server: reopen with the prompt and the tokens "
+                   "received")
+        log.error("%s", message)
+        return errors.internal(message, self.round)

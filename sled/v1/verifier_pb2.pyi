@@ -254,6 +254,7 @@ class ErrorDetail(_message.Message):
         REASON_QUOTA: _ClassVar[ErrorDetail.Reason]
         REASON_BAD_TREE: _ClassVar[ErrorDetail.Reason]
         REASON_BAD_LOOSE: _ClassVar[ErrorDetail.Reason]
+        REASON_INTERNAL: _ClassVar[ErrorDetail.Reason]
     REASON_UNSPECIFIED: ErrorDetail.Reason
     REASON_TOKEN_OUT_OF_RANGE: ErrorDetail.Reason
     REASON_EMPTY_DRAFT: ErrorDetail.Reason
@@ -277,6 +278,7 @@ class ErrorDetail(_message.Message):
     REASON_QUOTA: ErrorDetail.Reason
     REASON_BAD_TREE: ErrorDetail.Reason
     REASON_BAD_LOOSE: ErrorDetail.Reason
+    REASON_INTERNAL: ErrorDetail.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
