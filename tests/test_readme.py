@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import re
 import shlex
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import pytest
 
@@ -350,18 +351,75 @@ def as_loaded(value: object) -> object:
 
 
 def held(settings: object, dotted: str) -> object:
-    """The loaded value of a dotted key, a secret as its text and "" as none."""
+    """The loaded value of a dotted key, a secret or a path as its text and "" as none."""
     for name in dotted.split("."):
         settings = getattr(settings, name)
     if hasattr(settings, "get_secret_value"):
         settings = settings.get_secret_value()
+    if isinstance(settings, PurePath):
+        settings = str(settings)
     return None if settings == "" else settings
 
 
+# A valid value other than the example's, for keys whose type alone gives none: a choice, an
+# address, a list.
+OTHER_VALUES = {"dtype": "bfloat16", "engine": "paged", "host": "10.0.0.9",
+                "policy.draft_len": "auto", "servers": ["10.0.0.3:50051"],
+                "server_names": ["gpu-1.lan"], "api_hosts": ["pi5-kitchen.lan"],
+                "api_origins": ["http://localhost:3000"]}
+
+
+def other_value(key: str, value: object) -> object:
+    """A valid value of `key` other than `value`: a flipped boolean, a number one off (a
+    fraction halved), a size one unit more, a string one character longer."""
+    if key in OTHER_VALUES:
+        return OTHER_VALUES[key]
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value - 1 if value > 1 else value + 1
+    if isinstance(value, float):
+        return value / 2 if value else 0.5
+    assert isinstance(value, str), f"{key} = {value!r}: give it a value in OTHER_VALUES"
+    size = re.fullmatch(r"(\d+)([KMG]iB)", value)
+    if size:
+        return f"{int(size[1]) + 1}{size[2]}"
+    return value + "2" if value else "other"
+
+
+def changed(table: dict, prefix: str = "") -> dict:
+    """A settings file's table with every value other_value'd, sections kept."""
+    return {key: changed(value, f"{prefix}{key}.") if isinstance(value, dict)
+            else other_value(prefix + key, value) for key, value in table.items()}
+
+
+def toml_text(table: dict) -> str:
+    """A settings file's table as TOML: its keys, then a [section] per table. Values are
+    written as JSON, which TOML reads alike for booleans, numbers, strings and their lists."""
+    def lines(section: dict) -> str:
+        return "".join(f"{key} = {json.dumps(value)}\n" for key, value in section.items()
+                       if not isinstance(value, dict))
+    return lines(table) + "".join(f"\n[{name}]\n{lines(section)}" for name, section in
+                                  table.items() if isinstance(section, dict))
+
+
+def wrongly_loaded(load_settings, path: Path) -> dict[str, tuple[object, object]]:
+    """The keys of the file at `path` not loaded with the value it writes: (written, held)."""
+    import tomllib
+
+    written = file_values(tomllib.loads(path.read_text()))
+    assert len(written) >= 20, sorted(written)
+    loaded = load_settings(path)
+    return {key: (value, held(loaded, key)) for key, value in written.items()
+            if held(loaded, key) != as_loaded(value)}
+
+
 @pytest.mark.parametrize("config", ["docs/serve.example.toml", "docs/device.example.toml"])
-def test_the_example_configs_load(config, monkeypatch):
+def test_the_example_configs_load(config, monkeypatch, tmp_path):
     """Every key the example sets is loaded with the value it writes (read here with tomllib,
-    apart from the loader), untouched by the environment."""
+    apart from the loader), untouched by the environment; and so is every key of a copy with
+    every value changed: most of the example's values are the defaults, which a loader that
+    dropped the key would give as well."""
     import tomllib
 
     monkeypatch.chdir(ROOT)
@@ -371,12 +429,14 @@ def test_the_example_configs_load(config, monkeypatch):
         from edge_client.settings import load_settings
     else:
         from verify_server.settings import load_settings
-    loaded = load_settings(config)
-    written = file_values(tomllib.loads((ROOT / config).read_text()))
-    assert len(written) >= 20, sorted(written)
-    wrong = {key: (value, held(loaded, key)) for key, value in written.items()
-             if held(loaded, key) != as_loaded(value)}
-    assert wrong == {}, wrong
+    example = tomllib.loads((ROOT / config).read_text())
+    copy = tmp_path / Path(config).name
+    copy.write_text(toml_text(changed(example)))
+    written, rewritten = file_values(example), file_values(tomllib.loads(copy.read_text()))
+    assert rewritten.keys() == written.keys()
+    assert not [key for key in written if rewritten[key] == written[key]]
+    assert wrongly_loaded(load_settings, Path(config)) == {}
+    assert wrongly_loaded(load_settings, copy) == {}
 
 
 @pytest.mark.parametrize("argv", [("/nonexistent-checkpoint",),
