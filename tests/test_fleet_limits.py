@@ -23,6 +23,7 @@ from sled.wire.auth import bearer_metadata
 from tests.conftest import greedy_reference
 from tests.test_access import PROMPT, TOKENS, open_session, refused, stub_of, token_file
 from verify_server.engines.blocks import KVShape
+from verify_server.settings import ServerSettings
 from tests.test_tokenizer_stream import lengthened
 
 
@@ -68,14 +69,14 @@ async def test_streams_without_an_open_are_ended_and_counted_against_their_devic
         await channel.close()
 
 
-async def stalled_replies(server, token: str, count: int):
+async def stalled_replies(server, token: str | None, count: int, metadata=()):
     """COUNT GetTokenizer calls of one device that read one chunk each, then nothing (of a reply
     far longer than flow control sends ahead; later calls get the real one)."""
     files = server.service.target.tokenizer_reply
     lengthened(server)
     channel = grpc.aio.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)])
     stub = ChannelSecurity(token=token).stub(channel)
-    calls = [stub.GetTokenizer(pb.GetTokenizerRequest()) for _ in range(count)]
+    calls = [stub.GetTokenizer(pb.GetTokenizerRequest(), metadata=metadata) for _ in range(count)]
     for call in calls:
         assert (await asyncio.wait_for(call.read(), 10)).offset == 0
     server.service.target.tokenizer_reply = files
@@ -101,6 +102,34 @@ async def test_one_device_holds_at_most_its_share_of_the_tokenizer_replies(
         assert "device dev-1 holds 2 GetTokenizer replies (limit 2 per device)" in await third.details()
         victim = await tokenizer_of(server, TOKENS["dev-2"])      # no slot is dev-1's to take
         assert victim.fingerprint == server.service.target.fingerprint
+    finally:
+        await channel.close()
+
+
+async def test_a_host_without_a_token_holds_at_most_its_share_of_the_tokenizer_replies(
+        serve, models):
+    """A host (its address block: a NAT's devices together) holds at most
+    --max-tokenizer-calls-per-host replies, fewer than the server's by default; another host is
+    served meanwhile. The test's client is a trusted proxy forwarding both hosts."""
+    defaults = ServerSettings()
+    assert defaults.max_tokenizer_calls_per_host < defaults.max_tokenizer_calls
+    server = await serve(models["llama"], trusted_proxies=["127.0.0.1"], reflection=False,
+                         max_tokenizer_calls_per_host=2, tokenizer_stall_timeout=3600.0)
+    nat = (("x-forwarded-for", "203.0.113.7"),)
+    channel, calls = await stalled_replies(server, None, 2, nat)
+    try:
+        async with grpc.aio.insecure_channel(server.address) as other:   # a window of its own
+            stub = VerifierStub(other)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in stub.GetTokenizer(pb.GetTokenizerRequest(), metadata=nat):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert ("host:203.0.113.7 holds 2 GetTokenizer replies (limit 2 per host without a "
+                    "token or certificate)") in refused.value.details()
+            neighbour = stub.GetTokenizer(pb.GetTokenizerRequest(),
+                                          metadata=(("x-forwarded-for", "203.0.113.8"),))
+            chunks = [chunk async for chunk in neighbour]
+            assert chunks and await neighbour.code() == grpc.StatusCode.OK
     finally:
         await channel.close()
 
@@ -195,7 +224,7 @@ async def test_thousands_of_watch_streams_hold_at_most_the_callers_bound(serve, 
     async with grpc.aio.insecure_channel(server.address) as channel:
         first = await asyncio.gather(*(watching(channel) for _ in range(1000)))
         held = [call for call, error in first if error is None]
-        assert len(held) == limit and server.service.core.calls == {"host:127.0.0.0/8": limit}
+        assert len(held) == limit and server.service.core.calls == {"host:loopback": limit}
         refusal = next(error for _, error in first if error is not None)
         assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert f"holds {limit} calls (limit {limit}): end one first" in refusal.details()
@@ -238,7 +267,7 @@ async def test_calls_that_never_send_their_request_are_counted_and_ended(serve, 
         silent = [channel.stream_stream(method)() for method in (
             "/sled.v1.Verifier/GetModelInfo", "/sled.v1.Verifier/GetTokenizer",
             "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")]
-        await wait_for(lambda: server.service.core.calls.get("host:127.0.0.0/8") == 3,
+        await wait_for(lambda: server.service.core.calls.get("host:loopback") == 3,
                        "the silent calls to be counted")
         refusal = await refused(health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest()))

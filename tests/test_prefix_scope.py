@@ -51,7 +51,7 @@ def test_peer_host_drops_the_port(peer, host):
 
 def tenant_of(peer: str, salt: str) -> bytes:
     """The tenant of a tokenless call from `peer` (what the server computes for it)."""
-    return tenant_key(Gate().identify((), {}, peer).key, salt)
+    return tenant_key(Gate().identify((), {}, peer).tenant, salt)
 
 
 def test_tenant_key_is_the_host_and_the_salt_never_the_port():

@@ -285,6 +285,38 @@ def test_a_proxy_network_is_one_address_or_a_cidr_network():
         proxy_network("fe80::1/10")
 
 
+@pytest.mark.parametrize("entry, network", [("::ffff:10.0.0.5", "10.0.0.5/32"),
+                                            ("::ffff:10.0.0.0/104", "10.0.0.0/8"),
+                                            ("::ffff:0:0/96", "0.0.0.0/0")])
+def test_an_ipv4_mapped_proxy_network_is_its_ipv4_network(entry, network):
+    """A peer's mapped address is read as IPv4 (peer_host): a mapped entry is too, or it would
+    never match."""
+    assert str(proxy_network(entry)) == network
+    assert settings_of("--trusted-proxy", entry).trusted_proxies == (network,)
+    proxies = TrustedProxies([entry])
+    assert proxies.trusts("10.0.0.5")
+    assert proxies.origin(xff("203.0.113.7"), "ipv6:[::ffff:10.0.0.5]:1").host == "203.0.113.7"
+
+
+def test_a_wide_trusted_network_is_warned_of_as_the_server_starts(caplog):
+    proxies = TrustedProxies(["0.0.0.0/0", "::/0", "10.0.0.0/8", "fd00::/32", "10.0.0.5"],
+                             cert_header=CERT_HEADER)
+    with caplog.at_level(logging.WARNING, logger="sled.server.origin"):
+        proxies.warn_wide()
+        TrustedProxies(["10.0.0.0/8", "fd00::/32"]).warn_wide()
+    warned = [record.getMessage() for record in caplog.records]
+    assert len(warned) == 2
+    assert warned[0].startswith("--trusted-proxy 0.0.0.0/0 is wider than an IPv4 /8")
+    assert warned[1].startswith("--trusted-proxy ::/0 is wider than an IPv6 /32")
+    assert all(f"x-forwarded-for and {CERT_HEADER}" in line for line in warned)
+
+
+async def test_the_server_warns_of_a_wide_trusted_network(serve, models, caplog):
+    with caplog.at_level(logging.WARNING, logger="sled.server.origin"):
+        await serve(models["llama"], trusted_proxies=["0.0.0.0/0"])
+    assert any("--trusted-proxy 0.0.0.0/0 is wider" in r.getMessage() for r in caplog.records)
+
+
 # --- through a real server -----------------------------------------------------------------------
 
 PROMPT = list(range(40, 120)) + [5]      # five 16-token blocks to find in the prefix cache

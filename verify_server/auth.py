@@ -94,12 +94,20 @@ class Grant:
 
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """Who a call comes from. `key` tells devices apart for quotas and the prefix cache: the
-    device id when it was proven, else the address block of the peer's host (CallerPrefixes)."""
+    """Who a call comes from. `key` tells devices apart for quotas and bounds: the device id
+    when it was proven, else its host's address block (CallerPrefixes: what one machine may
+    hold). `tenant` scopes its prefix cache (verify_server.tenant): the proven device's, else
+    its host's own address, as one block (an IPv6 LAN's /64) holds many devices and a hit tells
+    what another sent. Left out, the tenant is the key."""
     device: str
     authenticated: bool
     key: str
     quota: Quota = Quota()
+    tenant: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.tenant:
+            object.__setattr__(self, "tenant", self.key)
 
 
 def digest(token: str) -> bytes:
@@ -174,10 +182,12 @@ def certificate_names(auth_context: dict) -> list[str]:
 
 def tokenless_identity(origin: Origin, prefixes: CallerPrefixes = CallerPrefixes()) -> Identity:
     """A caller without a token: its certificate's first name, else its host's address block
-    ("host:2001:db8:1:2::/64", "host:127.0.0.0/8", "host:203.0.113.7")."""
+    ("host:2001:db8:1:2::/64", "host:loopback", "host:203.0.113.7") with the host's own
+    address as its prefix-cache tenant ("host:2001:db8:1:2::7")."""
     if origin.names:
         return Identity(origin.names[0], True, "cert:" + origin.names[0])
-    return Identity(ANONYMOUS, False, "host:" + prefixes.caller(origin.host))
+    return Identity(ANONYMOUS, False, "host:" + prefixes.caller(origin.host),
+                    tenant="host:" + origin.host)
 
 
 class Gate:

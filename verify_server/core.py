@@ -111,10 +111,15 @@ class VerifierCore:
     def tokenizer_busy(self, identity: Identity) -> str:
         """Why a GetTokenizer call cannot be served now ("" when it can)."""
         held = self.tokenizer_calls_of.get(identity.key, 0)
-        per_device = self.settings.max_tokenizer_calls_per_device
-        if identity.authenticated and held >= per_device:   # a host's devices cannot be told apart
-            return (f"device {identity.device} holds {held} GetTokenizer replies (limit "
-                    f"{per_device} per device): read or end them first")
+        if identity.authenticated:
+            caller, per = f"device {identity.device}", "per device"
+            share = self.settings.max_tokenizer_calls_per_device
+        else:                   # a host's devices cannot be told apart: a NAT's are one
+            caller, per = identity.key, "per host without a token or certificate"
+            share = self.settings.max_tokenizer_calls_per_host
+        if held >= share:
+            return (f"{caller} holds {held} GetTokenizer replies (limit {share} {per}): read or "
+                    "end them first")
         limit = self.settings.max_tokenizer_calls
         if self.tokenizer_calls >= limit:
             return (f"{self.tokenizer_calls} GetTokenizer replies are being sent (limit {limit}): "
@@ -147,7 +152,7 @@ class VerifierCore:
             session = Session.from_open(request, sampling, self.target.eos_ids,
                                         self.scheduler.engine.new_kv(), loose)
             session.device = identity
-            self._admit(session, tenant_key(identity.key, request.cache_salt))
+            self._admit(session, tenant_key(identity.tenant, request.cache_salt))
         except BaseException:
             self.quotas.close(identity)
             raise

@@ -28,17 +28,19 @@ certificate reaches the server, and its headers are the device's.
         # Origin(host="172.16.0.9", names=(), proxy=None): not a trusted proxy
 
 A caller that neither a token nor a certificate names is told apart by its host, and one machine
-may hold many addresses: a whole IPv6 /64 is routed to one host, and a local user can dial from
-any of 127.0.0.0/8. CallerPrefixes makes each such block one caller (its quotas, its bounds on
-streams, calls and KV, its prefix-cache tenant):
+may hold many addresses: a whole IPv6 /64 may be routed to one host, and a local user can dial
+from any of 127.0.0.0/8 and ::1. CallerPrefixes makes each such block one caller for its quotas
+and its bounds on streams, calls, GetTokenizer replies and KV (what one machine could otherwise
+multiply); its prefix cache stays its own address's (auth.Identity.tenant):
 
     CallerPrefixes().caller("2001:db8:1:2::7")    # "2001:db8:1:2::/64"
-    CallerPrefixes().caller("127.0.0.5")          # "127.0.0.0/8"
+    CallerPrefixes().caller("127.0.0.5")          # "loopback", as is "::1"
     CallerPrefixes().caller("203.0.113.7")        # "203.0.113.7": IPv4 is /32 unless configured
 """
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -46,12 +48,16 @@ from urllib.parse import unquote
 
 from sled.printable import printable
 
+log = logging.getLogger("sled.server.origin")
+
 FORWARDED_FOR = "x-forwarded-for"
 CERT_HEADER = "x-sled-client-cert"   # what the shipped proxy configs set (deploy/), when named
 ENVOY_CERT_HEADER = "x-forwarded-client-cert"
 NAME_CHARS = 128               # a certificate name as a device name: printable, this long at most
 HEADER_NAME = re.compile(r"[0-9a-z_.-]+")   # what gRPC allows in a metadata key
-LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
+LOOPBACK_CALLER = "loopback"   # 127.0.0.0/8 and ::1 as one caller (CallerPrefixes.loopback)
+MAPPED = ipaddress.ip_network("::ffff:0:0/96")      # IPv4 addresses written as IPv6 ones
+WIDEST = {4: 8, 6: 32}         # the widest trusted-proxy network taken without a warning
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -115,10 +121,12 @@ def forwarded_host(entry: str) -> str | None:
 
 
 def proxy_network(text: str) -> Network:
-    """A --trusted-proxy entry: an address (one host) or a network in CIDR notation."""
+    """A --trusted-proxy entry: an address (one host) or a network in CIDR notation. An
+    IPv4-mapped one is its IPv4 network ("::ffff:10.0.0.0/104" -> 10.0.0.0/8), as a peer's
+    address is (peer_host)."""
     text = text.strip()
     try:
-        return ipaddress.ip_network(text)
+        return ipv4_of_mapped(ipaddress.ip_network(text))
     except ValueError:
         pass
     try:
@@ -128,6 +136,20 @@ def proxy_network(text: str) -> Network:
                          "fd00::/8)") from None
     raise ValueError(f"{text!r} has bits set past its prefix length: write {wide}, or the "
                      "address alone")
+
+
+def ipv4_of_mapped(network: Network) -> Network:
+    """An IPv6 network inside ::ffff:0:0/96 as the IPv4 network it maps; any other as it is."""
+    if network.version == 6 and network.subnet_of(MAPPED):
+        return ipaddress.IPv4Network((network.network_address.ipv4_mapped,
+                                      network.prefixlen - MAPPED.prefixlen))
+    return network
+
+
+def wide(network: Network) -> bool:
+    """Whether a trusted-proxy network spans more than a site's proxies could need (wider than
+    an IPv4 /8 or an IPv6 /32): devices in it would be taken for proxies."""
+    return network.prefixlen < WIDEST[network.version]
 
 
 def cert_header_name(name: str) -> str:
@@ -149,6 +171,14 @@ class TrustedProxies:
     def __init__(self, networks: Iterable[str] = (), cert_header: str = "") -> None:
         self.networks = tuple(proxy_network(n) for n in networks)
         self.cert_header = cert_header_name(cert_header)
+
+    def warn_wide(self) -> None:
+        """Say, as the server starts, which trusted networks are wide enough to hold devices."""
+        for network in filter(wide, self.networks):
+            headers = FORWARDED_FOR + (f" and {self.cert_header}" if self.cert_header else "")
+            log.warning("--trusted-proxy %s is wider than an IPv%d /%d: a device in it is taken "
+                        "for a proxy and believed in %s; list the proxies' own addresses",
+                        network, network.version, WIDEST[network.version], headers)
 
     @property
     def name_devices(self) -> bool:
@@ -199,24 +229,23 @@ class TrustedProxies:
 @dataclass(frozen=True, slots=True)
 class CallerPrefixes:
     """How much of a host's address tells one tokenless caller from another: the leading `v4`
-    bits of an IPv4 address, `v6` of an IPv6 one, and all of loopback (127.0.0.0/8) as one when
-    `loopback` (::1 is one address anyway). A host that is not an IP address (unix:PATH) is
-    itself."""
+    bits of an IPv4 address, `v6` of an IPv6 one, and every loopback address (127.0.0.0/8 and
+    ::1) as one when `loopback`. A host that is not an IP address (unix:PATH) is itself."""
     v4: int = 32
     v6: int = 64
     loopback: bool = True
 
     def caller(self, host: str) -> str:
-        """The address block `host` counts in, as a caller's name: "2001:db8:1:2::/64", or the
-        address itself when the block is one address."""
+        """The address block `host` counts in, as a caller's name: "2001:db8:1:2::/64",
+        "loopback", or the address itself when the block is one address."""
         try:
             ip = ipaddress.ip_address(ip_host(host) or host)
         except ValueError:
             return host
-        if self.loopback and ip in LOOPBACK:
-            return str(LOOPBACK)
+        if self.loopback and ip.is_loopback:
+            return LOOPBACK_CALLER
         prefix = self.v4 if ip.version == 4 else self.v6
-        if prefix == ip.max_prefixlen or ip.version == 6 and ip.is_loopback:
+        if prefix == ip.max_prefixlen:
             return str(ip)
         return str(ipaddress.ip_network((ip, prefix), strict=False))
 

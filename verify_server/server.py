@@ -102,6 +102,7 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     if port and _in_use(host, port):   # before the KV pool is taken
         raise OSError(f"port {host}:{port} is in use")
     gate, credentials = access_of(settings)   # a bad file stops start-up before the KV pool
+    gate.proxies.warn_wide()
     target.cap_context(settings.context_length)
     if target.sat is not None:
         target.sat.check(target.model)

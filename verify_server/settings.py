@@ -112,14 +112,16 @@ class ServerSettings(BaseSettings):
                "one, else the peer's)")
     caller_prefix_v4: int = _access(
         32, "leading bits of an IPv4 address that tell one caller without a token or "
-            "certificate from another: its quotas, its bounds on streams, calls and KV, its "
-            "prefix cache (32: each address; 24: a /24 is one caller)", ge=1, le=32)
+            "certificate from another: its quotas, its bounds on streams, calls, GetTokenizer "
+            "replies and KV (its prefix cache stays its own address's) (32: each address; 24: a "
+            "/24 is one caller)", ge=1, le=32)
     caller_prefix_v6: int = _access(
-        64, "the same for an IPv6 address: one host holds a whole /64 (128: each address)",
-        ge=1, le=128)
+        64, "the same for an IPv6 address: one host may hold a whole /64, so a LAN's devices "
+            "without tokens share one (128: each address)", ge=1, le=128)
     loopback_one_caller: bool = _access(
-        True, "every loopback address (127.0.0.0/8, any of which a local user may dial from) is "
-              "one caller without a token or certificate; off: caller_prefix_v4 tells them apart")
+        True, "every loopback address (127.0.0.0/8 and ::1, any of which a local user may dial "
+              "from) is one caller without a token or certificate; off: the prefixes tell them "
+              "apart")
     quota_sessions: int | None = _access(
         None, "open sessions per device before RESOURCE_EXHAUSTED (default: a quarter of "
               "max_sessions, at least 1, for a device its token or certificate names; a host "
@@ -150,6 +152,9 @@ class ServerSettings(BaseSettings):
     max_tokenizer_calls_per_device: int = Field(2, ge=1, description="GetTokenizer replies one "
                                                 "device (token or certificate) may hold at once, "
                                                 "until each call is over")
+    max_tokenizer_calls_per_host: int = Field(4, ge=1, description="GetTokenizer replies one "
+                                              "host without a token or certificate (its address "
+                                              "block: a NAT's devices together) may hold at once")
     tokenizer_stall_timeout: float = Field(20.0, gt=0, description="seconds a GetTokenizer reply "
                                            "may wait on a client that reads nothing before it "
                                            "ends (DEADLINE_EXCEEDED) and frees its slot")
