@@ -243,7 +243,9 @@ class SyncCensus(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_the_flex_forward_makes_no_host_sync_where_the_paged_one_makes_several(models):
+def test_neither_the_flex_nor_the_paged_forward_makes_a_host_sync(models):
+    """The flex engine's forward, through transformers' forward and its attention function, and
+    the paged engine's through sled's (its output scatter in the layer functions, by index)."""
     model = f32(models["llama"])
     pool, paged, flex = pools_for(model)
     kvs = fragmented_sessions(paged, [20, 12, 30, 9], list(range(3, 40)))
@@ -261,15 +263,19 @@ def test_the_flex_forward_makes_no_host_sync_where_the_paged_one_makes_several(m
     assert census.count == 0
     with torch.inference_mode(), SyncCensus() as census:
         paged.forward(rows)
-    assert census.count > 0          # the census sees the paged engine's boolean indexing
+    assert census.count == 0
+    with SyncCensus() as census:     # what the census sees: boolean indexing, a scalar read
+        x = torch.arange(4.0)
+        x[x > 1].sum().item()
+    assert census.count == 2
 
 
 # --- buckets ----------------------------------------------------------------------------------
 
 def test_steps_of_one_bucket_share_shapes_and_buffers(models):
     a, b = step_shape([5, 1, 7]), step_shape([2, 3])
-    assert (a.tokens, [(g.rows, g.width) for g in a.groups]) == (32, [(4, 8)])
-    assert (b.tokens, [(g.rows, g.width) for g in b.groups]) == (32, [(2, 8)])
+    assert (a.tokens, [(g.rows, g.width) for g in a.groups]) == (16, [(4, 8)])
+    assert (b.tokens, [(g.rows, g.width) for g in b.groups]) == (8, [(2, 8)])
     mixed = step_shape([5, 40, 300])
     assert [(g.rows, g.width) for g in mixed.groups] == [(1, 8), (2, 512)]
     assert mixed.tokens == 352 and not mixed.graphable and a.graphable
@@ -492,7 +498,7 @@ def test_an_empty_plan_writes_only_the_trash_slot():
 
     shapes = common_shapes(64)
     assert [(s.groups[0].rows, s.tokens) for s in shapes] == [
-        (1, 32), (2, 32), (4, 32), (8, 64), (16, 96), (32, 160), (64, 320)]
+        (1, 8), (2, 16), (4, 32), (8, 64), (16, 96), (32, 160), (64, 320)]
     assert all(s.graphable and s.groups[0].width == 8 for s in shapes)
     pool = BlockPool(KVShape(1, 2, 16, torch.float32), 16, BT)
     step = FlexStep(pool, shapes[3], pool.num_blocks, torch.device("cpu"))
@@ -545,6 +551,9 @@ def test_the_engine_bench_runs_every_engine_on_cpu(tmp_path, capsys):
             # the baseline's static cache holds the same contexts (gemma3's window shifted)
             assert cell["transformers-graph_emitted_agree"] == agree
             assert cell["flex_ms_p50"] > 0 and cell["floor_ms"] > 0
+            # the step graphs each flex engine holds: none on a CPU, where steps are compiled
+            assert cell["flex_graphs"] == cell["flex-graph_graphs"] == 0
+            assert cell["flex-graph_graph_mib"] == 0
     assert out.with_suffix(".png").stat().st_size > 0
 
 
@@ -601,3 +610,26 @@ def test_a_rows_committed_context_blocks_are_full_blocks(models, full_blocks):
         assert mask.kv_indices[0, 0, 0, 0].item() == kvs[0].table[2]
     else:
         assert mask.full_kv_num_blocks is None and blocks == [3, 2]
+
+
+# --- the small token buckets ----------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_step_in_each_small_token_bucket_gives_the_paged_engines_logits(models, arch):
+    """fp32, fragmented tables: one verify row (the 8-token bucket), two verify rows and a tree
+    with a decode row (16), and four rows of every kind (32) give the paged engine's logits and
+    argmax, their padding read by nothing."""
+    model = f32(models[arch])
+    pool, paged, flex = pools_for(model)
+    kvs = fragmented_sessions(paged, [37, 20, 45, 18], (list(range(3, 40)) * 2)[:33])
+    steps = {
+        8: [Row(kvs[0], [11, 12, 13, 14, 15], True)],
+        16: [Row(kvs[1], [21, 22, 23, 24, 25], True), Row(kvs[2], [31, 32, 33, 34, 35], True)],
+        32: [Row(kvs[0], [11, 12, 13, 14, 15], True), Row(kvs[3], [41], True),
+             Row(kvs[2], [21, 22, 23, 24, 25, 26, 27], True, parents=(0, 1, 0, 3, 3, 5)),
+             Row(kvs[4], [51, 52, 53, 54], True)],
+    }
+    for tokens, rows in steps.items():
+        assert step_shape([row.width for row in rows]).tokens == tokens
+        assert_logits_agree(flex.forward(rows), paged.forward(rows))
+    assert sorted(shape.tokens for shape in flex.steps) == [8, 16, 32]

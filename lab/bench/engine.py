@@ -493,6 +493,9 @@ def _cell(model, shape: str | None, step: StepSpec, kvs, made: dict, errors: dic
         **{f"{kind}_first_step_s": first_s[kind] for kind in times},
         # once warm, a captured step should allocate nothing (the last repetition's count)
         **{f"{kind}_allocations": allocations[kind] for kind in times},
+        # the step graphs a flex engine holds after the cell, and about their memory
+        **{f"{kind}_{key}": value for kind in times if hasattr(engines[kind], "graph_memory")
+           for key, value in engines[kind].graph_memory().to_json().items()},
         **{f"{kind}_over_{reference}": medians[kind] / medians[reference] for kind in times},
         **{f"{kind}_emitted_agree": _agreement(ids[kind], ids[reference]) for kind in times},
         **({"errors": errors} if errors else {}),

@@ -90,6 +90,14 @@ def prefix_hashes(tokens: Sequence[int], block_tokens: int, tenant: bytes) -> li
     return digests
 
 
+def write_kv(pool_keys: torch.Tensor, pool_values: torch.Tensor, slots: torch.Tensor,
+             keys: torch.Tensor, values: torch.Tensor) -> None:
+    """keys/values [tokens, kv_heads, head_dim] into one layer's pool tensors at `slots`
+    [tokens], in place (tensors alone: what a compiled layer function runs)."""
+    pool_keys.index_copy_(0, slots, keys.to(pool_keys.dtype))
+    pool_values.index_copy_(0, slots, values.to(pool_values.dtype))
+
+
 class BlockPool:
     def __init__(self, shape: KVShape, num_blocks: int, block_tokens: int = 16,
                  device: torch.device | str = "cpu") -> None:
@@ -203,10 +211,14 @@ class BlockPool:
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys/values: [tokens, local_kv_heads, head_dim] into `slots` [tokens]."""
-        self.keys[layer].index_copy_(0, slots, keys.to(self.shape.dtype))
-        self.values[layer].index_copy_(0, slots, values.to(self.shape.dtype))
+        write_kv(self.keys[layer], self.values[layer], slots, keys, values)
+        self.count_written(slots.shape[0])
+
+    def count_written(self, tokens: int) -> None:
+        """One layer's keys and values of `tokens` written (sled's layer functions write them
+        themselves: `write_kv`)."""
         if not torch.compiler.is_compiling():   # a compiled step would guard on the count
-            self.bytes_written += keys.nbytes + values.nbytes
+            self.bytes_written += 2 * tokens * self.keys[0][0].nbytes
 
     def copy(self, source: torch.Tensor, dest: torch.Tensor) -> None:
         """Every layer's keys and values at slots `source` [n] written to slots `dest` [n]

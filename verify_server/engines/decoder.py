@@ -13,8 +13,12 @@ sled's:
   dynamic: one compile serves every layer and every bucket, inductor fuses the norms, rotary and
   activation into a few kernels, and the engine's CUDA graph per bucket captures them;
 - attention is the engine's registered function, called as transformers calls it (the layer's
-  attention module, q/k/v as [1, heads, tokens, head_dim], the step's keyword arguments), so the
-  paged and the flex engine run under it unchanged;
+  attention module, q/k/v as [1, heads, tokens, head_dim], the step's keyword arguments); or,
+  when the step is an `AroundAttention` (the flex and the paged engine's), the layer functions
+  themselves write the new keys and values into the pool at their slots and gather the queries
+  into the step's groups (`before_grouped`) and scatter the groups' outputs back
+  (`after_grouped`), so that on CUDA these are fused into the compiled layer's kernels rather
+  than run as copies around attention, and the step attends over the pool alone (`attend`);
 - logits only at the positions the caller keeps;
 - a model split over ranks (sled serve --tp N: transformers' tensor-parallel plan, its weights
   DTensors) runs on each rank's shards: the fused weights are the local shards' (transformers'
@@ -39,6 +43,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from verify_server.engines.blocks import BlockPool, write_kv
 
 # The model classes whose forward is replaced, by the text config's model_type
 FAMILIES = ("llama", "gemma3_text")
@@ -155,6 +161,57 @@ def after_attention(attn, residual, o_w, o_b, post_attn_w, pre_ff_w, post_ff_w, 
     return hidden + x
 
 
+class AroundAttention:
+    """A step whose attention reads the pool in place, by groups of rows (the flex and the paged
+    engine's): sled's forward writes the new tokens' keys and values into `pool` at
+    `write_slots`, gathers the queries of each group at its `q_index`, and scatters the groups'
+    outputs back, all inside the layer functions; `attend` is the attention between."""
+
+    pool: BlockPool
+    write_slots: torch.Tensor               # [T]: the slot of each new token's keys and values
+    q_index: tuple[torch.Tensor, ...]       # per group [B, W]: each query's packed index, T: padding
+
+    def attend(self, layer: int, queries: tuple[torch.Tensor, ...], window: int | None,
+               scaling: float | None, softcap: float | None = None) -> list[torch.Tensor]:
+        """The groups' queries [B, H, W, D] over the pool's keys and values of `layer` (the
+        step's new ones written) -> their outputs [B, H, W, D]."""
+        raise NotImplementedError
+
+
+def gather_queries(q: torch.Tensor, q_index: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """q [T, H, D] -> each group's queries [B, H, W, D]: the query at each packed index, zero at
+    the padding index T."""
+    padded = torch.cat([q, q.new_zeros(1, *q.shape[1:])])                  # [T + 1, H, D]
+    return tuple(padded[index.long()].transpose(1, 2) for index in q_index)
+
+
+def scatter_outputs(outputs, q_index: tuple[torch.Tensor, ...], tokens: int) -> torch.Tensor:
+    """Each group's outputs [B, H, W, D] back to the packed tokens [T, H, D] (padding dropped)."""
+    heads, dim = outputs[0].shape[1], outputs[0].shape[3]
+    out = outputs[0].new_zeros(tokens + 1, heads, dim)
+    for attn, index in zip(outputs, q_index):
+        out.index_copy_(0, index.reshape(-1).long(), attn.transpose(1, 2).reshape(-1, heads, dim))
+    return out[:tokens]
+
+
+def before_grouped(hidden, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, cos, sin, keys, values,
+                   write_slots, q_index, dims: Dims):
+    """`before_attention`, then the new k and v written into the pool's layer (`keys`, `values`
+    [slots, KVH, D]) at `write_slots` [T] -> each group's queries [B, H, W, D]."""
+    q, k, v = before_attention(hidden, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, cos, sin, dims)
+    write_kv(keys, values, write_slots.long(), k, v)
+    return gather_queries(q, q_index)
+
+
+def after_grouped(outputs, q_index, residual, o_w, o_b, post_attn_w, pre_ff_w, post_ff_w,
+                  gate_up_w, gate_up_b, down_w, down_b, dims: Dims):
+    """The groups' outputs [B, H, W, D] scattered back to the packed tokens, then
+    `after_attention`."""
+    attn = scatter_outputs(outputs, q_index, residual.shape[0]).flatten(1)
+    return after_attention(attn, residual, o_w, o_b, post_attn_w, pre_ff_w, post_ff_w,
+                           gate_up_w, gate_up_b, down_w, down_b, dims)
+
+
 class Layer:
     """One decoder layer's fused weights, and the modules transformers keeps for it."""
 
@@ -235,15 +292,17 @@ class Decoder:
                          _group_name(self.inner.layers[0].self_attn.o_proj.weight, ranks))
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.rotary = _rotary(self.inner)
-        self.functions = {False: (before_attention, after_attention)}
+        self.functions = {(False, False): (before_attention, after_attention),
+                          (False, True): (before_grouped, after_grouped)}
 
-    def _functions(self, compiled: bool):
-        """(before, after), compiled once per decoder: the token count is marked dynamic at
-        each call (`_dynamic_tokens`), the rest static."""
-        if compiled not in self.functions:
-            self.functions[True] = (torch.compile(before_attention),
-                                    torch.compile(after_attention))
-        return self.functions[compiled]
+    def _functions(self, compiled: bool, grouped: bool):
+        """(before, after), around the attention function or around a grouped step's, each
+        compiled once per decoder: the token count and the groups' rows and width are marked
+        dynamic at each call (`_dynamic_tokens`), the rest static."""
+        if (compiled, grouped) not in self.functions:
+            self.functions[compiled, grouped] = tuple(
+                torch.compile(f) for f in self.functions[False, grouped])
+        return self.functions[compiled, grouped]
 
     def fresh(self) -> bool:
         return all(layer.fresh() for layer in self.layers)
@@ -254,24 +313,15 @@ class Decoder:
         hidden = (self.inner.embed_tokens(input_ids) if inputs_embeds is None
                   else inputs_embeds)[0]                                   # [T, hidden]
         positions = self.rotary(hidden, position_ids)                     # (sliding?) -> cos, sin
-        attend = ALL_ATTENTION_FUNCTIONS[self.model.config._attn_implementation]
-        dims, tokens = self.dims, hidden.shape[0]
-        before, after = self._functions(compiled)
+        grouped = grouped_step(step)
         for layer in self.layers:
             cos, sin = (t[0] for t in positions[layer.sliding])
             if compiled:
                 _dynamic_tokens(hidden, cos, sin)
-            q, k, v = before(hidden, layer.norm_w, layer.qkv_w, layer.qkv_b, layer.q_norm_w,
-                             layer.k_norm_w, cos, sin, dims)
-            attn, _ = attend(layer.attention, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                             v.transpose(0, 1)[None], attention_mask, dropout=0.0,
-                             scaling=layer.scaling, sliding_window=layer.window, **step)
-            attn = attn.reshape(tokens, -1)
-            if compiled:
-                _dynamic_tokens(attn)
-            hidden = after(attn, hidden, layer.o_w, layer.o_b, layer.post_attn_w, layer.pre_ff_w,
-                           layer.post_ff_w, layer.gate_up_w, layer.gate_up_b, layer.down_w,
-                           layer.down_b, dims)
+            if grouped is None:
+                hidden = self._layer(layer, hidden, cos, sin, attention_mask, compiled, step)
+            else:
+                hidden = self._grouped_layer(layer, hidden, cos, sin, grouped, compiled)
         hidden = self.inner.norm(hidden)
         if isinstance(logits_to_keep, torch.Tensor):
             hidden = hidden[logits_to_keep]
@@ -283,10 +333,63 @@ class Decoder:
         return logits[None]
 
 
+    def _layer(self, layer: Layer, hidden, cos, sin, attention_mask, compiled: bool,
+               step: dict) -> torch.Tensor:
+        """One layer around the engine's registered attention function."""
+        before, after = self._functions(compiled, False)
+        attend = ALL_ATTENTION_FUNCTIONS[self.model.config._attn_implementation]
+        q, k, v = before(hidden, layer.norm_w, layer.qkv_w, layer.qkv_b, layer.q_norm_w,
+                         layer.k_norm_w, cos, sin, self.dims)
+        attn, _ = attend(layer.attention, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                         v.transpose(0, 1)[None], attention_mask, dropout=0.0,
+                         scaling=layer.scaling, sliding_window=layer.window, **step)
+        attn = attn.reshape(hidden.shape[0], -1)
+        if compiled:
+            _dynamic_tokens(attn)
+        return after(attn, hidden, layer.o_w, layer.o_b, layer.post_attn_w, layer.pre_ff_w,
+                     layer.post_ff_w, layer.gate_up_w, layer.gate_up_b, layer.down_w,
+                     layer.down_b, self.dims)
+
+    def _grouped_layer(self, layer: Layer, hidden, cos, sin, step: AroundAttention,
+                       compiled: bool) -> torch.Tensor:
+        """One layer of a grouped step: the KV write, the query gather and the output scatter
+        inside the layer functions, the step's attention over the pool between them."""
+        before, after = self._functions(compiled, True)
+        index = layer.attention.layer_idx
+        pool = step.pool
+        if compiled:
+            _dynamic_tokens(step.write_slots)
+            _dynamic_groups(*step.q_index)
+        queries = before(hidden, layer.norm_w, layer.qkv_w, layer.qkv_b, layer.q_norm_w,
+                         layer.k_norm_w, cos, sin, pool.keys[index], pool.values[index],
+                         step.write_slots, step.q_index, self.dims)
+        pool.count_written(hidden.shape[0])
+        outputs = step.attend(index, queries, layer.window, layer.scaling)
+        if compiled:
+            _dynamic_groups(*outputs)
+        return after(outputs, step.q_index, hidden, layer.o_w, layer.o_b, layer.post_attn_w,
+                     layer.pre_ff_w, layer.post_ff_w, layer.gate_up_w, layer.gate_up_b,
+                     layer.down_w, layer.down_b, self.dims)
+
+
+def grouped_step(step: dict) -> AroundAttention | None:
+    """The step among the forward's keyword arguments whose layers write, gather and scatter
+    around attention themselves, if there is one."""
+    return next((value for value in step.values() if isinstance(value, AroundAttention)), None)
+
+
 def _dynamic_tokens(*tensors: torch.Tensor) -> None:
     """One compile for every token count: dim 0 of the layer functions' inputs is dynamic."""
     for tensor in tensors:
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
+def _dynamic_groups(*tensors: torch.Tensor) -> None:
+    """One compile for groups of any rows and width: dims 0 (rows) and -2 (width) of a group's
+    query index [B, W] or outputs [B, H, W, D] are dynamic."""
+    for tensor in tensors:
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 2 if tensor.dim() > 2 else 1)
 
 
 def _rotary(inner: torch.nn.Module):

@@ -6,8 +6,9 @@ step, and boolean indexing makes the host wait for the device twice a layer. The
 swaps only the attention function (registered through transformers' AttentionInterface, like
 the paged one) and keeps the pool, the sessions' KV and the rounds as they are:
 
-- each layer writes the new tokens' keys/values into their slots (`index_copy_`; padding goes to
-  the trash slot, the zero block's first) and calls `flex_attention` with the pool itself as K/V
+- each layer writes the new tokens' keys/values into their slots (`index_copy_`, inside sled's
+  layer functions: `decoder.AroundAttention`; padding goes to the trash slot, the zero block's
+  first) and calls `flex_attention` with the pool itself as K/V
   ([1, kv_heads, slots, head_dim], a view). A BlockMask built from the rows' block tables lists
   the blocks each row reads, and a mask_mod that is complete by itself (eager flex reads no block
   list) decides each (query, key): the key's block must be at that place of the row's table, then
@@ -27,6 +28,7 @@ default.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -36,24 +38,29 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from verify_server.engines import visibility
+from verify_server.engines import flex_graphs, visibility
 from verify_server.engines.base import NO_MASK, Engine, StepLogits, logit_spans
 from verify_server.engines.blocks import BlockPool, KVShape
+from verify_server.engines.decoder import AroundAttention, gather_queries, scatter_outputs
 from verify_server.engines.flex_check import AttentionShape, refuse_if_unsound, vector_code
+from verify_server.engines.flex_graphs import GraphMemory
 from verify_server.engines.flex_plan import (SHORT_WIDTHS, StepLayout, StepShape, common_shapes,
                                              next_pow2, plan_step, prefill_shapes, step_shape)
 from verify_server.engines.kv import SessionKV
 from verify_server.engines.rows import Row, sat_inputs
 from verify_server.sdsat import SatSpec
 
+log = logging.getLogger("sled.server.flex")
+
 ATTENTION_NAME = "sled_flex"
 TRASH_SLOT = 0     # padding tokens' KV goes to the zero block's first slot, which flex never reads
 LONG_Q_BLOCK = 128     # queries per BlockMask block: a long group's, and a short group's least
 
 
-class FlexStep:
+class FlexStep(AroundAttention):
     """A bucket's buffers: a pinned host buffer the planner fills, its device twin (one copy per
-    step), and each field as a view of the device buffer."""
+    step), and each field as a view of the device buffer. sled's forward writes the KV, gathers
+    the queries and scatters the outputs inside its layer functions (`AroundAttention`)."""
 
     def __init__(self, pool: BlockPool, shape: StepShape, kv_width: int, device: torch.device,
                  flex=flex_attention, full_blocks: bool = True, long_flex=None) -> None:
@@ -80,6 +87,22 @@ class FlexStep:
         self.write_slots = self.fields["write_slots"]
         self.groups = [FlexGroup(self, g, group.width, long=g > 0 or not shape.short)
                        for g, group in enumerate(shape.groups)]
+        self.q_index = tuple(group.q_index for group in self.groups)
+
+    def attend(self, layer: int, queries, window: int | None, scaling: float | None,
+               softcap: float | None = None) -> list[torch.Tensor]:
+        """Each group's queries [B, H, W, D] through its flex over the pool in place."""
+        keys = self.pool.keys[layer].permute(1, 0, 2).unsqueeze(0)      # [1, KVH, S, D], a view
+        values = self.pool.values[layer].permute(1, 0, 2).unsqueeze(0)
+        score_mod = _softcap(softcap) if softcap is not None else None
+        outputs = []
+        for group, q in zip(self.groups, queries):   # a fixed list per bucket
+            heads = q.shape[1]
+            outputs.append(group.flex(
+                q, keys.to(q.dtype), values.to(q.dtype), score_mod=score_mod,
+                block_mask=group.block_mask(window, heads // keys.shape[1]), scale=scaling,
+                enable_gqa=keys.shape[1] != heads, kernel_options=self.kernel_options))
+        return outputs
 
     def clear(self, trash_slot: int) -> None:
         """An empty plan: every row padding, every token's KV to the trash slot."""
@@ -209,23 +232,11 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling=No
                                       scaling=scaling, sliding_window=sliding_window,
                                       softcap=softcap, **kwargs)
     step, layer = sled_flex, module.layer_idx
-    heads, tokens, dim = query.shape[1], query.shape[2], query.shape[3]
     step.pool.write(layer, step.write_slots.long(), key[0].transpose(0, 1),
                     value[0].transpose(0, 1))
-    keys = step.pool.keys[layer].permute(1, 0, 2).unsqueeze(0)          # [1, KVH, S, D], a view
-    values = step.pool.values[layer].permute(1, 0, 2).unsqueeze(0)
-    padded = torch.cat([query[0], query.new_zeros(heads, 1, dim)], 1)   # [H, T + 1, D]
-    out = query.new_zeros(tokens + 1, heads, dim)
-    score_mod = _softcap(softcap) if softcap is not None else None
-    for group in step.groups:        # a fixed list per bucket: no data-dependent control flow
-        index = group.q_index.long()
-        q = padded[:, index].transpose(0, 1)                              # [B, H, W, D]
-        attn = group.flex(q, keys.to(q.dtype), values.to(q.dtype), score_mod=score_mod,
-                         block_mask=group.block_mask(sliding_window, heads // keys.shape[1]),
-                         scale=scaling, enable_gqa=keys.shape[1] != heads,
-                         kernel_options=step.kernel_options)
-        out.index_copy_(0, index.reshape(-1), attn.transpose(1, 2).reshape(-1, heads, dim))
-    return out[:tokens][None], None
+    queries = gather_queries(query[0].transpose(0, 1), step.q_index)
+    outputs = step.attend(layer, queries, sliding_window, scaling, softcap)
+    return scatter_outputs(outputs, step.q_index, query.shape[2])[None], None
 
 
 def _softcap(cap: float):
@@ -386,14 +397,33 @@ class FlexEngine(Engine):
     def warm_up(self, max_rows: int, max_step_tokens: int) -> None:
         """Before serving, what the first requests would otherwise wait for: with graphs, a
         bucket of every power of two of rows up to `max_rows` captured, for drafts of up to 7
-        tokens and up to 15 (flex compiled static per bucket: a bucket of another token count
-        is then only captured, not compiled); the compiled flex of prefill chunks (one for every
-        length: compiled at the shortest chunk and at the longest of `max_step_tokens`)."""
+        tokens and up to 15 and for decode steps (flex compiled static per bucket: a bucket of
+        another token count is then only captured, not compiled); the compiled flex of prefill
+        chunks (one for every length: compiled at the shortest chunk and at the longest of
+        `max_step_tokens`). The log says how many graphs it captured and the most there can be."""
         if self.graphs:       # a static kernel per bucket: rows of up to 8 and 16 entries
-            verify = [*common_shapes(max_rows), *common_shapes(max_rows, SHORT_WIDTHS[0] + 1)]
+            verify = [*common_shapes(max_rows), *common_shapes(max_rows, SHORT_WIDTHS[0] + 1),
+                      *common_shapes(max_rows, 1)]       # decode steps: the smallest buckets
         else:                 # one dynamic kernel (compiled apart for one row)
             verify = common_shapes(2)
         self.prewarm([*verify, *prefill_shapes(max_step_tokens)])
+        log.info("flex engine: %s captured; steps of up to %d rows and %d tokens capture at "
+                 "most %s", self.graph_memory(), max_rows, max_step_tokens,
+                 self.graph_bound(max_rows, max_step_tokens))
+
+    def graph_memory(self) -> GraphMemory:
+        """The step graphs captured so far and about the memory they hold (flex_graphs); none
+        off CUDA, where a step is compiled, never captured."""
+        shapes = list(self.captured) if self.device.type == "cuda" else []
+        return flex_graphs.estimate(self.model, shapes, self.kv_width, self.pool.num_blocks)
+
+    def graph_bound(self, max_rows: int, max_step_tokens: int) -> GraphMemory:
+        """The most step graphs steps of up to `max_rows` rows and `max_step_tokens` tokens
+        capture, and their memory (every bucket met once)."""
+        if not (self.graphs and self.device.type == "cuda"):
+            return GraphMemory(0, 0)
+        return flex_graphs.bound(self.model, max_rows, max_step_tokens, self.kv_width,
+                                 self.pool.num_blocks)
 
     def replayable(self, rows: Sequence[Row]) -> bool:
         """Whether a step of these rows replays a captured graph: graphs on, no SAT slot, no

@@ -5,7 +5,9 @@ every row's new tokens, each with its own position. For the flex engine the step
 shape of a bucket, so that steps of one bucket have the same tensor shapes (one compiled
 function and one CUDA graph each):
 
-    tokens   T padded to a multiple of TOKEN_QUANTUM (padding writes to the trash slot)
+    tokens   T padded to the smallest of SMALL_TOKENS that holds the step, past those to a
+             multiple of TOKEN_QUANTUM (padding writes to the trash slot): a one-row
+             verify step's GEMMs run at 8 rows, not 32
     groups   the rows attended together, each padded to (rows B, width W):
                short  rows of up to SHORT_WIDTHS[-1] new entries (verify, decode, SAT, trees),
                       B a power of two, W the smallest of SHORT_WIDTHS that holds the widest
@@ -40,11 +42,19 @@ import numpy as np
 from verify_server.engines import visibility
 
 SHORT_WIDTHS = (8, 16, 32)
+SMALL_TOKENS = (8, 16)      # token buckets under the quantum, for steps of a few rows
 TOKEN_QUANTUM = 32
 
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def bucket_tokens(total: int) -> int:
+    """The tokens T of the bucket that holds `total` packed tokens: the smallest of
+    SMALL_TOKENS that holds them, past those a multiple of TOKEN_QUANTUM."""
+    small = next((tokens for tokens in SMALL_TOKENS if total <= tokens), None)
+    return small if small is not None else -(-total // TOKEN_QUANTUM) * TOKEN_QUANTUM
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +86,7 @@ def step_shape(widths: Sequence[int]) -> StepShape:
         groups.append(GroupShape(next_pow2(len(short)), width))
     if long:
         groups.append(GroupShape(max(2, next_pow2(len(long))), next_pow2(max(long))))
-    total = sum(widths)
-    tokens = -(-total // TOKEN_QUANTUM) * TOKEN_QUANTUM
-    return StepShape(tokens, tuple(groups), bool(short))
+    return StepShape(bucket_tokens(sum(widths)), tuple(groups), bool(short))
 
 
 def common_shapes(max_rows: int, width: int = 5) -> list[StepShape]:
@@ -87,6 +95,22 @@ def common_shapes(max_rows: int, width: int = 5) -> list[StepShape]:
     rows, shapes = 1, []
     while rows <= max_rows:
         shapes.append(step_shape([width] * rows))
+        rows *= 2
+    return shapes
+
+
+def graphable_shapes(max_rows: int, max_step_tokens: int) -> list[StepShape]:
+    """Every bucket a verify/decode step of up to `max_rows` rows and `max_step_tokens` tokens
+    can fall in: the most CUDA graphs a server captures. A group of B rows holds B // 2 + 1 to
+    B of them (one for B = 1), its width W holds a row wider than the next narrower width, so
+    its steps pack from B // 2 + 1 + that narrower width tokens up to B x W."""
+    shapes, rows = [], 1
+    while rows <= next_pow2(max_rows):
+        fewest, most = rows // 2 + 1, min(rows, max_rows)
+        for narrower, width in zip((0, *SHORT_WIDTHS), SHORT_WIDTHS):
+            least, largest = fewest + narrower, min(most * width, max_step_tokens)
+            tokens = sorted({bucket_tokens(n) for n in range(least, largest + 1)})
+            shapes.extend(StepShape(t, (GroupShape(rows, width),), True) for t in tokens)
         rows *= 2
     return shapes
 

@@ -1,7 +1,8 @@
 """PagedEngine, the CPU default: every row's new tokens packed into one ragged sequence [1, T],
 each token with its own position id. A registered attention function writes each layer's new
 keys/values straight into the rows' slots and attends over each row's slots, with a dense mask
-per group of rows from `visibility`. Per step the only KV bytes written are the new tokens';
+per group of rows from `visibility` (under sled's forward the layer functions write the KV and
+gather and scatter the groups' queries themselves: `decoder.AroundAttention`). Per step the only KV bytes written are the new tokens';
 logits are computed only where a row wants them.
 
     rows:  a (past 3, new 2)   b (past 1, new 3)
@@ -21,6 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from verify_server.engines import visibility
 from verify_server.engines.base import NO_MASK, Engine, StepLogits, logit_spans
 from verify_server.engines.blocks import BlockPool
+from verify_server.engines.decoder import AroundAttention, gather_queries, scatter_outputs
 from verify_server.engines.rows import Row, sat_inputs
 from verify_server.sdsat import SatSpec
 
@@ -31,7 +33,7 @@ SHORT_ROW = 64   # rows up to this many new tokens share one padded attention ca
 @dataclass(slots=True)
 class _Group:
     """Rows attended together: their queries padded to one width and their slots to one length."""
-    q_index: torch.Tensor     # [B, W] packed position of each query (padding -> 0)
+    q_index: torch.Tensor     # [B, W] packed position of each query (padding -> T, a zero query)
     q_valid: torch.Tensor     # [B, W]
     read_slots: torch.Tensor  # [B, L] pool slots of each row's context (padding -> the zero slot)
     query_pos: torch.Tensor   # [B, W] position id of each query
@@ -62,11 +64,32 @@ class _Group:
 
 
 @dataclass(slots=True)
-class _Step:
+class _Step(AroundAttention):
+    """sled's forward writes the KV, gathers the queries and scatters the outputs inside its
+    layer functions (`AroundAttention`); `attend` reads each group's slots out of the pool."""
     pool: BlockPool
     write_slots: torch.Tensor   # [T]
     groups: list[_Group]
     tokens: int
+    q_index: tuple[torch.Tensor, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.q_index = tuple(group.q_index for group in self.groups)
+
+    def attend(self, layer: int, queries, window: int | None, scaling: float | None,
+               softcap: float | None = None) -> list[torch.Tensor]:
+        """Each group's queries [B, H, W, D] over its rows' slots, gathered, with its mask."""
+        outputs = []
+        for group, q in zip(self.groups, queries):
+            k, v = self.pool.read(layer, group.read_slots)                # [B, L, KVH, D]
+            k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
+            mask = group.mask(window)
+            if softcap is None:
+                outputs.append(torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]))
+            else:
+                outputs.append(_softcapped_attention(q, k, v, mask, scaling, softcap))
+        return outputs
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -82,20 +105,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     step, layer = sled_step, module.layer_idx
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)   # [T, KVH, D]
     step.pool.write(layer, step.write_slots, new_k, new_v)
-    out = query.new_empty(step.tokens, query.shape[1], query.shape[3])  # [T, H, D]
-    for group in step.groups:
-        q = query[0][:, group.q_index].transpose(0, 1)                   # [B, H, W, D]
-        k, v = step.pool.read(layer, group.read_slots)                    # [B, L, KVH, D]
-        k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
-        mask = group.mask(sliding_window)
-        if softcap is None:
-            attn = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
-        else:
-            attn = _softcapped_attention(q, k, v, mask, scaling, softcap)
-        attn = attn.transpose(1, 2)                                       # [B, W, H, D]
-        out[group.q_index[group.q_valid]] = attn[group.q_valid]
-    return out[None], None
+    queries = gather_queries(query[0].transpose(0, 1), step.q_index)
+    outputs = step.attend(layer, queries, sliding_window, scaling, softcap)
+    return scatter_outputs(outputs, step.q_index, step.tokens)[None], None
 
 
 def _softcapped_attention(q, k, v, mask, scaling, softcap):
@@ -155,19 +167,21 @@ class PagedEngine(Engine):
         short = [b for b, row in enumerate(rows) if row.width <= SHORT_ROW]
         long = [[b] for b, row in enumerate(rows) if row.width > SHORT_ROW]
         positions = torch.zeros(offset, dtype=torch.long)
-        groups = [self._group([rows[b] for b in members], [offsets[b] for b in members], positions)
+        groups = [self._group([rows[b] for b in members], [offsets[b] for b in members], positions,
+                              offset)
                   for members in ([short] if short else []) + long]
         step = _Step(self.pool, torch.cat(writes).to(self.device), groups, offset)
         return step, torch.tensor(ids, dtype=torch.long), positions, sat_inputs(rows)
 
     def _group(self, rows: Sequence[Row], offsets: Sequence[int],
-               positions: torch.Tensor) -> _Group:
-        """The group's tensors, and its rows' position ids written into the packed `positions`."""
+               positions: torch.Tensor, tokens: int) -> _Group:
+        """The group's tensors, and its rows' position ids written into the packed `positions`
+        (of the step's `tokens`)."""
         starts = np.array([row.kv.length for row in rows], dtype=np.int64)
         widths = np.array([row.width for row in rows], dtype=np.int64)
         width, length = int(widths.max()), int((starts + widths).max())
         query_pos, seen = visibility.plan(rows, starts, widths, width)
-        q_index = torch.zeros(len(rows), width, dtype=torch.long)
+        q_index = torch.full((len(rows), width), tokens, dtype=torch.long)
         q_valid = torch.zeros(len(rows), width, dtype=torch.bool)
         read_slots = torch.zeros(len(rows), length, dtype=torch.long)  # slot 0: the zero block
         for b, (row, offset, start, n) in enumerate(zip(rows, offsets, starts, widths)):
