@@ -178,9 +178,10 @@ class ServerSettings(BaseSettings):
     max_watch_streams: int = Field(1024, ge=1, description="Health.Watch streams open at once, "
                                    "all callers together, before RESOURCE_EXHAUSTED")
     max_streams_per_connection: int = Field(
-        100, ge=1, description="calls one connection may have open at once (HTTP/2's "
-        "max_concurrent_streams, gRPC's too): a client's next call waits until one ends, so what "
-        "a client that never reads holds is bounded per connection")
+        256, ge=1, description="calls one connection may have open at once (HTTP/2's "
+        "max_concurrent_streams, gRPC's too; as many as a device's Generate streams): a client's "
+        "next call waits until one ends, so what a client that never reads holds is bounded per "
+        "connection")
     # --- the KV cache ---
     kv_budget: int | None = Field(None, ge=1, description="KV cache size, e.g. 2GiB or 512MiB "
                                   "(default: --kv-fraction of free memory)",

@@ -318,10 +318,14 @@ def _save_profile(results: dict, args) -> None:
 
 def _report_profile(console, results: dict, args) -> None:
     """The profile of every cell, written, and where its rules fall under the floor; exit 1
-    (LOSSY) when the cells make none."""
+    (LOSSY) when the cells make none on a GPU (on a CPU, a line: its timings are noise)."""
     try:
         profile = step_profile(results, args)
     except ValueError as exc:       # e.g. noise made a larger step faster
+        if args.device == "cpu":    # a shared CPU's noise, and no GPU's profile to lose
+            console.print(f"[yellow]--write-profile: no new profile written: {exc}; on a CPU "
+                          "this is the machine's noise (rerun with more --reps)[/]")
+            return
         raise harness.Stop(f"--write-profile: no profile written: {exc}; rerun with more "
                            "--reps", harness.LOSSY)
     console.print(f"wrote the step-cost profile of {results['engines'][0]} to "
