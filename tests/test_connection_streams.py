@@ -22,8 +22,8 @@ SENT = 200                 # refused streams its client opens and never reads
 OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)    # shares no connection
 
 
-def test_the_default_is_a_devices_streams_per_connection():
-    assert ServerSettings().max_streams_per_connection == 256 == ServerSettings().max_streams_per_device
+def test_the_default_is_a_thousand_and_twenty_four_calls_per_connection():
+    assert ServerSettings().max_streams_per_connection == 1024
 
 
 async def until_refused(server, count: int, timeout_s: float = 20.0) -> None:

@@ -178,8 +178,8 @@ class ServerSettings(BaseSettings):
     max_watch_streams: int = Field(1024, ge=1, description="Health.Watch streams open at once, "
                                    "all callers together, before RESOURCE_EXHAUSTED")
     max_streams_per_connection: int = Field(
-        256, ge=1, description="calls one connection may have open at once (HTTP/2's "
-        "max_concurrent_streams, gRPC's too; as many as a device's Generate streams): a client's "
+        1024, ge=1, description="calls one connection may have open at once (HTTP/2's "
+        "max_concurrent_streams, gRPC's too; a daemon's many sessions share one): a client's "
         "next call waits until one ends, so what a client that never reads holds is bounded per "
         "connection")
     # --- the KV cache ---
