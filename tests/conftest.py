@@ -76,6 +76,19 @@ PROMPT_TEXTS = [
 SLED = [sys.executable, "-m", "sled_cli.main"]
 
 
+def serve_settings_of(*argv: str) -> ServerSettings:
+    """The settings `sled serve ARGV` runs with: its flags parsed, its config and environment read."""
+    import argparse
+
+    from sled_cli import serve as serve_cli
+    from verify_server.settings import load_settings
+
+    parser = argparse.ArgumentParser(prog="sled serve")
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args(argv)
+    return load_settings(args.config, {k: v for k, v in vars(args).items() if k != "config"})
+
+
 def status_kib(field: str, pid: int | str = "self") -> int:
     """One KiB field of a process's /proc/PID/status, e.g. VmRSS (resident now) or VmHWM (its
     peak)."""

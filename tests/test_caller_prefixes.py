@@ -7,17 +7,15 @@ tenant stays its own address's, since a /64 is a whole LAN's and a cache hit tel
 device sent."""
 from __future__ import annotations
 
-import argparse
-
 import grpc
 import pytest
 
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
-from sled_cli import serve as serve_cli
 from verify_server.auth import Gate, access_of
+from tests.conftest import serve_settings_of as settings_of
 from verify_server.origin import CallerPrefixes, TrustedProxies
-from verify_server.settings import ServerSettings, SettingsError, load_settings
+from verify_server.settings import ServerSettings, SettingsError
 
 PROXY = "ipv4:10.0.0.2:40000"
 
@@ -72,13 +70,6 @@ def test_a_named_caller_is_its_name_from_any_address():
     names = {"x509_common_name": [b"dev-1"]}
     identity = gate.identify((), names, "ipv6:[2001:db8:1:2::7]:1")
     assert (identity.key, identity.tenant) == ("cert:dev-1", "cert:dev-1")
-
-
-def settings_of(*argv: str) -> ServerSettings:
-    parser = argparse.ArgumentParser(prog="sled serve")
-    serve_cli.add_arguments(parser)
-    args = parser.parse_args(argv)
-    return load_settings(args.config, {k: v for k, v in vars(args).items() if k != "config"})
 
 
 def test_the_server_settings_reach_the_gate(monkeypatch):

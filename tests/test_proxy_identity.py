@@ -14,12 +14,12 @@ import pytest
 from sled.wire.auth import bearer_metadata
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
-from sled_cli import serve as serve_cli
+from tests.conftest import serve_settings_of as settings_of
 from verify_server.auth import Gate, TokenFileError, access_of
 from verify_server.errors import SessionError
 from verify_server.origin import (CERT_HEADER, Origin, TrustedProxies, envoy_cert_name,
                                   forwarded_host, proxy_network)
-from verify_server.settings import ServerSettings, SettingsError, load_settings
+from verify_server.settings import ServerSettings, SettingsError
 
 PROXY = "ipv4:10.0.0.2:40000"              # a trusted proxy's connection
 STRANGER = "ipv4:172.16.0.9:40000"         # anyone else
@@ -237,15 +237,6 @@ def test_pins_need_mutual_tls_or_a_proxy_that_verifies_certificates(tmp_path):
 
 
 # --- settings and flags --------------------------------------------------------------------------
-
-def settings_of(*argv: str) -> ServerSettings:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="sled serve")
-    serve_cli.add_arguments(parser)
-    args = parser.parse_args(argv)
-    return load_settings(args.config, {k: v for k, v in vars(args).items() if k != "config"})
-
 
 def test_trusted_proxies_repeat_and_take_comma_lists(monkeypatch):
     assert ServerSettings().trusted_proxies == () and not ServerSettings().require_identity

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from sled_cli import serve
+from tests.conftest import serve_settings_of as settings_of
 from verify_server.settings import ServerSettings, SettingsError, load_settings
 
 # Every flag `sled serve` had before its flags were made from the settings: each still works.
@@ -23,11 +24,6 @@ def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sled serve")
     serve.add_arguments(parser)
     return parser.parse_args(argv)
-
-
-def settings_of(*argv: str) -> ServerSettings:
-    args = parse(*argv)
-    return load_settings(args.config, {k: v for k, v in vars(args).items() if k != "config"})
 
 
 def test_help_lists_every_flag():
