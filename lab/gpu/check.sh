@@ -158,7 +158,7 @@ except ValueError: print(GPUS['H100'].bandwidth)" "$DEVICE_NAME" 2>> "$LOG" || e
 PEAK=7.9e14        # dense bf16 matrix FLOP/s measured on an H200 (the H100's tensor cores match)
 if [ "$DRY" = 1 ]; then
     SHAPES=(tiny-llama:llama-8b tiny-gemma3:gemma3-4b)
-    ENGINE_FLAGS=(--device cpu --dtype float32 --sessions 2 --contexts 32 --prefill 1x32,2x32
+    ENGINE_FLAGS=(--device cpu --dtype float32 --sessions 2 --contexts 32 --prefill 2x32
                   --reps 3 --bandwidth 2e10 --peak-flops 1e12)
     ENGINE_LIMITS=(150 150)
     TEST_FLAGS=(--device cpu)
