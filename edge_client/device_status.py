@@ -16,9 +16,9 @@ log = logging.getLogger("sled.device")
 
 
 class DeviceState:
-    """starting, waiting, ready or degraded (its server went silent and no other answers), and
-    why; `listeners` are told on each change (and whenever the device's settings change:
-    tell())."""
+    """starting, waiting, ready or degraded (its server went silent, has answered nothing since
+    and no other answers), and why; `listeners` are told on each change (and whenever the
+    device's settings change: tell())."""
 
     def __init__(self, device_id: str) -> None:
         self.device_id = device_id
