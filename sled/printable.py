@@ -26,3 +26,8 @@ def printable(text: str | bytes, limit: int = SHOWN_CHARS) -> str:
 
 def _escaped(char: str) -> str:
     return repr(char)[1:-1]
+
+
+def counted(n: int, noun: str) -> str:
+    """ "1 token", "8 tokens"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"

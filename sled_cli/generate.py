@@ -25,7 +25,7 @@ from edge_client.wire import SessionRequest
 from sled.cache import CacheError
 from sled.flags import (builtin_aliases, loose_flag, non_negative_float, non_negative_int,
                             open_probability, positive_float, positive_int)
-from sled.printable import printable
+from sled.printable import counted, printable
 from sled.v1 import verifier_pb2 as pb
 from sled.wire.sampling import Sampling
 
@@ -238,10 +238,10 @@ class Shown:
         if event.kind == LOST:
             how = " (it went silent)" if event.silent else ""
             self.say(f"lost the server at {self.args.server}{how} after "
-                     f"{_count(event.committed, 'token')}; waiting up to {event.wait_s:g} s for it "
+                     f"{counted(event.committed, 'token')}; waiting up to {event.wait_s:g} s for it "
                      "(or another) to resume")
         else:
-            self.say(f"the server is back: resumed after {_count(event.committed, 'token')} "
+            self.say(f"the server is back: resumed after {counted(event.committed, 'token')} "
                      f"({event.detail})")
 
     def say(self, line: str) -> None:
@@ -255,11 +255,11 @@ class Shown:
         self.code = 0
         self._print(result, whole=True)
         if not self.args.json:
-            print(f"[{result.finish_reason}] {_count(len(result.token_ids), 'token')} in "
-                  f"{_count(result.rounds, 'round')}, acceptance {result.acceptance_rate:.0%}, "
+            print(f"[{result.finish_reason}] {counted(len(result.token_ids), 'token')} in "
+                  f"{counted(result.rounds, 'round')}, acceptance {result.acceptance_rate:.0%}, "
                   f"{result.tokens_per_round:.2f} tokens/round", file=sys.stderr)
             if result.loose:
-                print(f"loose verification, NOT lossless: {_count(result.loose_accepted, 'draft token')} "
+                print(f"loose verification, NOT lossless: {counted(result.loose_accepted, 'draft token')} "
                       "kept where the target's own token was another", file=sys.stderr)
         return self.code
 
@@ -304,7 +304,7 @@ class Shown:
         else:
             result = GenerationResult(token_ids=list(self.committed), finish_reason=finish_reason)
         self._print(result)
-        return _count(len(result.token_ids), "token")
+        return counted(len(result.token_ids), "token")
 
     def _print(self, result, whole: bool = False) -> None:
         """The result as one JSON object, or the rest of its text and the newline that ends it
@@ -323,8 +323,3 @@ class Shown:
             sys.stdout.write(text)
             sys.stdout.flush()
             self.mid_line = not text.endswith("\n")
-
-
-def _count(n: int, noun: str) -> str:
-    """ "1 token", "8 tokens"."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from sled.printable import counted
+
 SERVED_TYPES = ("cpu", "cuda", "mps", "xpu")
 BF16_CAPABILITY = (8, 0)      # bfloat16 matmuls in hardware from Ampere on
-GIB = 1 << 30
+MIB, GIB = 1 << 20, 1 << 30
 CUDA_BUILD_HELP = ('install torch\'s CUDA build for this machine\'s driver (docs/server.md, "On '
                    'a CUDA machine")')
 
@@ -69,7 +71,7 @@ def _check_cuda(device: torch.device, text: str) -> None:
             "nvidia-smi should list one, with a driver for that CUDA version; CUDA_VISIBLE_DEVICES "
             "may hide them; or serve with --device cpu")
     if device.index is not None and device.index >= count:
-        raise DeviceUnavailable(f"--device {text}: this machine shows {_count(count, 'GPU')} "
+        raise DeviceUnavailable(f"--device {text}: this machine shows {counted(count, 'GPU')} "
                                 f"({_indices('cuda', count)})")
 
 
@@ -91,7 +93,7 @@ def _check_xpu(device: torch.device, text: str) -> None:
         raise DeviceUnavailable(f"--device {text}: this torch ({torch.__version__}) sees no "
                                 "Intel GPU (xpu): serve with --device cpu")
     if device.index is not None and device.index >= count:
-        raise DeviceUnavailable(f"--device {text}: this machine shows {_count(count, 'XPU')} "
+        raise DeviceUnavailable(f"--device {text}: this machine shows {counted(count, 'XPU')} "
                                 f"({_indices('xpu', count)})")
 
 
@@ -110,7 +112,7 @@ def describe_torch() -> str:
     if not count:
         return (f"{torch.__version__}, {runtime}, no GPU seen (nvidia-smi should list one; "
                 "CUDA_VISIBLE_DEVICES may hide them)")
-    return f"{torch.__version__}, {runtime}, {_count(count, 'GPU')} seen"
+    return f"{torch.__version__}, {runtime}, {counted(count, 'GPU')} seen"
 
 
 def describe_gpus() -> list[str]:
@@ -123,12 +125,13 @@ def describe_gpus() -> list[str]:
         props = torch.cuda.get_device_properties(index)
         free, total = torch.cuda.mem_get_info(index)
         lines.append(f"cuda:{index} {props.name}, compute capability {props.major}.{props.minor}, "
-                     f"{free / GIB:.1f} of {total / GIB:.1f} GiB free")
+                     f"{size_text(free)} of {size_text(total)} free")
     return lines
 
 
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}" + ("" if n == 1 else "s")
+def size_text(n: float) -> str:
+    """Bytes as a person reads them: "1.50 GiB", "512.0 MiB"."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
 
 
 def _indices(kind: str, count: int) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from verify_server.accelerator import size_text
 from verify_server.engines import auto_kind, free_memory_bytes, make_engine
 from verify_server.engines.blocks import KVShape
 from verify_server.engines.flex import CPU_COMPILED_DTYPES, compiled_flex, probe_error
@@ -28,7 +29,6 @@ from verify_server.engines.rows import Row
 from verify_server.synthetic import is_synthetic, synthetic_config
 from verify_server.target import DTYPES, Target
 
-MIB, GIB = 1 << 20, 1 << 30
 PROMPT = "The verify server checks each draft"
 STEP_BLOCKS = 8       # the one-step check's KV pool: the prompt's blocks and room to spare
 
@@ -52,11 +52,6 @@ class Footprint:
     def describe_weights(self) -> str:
         return (f"weights {size_text(self.weight_bytes)} ({self.parameters:,} parameters x "
                 f"{self.dtype.itemsize} bytes, {str(self.dtype).removeprefix('torch.')})")
-
-
-def size_text(n: float) -> str:
-    """Bytes for a person: 15.20 GiB, 439.8 MiB."""
-    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
 
 
 def footprint(located: str, dtype: str, trust_remote_code: bool = False) -> Footprint:

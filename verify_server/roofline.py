@@ -61,10 +61,11 @@ def gpu_spec(name: str) -> GpuSpec:
 def step_floor(shape: str, gpu: GpuSpec, weight_dtype: str, kv_dtype: str) -> StepFloor:
     """The floor of every step of `shape` on `gpu` (see the module's docstring): what a
     profile's floor block holds."""
+    streamed = streamed_parameters(shape)
     return StepFloor(bandwidth=gpu.bandwidth,
-                     weight_bytes=streamed_parameters(shape) * DTYPE_BYTES[weight_dtype],
+                     weight_bytes=streamed * DTYPE_BYTES[weight_dtype],
                      kv_bytes_per_token=kv_bytes_per_token(shape, DTYPE_BYTES[kv_dtype]),
-                     flops_per_token=2.0 * streamed_parameters(shape),
+                     flops_per_token=2.0 * streamed,
                      peak_flops=gpu.flops[weight_dtype],
                      source=f"{gpu.name} data sheet ({gpu.bandwidth / 1e12:g} TB/s, "
                             f"{gpu.flops[weight_dtype] / 1e12:g} TFLOP/s {weight_dtype}); "
@@ -111,11 +112,12 @@ def derive_profile(shape: str, gpu_name: str, measured: StepProfile, weight_dtyp
     measured_dtype = str(source.get("dtype", ""))
     if measured_shape is None or measured_dtype not in DTYPE_BYTES:
         raise ValueError(f"{measured.name}: its model or dtype is not one sled knows the shape of")
+    measured_floor = step_floor(measured_shape, gpu, measured_dtype, measured_dtype)
+    floor = step_floor(shape, gpu, weight_dtype, kv_dtype)
     cells = []
     for cell in measured.cells:
-        floor = roofline_ms(measured_shape, gpu, measured_dtype, measured_dtype, cell.new, cell.read)
-        ratio = cell.ms / floor
-        ms = ratio * roofline_ms(shape, gpu, weight_dtype, kv_dtype, cell.new, cell.read)
+        ratio = cell.ms / measured_floor.ms(cell.new, cell.read)
+        ms = ratio * floor.ms(cell.new, cell.read)
         cells.append(StepCell(cell.rows, cell.tokens, cell.context, round(ms, 3), cell.kind))
     name = f"derived-{gpu_name.lower()}-{shape.replace('-', '')}-{_short(weight_dtype)}"
     memory, tdp = next(v for k, v in KNOWN_GPUS.items() if k in gpu.name)
@@ -134,8 +136,7 @@ def derive_profile(shape: str, gpu_name: str, measured: StepProfile, weight_dtyp
     gpu_block = {"memory_bytes": memory, "tdp_watts": tdp,
                  "weight_bytes": parameters(shape) * DTYPE_BYTES[weight_dtype],
                  "kv_bytes_per_token": kv_bytes_per_token(shape, DTYPE_BYTES[kv_dtype])}
-    return make_profile(name, provenance, cells, gpu_block,
-                        step_floor(shape, gpu, weight_dtype, kv_dtype))
+    return make_profile(name, provenance, cells, gpu_block, floor)
 
 
 def _short(dtype: str) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verify_server.engines.blocks import KVShape
 from verify_server.engines.flex_plan import StepLayout, StepShape, graphable_shapes
 
 MIB = 1 << 20
@@ -57,8 +58,8 @@ def _per_token(model: torch.nn.Module) -> tuple[int, int]:
     activations a position: norms, residual, q/k/v, attention out, gate, up, activation)."""
     config = model.config.get_text_config(decoder=True)
     item = model.get_output_embeddings().weight.element_size()
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    per_layer = (4 * config.hidden_size + (2 * heads + 2 * kv_heads) * head_dim
+    kv = KVShape.of(model)
+    per_layer = (4 * config.hidden_size
+                 + (2 * config.num_attention_heads + 2 * kv.kv_heads) * kv.head_dim
                  + 3 * config.intermediate_size)
     return config.vocab_size * item + ARGMAX_BYTES, per_layer * item
