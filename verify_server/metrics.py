@@ -17,6 +17,9 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.forward_passes = Counter("sled_forward_passes", "Batched target forward passes", registry=r)
+        self.overlapped_steps = Counter("sled_overlapped_steps", "Steps launched while the one "
+                                        "before them was still undecided (its host work hidden "
+                                        "behind the device's)", registry=r)
         self.draft_tokens = Counter("sled_draft_tokens", "Draft tokens verified", registry=r)
         self.accepted_tokens = Counter("sled_accepted_tokens", "Draft tokens accepted", registry=r)
         self.emitted_tokens = Counter("sled_emitted_tokens", "Tokens committed to sessions", registry=r)

@@ -13,6 +13,16 @@ each work's future on the loop:
     rows = [work.row(share) ...]                       # plan: the rows the budget admits
     outcomes = verify_step(engine, rows, proposals)    # forward, then acceptance.decide
     work.keep(row, outcome)                            # prefill KV committed, tree paths moved
+
+Where the engine's forward returns before its kernels end (flex on CUDA: `launches_ahead`), the
+host's part of a step hides behind the device's: step t+1 is planned, uploaded and launched
+while step t's kernels run, and step t is decided while step t+1's run (`overlap`). Only a step
+decided from its argmax alone (greedy rows, SAT hints, prefill) is decided after the next
+launch; its argmax is on its way to the host behind its own kernels, so its decision waits for
+its step alone. A step with a sampling or loose row is decided before the next is launched: its
+decision reads logits the next step would overwrite, on a device the next step would occupy.
+The two steps in flight never share a session (a session's next work waits on its verdict), so
+every verdict is the one the serial order gives.
 """
 from __future__ import annotations
 
@@ -25,7 +35,7 @@ from dataclasses import dataclass, field
 from sled import clock
 from verify_server import errors
 from verify_server.acceptance import DraftQ, Outcome, Proposal, decide
-from verify_server.engines.base import Engine
+from verify_server.engines.base import Engine, StepLogits
 from verify_server.engines.rows import Row
 from verify_server.errors import Reason
 from verify_server.metrics import Metrics
@@ -137,10 +147,14 @@ def _priority(work: Work) -> tuple[float, float]:
 
 
 class Scheduler:
+    """`overlap`: launch each step before the last is decided (see the module's docstring);
+    None: where the engine launches ahead of its kernels."""
+
     def __init__(self, engine: Engine, metrics: Metrics, max_batch_sessions: int = 64,
-                 max_step_tokens: int = 2048) -> None:
+                 max_step_tokens: int = 2048, overlap: bool | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.overlap = getattr(engine, "launches_ahead", False) if overlap is None else overlap
         self.max_batch_sessions = max_batch_sessions
         self.max_step_tokens = max_step_tokens
         self.min_prefill_chunk = max(1, max_step_tokens // 8)
@@ -151,7 +165,7 @@ class Scheduler:
         # compiler settings (e.g. the flex engine's recompile limit) in context variables, which
         # a new thread would otherwise see at their defaults.
         self._context = contextvars.copy_context()
-        self._in_flight: set[Session] = set()
+        self._in_flight: dict[Session, int] = {}     # session -> its steps in flight
         self._release_after_step: set[Session] = set()
         self._task: asyncio.Task | None = None
 
@@ -211,10 +225,13 @@ class Scheduler:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._queue:
+            pending: Launched | None = None      # a step launched, not yet decided (overlap)
+            while self._queue or pending is not None:
                 await asyncio.sleep(0)   # sessions the last step answered queue their next work first
                 plan = self._plan(clock.now())
-                if plan:
+                if self.overlap:
+                    pending = await self._advance(plan, pending)
+                elif plan:
                     await self._step(plan)
 
     def _plan(self, now: float) -> list[tuple[Work, int]]:
@@ -262,24 +279,51 @@ class Scheduler:
 
     async def _step(self, plan: list[tuple[Work, int]]) -> None:
         started = clock.now()
-        sessions = {w.session for w, _ in plan}
-        self._in_flight = sessions
-        tokens = sum(n for _, n in plan)
+        self._enter(plan)
         try:
             outcomes = await self.execute(plan)
             failure = None
         except Exception as exc:  # the step failed: every session in it hears why
             outcomes, failure = [None] * len(plan), exc
-        finally:
-            self._in_flight = set()
+        self._answer(plan, started, outcomes, failure)
+
+    async def _advance(self, plan: list[tuple[Work, int]],
+                       pending: Launched | None) -> Launched | None:
+        """Overlap: launch this plan's step and decide the pending one (engine thread, in the
+        order `advance` picks), answer the pending one's work; the launched step is pending."""
+        if plan:
+            self._enter(plan)
+            if pending is not None and pending.argmax_decides:
+                self.metrics.overlapped_steps.inc()
+        launched, decided = await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._context.run, advance, self.engine, plan, pending)
+        if pending is not None:
+            self._answer(pending.plan, pending.started, *decided)
+        return launched
+
+    def _enter(self, plan: list[tuple[Work, int]]) -> None:
+        for work, _ in plan:
+            self._in_flight[work.session] = self._in_flight.get(work.session, 0) + 1
+
+    def _leave(self, plan: list[tuple[Work, int]]) -> None:
+        for work, _ in plan:
+            left = self._in_flight.pop(work.session) - 1
+            if left:
+                self._in_flight[work.session] = left
+        for session in [s for s in self._release_after_step if s not in self._in_flight]:
+            self._release_after_step.discard(session)
+            self._free(session)
+
+    def _answer(self, plan: list[tuple[Work, int]], started: float,
+                outcomes: list[Outcome | None], failure: Exception | None) -> None:
+        """After a step is decided: its metrics, the KV of sessions released meanwhile, and
+        each work's reply (a prefill with chunks to go queued again)."""
+        self._leave(plan)
         forward_ms = (clock.now() - started) * 1e3
         self.metrics.forward_passes.inc()
-        self.metrics.forward_tokens.inc(tokens)
+        self.metrics.forward_tokens.inc(sum(n for _, n in plan))
         self.metrics.batch_size.observe(len(plan))
         self.metrics.forward_seconds.observe(forward_ms / 1e3)
-        for session in self._release_after_step:
-            self._free(session)
-        self._release_after_step.clear()
         for (work, _), result in zip(plan, outcomes):
             if work.future.done():
                 continue
@@ -290,6 +334,67 @@ class Scheduler:
             else:
                 info = StepInfo((started - work.enqueued) * 1e3, forward_ms, len(plan))
                 work.future.set_result((result, info))
+
+
+# --- a step on the engine thread -------------------------------------------------------------------
+
+@dataclass(slots=True, eq=False)
+class Launched:
+    """A step launched and not yet decided: its work, rows and proposals, and its logits (or
+    why it failed)."""
+    plan: list[tuple[Work, int]]
+    rows: list[Row]
+    proposals: list[Proposal | None]
+    started: float
+    logits: StepLogits | None = None
+    failure: Exception | None = None
+
+    @property
+    def argmax_decides(self) -> bool:
+        """Whether its decision reads the argmax alone (no sampling or loose row), so it may
+        wait behind the next step's launch."""
+        return all(p is None or (p.sampling.greedy and p.loose is None) for p in self.proposals)
+
+
+def launch_step(engine: Engine, plan: list[tuple[Work, int]]) -> Launched:
+    """Engine thread: the planned rows' forward launched (on CUDA it returns before its
+    kernels end); a failure is kept for the step's decision to report."""
+    rows = [work.row(share) for work, share in plan]
+    launched = Launched(plan, rows, [work.proposal() for work, _ in plan], clock.now())
+    try:
+        launched.logits = engine.launch(rows, send_argmax=launched.argmax_decides)
+    except Exception as exc:  # the step failed: every session in it hears why
+        launched.failure = exc
+    return launched
+
+
+def decide_step(launched: Launched) -> tuple[list[Outcome | None], Exception | None]:
+    """Engine thread: a launched step decided (waiting for its argmax), then the KV each work
+    keeps: (outcomes, None), or (Nones, why it failed)."""
+    nothing = [None] * len(launched.plan)
+    if launched.failure is not None:
+        return nothing, launched.failure
+    try:
+        outcomes = decide(launched.proposals, launched.logits)
+        for (work, _), row, outcome in zip(launched.plan, launched.rows, outcomes):
+            work.keep(row, outcome)
+    except Exception as exc:
+        return nothing, exc
+    return outcomes, None
+
+
+def advance(engine: Engine, plan: list[tuple[Work, int]], pending: Launched | None
+            ) -> tuple[Launched | None, tuple[list[Outcome | None], Exception | None] | None]:
+    """Engine thread, overlapping: the next step launched while the pending one's kernels run,
+    then the pending one decided while the next one's run; a pending step decided from more
+    than its argmax is decided first. (launched or None, the pending step's decision or None)."""
+    decided = None
+    if pending is not None and not pending.argmax_decides:
+        decided = decide_step(pending)
+    launched = launch_step(engine, plan) if plan else None
+    if pending is not None and decided is None:
+        decided = decide_step(pending)
+    return launched, decided
 
 
 def run_step(engine: Engine, plan: list[tuple[Work, int]]) -> list[Outcome | None]:

@@ -111,7 +111,8 @@ async def start_server(target: Target, settings: ServerSettings | None = None,
     metrics.watch_pool(engine.pool)
     _warm_up(engine, settings)
     scheduler = Scheduler(_emulated(engine, profile, metrics), metrics,
-                          settings.max_batch_sessions, settings.max_step_tokens)
+                          settings.max_batch_sessions, settings.max_step_tokens,
+                          {"auto": None, "on": True, "off": False}[settings.overlap_steps])
     scheduler.start()
     service = VerifierService(target, scheduler, settings, metrics, gate)
     server = grpc.aio.server(interceptors=[CallBounds(service.core)], options=[

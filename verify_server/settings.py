@@ -197,6 +197,11 @@ class ServerSettings(BaseSettings):
                             "the KV pool in place, in static step shapes (for CUDA); padded: the "
                             "generic fallback (auto: flex on CUDA, paged on CPU, padded for a "
                             "model without transformers' attention interface)")
+    overlap_steps: Literal["auto", "on", "off"] = Field(
+        "auto", description="launch each step before the last one is decided, so the host's "
+                            "planning and deciding run while the device computes (auto: where "
+                            "the engine's forward returns before its kernels end, flex on CUDA; "
+                            "a step with sampling or loose rows is always decided first)")
     emulate: str | None = Field(
         None, description="hold every step to a step-cost profile's time, so this server paces "
                           "itself like the GPU the profile was measured on (the target still "

@@ -32,7 +32,11 @@ FINGERPRINT = "simulated"      # the tokenizer a simulated target has: none; tra
 
 class SimulatedScheduler(Scheduler):
     """The server's scheduler (its plan, budget, deadlines and replies) whose step runs on the
-    loop and then takes the engine's simulated time."""
+    loop and then takes the engine's simulated time: one step at a time (the profile's time is
+    a step's kernels and the host's, `HostCost`, in series)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, overlap=False, **kwargs)
 
     async def execute(self, plan: list[tuple[Work, int]]) -> list[Outcome | None]:
         outcomes = run_step(self.engine, plan)

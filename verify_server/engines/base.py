@@ -33,6 +33,8 @@ class StepLogits:
     packed: torch.Tensor               # [K, vocab]
     spans: list[slice | None]          # row b's positions in `packed`
     argmax: torch.Tensor | None = None  # [K], or None: computed on demand
+    host_argmax: torch.Tensor | None = None   # the argmax's copy on its way to the host
+    copied: torch.cuda.Event | None = None    # when that copy is done (CUDA)
 
     def row(self, b: int) -> torch.Tensor | None:
         """Row b's logits [width, vocab], a view (valid until the engine's next step)."""
@@ -40,9 +42,26 @@ class StepLogits:
         return None if span is None else self.packed[span]
 
     def targets(self) -> list[int]:
-        """The argmax of every packed position: one reduction, one copy to the host."""
+        """The argmax of every packed position: one reduction, one copy to the host (started
+        at launch, `send_argmax`, where the step was launched ahead of its decision)."""
+        if self.host_argmax is not None:
+            if self.copied is not None:
+                self.copied.synchronize()
+            return self.host_argmax.tolist()
         argmax = self.packed.argmax(-1) if self.argmax is None else self.argmax
         return argmax.tolist()
+
+    def send_argmax(self) -> None:
+        """Start the argmax's copy to the host now, behind the step's kernels and ahead of
+        whatever the device runs next (pinned memory, no wait on CUDA)."""
+        argmax = self.packed.argmax(-1) if self.argmax is None else self.argmax
+        if argmax.device.type != "cuda":
+            self.host_argmax = argmax.clone()
+            return
+        self.host_argmax = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
+        self.host_argmax.copy_(argmax, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -81,6 +100,7 @@ class Engine:
     passes with SAT LoRA deltas; "transformers" always runs transformers' forward."""
 
     kind = "base"
+    launches_ahead = False   # whether `launch` returns before the step's kernels end (CUDA)
     branches = False     # whether rows may branch: SAT blocks (Row.sat_anchors), trees (Row.parents)
     own_forward = False  # whether the engine can run sled's decoder forward (its attention does)
 
@@ -153,6 +173,16 @@ class Engine:
         """One pass over all rows: the logits of the rows that want them. Each row's KV is
         written after kv.length; no row's length changes."""
         raise NotImplementedError
+
+    def launch(self, rows: Sequence[Row], send_argmax: bool = False) -> StepLogits:
+        """The forward of a step whose decision may come after the next step is launched (the
+        scheduler's overlap: only a step decided from its argmax alone); `send_argmax`: its
+        argmax starts on its way to the host right behind the step's kernels, before the next
+        step's, so that the decision waits for this step alone."""
+        logits = self.forward(rows)
+        if send_argmax:
+            logits.send_argmax()
+        return logits
 
 
 # Passed as the attention mask inside a step: transformers returns a 4D mask as-is, so no

@@ -32,9 +32,17 @@ class EmulatedEngine:
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
+    launches_ahead = False     # every step is held to its time before it returns
+
     def forward(self, rows: Sequence[Row]) -> StepLogits:
         due = self.due(rows, time.perf_counter())
         logits = self.engine.forward(rows)
+        self.hold(due)
+        return logits
+
+    def launch(self, rows: Sequence[Row], send_argmax: bool = False) -> StepLogits:
+        due = self.due(rows, time.perf_counter())
+        logits = self.engine.launch(rows, send_argmax)
         self.hold(due)
         return logits
 

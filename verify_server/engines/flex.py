@@ -315,6 +315,7 @@ class FlexEngine(Engine):
         self.full_blocks = full_blocks
         self.activate()      # the pool is zero: every slot it reads holds a finite value
         cuda = self.device.type == "cuda"
+        self.launches_ahead = cuda    # no step reads a device value on the host
         self.flex = flex or (compiled_flex() if cuda else flex_attention)
         # compiled static per bucket, prefill chunks (a long group: their lengths vary) excepted
         self.long_flex = compiled_flex(dynamic=True) if self.flex is compiled_flex() else self.flex

@@ -78,10 +78,15 @@ class LeadingEngine:
         return getattr(self.engine, name)
 
     def forward(self, rows: Sequence[Row]) -> StepLogits:
+        return self.launch(rows)
+
+    def launch(self, rows: Sequence[Row], send_argmax: bool = False) -> StepLogits:
+        """The other ranks run the step in the order rank 0 launches it (an overlapped step's
+        KV copies, made at its decision, follow the next step's launch on every rank alike)."""
         plans = tuple(RowPlan.of(row) for row in rows)
         try:
             self.channel.send(Step(plans))
-            return self.engine.forward(rows)
+            return self.engine.launch(rows, send_argmax)
         except Exception as exc:
             abandon(f"a step failed ({type(exc).__name__}: {exc})")
 
