@@ -535,7 +535,8 @@ def test_the_engine_bench_runs_every_engine_on_cpu(tmp_path, capsys):
 
     out = tmp_path / "engine.json"
     assert main(["bench", "engine", "--shape", "tiny-llama,tiny-gemma3", "--engines",
-                 "paged,flex,flex-graph,transformers-graph", "--sessions", "1,3", "--contexts",
+                 "paged,flex,flex-graph,flex-graph-overlap,transformers-graph", "--sessions",
+                 "1,3", "--contexts",
                  "40", "--reps", "1",
                  "--bandwidth", "1e10", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
@@ -548,6 +549,9 @@ def test_the_engine_bench_runs_every_engine_on_cpu(tmp_path, capsys):
             assert cell["sessions"] <= total <= cell["sessions"] * 5
             agree = f"{total}/{total}"
             assert cell["flex_emitted_agree"] == cell["flex-graph_emitted_agree"] == agree
+            # overlapped steps decide what the serial ones do, and move the same KV a step
+            assert cell["flex-graph-overlap_emitted_agree"] == agree
+            assert cell["flex-graph-overlap_bytes_copied"] == cell["flex-graph_bytes_copied"]
             # the baseline's static cache holds the same contexts (gemma3's window shifted)
             assert cell["transformers-graph_emitted_agree"] == agree
             assert cell["flex_ms_p50"] > 0 and cell["floor_ms"] > 0

@@ -4,8 +4,10 @@ A step is what the server's scheduler runs (`verify_server.scheduler.verify_step
 of every session's draft, then `acceptance.decide` over the step's logits (one argmax, one copy
 of it back to the host), ending with each session's verdict. The engines (`--engines`: paged,
 padded, flex, and flex-graph: the flex engine with each bucket's forward and argmax replayed
-from a CUDA graph; flex-compile: the same step captured by torch.compile's reduce-overhead mode
-instead, the `capture="compile"` the flex engine weighs against its own graphs; flex-graph-hf:
+from a CUDA graph; flex-graph-overlap: flex-graph's steps timed in runs, each launched before the
+last is decided, as the scheduler overlaps them; flex-compile: the same step captured by
+torch.compile's reduce-overhead mode instead, the `capture="compile"` the flex engine weighs
+against its own graphs; flex-graph-hf:
 flex-graph running transformers' own model forward instead of sled's decoder forward) run the same
 model over one block pool and verify the very same sessions. transformers-graph is the
 centralized baseline: transformers' forward over its own static cache holding the same
@@ -65,7 +67,7 @@ from lab.bench.static_step import StaticCacheStep
 from lab.tiny import cached_pair
 from sled.flags import positive_float, positive_int
 from sled.models import resolve_model
-from verify_server.acceptance import greedy_chain
+from verify_server.acceptance import decide, greedy_chain
 from verify_server.engines import PaddedEngine, PagedEngine, make_engine
 from verify_server.engines.blocks import BlockPool, KVShape
 from verify_server.engines.flex import FlexEngine
@@ -138,8 +140,8 @@ def _unknown(what: str):
     return refuse
 
 
-ENGINE_KINDS = ("paged", "paged-hf", "padded", "flex", "flex-graph", "flex-graph-masked",
-                "flex-graph-hf", "flex-compile", "transformers-graph")
+ENGINE_KINDS = ("paged", "paged-hf", "padded", "flex", "flex-graph", "flex-graph-overlap",
+                "flex-graph-masked", "flex-graph-hf", "flex-compile", "transformers-graph")
 PROFILED_STEPS = 3           # --kernels: steps profiled per engine and cell
 BASELINE = "transformers-graph"
 
@@ -169,12 +171,40 @@ def _engines(model, budget_bytes: int, block_tokens: int, kinds, sat=None) -> di
             "flex-graph-hf": lambda: FlexEngine(model, pool, sat, graphs=cuda,
                                                 forward="transformers", full_blocks=False),
             # the whole step through torch.compile's reduce-overhead mode (CPU: compiled only)
-            "flex-compile": lambda: FlexEngine(model, pool, sat, graphs=True, capture="compile")}
+            "flex-compile": lambda: FlexEngine(model, pool, sat, graphs=True, capture="compile"),
+            # flex-graph's steps as the overlapping scheduler runs them, a run at a time
+            "flex-graph-overlap": lambda: Overlapped(FlexEngine(model, pool, sat, graphs=cuda))}
     engines = {}
     for kind in kinds:
         if kind != BASELINE:
             engines[kind] = _built(made[kind], kind)
     return engines
+
+
+class Overlapped:
+    """An engine (every other attribute is its own) whose step is timed as the scheduler runs
+    steps where it overlaps them (verify_server.scheduler.advance): RUN_STEPS steps of the same
+    rows back to back, each launched before the last one is decided, its argmax on its way to
+    the host behind its kernels. Its time is the run's over RUN_STEPS: a step's wall time once the
+    host's plan, launch and decision hide behind the device's kernels."""
+
+    RUN_STEPS = 8
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def run(self, rows, proposals) -> list:
+        """The run's steps; the last step's outcomes."""
+        pending = None
+        for _ in range(self.RUN_STEPS):
+            launched = self.engine.launch(rows, send_argmax=True)
+            if pending is not None:
+                decide(proposals, pending)
+            pending = launched
+        return decide(proposals, pending)
 
 
 class FailedEngine:
@@ -236,15 +266,17 @@ def _timed_step(engine, kvs, spec: StepSpec) -> tuple[float, int, int | None, li
     started = time.perf_counter()
     if isinstance(engine, StaticCacheStep):
         outcomes = [greedy_chain(ids, p.draft) for ids, p in zip(engine.greedy(rows), proposals)]
+    elif isinstance(engine, Overlapped):
+        outcomes = engine.run(rows, proposals)
     else:
         outcomes = verify_step(engine, rows, proposals)     # ends with its copy to the host
-    elapsed = time.perf_counter() - started
+    elapsed = (time.perf_counter() - started) / _steps_a_call(engine)
     made = _allocations(engine)
     if hasattr(engine, "rewind"):       # the baseline's cache: back to the contexts alone
         engine.rewind()
     made = None if made is None else made - allocations
     emitted = [o.emitted if o is not None else [] for o in outcomes]
-    return elapsed, engine.bytes_copied - copied, made, emitted
+    return elapsed, (engine.bytes_copied - copied) // _steps_a_call(engine), made, emitted
 
 
 def _allocations(engine) -> int | None:
@@ -616,11 +648,17 @@ def _kernels(engine, kvs, step: StepSpec) -> dict:
     if not events:
         return {"error": f"the profiler recorded no {'CUDA kernels' if cuda else 'operators'}"}
     ms = dict.fromkeys(KERNEL_COLUMNS, 0.0)
+    steps = PROFILED_STEPS * _steps_a_call(engine)
     for name, us in events:
-        ms[kernel_type(name)] += us / 1e3 / PROFILED_STEPS
-    return {"source": "cuda kernels" if cuda else "cpu operators", "steps": PROFILED_STEPS,
+        ms[kernel_type(name)] += us / 1e3 / steps
+    return {"source": "cuda kernels" if cuda else "cpu operators", "steps": steps,
             **{f"{kind}_ms": round(t, 4) for kind, t in ms.items()},
-            "total_ms": round(sum(ms.values()), 4), "count": len(events) / PROFILED_STEPS}
+            "total_ms": round(sum(ms.values()), 4), "count": len(events) / steps}
+
+
+def _steps_a_call(engine) -> int:
+    """Steps one timed call runs: a run of them for an overlapped engine, else one."""
+    return Overlapped.RUN_STEPS if isinstance(engine, Overlapped) else 1
 
 
 def _timed_events(prof, cuda: bool) -> list[tuple[str, float]]:

@@ -149,7 +149,9 @@ skip_part() {
 # (transformers-graph, the centralized step, and flex-graph-masked and flex-graph-hf, full blocks
 # off and transformers' forward under flex, were measured against flex-graph on an H200:
 # BENCHMARKS.md "sled's own forward on an H200"; name them in ENGINES to measure them again)
-ENGINES=(flex-graph flex-graph)
+# flex-graph-overlap: flex-graph's steps overlapped as the scheduler runs them on CUDA (the
+# step's wall time against its kernels' time)
+ENGINES=(flex-graph,flex-graph-overlap flex-graph)
 KINDS=prefill,verify,decode,sat
 # the data sheet's bandwidth of this GPU (verify_server.roofline's; an unknown one: an H100's)
 BANDWIDTH=$("$PY" -c "import sys; from verify_server.roofline import GPUS, gpu_spec
