@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if ranks is not None and not ranks.leads:
         follow_leader(target, ranks, max_rows=settings.max_batch_sessions,
                       max_step_tokens=settings.max_step_tokens,
-                      block_tokens=settings.kv_block_tokens, engine=settings.engine)
+                      block_tokens=settings.kv_block_tokens, engine=settings.engine,
+                      flex_splits=settings.flex_splits)
         ranks.end()
         return 0
     steady_emulation(settings, target)

@@ -153,7 +153,7 @@ def test_sat_blocks_window_and_softcap_at_the_attention_level(window, softcap):
     flex.pool, flex.device, flex.flex, flex.kv_width, flex.steps, flex.bytes_copied = (
         pool, torch.device("cpu"), torch.nn.attention.flex_attention.flex_attention,
         pool.num_blocks, {}, 0)
-    flex.full_blocks, flex.long_flex = True, flex.flex
+    flex.full_blocks, flex.long_flex, flex.splits = True, flex.flex, "torch"
     plan = flex.step(rows)
     padded = [torch.cat([x, x.new_zeros(1, x.shape[1], plan.tokens - tokens, 16)], 2)
               for x in (q, k, v)]

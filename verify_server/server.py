@@ -153,7 +153,7 @@ def _engine(target: Target, settings: ServerSettings, profile: StepProfile | Non
         budget = shared if budget is None else budget
     engine = make_engine(target.model, kv_budget_bytes=budget,
                          kv_fraction=settings.kv_fraction, block_tokens=settings.kv_block_tokens,
-                         kind=settings.engine, sat=target.sat)
+                         kind=settings.engine, sat=target.sat, flex_splits=settings.flex_splits)
     if ranks is not None:
         engine = LeadingEngine(engine, Channel(ranks.group))
         log.info("split over %d ranks (tensor parallel): the KV pool below is theirs together",

@@ -197,6 +197,12 @@ class ServerSettings(BaseSettings):
                             "the KV pool in place, in static step shapes (for CUDA); padded: the "
                             "generic fallback (auto: flex on CUDA, paged on CPU, padded for a "
                             "model without transformers' attention interface)")
+    flex_splits: Literal["torch", "auto"] = Field(
+        "torch", description="how the flex engine's decode kernel splits each row's KV blocks "
+                             "on CUDA: torch's own count, with full context blocks where rows "
+                             "fill the GPU; or auto, enough splits for 4 programs on every "
+                             "multiprocessor, cut from each row's own blocks (the same output "
+                             "either way)")
     overlap_steps: Literal["auto", "on", "off"] = Field(
         "auto", description="launch each step before the last one is decided, so the host's "
                             "planning and deciding run while the device computes (auto: where "

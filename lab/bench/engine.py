@@ -1,27 +1,27 @@
 """`sled bench engine`: one server step of each engine, as sessions and their contexts grow.
 
-A step is what the server's scheduler runs (`verify_server.scheduler.verify_step`): the forward
-of every session's draft, then `acceptance.decide` over the step's logits (one argmax, one copy
-of it back to the host), ending with each session's verdict. The engines (`--engines`: paged,
-padded, flex, and flex-graph: the flex engine with each bucket's forward and argmax replayed
-from a CUDA graph; flex-graph-overlap: flex-graph's steps timed in runs, each launched before the
-last is decided, as the scheduler overlaps them; flex-compile: the same step captured by
-torch.compile's reduce-overhead mode instead, the `capture="compile"` the flex engine weighs
-against its own graphs; flex-graph-hf:
-flex-graph running transformers' own model forward instead of sled's decoder forward) run the same
-model over one block pool and verify the very same sessions. transformers-graph is the
-centralized baseline: transformers' forward over its own static cache holding the same
-contexts, its forward and argmax captured in a CUDA graph (lab/bench/static_step.py), the
-verdicts then decided from its argmax as the server decides greedy rows. For each (sessions,
-context) cell every session verifies a k-token draft in one step (`--kinds` adds the other kinds
-of step the server runs over the same sessions: decode, one token each; sat, a verify row with
-SAT slots appended; prefill, the `--prefill` chunks at no context; lab/bench/engine_steps.py; the
-baseline times verify steps only), the engines alternate repetition by repetition, and the table
-gives the median step time of each, its ratio to the first engine's, how many of the emitted
-tokens agree with the first engine's (bf16 ties are reported, not hidden), and the seconds its
-first step took (compiling, capturing). The KV bytes each step writes or copies outside
-attention come from the engines' own counters; on CUDA each cell also records the allocations a
-warm step makes (`KIND_allocations`: 0 when captured).
+A step is what the server's scheduler runs (`verify_server.scheduler.verify_step`): the forward of
+every session's draft, then `acceptance.decide` over the step's logits (one argmax, one copy of it
+back to the host), ending with each session's verdict. The engines (`--engines`: paged, padded,
+flex, and flex-graph: the flex engine with each bucket's forward and argmax replayed from a CUDA
+graph; flex-graph-splits: flex-graph whose decode kernel splits each row for four programs a
+multiprocessor (--flex-splits auto); flex-graph-overlap: flex-graph's steps timed in runs, each
+launched before the last is decided, as the scheduler overlaps them; flex-compile: the same step
+captured by torch.compile's reduce-overhead mode instead, the `capture="compile"` the flex engine
+weighs against its own graphs; flex-graph-hf: flex-graph running transformers' own model forward
+instead of sled's decoder forward) run the same model over one block pool and verify the very same
+sessions. transformers-graph is the centralized baseline: transformers' forward over its own static
+cache holding the same contexts, its forward and argmax captured in a CUDA graph
+(lab/bench/static_step.py), the verdicts then decided from its argmax as the server decides greedy
+rows. For each (sessions, context) cell every session verifies a k-token draft in one step
+(`--kinds` adds the other kinds of step the server runs over the same sessions: decode, one token
+each; sat, a verify row with SAT slots appended; prefill, the `--prefill` chunks at no context;
+lab/bench/engine_steps.py; the baseline times verify steps only), the engines alternate repetition
+by repetition, and the table gives the median step time of each, its ratio to the first engine's,
+how many of the emitted tokens agree with the first engine's (bf16 ties are reported, not hidden),
+and the seconds its first step took (compiling, capturing). The KV bytes each step writes or copies
+outside attention come from the engines' own counters; on CUDA each cell also records the
+allocations a warm step makes (`KIND_allocations`: 0 when captured).
 `--shape` builds a real model shape with random weights where it runs (speed does not depend on
 the values); `--bandwidth` adds the floor of a step (verify_server.roofline's): the streamed
 weights plus the KV read over the bandwidth and, with `--peak-flops`, 2 x streamed parameters x
@@ -140,7 +140,8 @@ def _unknown(what: str):
     return refuse
 
 
-ENGINE_KINDS = ("paged", "paged-hf", "padded", "flex", "flex-graph", "flex-graph-overlap",
+ENGINE_KINDS = ("paged", "paged-hf", "padded", "flex", "flex-graph", "flex-graph-splits",
+                "flex-graph-overlap",
                 "flex-graph-masked", "flex-graph-hf", "flex-compile", "transformers-graph")
 PROFILED_STEPS = 3           # --kernels: steps profiled per engine and cell
 BASELINE = "transformers-graph"
@@ -172,6 +173,8 @@ def _engines(model, budget_bytes: int, block_tokens: int, kinds, sat=None) -> di
                                                 forward="transformers", full_blocks=False),
             # the whole step through torch.compile's reduce-overhead mode (CPU: compiled only)
             "flex-compile": lambda: FlexEngine(model, pool, sat, graphs=True, capture="compile"),
+            # flex-graph with --flex-splits auto: each row split for 4 programs a multiprocessor
+            "flex-graph-splits": lambda: FlexEngine(model, pool, sat, graphs=cuda, splits="auto"),
             # flex-graph's steps as the overlapping scheduler runs them, a run at a time
             "flex-graph-overlap": lambda: Overlapped(FlexEngine(model, pool, sat, graphs=cuda))}
     engines = {}

@@ -13,7 +13,9 @@
 #       512), verify (1, 16, 64 rows of 5 tokens at 512 and 2,048), decode (the same rows, one
 #       token each) and SAT rows (a verify row and 4 SAT slots); the floor at the GPU's bandwidth
 #       and FLOP/s, the kernels of each kind of step, and the step-cost profile of all of them
-#       (each cell tagged with its kind, rewritten after every cell)
+#       (each cell tagged with its kind, rewritten after every cell); on llama-8b beside it
+#       flex-graph-splits (--flex-splits auto) and flex-graph-overlap (steps overlapped as the
+#       scheduler runs them: the step's wall time against its kernels')
 #   serve-real, serve-emulated  `sled bench serve`, sled against centralized at N = 1, 4, 16, 64,
 #       each mode warmed up at every N before the timed runs: synthetic:gemma3-4b on the GPU
 #       itself, then synthetic:gemma3-270m on the GPU held to the gemma3-4b profile just
@@ -149,9 +151,10 @@ skip_part() {
 # (transformers-graph, the centralized step, and flex-graph-masked and flex-graph-hf, full blocks
 # off and transformers' forward under flex, were measured against flex-graph on an H200:
 # BENCHMARKS.md "sled's own forward on an H200"; name them in ENGINES to measure them again)
-# flex-graph-overlap: flex-graph's steps overlapped as the scheduler runs them on CUDA (the
-# step's wall time against its kernels' time)
-ENGINES=(flex-graph,flex-graph-overlap flex-graph)
+# flex-graph-splits: --flex-splits auto (each row split for four programs a multiprocessor)
+# against torch's split count; flex-graph-overlap: flex-graph's steps overlapped as the
+# scheduler runs them on CUDA (the step's wall time against its kernels' time)
+ENGINES=(flex-graph,flex-graph-splits,flex-graph-overlap flex-graph)
 KINDS=prefill,verify,decode,sat
 # the data sheet's bandwidth of this GPU (verify_server.roofline's; an unknown one: an H100's)
 BANDWIDTH=$("$PY" -c "import sys; from verify_server.roofline import GPUS, gpu_spec
@@ -177,7 +180,7 @@ else
     ENGINE_FLAGS=(--device cuda --dtype bfloat16 --sessions 1,16,64 --contexts 512,2048
                   --prefill 1x512,1x2048,4x512 --reps 8 --bandwidth "$BANDWIDTH"
                   --peak-flops "$PEAK")
-    ENGINE_LIMITS=(125 95)
+    ENGINE_LIMITS=(145 80)
     TEST_FLAGS=(--device cuda)
     TEST_LIMIT=45
     SERVE_FLAGS=(--model synthetic:gemma3-4b --dtype bfloat16 --server-args "--device cuda"

@@ -42,9 +42,10 @@ def free_memory_bytes(device: torch.device) -> int:
 
 def make_engine(model: torch.nn.Module, *, kv_budget_bytes: int | None = None,
                 kv_fraction: float = 0.25, block_tokens: int = 16, kind: str = "auto",
-                sat: SatSpec | None = None) -> Engine:
+                sat: SatSpec | None = None, flex_splits: str = "torch") -> Engine:
     """An engine over a pool of `kv_budget_bytes` (default: `kv_fraction` of free memory);
-    `sat`: the target's SATs, for rows that append SAT slots. For a model split over ranks (its
+    `sat`: the target's SATs, for rows that append SAT slots; `flex_splits`: how the flex
+    engine's decode kernel splits a row (engines.flex_kernels). For a model split over ranks (its
     tp_size) this is one rank's engine; the budget counts the whole server (every GPU gives
     `kv_fraction` of its free memory) and each rank's pool holds its own KV heads of it."""
     shape = KVShape.of(model)
@@ -65,7 +66,7 @@ def make_engine(model: torch.nn.Module, *, kv_budget_bytes: int | None = None,
         raise ValueError("the padded engine cannot serve a model split over ranks (--tp): use "
                          "--engine paged or flex, on a model with transformers' attention interface")
     if kind == "flex":
-        return FlexEngine(model, pool, sat, flex=serving_flex(pool))
+        return FlexEngine(model, pool, sat, flex=serving_flex(pool), splits=flex_splits)
     return {"paged": PagedEngine, "padded": PaddedEngine}[kind](model, pool, sat)
 
 

@@ -44,6 +44,7 @@ from verify_server.engines.blocks import BlockPool, KVShape
 from verify_server.engines.decoder import AroundAttention, gather_queries, scatter_outputs
 from verify_server.engines.flex_check import AttentionShape, refuse_if_unsound, vector_code
 from verify_server.engines.flex_graphs import GraphMemory
+from verify_server.engines.flex_kernels import SPLITS, group_kernel
 from verify_server.engines.flex_plan import (SHORT_WIDTHS, StepLayout, StepShape, common_shapes,
                                              next_pow2, plan_step, prefill_shapes, step_shape)
 from verify_server.engines.kv import SessionKV
@@ -63,18 +64,14 @@ class FlexStep(AroundAttention):
     the queries and scatters the outputs inside its layer functions (`AroundAttention`)."""
 
     def __init__(self, pool: BlockPool, shape: StepShape, kv_width: int, device: torch.device,
-                 flex=flex_attention, full_blocks: bool = True, long_flex=None) -> None:
+                 flex=flex_attention, full_blocks: bool = True, long_flex=None,
+                 splits: str = "torch") -> None:
         self.pool, self.shape, self.flex = pool, shape, flex
         self.long_flex = long_flex or flex      # the prefill chunks' group (FlexGroup.flex)
-        self.full_blocks = full_blocks    # context blocks skip the mask_mod (FlexGroup.block_lists)
-        # rows x KV heads from which flex's decode kernel no longer splits a row's blocks
-        self.unsplit_rows = (torch.cuda.get_device_properties(device).multi_processor_count
-                             if device.type == "cuda" else 0)
-        # The KV block of the BlockMask is the pool's block: the kernels' key tile must fit in
-        # it (flex's main kernel, for groups wider than its decode kernel takes, does not
-        # shrink its tile by itself)
-        self.kernel_options = ({"BLOCK_N": min(pool.block_tokens, 64)} if device.type == "cuda"
-                               else None)
+        self.full_blocks = full_blocks    # context blocks may skip the mask_mod (FlexGroup.kernel)
+        self.splits = splits              # how the decode kernel splits a row (flex_kernels)
+        self.sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                    if device.type == "cuda" else 0)
         self.layout = StepLayout(shape, kv_width, pool.num_blocks)
         pinned = device.type == "cuda"
         self.host_buffer = torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=pinned)
@@ -101,7 +98,7 @@ class FlexStep(AroundAttention):
             outputs.append(group.flex(
                 q, keys.to(q.dtype), values.to(q.dtype), score_mod=score_mod,
                 block_mask=group.block_mask(window, heads // keys.shape[1]), scale=scaling,
-                enable_gqa=keys.shape[1] != heads, kernel_options=self.kernel_options))
+                enable_gqa=keys.shape[1] != heads, kernel_options=group.kernel.options))
         return outputs
 
     def clear(self, trash_slot: int) -> None:
@@ -145,12 +142,14 @@ class FlexGroup:
         self.qpos, self.seen = f[f"qpos{g}"], f[f"seen{g}"]
         self.block_pos = f["block_pos"]
         self.masks: dict[int | None, BlockMask] = {}
-        # Full blocks pay only where the kernel walks a row's blocks unsplit: with fewer rows x
-        # KV heads than the GPU has multiprocessors flex splits them by pool length, and the
-        # full-block lists then cost more than the mask they save (H200, llama-8b: 16 rows x
-        # 2048 ran 15.2 ms with full blocks, 12.6 without; 64 rows 20.6 against 22.8)
-        rows = self.table.shape[0]
-        self.full = step.full_blocks and rows * step.pool.shape.local_kv_heads >= step.unsplit_rows
+        # Full blocks pay only where the kernel walks a row's blocks unsplit (flex_kernels): with
+        # fewer rows x KV heads than the GPU has multiprocessors flex splits them by pool length,
+        # and the full-block lists then cost more than the mask they save (H200, llama-8b: 16
+        # rows x 2048 ran 15.2 ms with full blocks, 12.6 without; 64 rows 20.6 against 22.8)
+        self.kernel = group_kernel(step.sms, self.table.shape[0], step.pool.shape.local_kv_heads,
+                                   step.pool.block_tokens, short=not long,
+                                   full_blocks=step.full_blocks, splits=step.splits)
+        self.full = self.kernel.full_blocks
 
     def block_mask(self, window: int | None, heads_per_kv: int) -> BlockMask:
         if window not in self.masks:
@@ -310,9 +309,12 @@ class FlexEngine(Engine):
 
     def __init__(self, model: torch.nn.Module, pool: BlockPool, sat: SatSpec | None = None,
                  flex=None, graphs: bool | None = None, kv_width: int | None = None,
-                 capture: str = "graph", forward: str = "sled", full_blocks: bool = True) -> None:
+                 capture: str = "graph", forward: str = "sled", full_blocks: bool = True,
+                 splits: str = "torch") -> None:
         super().__init__(model, pool, sat, forward)
-        self.full_blocks = full_blocks
+        if splits not in SPLITS:
+            raise ValueError(f"unknown flex splits {splits!r}: use {' or '.join(SPLITS)}")
+        self.full_blocks, self.splits = full_blocks, splits
         self.activate()      # the pool is zero: every slot it reads holds a finite value
         cuda = self.device.type == "cuda"
         self.launches_ahead = cuda    # no step reads a device value on the host
@@ -360,7 +362,7 @@ class FlexEngine(Engine):
     def _buffers(self, shape: StepShape) -> FlexStep:
         if shape not in self.steps:
             self.steps[shape] = FlexStep(self.pool, shape, self.kv_width, self.device, self.flex,
-                                         self.full_blocks, self.long_flex)
+                                         self.full_blocks, self.long_flex, self.splits)
         return self.steps[shape]
 
     @staticmethod
