@@ -64,7 +64,7 @@ async def opened(core: VerifierCore, prompt: list[int], identity: Identity = DEV
                  max_new_tokens: int = MAX_NEW):
     """A session opened and prefilled, waiting for its device's first draft (as a stream leaves
     it once its Opened is sent)."""
-    session = core.open(None, open_request(core, prompt, max_new_tokens), identity)
+    session = await core.open(None, open_request(core, prompt, max_new_tokens), identity)
     reply = await core.prefill(session, deadline=None)
     session.wait_for_device()
     return session, reply
@@ -138,7 +138,7 @@ async def test_after_every_round_the_kv_holds_the_prompt_and_output_but_the_last
     prompt, model = prompts[0], models["llama"]
     request = open_request(core, prompt, max_new_tokens=40)
     request.sampling.temperature, request.sampling.top_k, request.sampling.seed = temperature, 3, 7
-    session = core.open(None, request, DEV_1)
+    session = await core.open(None, request, DEV_1)
     await core.prefill(session, deadline=None)
     judged: list[tuple[int, int]] = []
     while not session.finished:
@@ -230,7 +230,7 @@ async def test_a_server_mode_session_decodes_the_targets_greedy_output(make_core
     prompt = prompts[1]
     request = open_request(core, prompt)
     request.mode = pb.GENERATION_MODE_SERVER
-    session = core.open(None, request, DEV_1)
+    session = await core.open(None, request, DEV_1)
     await core.prefill(session, deadline=None)
     verdicts = [verdict async for verdict in core.decode(session, clock.now() + 60)]
     assert [t for v in verdicts for t in v.emitted_ids] == greedy_reference(models["llama"],
@@ -251,12 +251,13 @@ async def test_devices_a_proxy_names_by_certificate_share_the_kv_cache(make_core
 
 
 async def test_admission_refuses_past_a_devices_share_and_past_the_pool(make_core, prompts):
-    core = await make_core(kv_budget_bytes=1 << 20, kv_share=0.5)   # 1008 tokens, 496 a device
+    core = await make_core(kv_budget_bytes=1 << 20, kv_share=0.5,   # 1008 tokens, 496 a device
+                           admission_queue=0)                   # refused at once, no wait
     block = core.pool.block_tokens         # half the pool, in whole blocks
     assert core.kv_share_tokens() == core.pool.capacity_tokens // 2 // block * block
     first, _ = await opened(core, prompts[0], DEV_1, max_new_tokens=300)
     with pytest.raises(SessionError) as refused:
-        core.open(None, open_request(core, prompts[1], 300), DEV_1)
+        await core.open(None, open_request(core, prompts[1], 300), DEV_1)
     assert refused.value.reason == Reason.REASON_KV_BUDGET
     assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"device dev-1's share of the KV cache is {core.kv_share_tokens()} tokens" \
@@ -267,7 +268,7 @@ async def test_admission_refuses_past_a_devices_share_and_past_the_pool(make_cor
     second, _ = await opened(core, prompts[1], DEV_2, max_new_tokens=300)   # its own share
     assert core.kv_reserved[DEV_2.key] == in_blocks(core, len(prompts[1]) + 300)
     with pytest.raises(SessionError) as full:          # within its share, not within the pool
-        core.open(None, open_request(core, prompts[2], 450), DEV_3)
+        await core.open(None, open_request(core, prompts[2], 450), DEV_3)
     assert full.value.reason == Reason.REASON_KV_BUDGET
     assert "the KV cache is full" in full.value.message
     assert "device dev-3's sessions hold 0 of its share" in full.value.message

@@ -108,7 +108,7 @@ async def test_a_server_held_to_a_profile_admits_what_its_gpu_holds(serve, model
     from tests.test_lossless import server_stub
 
     server = await serve(models["llama"], emulate=small_gpu(tmp_path, 600), kv_budget=None,
-                         kv_block_tokens=16)
+                         kv_block_tokens=16, admission_queue=0)   # refused, not queued
     pool = server.scheduler.engine.pool
     assert 600 <= pool.capacity_tokens < 600 + 16
     stub = server_stub(server)

@@ -61,7 +61,7 @@ async def device_session(core: VerifierCore, prompt: list[int], identity: Identi
     """A device that drafts the next three of `guesses` each round (a deterministic drafter),
     `pace` seconds after each verdict (its drafts arrive while other sessions' steps run): every
     verdict as (accepted, emitted)."""
-    session = core.open(None, open_request(core, prompt, sampling), identity)
+    session = await core.open(None, open_request(core, prompt, sampling), identity)
     await core.prefill(session, deadline=None)
     session.wait_for_device()
     verdicts, emitted = [], []
@@ -78,8 +78,8 @@ async def device_session(core: VerifierCore, prompt: list[int], identity: Identi
 async def server_session(core: VerifierCore, prompt: list[int], identity: Identity,
                          sampling: pb.SamplingParams) -> list[tuple]:
     """A session the server decodes alone: its verdicts' tokens."""
-    session = core.open(None, open_request(core, prompt, sampling, pb.GENERATION_MODE_SERVER),
-                        identity)
+    request = open_request(core, prompt, sampling, pb.GENERATION_MODE_SERVER)
+    session = await core.open(None, request, identity)
     await core.prefill(session, deadline=None)
     verdicts = [tuple(v.emitted_ids) async for v in core.decode(session, clock.now() + 120)]
     core.close(session)

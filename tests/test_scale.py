@@ -129,7 +129,8 @@ async def test_long_prefill_is_chunked_and_does_not_stall_rounds(serve, models, 
 async def test_kv_budget_refuses_with_the_budget_and_others_carry_on(serve, models, drafter_models):
     model = models["llama"]
     per_token = 2 * 2 * 2 * 16 * 8          # layers * (k, v) * kv heads * head dim * float64
-    server = await serve(model, kv_budget=(1 + 8) * 16 * per_token, kv_block_tokens=16)
+    server = await serve(model, kv_budget=(1 + 8) * 16 * per_token, kv_block_tokens=16,
+                         admission_queue=0)            # no waiting for KV: refused at once
     assert server.scheduler.engine.pool.capacity_tokens == 128
     prompt = [5, 6, 7, 8]
     async with grpc.aio.insecure_channel(server.address) as channel:

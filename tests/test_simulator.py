@@ -81,7 +81,9 @@ def test_the_same_seed_gives_the_same_result(tmp_path):
 
 def test_a_fleet_past_the_memory_wall_queues_and_never_overcommits(tmp_path, monkeypatch):
     """A GPU holding two sessions' KV (each reserves 64 + 16 tokens: 96 in blocks of 16): eight
-    devices all finish, the refused ones later, and no reservation ever passes the pool."""
+    devices all finish and no reservation ever passes the pool. The server's admission queue
+    holds the sessions that do not fit until KV is freed: none is refused, and the wait is in
+    their time to first token. With --admission-queue 0 they are refused and ask again."""
     peaks = []
     reserve = BlockPool.reserve
 
@@ -90,15 +92,21 @@ def test_a_fleet_past_the_memory_wall_queues_and_never_overcommits(tmp_path, mon
         peaks.append((pool.committed_blocks, pool.usable_blocks))
     monkeypatch.setattr(BlockPool, "reserve", watched)
     scenario = write_scenario(tmp_path, fleet_sizes=[8])
+    (tmp_path / "no-queue").mkdir()
+    no_queue = write_scenario(tmp_path / "no-queue", fleet_sizes=[8], server={
+        **SCENARIO["server"], "args": [*SCENARIO["server"]["args"], "--admission-queue", "0"]})
+    small = str(small_gpu_profile(tmp_path, 2 * 96))
     roomy = rows_of(simulate(tmp_path, scenario, out="roomy"))
-    tight = rows_of(simulate(tmp_path, scenario, "--profile",
-                             str(small_gpu_profile(tmp_path, 2 * 96)), out="tight"))
+    queued = rows_of(simulate(tmp_path, scenario, "--profile", small, out="queued"))
+    refused = rows_of(simulate(tmp_path, no_queue, "--profile", small, out="refused"))
     assert all(used <= usable for used, usable in peaks)
     for mode in ("sled", "centralized"):
-        wide, walled = (next(r for r in rows if r["mode"] == mode) for rows in (roomy, tight))
-        assert walled["tokens"] == 8 * 16 and walled["mismatches"] == 0
-        assert wide["refused"] == 0 < walled["refused"]
-        assert walled["ttft_ms_p95"] > wide["ttft_ms_p95"] + 200   # queued for a retry at least
+        wide, waited, retried = (next(r for r in rows if r["mode"] == mode)
+                                 for rows in (roomy, queued, refused))
+        for walled in (waited, retried):
+            assert walled["tokens"] == 8 * 16 and walled["mismatches"] == 0
+            assert walled["ttft_ms_p95"] > wide["ttft_ms_p95"] + 200   # waited for KV
+        assert wide["refused"] == waited["refused"] == 0 < retried["refused"]
 
 
 def test_the_simulator_runs_the_servers_own_batching_policy(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """The server's core, apart from gRPC: the session table, every device's share of the KV cache
 and its quotas, and each session's rounds through the scheduler.
 
-    session = core.open(None, request, identity)             # checked, counted, KV admitted
+    session = await core.open(None, request, identity)       # checked, counted, KV admitted
     opened = await core.prefill(session, deadline)            # the prompt in: pb.Opened
     verdict = await core.verify(session, draft, deadline)     # a device's draft: pb.Verdict
     async for verdict in core.decode(session, deadline): ...  # server modes: the server drafts
@@ -11,7 +11,9 @@ It works from plain values: a deadline (a sled.clock time, or None) and the devi
 auth.Identity, whose key (its token's device, certificate or host) tells devices apart. A
 refusal is a SessionError, which the transport (verify_server.service) turns into the call's
 status; a call that goes away cancels the coroutine awaiting its work (asyncio), and the
-transport closes its session.
+transport closes its session. An Open the whole KV cache cannot take now waits in the admission
+queue (verify_server.admission) until sessions free theirs: `open` returns once its KV is
+reserved.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from sled import clock
 from sled.v1 import verifier_pb2 as pb
 from sled.wire.tree import cut
 from verify_server import errors, validation
+from verify_server.admission import ADVICE, AdmissionQueue
 from verify_server.auth import Gate, Identity
 from verify_server.draft_advice import suggest_draft_len
 from verify_server.engines.blocks import PoolExhausted
@@ -71,6 +74,7 @@ class VerifierCore:
         self.quotas = Quotas(settings.device_sessions(), settings.quota_tokens_per_s,
                              settings.quota_burst_s, settings.quota_wait_s,
                              host_sessions=settings.quota_sessions or 0)
+        self.admission = AdmissionQueue(settings.admission_queue, settings.admission_wait, metrics)
         metrics.active_sessions.set_function(lambda: len(self.sessions))
 
     # --- what a device holds: streams and GetTokenizer calls ------------------------------------
@@ -140,11 +144,14 @@ class VerifierCore:
 
     # --- a session's life ------------------------------------------------------------------------
 
-    def open(self, session: Session | None, request: pb.Open, identity: Identity) -> Session:
+    async def open(self, session: Session | None, request: pb.Open,
+                   identity: Identity) -> Session:
         """The session an Open asks for: checked, counted against its device's session quota,
-        its KV admitted (and its cached prefix found), in the table."""
+        its KV admitted (and its cached prefix found), in the table. Sessions waiting for KV
+        count against max_sessions and their device's quota while they wait."""
         validation.check_no_session(session)
-        sampling = validation.check_open(request, self.target, self.settings, len(self.sessions),
+        sampling = validation.check_open(request, self.target, self.settings,
+                                         len(self.sessions) + self.admission.waiting,
                                          self.accepting)
         loose = validation.check_loose(request, sampling)
         self.quotas.open(identity, len(request.prompt_ids))
@@ -152,7 +159,7 @@ class VerifierCore:
             session = Session.from_open(request, sampling, self.target.eos_ids,
                                         self.scheduler.engine.new_kv(), loose)
             session.device = identity
-            self._admit(session, tenant_key(identity.tenant, request.cache_salt))
+            await self._admit(session, tenant_key(identity.tenant, request.cache_salt))
         except BaseException:
             self.quotas.close(identity)
             raise
@@ -264,8 +271,11 @@ class VerifierCore:
 
     def end(self, session: Session) -> None:
         """The session is done (finished, failed or disconnected): its KV goes now."""
-        self.scheduler.release(session)
+        freed = self.scheduler.release(session)
         self._unreserve(session)
+        # the first session waiting for KV tries again once this one's is free (at once, or
+        # when the step it is in ends)
+        freed.add_done_callback(lambda _: self.admission.kv_freed())
 
     def close(self, session: Session | None) -> None:
         """The stream is over: the session goes, whatever ended it."""
@@ -280,31 +290,69 @@ class VerifierCore:
 
     # --- KV admission ------------------------------------------------------------------------
 
-    def _admit(self, session: Session, tenant: bytes) -> None:
+    async def _admit(self, session: Session, tenant: bytes) -> None:
         """Reserve the session's KV (prompt + max_new_tokens) within its device's share,
-        sharing the cached prefix blocks of its tenant (verify_server.tenant) only."""
-        needed, charged = self.kv_needed(session), self.kv_charged(session)
-        device = session.device
+        sharing the cached prefix blocks of its tenant (verify_server.tenant) only. When the
+        whole cache cannot take it now, it waits in the admission queue for sessions to free
+        theirs (with admission_queue 0 it is refused at once); a session larger than the whole
+        cache, or one past its device's share, is refused at once."""
+        self._check_fits_cache(session)
+        self._check_share(session)
+        if self.admission.first_in_line() and self._reserve(session, tenant):
+            return
+        if not self.admission.limit:
+            raise self._cache_full(session)
+        await self.admission.wait_for_kv(lambda: self._reserve(session, tenant),
+                                         self.kv_needed(session))
+
+    def _reserve(self, session: Session, tenant: bytes) -> bool:
+        """The session's KV reserved now (True), or not, the whole cache being too full for it
+        (False). Its device's share is checked again: its other sessions may have got KV while
+        this one waited."""
+        self._check_share(session)
+        try:
+            session.cached_prompt_tokens = session.kv.admit(session.prefill_tokens(),
+                                                            self.kv_needed(session), tenant)
+        except PoolExhausted:
+            return False
+        session.kv_reserved = self.kv_charged(session)
+        hold(self.kv_reserved, session.device.key, session.kv_reserved)
+        self.metrics.prefix_hit_tokens.inc(session.cached_prompt_tokens)
+        return True
+
+    def _check_fits_cache(self, session: Session) -> None:
+        """A session the whole KV cache could never hold: refused, never queued."""
+        charged, capacity = self.kv_charged(session), self.pool.capacity_tokens
+        if charged > capacity:
+            raise errors.exhausted(
+                Reason.REASON_KV_BUDGET,
+                f"this session needs {self.kv_needed(session)} tokens of KV, more than the whole "
+                f"KV cache holds ({capacity}): shorten the prompt or lower max_new_tokens, or "
+                "use a server with a larger --kv-budget")
+
+    def _check_share(self, session: Session) -> None:
+        """Refused when the session would take its device past its share of the KV cache."""
+        device, charged = session.device, self.kv_charged(session)
         held, share = self.kv_reserved.get(device.key, 0), self.kv_share_tokens()
-        shared = share < self.pool.capacity_tokens       # else the pool's own bound is the share
-        if shared and held + charged > share:
+        if share < self.pool.capacity_tokens and held + charged > share:
             raise errors.exhausted(
                 Reason.REASON_KV_BUDGET,
                 f"device {device.device}'s share of the KV cache is {share} tokens and its sessions "
                 f"hold {held}: this one needs {charged} (whole blocks of "
                 f"{self.pool.block_tokens}); end a session, or lower max_new_tokens")
-        try:
-            session.cached_prompt_tokens = session.kv.admit(session.prefill_tokens(), needed, tenant)
-        except PoolExhausted:
-            own = f" (device {device.device}'s sessions hold {held} of its share of {share})" \
-                if shared else ""
-            raise errors.exhausted(   # what the device holds, never the server's totals
-                Reason.REASON_KV_BUDGET,
-                f"the KV cache is full: this session needs {needed} tokens{own}; retry later, "
-                "lower max_new_tokens, or use a server with a larger --kv-budget") from None
-        session.kv_reserved = charged
-        hold(self.kv_reserved, device.key, charged)
-        self.metrics.prefix_hit_tokens.inc(session.cached_prompt_tokens)
+
+    def _cache_full(self, session: Session) -> SessionError:
+        """The refusal of a session the whole cache cannot take now, when none may wait: what
+        its device holds, never the server's totals."""
+        device, share = session.device, self.kv_share_tokens()
+        own = ""
+        if share < self.pool.capacity_tokens:
+            held = self.kv_reserved.get(device.key, 0)
+            own = f" (device {device.device}'s sessions hold {held} of its share of {share})"
+        return errors.exhausted(
+            Reason.REASON_KV_BUDGET,
+            f"the KV cache is full: this session needs {self.kv_needed(session)} tokens{own}; "
+            f"{ADVICE}")
 
     def kv_needed(self, session: Session) -> int:
         """KV tokens the session may fill: its prompt, max_new_tokens, and the SAT slots of a

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from verify_server.engines.blocks import BlockPool
 
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)   # seconds
 MAX_DEVICE_LABELS = 1024    # distinct device labels; later devices are counted as "other"
 
 
@@ -41,6 +42,17 @@ class Metrics:
         self.kv_blocks_total = Gauge("sled_kv_blocks_total", "KV pool blocks", registry=r)
         self.active_sessions = Gauge("sled_active_sessions", "Sessions open now", registry=r)
         self.kv_tokens = Gauge("sled_kv_tokens", "Tokens held in session KV caches", registry=r)
+        # sessions waiting for KV when the whole cache is full (verify_server.admission)
+        self.admission_waiting = Gauge("sled_admission_waiting", "Sessions waiting in the "
+                                       "admission queue for KV now", registry=r)
+        self.admission_wait = Histogram("sled_admission_wait_seconds", "Seconds a session "
+                                        "waited in the admission queue before its KV was "
+                                        "reserved (part of its time to first token)",
+                                        buckets=WAIT_BUCKETS, registry=r)
+        self.admission_refusals = Counter("sled_admission_refusals", "Sessions refused for KV "
+                                          "past a bound of the admission queue: queue (it was "
+                                          "full) or wait (they waited the longest allowed)",
+                                          ["bound"], registry=r)
         self.batch_size = Histogram("sled_batch_size", "Sessions per forward pass",
                                     buckets=BATCH_BUCKETS, registry=r)
         self.forward_seconds = Histogram("sled_forward_seconds", "Forward pass + acceptance "

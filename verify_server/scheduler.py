@@ -166,7 +166,7 @@ class Scheduler:
         # a new thread would otherwise see at their defaults.
         self._context = contextvars.copy_context()
         self._in_flight: dict[Session, int] = {}     # session -> its steps in flight
-        self._release_after_step: set[Session] = set()
+        self._release_after_step: dict[Session, asyncio.Future] = {}   # -> done once freed
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -194,15 +194,21 @@ class Scheduler:
         return await self._submit(Verify(session, self._new_future(), deadline, draft=draft, q=q,
                                          lookahead=lookahead, parents=parents))
 
-    def release(self, session: Session) -> None:
-        """Forget the session: drop its queued work and free its KV (after the step in flight)."""
+    def release(self, session: Session) -> asyncio.Future:
+        """Forget the session: drop its queued work and free its KV (after the step in flight).
+        The future returned is done once its KV is free."""
         for work in [w for w in self._queue if w.session is session]:
             self._queue.remove(work)
             work.future.cancel()
+        if session in self._release_after_step:
+            return self._release_after_step[session]
+        freed = asyncio.get_running_loop().create_future()
         if session in self._in_flight:
-            self._release_after_step.add(session)
+            self._release_after_step[session] = freed
         else:
             self._free(session)
+            freed.set_result(None)
+        return freed
 
     def _free(self, session: Session) -> None:
         session.kv.free()
@@ -311,8 +317,10 @@ class Scheduler:
             if left:
                 self._in_flight[work.session] = left
         for session in [s for s in self._release_after_step if s not in self._in_flight]:
-            self._release_after_step.discard(session)
+            freed = self._release_after_step.pop(session)
             self._free(session)
+            if not freed.done():
+                freed.set_result(None)
 
     def _answer(self, plan: list[tuple[Work, int]], started: float,
                 outcomes: list[Outcome | None], failure: Exception | None) -> None:

@@ -2,7 +2,7 @@
 hands them to the core with the call's deadline and the caller's identity, and turns a core
 refusal (a SessionError) into the stream's Error message and the call's status.
 
-    open   -> core.open, core.prefill                       -> Opened
+    open   -> core.open (may wait for KV), core.prefill     -> Opened
     draft  -> core.verify                                   -> Verdict
     server modes: core.decode, a Verdict per forward         -> Verdict ...
 """
@@ -185,7 +185,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             while (message := await self._next(session, context)) is not grpc.aio.EOF:
                 kind = kind_of(message)
                 if kind == "open":
-                    session = self.core.open(session, message.open, identity)
+                    session = await self.core.open(session, message.open, identity)
                     opened = await self.core.prefill(session, deadline_of(context))
                     yield pb.ServerMessage(opened=opened)
                     if session.mode != pb.GENERATION_MODE_DEVICE_DRAFTS:

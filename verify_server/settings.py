@@ -192,6 +192,15 @@ class ServerSettings(BaseSettings):
     kv_share: float | None = Field(None, gt=0.0, le=1.0, description="fraction of the KV cache one "
                                    "device's sessions may reserve (default: an equal part per "
                                    "device of --auth-tokens, all of it without tokens)")
+    admission_queue: int = Field(64, ge=0, description="sessions that may wait at once, inside "
+                                 "their Open, for KV when the whole KV cache is full, admitted "
+                                 "in arrival order as other sessions free theirs; past it a "
+                                 "session is refused (RESOURCE_EXHAUSTED); waiting sessions "
+                                 "count against --max-sessions (0 = refuse at once)")
+    admission_wait: float = Field(30.0, gt=0, description="longest seconds a session waits for "
+                                  "KV in the admission queue before it is refused "
+                                  "(RESOURCE_EXHAUSTED); the wait is part of its device's time "
+                                  "to first token")
     engine: Literal["auto", "paged", "flex", "padded"] = Field(
         "auto", description="paged: SDPA over each row's gathered KV; flex: FlexAttention over "
                             "the KV pool in place, in static step shapes (for CUDA); padded: the "

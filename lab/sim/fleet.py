@@ -4,9 +4,10 @@ their board's speed over their own link, against a simulated server.
 Each device has its own address (the server tells anonymous devices apart by host, and shares
 prefix-cache blocks only within one) and takes its requests one after another: each as soon as
 the one before is over (closed arrivals) or at its own time, waiting behind a busy device
-(Poisson arrivals). When the server refuses a session for want of KV (RESOURCE_EXHAUSTED, past
-the GPU's memory wall) it asks again after a backoff. Every wait counts in the request's time
-to first token, as a user's would.
+(Poisson arrivals). A session past the GPU's memory wall waits in the server's admission queue
+for KV; when the server refuses one for want of KV (RESOURCE_EXHAUSTED: its queue full, the wait
+past its bound, or --admission-queue 0) it asks again after a backoff. Every wait counts in the
+request's time to first token, as a user's would.
 
     done = await device_requests(server, device, [(None, trace), (3.5, trace)], "sled",
                                  settings, 64)
