@@ -66,6 +66,9 @@ COMMANDS = {
         "derive-profile": Command("lab.bench.derive", "a DERIVED step-cost profile for a target "
                                   "never measured: its roofline on a GPU, scaled by a profile "
                                   "measured there"),
+        "publish-profile": Command("lab.bench.publish", "a PUBLISHED step-cost profile of vLLM "
+                                   "or SGLang: their published figures for Llama 3.1 8B, on "
+                                   "an H100 or moved to an H200 by its roofline"),
         "engine": Command("lab.bench.engine",
                           "paged engine vs the padded fallback as contexts grow", needs=SERVER_LAB),
         "drafting": Command("lab.bench.drafting", "the drafters side by side, chains and trees "

@@ -28,6 +28,7 @@ BAD_VALUES = [
     ("engine", "--engines", "paged,vllm"), ("engine", "--shape", "llama-70b"),
     ("derive-profile", "--shape", "llama-405b"), ("derive-profile", "--gpu", "B200"),
     ("derive-profile", "--weight-dtype", "int3"),
+    ("publish-profile", "--engine", "trt-llm"), ("publish-profile", "--gpu", "A100"),
     ("drafter", "--reps", "0"), ("drafter", "--tokens", "0"), ("drafter", "--draft-len", "0"),
     ("drafter", "--threads", "0"), ("drafter", "--accept", "-1"),
     ("drafting", "--draft-len", "0"), ("drafting", "--tree", "0"), ("drafting", "--max-new-tokens", "0"),

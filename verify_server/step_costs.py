@@ -41,6 +41,11 @@ decode and any other as verify; one without a floor block has no floor.
 A profile may also say what its GPU holds (`"gpu": {"memory_bytes": ..., "weight_bytes": ...,
 "kv_bytes_per_token": ..., "tdp_watts": ...}`), so that a server held to it admits only the
 sessions whose KV that GPU would hold (verify_server.gpu_memory derives what the block leaves out).
+
+A profile whose provenance says `"published": true` holds what an engine's publications say of
+its steps, not a measurement (`sled bench publish-profile`, lab.bench.publish): it loads only
+with a `source` naming them, and shows as PUBLISHED wherever it is described (as DERIVED marks
+a roofline scaled by a measured profile; both for figures published on another GPU).
 """
 from __future__ import annotations
 
@@ -254,11 +259,27 @@ class StepProfile:
         """The largest relative gap between a cell and what the profile charges (0.03: 3%)."""
         return max(abs(self.step_ms(c.new, c.read, (c.kind,)) - c.ms) / c.ms for c in self.cells)
 
+    @property
+    def label(self) -> str:
+        """What the profile is when it is not a measurement of sled's: "PUBLISHED" (its cells
+        from an engine's published figures), "PUBLISHED, DERIVED for this GPU" (published on
+        another GPU, moved to this one), "DERIVED, never measured" (a roofline scaled by a
+        measured profile); "" for a measured one."""
+        published, derived = self.provenance.get("published"), self.provenance.get("derived")
+        if published:
+            return "PUBLISHED, DERIVED for this GPU" if derived else "PUBLISHED"
+        return "DERIVED, never measured" if derived else ""
+
+    @property
+    def title(self) -> str:
+        """Its name, with its label where it has one: "NAME (PUBLISHED)"."""
+        return f"{self.name} ({self.label})" if self.label else self.name
+
     def describe(self) -> str:
-        """One line: what was measured, where and when."""
+        """One line: what was measured (or published, or derived), where and when."""
         p = self.provenance
-        derived = "DERIVED, never measured: " if p.get("derived") else ""
-        return (f"{self.name}: {derived}{p['model']} on {p['device']}, {p['engine']} "
+        label = f"{self.label}: " if self.label else ""
+        return (f"{self.name}: {label}{p['model']} on {p['device']}, {p['engine']} "
                 f"(torch {p['torch']}, transformers {p['transformers']}, {p['date']})")
 
     def to_json(self) -> dict:
@@ -404,3 +425,8 @@ def _check_provenance(profile: StepProfile) -> None:
         raise ValueError(f"step profile {profile.name}: its provenance lacks {', '.join(missing)}: "
                          "a profile says which device, model, engine, versions, date and command "
                          "measured it")
+    if profile.provenance.get("published") and \
+            not str(profile.provenance.get("source", "")).strip():
+        raise ValueError(f"step profile {profile.name}: it says it is published but names no "
+                         "source: a published profile says which publication, setup and figures "
+                         "its cells come from")

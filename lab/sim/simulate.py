@@ -385,8 +385,9 @@ def _report(scenario: Scenario, profiles: dict[str, StepProfile], rows: list[dic
             wall: float, prompts: list[list[int]]) -> dict:
     context = args.context or round(sum(map(len, prompts)) / len(prompts))
     same = profiles["sled"].name == profiles["centralized"].name
-    held = (f"both held to {profiles['sled'].name}" if same else
-            f"sled held to {profiles['sled'].name}, centralized to {profiles['centralized'].name}")
+    held = (f"both held to {profiles['sled'].title}" if same else
+            f"sled held to {profiles['sled'].title}, centralized to "
+            f"{profiles['centralized'].title}")
     setup = (f"{scenario.name} simulated: {held}; prompts {context} tokens"
              f"{'' if args.context else ' (mean)'}, {scenario.max_tokens} new, "
              f"{_arrivals_said(scenario)}, draft length {args.draft_len}")
