@@ -418,3 +418,19 @@ def test_the_engine_bench_times_every_kind_of_step_and_profiles_them(tmp_path, c
     assert "--kinds prefill,verify,decode,sat" in profile.provenance["command"]
     printed = capsys.readouterr().out
     assert "kernels a server step" in printed and "prefill" in printed and "sat" in printed
+
+
+def test_a_profile_can_charge_its_prefill_as_another_does():
+    """--prefill-profile: prefill chunks charged by the other profile's prefill rule (never
+    under this one's own), every other step as before."""
+    own, published = load_profile("h200-llama8b-sled-forward"), load_profile(
+        "h200-llama8b-vllm-published")
+    both = own.with_prefill_of(published)
+    prefill = [(0, 2048, "prefill")]
+    verify = [(2048, 5, "verify")] * 16
+    assert both.step_seconds(prefill) == pytest.approx(
+        max(published.step_seconds(prefill), own.step_seconds(prefill)), rel=0.02)
+    assert both.step_seconds(prefill) > own.step_seconds(prefill) * 1.3   # sled's was the floor
+    assert both.step_seconds(verify) == own.step_seconds(verify)
+    assert both.name == "h200-llama8b-sled-forward+prefill-of-h200-llama8b-vllm-published"
+    assert "h200-llama8b-vllm-published" in both.provenance["prefill"]

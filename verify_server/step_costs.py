@@ -255,6 +255,17 @@ class StepProfile:
         return max([self.rule.ms(new, read)] +
                    [self.rules[kind].ms(new, read) for kind in kinds if kind in self.rules])
 
+    def with_prefill_of(self, other: "StepProfile") -> "StepProfile":
+        """This profile with its prefill chunks charged by `other`'s prefill rule (its rule
+        where it has none), never under this one's own rule or floor: prefill is the same work
+        whichever mode serves a session, so two profiles compared may charge it alike (say, a
+        published engine's where this one measured no prefill). Its name and provenance say
+        so."""
+        return replace(self, name=f"{self.name}+prefill-of-{other.name}",
+                       provenance={**self.provenance, "prefill": f"prefill chunks charged as "
+                                   f"{other.title} charges them"},
+                       rules={**self.rules, "prefill": other.rules.get("prefill", other.rule)})
+
     def worst_fit(self) -> float:
         """The largest relative gap between a cell and what the profile charges (0.03: 3%)."""
         return max(abs(self.step_ms(c.new, c.read, (c.kind,)) - c.ms) / c.ms for c in self.cells)
