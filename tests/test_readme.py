@@ -363,7 +363,8 @@ def held(settings: object, dotted: str) -> object:
 
 # A valid value other than the example's, for keys whose type alone gives none: a choice, an
 # address, a list.
-OTHER_VALUES = {"dtype": "bfloat16", "engine": "paged", "host": "10.0.0.9",
+OTHER_VALUES = {"dtype": "bfloat16", "engine": "paged", "flex_splits": "auto",
+                "overlap_steps": "off", "host": "10.0.0.9",
                 "policy.draft_len": "auto", "servers": ["10.0.0.3:50051"],
                 "server_names": ["gpu-1.lan"], "api_hosts": ["pi5-kitchen.lan"],
                 "api_origins": ["http://localhost:3000"]}

@@ -64,6 +64,9 @@ def add_arguments(parser) -> None:
                         "held to (default: the scenario's server.emulate)")
     parser.add_argument("--centralized-profile", default=None, help="hold centralized serving "
                         "to another profile (default: the same as sled)")
+    parser.add_argument("--prefill-profile", default=None, help="charge every mode's prefill "
+                        "chunks as this profile charges them (prefill is the same work in every "
+                        "mode: e.g. a published engine's, where sled's own profile measured none)")
     parser.add_argument("--fleet-sizes", default=None, help="comma-separated fleet sizes up to "
                         f"{MAX_FLEET} (default: the scenario's); past the scenario's fleet its "
                         "devices repeat in order")
@@ -125,6 +128,9 @@ def _plan(args) -> tuple[Scenario, dict[str, StepProfile], list[int], list[str]]
                          "give --profile NAME or FILE")
     profiles = {"sled": load_profile(name),
                 "centralized": load_profile(args.centralized_profile or name)}
+    if args.prefill_profile:    # prefill is the same work whichever mode serves a session
+        prefill = load_profile(args.prefill_profile)
+        profiles = {mode: profile.with_prefill_of(prefill) for mode, profile in profiles.items()}
     for profile in profiles.values():
         gpu_memory(profile).kv_tokens()      # a profile whose weights leave no KV says so now
     unsupported = [g.drafter for g in scenario.fleet if not is_calibrated(g.drafter)]
