@@ -19,7 +19,7 @@ from sled.wire.sampling import Sampling
 from sled.v1 import verifier_pb2 as pb
 from sled.v1.verifier_pb2_grpc import VerifierStub
 from test_sampling_e2e import exact_distributions, total_variation
-from verify_server.sdsat import SatSpec, sat_inputs
+from verify_server.sdsat import SatSpec, sat_inputs, slots_under_load
 from verify_server.target import Target
 
 Reason = pb.ErrorDetail.Reason
@@ -154,6 +154,38 @@ async def test_measured_hints_worse_than_the_drafter_are_not_used(serve, models,
                                 settings=RoundSettings(draft_len=2, lookahead=SLOTS))
     assert result.token_ids == greedy_reference(model, prompts[0], 40)
     assert result.hint_tokens == 0 and result.rounds >= 13
+
+
+def test_sat_slots_are_switched_off_above_the_load():
+    assert slots_under_load(3, 40, 0) == 3           # 0: never off
+    assert slots_under_load(3, 32, 32) == 3
+    assert slots_under_load(3, 33, 32) == 0
+    assert slots_under_load(0, 1, 32) == 0
+
+
+async def test_self_drafting_decodes_plainly_above_sat_off_above(serve, models, tokenizer,
+                                                                 prompts):
+    """With another session open the server is past --sat-off-above 1: the SAT session's passes
+    carry no draft; once that session is gone, a new one drafts again. Both are the target's
+    greedy output."""
+    model = models["llama"]
+    server = await serve_sat(serve, model, tokenizer, SatSpec(slots=SLOTS, token_ids=[7] * SLOTS),
+                             sat_off_above=1)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = VerifierStub(channel)
+        other = stub.Generate()          # open, then idle: a second live session
+        await other.write(pb.DeviceMessage(open=pb.Open(prompt_ids=prompts[1], max_new_tokens=4,
+                                                        tokenizer_fingerprint=TARGET_FP)))
+        await other.read()
+        loaded, loaded_verdicts = await server_sat(stub, prompts[0], 16)
+        assert server.metrics.value("sled_draft_tokens_total") == 0
+        other.cancel()
+        while server.service.core.sessions:
+            await asyncio.sleep(0.01)
+        alone, _ = await server_sat(stub, prompts[0], 16)
+    assert loaded == alone == greedy_reference(model, prompts[0], 16)
+    assert all(v.verified == 0 and len(v.emitted_ids) == 1 for v in loaded_verdicts)
+    assert server.metrics.value("sled_draft_tokens_total") > 0
 
 
 async def test_sat_modes_refused_without_sats(serve, models, prompts):

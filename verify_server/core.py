@@ -34,6 +34,7 @@ from verify_server.metrics import Metrics
 from verify_server.quotas import Quotas
 from verify_server.rounds import finish_round, timings
 from verify_server.scheduler import Scheduler, Verify, sat_step_tokens
+from verify_server.sdsat import slots_under_load
 from verify_server.session import Session
 from verify_server.settings import ServerSettings
 from verify_server.target import Target
@@ -224,29 +225,33 @@ class VerifierCore:
         whole draft; then a cut draft leaves the next pass with an empty draft (one token).
 
         The next pass is queued before this one's verdict goes out, so a slow reader never makes
-        its session miss a batch."""
-        lookahead = self.target.sat_slots if session.mode == pb.GENERATION_MODE_SERVER_SAT else 0
-        every_cut = bool(lookahead) and self.scheduler.engine.branches
+        its session miss a batch. While more sessions are live than settings.sat_off_above, a
+        SERVER_SAT pass carries no SAT slots and no draft (a plain decode), until the load falls."""
+        def every_cut(lookahead: int) -> bool:
+            return bool(lookahead) and self.scheduler.engine.branches
 
-        def next_pass(guesses: list[int]) -> tuple[asyncio.Future, int]:
-            draft = guesses[:session.verifiable(len(guesses))]
+        def next_pass(guesses: list[int], lookahead: int) -> tuple[asyncio.Future, int]:
+            draft = guesses[:session.verifiable(len(guesses))] if lookahead else []
             work = Verify(session, None, deadline, draft=draft, lookahead=lookahead,
-                          every_cut=every_cut)
+                          every_cut=every_cut(lookahead))
             return self.scheduler.enqueue(work), len(draft)
 
-        await self._pace(session, sat_step_tokens(0, lookahead, every_cut))
-        step, draft_len = next_pass([])
+        lookahead = self.sat_lookahead(session)
+        await self._pace(session, sat_step_tokens(0, lookahead, every_cut(lookahead)))
+        step, draft_len = next_pass([], lookahead)
         while True:
             outcome, info = await step
             verdict = finish_round(session, outcome, draft_len, info, self.metrics)
             if not session.finished:
+                lookahead = self.sat_lookahead(session)
+                guesses = outcome.hints if lookahead else []
                 try:
-                    await self._pace(session, sat_step_tokens(len(outcome.hints), lookahead,
-                                                              every_cut))
+                    await self._pace(session, sat_step_tokens(len(guesses), lookahead,
+                                                              every_cut(lookahead)))
                 except SessionError:
                     yield verdict       # committed: it goes out first
                     raise
-                step, draft_len = next_pass(outcome.hints)
+                step, draft_len = next_pass(guesses, lookahead)
             session.wait_for_device()       # a device that stops reading idles out too
             yield verdict
             session.heard_from_device()
@@ -254,6 +259,14 @@ class VerifierCore:
                 return
             if session.evicted_after is not None:   # its queued pass was dropped with its KV
                 raise validation.evicted(session, self.settings.idle_timeout)
+
+    def sat_lookahead(self, session: Session) -> int:
+        """SAT slots the session's next server pass carries: the target's in SERVER_SAT mode,
+        none while the server is past settings.sat_off_above live sessions (or in SERVER mode)."""
+        if session.mode != pb.GENERATION_MODE_SERVER_SAT:
+            return 0
+        return slots_under_load(self.target.sat_slots, len(self.sessions),
+                                self.settings.sat_off_above)
 
     def advise(self, session: Session) -> int:
         """The draft length this session's device should send next."""

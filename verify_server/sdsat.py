@@ -144,6 +144,14 @@ def sat_spec_of(model: torch.nn.Module, model_dir: str | Path | None = None,
     return None
 
 
+def slots_under_load(slots: int, live_sessions: int, off_above: int) -> int:
+    """SAT slots a self-drafting pass carries at this load: none while more than `off_above`
+    sessions are live (0 = never off). A large batch makes the target's step compute-bound,
+    where the wider verify costs nearly what the accepted drafts save, so serving engines switch
+    speculation off there (vLLM's dynamic schedule, TensorRT-LLM's batch threshold)."""
+    return 0 if off_above and live_sessions > off_above else slots
+
+
 def sat_inputs(model: torch.nn.Module, spec: SatSpec, prefix_ids: torch.Tensor,
                slots: int) -> torch.Tensor:
     """Input embeddings of real tokens followed by `slots` SATs.

@@ -81,6 +81,10 @@ class ServerSettings(BaseSettings):
     sat_adapter: str | None = Field(
         None, description="SAT adapter (sat_adapter.safetensors) for self-drafting and lookahead "
                           "(default: the one shipped for a built-in target, or one beside the model)")
+    sat_off_above: int = Field(0, ge=0, description="self-drafting sessions (server-sat mode) "
+                               "decode plainly, without SAT slots, while more than this many "
+                               "sessions are open; their drafting resumes when the load falls "
+                               "(0 = never switched off)")
     # --- where it listens ---
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port")

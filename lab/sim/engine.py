@@ -12,12 +12,17 @@ by the simulated scheduler.
 The KV pool is a real BlockPool with no storage behind it: admission, reservations, blocks and
 the prefix cache are the server's own, at the size of the profiled GPU's memory.
 
+A server drafting for itself (SelfDraft: the centralized-spec mode) has its SAT slots answered
+the same way, each guess right with the head's acceptance; a step is then the target's verify of
+the rows' tokens plus the head's passes.
+
     engine = ScriptedEngine(profile, pool, {tuple(prompt): output, ...})
     logits = engine.forward(rows)      # StepLogits whose argmax is the scripts' tokens
     engine.seconds                     # how long that step takes on the profile's GPU
 """
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,7 +32,7 @@ from verify_server.engines.base import StepLogits, logit_spans
 from verify_server.engines.blocks import BlockPool, KVShape
 from verify_server.engines.kv import SessionKV
 from verify_server.engines.rows import Row
-from verify_server.step_costs import StepProfile, row_kind
+from verify_server.step_costs import StepProfile, default_kind, row_kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +51,44 @@ class HostCost:
         if not (self.step_ms or self.row_ms):
             return "none (the profile's GPU time only)"
         return f"{self.step_ms:.2f} ms a step + {self.row_ms:.3f} ms a session in it"
+
+
+# An EAGLE-class draft head is one decoder layer (with the target's features as its input) and a
+# reduced-vocabulary LM head: about 1/32 of an 8B target's layers plus ~0.1B of head weights, so
+# a head pass reads a few percent of the target's bytes; with its own kernel launches and the
+# feature gather, 0.1 of a one-token decode step of the same rows is a generous round figure
+# (a separate draft model is ~37.5% of an 8B target's forward, SpecDecode-Bench).
+HEAD_COST = 0.1
+# The per-token acceptance of the head's guesses. EAGLE-3 with K=2 runs 1.65x faster than plain
+# decoding at batch 1 on an H100 (vLLM). That speedup is after the head's 2 x HEAD_COST passes
+# and the wider verify (~1.01x at batch 1), so a pass must emit about 1.65 x 1.2 = 1.98 tokens:
+# (1 - a^3) / (1 - a) = 1 + a + a^2 = 1.98 gives a = 0.62 (a pass emits 2.00 tokens). Taken as
+# tokens per pass alone (1 + a + a^2 = 1.65) it would be a = 0.45, which undersells the head.
+ACCEPTANCE = 0.62
+DRAFTS = 2           # K: the head's guesses per pass (EAGLE-3's K=2 above)
+
+
+@dataclass(frozen=True, slots=True)
+class SelfDraft:
+    """The server drafting for itself with an EAGLE-class head, simulated: each of the `slots`
+    guesses of a pass is the script's next token with chance `acceptance` (independently per
+    position, drawn from `seed`), else a wrong one; each pass that drafts costs `slots` head
+    passes of `head_cost` of a one-token decode step of its drafting rows."""
+    acceptance: float = ACCEPTANCE
+    head_cost: float = HEAD_COST
+    slots: int = DRAFTS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.acceptance <= 1.0:
+            raise ValueError(f"a draft head's acceptance is within 0..1, not {self.acceptance}")
+        if self.head_cost < 0 or self.slots < 1:
+            raise ValueError("a draft head costs >= 0 and drafts at least one token a pass")
+
+    def tokens_per_pass(self) -> float:
+        """Expected tokens a pass emits: (1 - a^(K+1)) / (1 - a)."""
+        a, k = self.acceptance, self.slots
+        return float(k + 1) if a == 1.0 else (1 - a ** (k + 1)) / (1 - a)
 
 
 class ScriptMissing(LookupError):
@@ -82,11 +125,13 @@ class ScriptedEngine:
     forward takes its rows' KV slots as a real engine does and returns the scripts' argmax."""
 
     kind = "simulated"
-    branches = False          # chains only: the scripts say nothing of a tree's other branches
+    # chains only (the scripts say nothing of a tree's other branches), but for its own SAT
+    # blocks when it drafts for itself: only the block after the accepted tokens is ever read
+    branches = False
 
     def __init__(self, profile: StepProfile, pool: BlockPool,
                  scripts: Mapping[tuple[int, ...], Sequence[int]], host: HostCost = HostCost(),
-                 filler: int = 0) -> None:
+                 filler: int = 0, drafts: SelfDraft | None = None, vocab_size: int = 0) -> None:
         self.profile = profile
         self.host = host
         self.pool = pool
@@ -97,6 +142,13 @@ class ScriptedEngine:
         self.gpu_seconds = 0.0    # every step's GPU time so far
         self.sat = None
         self.bytes_copied = 0
+        # drafting for itself: SAT slots carry the head's guesses, a block after every place a
+        # draft may be cut (the head drafts again after whatever was accepted)
+        self.drafts, self.vocab_size = drafts, vocab_size
+        self.branches = drafts is not None
+        self._guesses = random.Random(f"self-draft-{drafts.seed}") if drafts else None
+        self.sat_rows = 0         # rows that carried SAT slots (drafting passes of a session)
+        self.plain_rows = 0       # rows of a server mode's session without them
 
     def new_kv(self) -> ScriptedKV:
         return ScriptedKV(self.pool, self.scripts)
@@ -105,7 +157,7 @@ class ScriptedEngine:
         """One engine per simulated server: nothing to route."""
 
     def forward(self, rows: Sequence[Row]) -> StepLogits:
-        gpu = self.profile.step_seconds([(row.kv.length, row.width, row_kind(row)) for row in rows])
+        gpu = self.step_gpu_seconds(rows)
         self.gpu_seconds += gpu
         self.seconds = gpu + self.host.seconds(len(rows))
         targets: list[int] = []
@@ -113,14 +165,54 @@ class ScriptedEngine:
             kv = row.kv
             kv.slots(kv.length, kv.length + row.width)      # the blocks a real step writes
             if row.want_logits:
-                targets += self._targets(kv, row.width)
+                targets += self._targets(kv, len(row.tokens)) + self._guessed(kv, row)
+            self._count(row)
         _, spans = logit_spans(rows)
         return StepLogits(torch.empty(0), spans, torch.tensor(targets or [self.filler]))
+
+    def step_gpu_seconds(self, rows: Sequence[Row]) -> float:
+        """The profile's time for the rows; drafting for itself, a row is the target's verify of
+        its tokens (the head's guesses are no positions of the target's) and the step adds the
+        head's passes over the rows that draft."""
+        if self.drafts is None:
+            return self.profile.step_seconds([(r.kv.length, r.width, row_kind(r)) for r in rows])
+        target = self.profile.step_seconds([(r.kv.length, len(r.tokens), row_kind(r) if
+                                             not r.sat_slots else default_kind(len(r.tokens)))
+                                            for r in rows])
+        drafting = [(r.kv.length, 1, "decode") for r in rows if r.sat_slots]
+        if not drafting:
+            return target
+        passes = max(r.sat_slots for r in rows)
+        return target + passes * self.drafts.head_cost * self.profile.step_seconds(drafting)
+
+    def _count(self, row: Row) -> None:
+        if row.sat_slots:
+            self.sat_rows += 1
+        elif row.want_logits and len(row.tokens) == 1:
+            self.plain_rows += 1
+
+    def _guessed(self, kv: ScriptedKV, row: Row) -> list[int]:
+        """The row's SAT slots: block b follows the row's first a = anchors[b] tokens, so its
+        slot j guesses the script's token at emitted + a + j, right with the head's acceptance."""
+        if not row.sat_slots or not row.want_logits:
+            return []
+        emitted = kv.length - kv.prompt_tokens
+        guesses = []
+        for anchor in row.blocks:
+            for truth in self._targets_at(kv, emitted + anchor, row.sat_slots):
+                guesses.append(truth if self._right() else (truth + 1) % max(self.vocab_size, 2))
+        return guesses
+
+    def _right(self) -> bool:
+        return self.drafts is not None and self._guesses.random() < self.drafts.acceptance
+
+    def _targets_at(self, kv: ScriptedKV, start: int, count: int) -> list[int]:
+        wanted = kv.script[start:start + count]
+        return list(wanted) + [self.filler] * (count - len(wanted))
 
     def _targets(self, kv: ScriptedKV, width: int) -> list[int]:
         """The target's token after each of the row's positions. Position j follows the row's
         first j draft tokens; past the first one that left the script its token is never read
         (acceptance stops there), so every position reads the script as if the draft held."""
         emitted = kv.length - kv.prompt_tokens         # output tokens the KV already holds
-        wanted = kv.script[emitted:emitted + width]
-        return list(wanted) + [self.filler] * (width - len(wanted))
+        return self._targets_at(kv, emitted, width)

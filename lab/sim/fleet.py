@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -32,10 +32,15 @@ from lab.traces.format import Trace
 from lab.traces.replay import TraceDivergence, TraceDrafter
 from sled import clock
 from sled.backoff import Backoff
+from sled.v1 import verifier_pb2 as pb
 
 # What a request's result says when a verdict took the session off its script (an output that
 # is not the target's: counted as a mismatch)
 DIVERGED = "diverged"
+# The modes in which the server generates alone, and the session mode each opens with: plain
+# decoding, or the target drafting for itself (SAT slots)
+SERVER_MODES = {"centralized": pb.GENERATION_MODE_SERVER,
+                "centralized-spec": pb.GENERATION_MODE_SERVER_SAT}
 # A refused session is asked again after these pauses (no jitter: a run repeats under its seed).
 RETRY_FIRST_S, RETRY_MOST_S = 0.25, 2.0
 
@@ -85,8 +90,10 @@ async def device_requests(server: SimulatedServer, device: SimDevice,
         pauses, refusals = Backoff(RETRY_FIRST_S, most=RETRY_MOST_S), 0
         while True:
             try:
-                if mode == "centralized":
-                    result = await generate_server_side(stub, request, transport=wire, hooks=hooks)
+                if mode in SERVER_MODES:
+                    result = await generate_server_side(
+                        stub, replace(request, mode=SERVER_MODES[mode]), transport=wire,
+                        hooks=hooks)
                 else:
                     result = await generate(stub, TraceDrafter(trace, device.board), request,
                                             settings=settings, transport=wire,

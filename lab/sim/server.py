@@ -16,12 +16,13 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lab.sim.engine import HostCost, ScriptedEngine, bookkeeping_pool
+from lab.sim.engine import HostCost, ScriptedEngine, SelfDraft, bookkeeping_pool
 from lab.sim.stub import LocalStub
 from verify_server.auth import access_of
 from verify_server.gpu_memory import gpu_memory
 from verify_server.metrics import Metrics
 from verify_server.scheduler import Outcome, Scheduler, Work, run_step
+from verify_server.sdsat import SatSpec
 from verify_server.service import VerifierService
 from verify_server.settings import ServerSettings
 from verify_server.step_costs import StepProfile
@@ -85,20 +86,30 @@ def kv_tokens(profile: StepProfile, settings: ServerSettings) -> int:
                      "(memory_bytes, weight_bytes, kv_bytes_per_token)")
 
 
+def head_slots(drafts: SelfDraft | None) -> SatSpec | None:
+    """The SAT slots a self-drafting simulated target carries: one per guess of its head (their
+    ids are never read: the engine answers them from the scripts)."""
+    if drafts is None:
+        return None
+    return SatSpec(slots=drafts.slots, token_ids=[0] * drafts.slots, source="simulated draft head")
+
+
 def simulated_server(profile: StepProfile, settings: ServerSettings,
                      scripts: Mapping[tuple[int, ...], Sequence[int]], vocab_size: int,
                      context_length: int = 131072,
                      fingerprint: str | None = None,
-                     host: HostCost = HostCost()) -> SimulatedServer:
+                     host: HostCost = HostCost(),
+                     drafts: SelfDraft | None = None) -> SimulatedServer:
     """A server held to `profile` serving the sessions `scripts` names (prompt[:-1] -> output),
     started on the running loop; `fingerprint`: the tokenizer its drafts were made in (recorded
-    traces carry one; calibrated ones none)."""
+    traces carry one; calibrated ones none); `drafts`: a target that drafts for itself
+    (GENERATION_MODE_SERVER_SAT sessions), with the draft head `drafts` simulates."""
     metrics = Metrics()
     pool = bookkeeping_pool(kv_tokens(profile, settings), settings.kv_block_tokens)
-    engine = ScriptedEngine(profile, pool, scripts, host)
+    engine = ScriptedEngine(profile, pool, scripts, host, drafts=drafts, vocab_size=vocab_size)
     target = Target(model=None, tokenizer=None, model_id=f"simulated:{profile.name}",
                     vocab_size=vocab_size, eos_ids=(), context_length=context_length,
-                    fingerprint=fingerprint or FINGERPRINT)
+                    fingerprint=fingerprint or FINGERPRINT, sat=head_slots(drafts))
     metrics.watch_pool(pool)
     scheduler = SimulatedScheduler(engine, metrics, settings.max_batch_sessions,
                                    settings.max_step_tokens)

@@ -38,7 +38,7 @@ from lab.bench.report import percentile, save_figure, subplots
 from lab.fleet_metrics import FleetRun, add_ratios, summarize
 from lab.profiles import device_profile, link_profile
 from lab.scenario import Scenario, ScenarioError, load_scenario
-from lab.sim.engine import HostCost
+from lab.sim.engine import ACCEPTANCE, DRAFTS, HEAD_COST, HostCost, SelfDraft
 from lab.sim.fleet import SimDevice, SimRequest, run_fleet
 from lab.sim.loop import simulate
 from lab.sim.server import SimulatedServer, simulated_server
@@ -52,7 +52,8 @@ from verify_server.gpu_memory import describe as describe_memory
 from verify_server.gpu_memory import gpu_memory
 from verify_server.step_costs import StepProfile, load_profile
 
-MODES = ("sled", "centralized")
+MODES = ("sled", "centralized", "centralized-spec")
+SPEC_OFF_ABOVE = 32      # TensorRT-LLM's example schedule switches speculation off at batch 33+
 VOCAB = 32000            # the scripts' token ids: any vocabulary does, nothing is decoded
 MAX_FLEET = 4096
 LOOPBACK = "127.0.0.1"
@@ -73,7 +74,21 @@ def add_arguments(parser) -> None:
     parser.add_argument("--context", type=int, default=None, metavar="TOKENS",
                         help="every prompt this many tokens (default: the workload's prompts, "
                         "as the target's tokenizer counts them)")
-    parser.add_argument("--modes", default="sled,centralized", help="which of sled,centralized")
+    parser.add_argument("--modes", default="sled,centralized", help="which of " + ",".join(MODES)
+                        + " (centralized-spec: the server drafts for itself with an EAGLE-class "
+                        "head, on centralized's profile)")
+    parser.add_argument("--spec-acceptance", type=float, default=ACCEPTANCE, metavar="A",
+                        help="centralized-spec: the chance each of the head's guesses is the "
+                        f"target's token (default {ACCEPTANCE}: EAGLE-3's published 1.65x at "
+                        "batch 1 with K=2)")
+    parser.add_argument("--spec-head-cost", type=float, default=HEAD_COST, metavar="SHARE",
+                        help="centralized-spec: a head pass's time, as a share of a one-token "
+                        f"decode step of the same rows (default {HEAD_COST})")
+    parser.add_argument("--spec-drafts", type=int, default=DRAFTS, metavar="K",
+                        help=f"centralized-spec: the head's guesses per pass (default {DRAFTS})")
+    parser.add_argument("--spec-off-above", type=int, default=SPEC_OFF_ABOVE, metavar="N",
+                        help="centralized-spec: the server's --sat-off-above, past which its "
+                        f"sessions decode plainly (default {SPEC_OFF_ABOVE}; 0: never off)")
     parser.add_argument("--draft-len", type=int, default=4, help="tokens per draft")
     parser.add_argument("--seed", type=int, default=0, help="the links' jitter and the scripts")
     parser.add_argument("--host-cost", default="0,0", metavar="STEP_MS,ROW_MS",
@@ -150,9 +165,29 @@ def _plan(args) -> tuple[Scenario, dict[str, StepProfile], list[int], list[str]]
         raise ValueError("--context needs at least 2 tokens")
     if args.draft_len < 1:
         raise ValueError("--draft-len needs at least 1 token")
+    if "centralized-spec" in modes:
+        profiles["centralized-spec"] = profiles["centralized"]
+        args.drafts = self_draft(args)
     args.host = host_cost(args.host_cost)
     served_settings("simulated", scenario.server.args)   # flags sled serve would refuse stop here
     return scenario, profiles, sizes, modes
+
+
+def self_draft(args) -> SelfDraft:
+    """The centralized-spec mode's draft head from its flags; ValueError naming them."""
+    if args.spec_off_above < 0:
+        raise ValueError("--spec-off-above takes a number of sessions >= 0")
+    try:
+        return SelfDraft(args.spec_acceptance, args.spec_head_cost, args.spec_drafts, args.seed)
+    except ValueError as exc:
+        raise ValueError(f"--spec-acceptance, --spec-head-cost, --spec-drafts: {exc}") from None
+
+
+def mode_settings(server_args: Sequence[str], mode: str, args):
+    """The server's settings in a mode: the scenario's flags, and centralized-spec's
+    --sat-off-above."""
+    extra = ["--sat-off-above", str(args.spec_off_above)] if mode == "centralized-spec" else []
+    return served_settings("simulated", [*server_args, *extra])
 
 
 def host_cost(spec: str) -> HostCost:
@@ -232,7 +267,7 @@ def sweep(scenario: Scenario, profiles: dict[str, StepProfile], sizes: list[int]
     every = [t for ts in traces.values() for t in ts]
     scripts = {tuple(t.prompt_ids[:-1]): t.target_ids for t in every}
     vocab = vocabulary(trace_ids(every), VOCAB)
-    settings = served_settings("simulated", scenario.server.args)
+    settings = {mode: mode_settings(scenario.server.args, mode, args) for mode in modes}
     count = len(next(iter(traces.values())))
 
     def requests_of(j: int) -> list[tuple[float | None, Trace]]:
@@ -242,7 +277,8 @@ def sweep(scenario: Scenario, profiles: dict[str, StepProfile], sizes: list[int]
 
     async def fleet(mode: str, n: int, on_tokens) -> dict:
         """One fleet in one mode on a fresh simulated server: its row."""
-        server = simulated_server(profiles[mode], settings, scripts, vocab, host=args.host)
+        server = simulated_server(profiles[mode], settings[mode], scripts, vocab, host=args.host,
+                                  drafts=args.drafts if mode == "centralized-spec" else None)
         devices = [_device(slots[j % len(slots)], j) for j in range(n)]
         row = await measured(server, scenario, profiles[mode], mode, devices, requests_of,
                              RoundSettings(draft_len=args.draft_len), scenario.max_tokens,
@@ -406,7 +442,11 @@ def _report(scenario: Scenario, profiles: dict[str, StepProfile], rows: list[dic
     lines.append(
         f"capacity at the SLO (p5 device >= {scenario.slo.tokens_per_s:g} tok/s, TTFT p95 <= "
         f"{scenario.slo.ttft_s:g} s): sled {sled}, centralized {central}"
-        + (f"; sled/centralized {said}" if ratio else ""))
+        + (f"; sled/centralized {said}" if ratio else "")
+        + (f"; centralized-spec {found['centralized-spec']}" if "centralized-spec" in found
+           else ""))
+    if "centralized-spec" in profiles:
+        lines.append(f"centralized-spec: {_spec_said(args)}")
     lines.append(f"the server host's own time: {args.host}")
     lines.append(f"simulated in {wall:.1f} s (seed {args.seed})")
     return {"scenario": scenario.name, "setup": setup, "lines": lines, "seed": args.seed,
@@ -414,6 +454,14 @@ def _report(scenario: Scenario, profiles: dict[str, StepProfile], rows: list[dic
             "context_tokens": context, "capacity": {**found, "ratio": ratio},
             "host_cost": {"step_ms": args.host.step_ms, "row_ms": args.host.row_ms},
             "slo": scenario.slo.model_dump(), "wall_s": wall}
+
+
+def _spec_said(args) -> str:
+    drafts = args.drafts
+    off = f"off above {args.spec_off_above} sessions" if args.spec_off_above else "never off"
+    return (f"a draft head guessing {drafts.slots} token(s) a pass, each right with chance "
+            f"{drafts.acceptance:g} ({drafts.tokens_per_pass():.2f} tokens a pass), a head pass "
+            f"{drafts.head_cost:g} of a decode step; {off}")
 
 
 def _arrivals_said(scenario: Scenario) -> str:
