@@ -441,10 +441,10 @@ def _report(scenario: Scenario, profiles: dict[str, StepProfile], rows: list[dic
              for mode, profile in profiles.items()]
     lines.append(
         f"capacity at the SLO (p5 device >= {scenario.slo.tokens_per_s:g} tok/s, TTFT p95 <= "
-        f"{scenario.slo.ttft_s:g} s): sled {sled}, centralized {central}"
-        + (f"; sled/centralized {said}" if ratio else "")
-        + (f"; centralized-spec {found['centralized-spec']}" if "centralized-spec" in found
-           else ""))
+        f"{scenario.slo.ttft_s:g} s): "
+        + ", ".join(f"{mode} {({'sled': sled, 'centralized': central}).get(mode, found[mode])}"
+                    for mode in found)
+        + (f"; sled/centralized {said}" if ratio else ""))
     if "centralized-spec" in profiles:
         lines.append(f"centralized-spec: {_spec_said(args)}")
     lines.append(f"the server host's own time: {args.host}")
