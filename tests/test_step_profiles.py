@@ -434,3 +434,4 @@ def test_a_profile_can_charge_its_prefill_as_another_does():
     assert both.step_seconds(verify) == own.step_seconds(verify)
     assert both.name == "h200-llama8b-sled-forward+prefill-of-h200-llama8b-vllm-published"
     assert "h200-llama8b-vllm-published" in both.provenance["prefill"]
+    assert published.with_prefill_of(published) is published

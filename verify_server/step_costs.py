@@ -260,7 +260,9 @@ class StepProfile:
         where it has none), never under this one's own rule or floor: prefill is the same work
         whichever mode serves a session, so two profiles compared may charge it alike (say, a
         published engine's where this one measured no prefill). Its name and provenance say
-        so."""
+        so; itself where `other` is this profile."""
+        if other.name == self.name:
+            return self
         return replace(self, name=f"{self.name}+prefill-of-{other.name}",
                        provenance={**self.provenance, "prefill": f"prefill chunks charged as "
                                    f"{other.title} charges them"},
