@@ -1,7 +1,8 @@
 """The engines on the device `--device` names (default cpu; lab/gpu/check.sh runs these with
 `--device cuda` on a GPU machine): each engine's greedy tokens are the target's own generate()
 on that device, and the flex engine's logits (sled's decoder forward and transformers' own, with
-CUDA graphs where there is CUDA) are the paged engine's. On a GPU float32 (flex's kernels take
+CUDA graphs where there is CUDA, and with --flex-splits auto) are the paged engine's; a step
+launched ahead of its decision keeps its own argmax. On a GPU float32 (flex's kernels take
 no float64), on a CPU float64 as elsewhere in the suite."""
 from __future__ import annotations
 
@@ -36,8 +37,11 @@ def model(request, device):
     return make_model(request.param, VOCAB, dtype=dtype_on(device)).to(device).eval()
 
 
-# paged, and the flex engine with each forward (CUDA graphs on CUDA)
-KINDS = ["paged", *(f"flex:{forward}" for forward in FORWARDS)]
+# paged, and the flex engine with each forward (CUDA graphs on CUDA), and with its decode
+# kernel's rows split for the GPU's multiprocessors (--flex-splits auto), where it has the keyword
+SPLITS = "splits" in inspect.signature(FlexEngine).parameters
+KINDS = ["paged", *(f"flex:{forward}" for forward in FORWARDS),
+         *(["flex:sled:auto"] if SPLITS else [])]
 
 
 def make(kind: str, model, pool: BlockPool):
@@ -45,6 +49,8 @@ def make(kind: str, model, pool: BlockPool):
         return PagedEngine(copy.deepcopy(model), pool)
     forward = kind.split(":")[1]
     chosen = {} if forward == "None" else {"forward": forward}
+    if kind.endswith(":auto"):
+        chosen["splits"] = "auto"
     return FlexEngine(copy.deepcopy(model), pool, graphs=pool.keys[0].device.type == "cuda",
                       **chosen)
 
@@ -104,3 +110,28 @@ def test_the_flex_forwards_logits_are_the_paged_engines_on_the_device(model, dev
         for mine, theirs in zip(steps, reference):
             for a, b in zip(mine, theirs):
                 assert float((a - b).abs().max()) <= tolerance, kind
+
+
+def prefilled(engine, prompts_: list[list[int]]):
+    kvs = []
+    for prompt in prompts_:
+        kv = engine.new_kv()
+        kv.admit([], len(prompt) + NEW_TOKENS, b"")
+        if len(prompt) > 1:
+            engine.forward([Row(kv, prompt[:-1], False)])
+            kv.commit(len(prompt) - 1)
+        kvs.append(kv)
+    return kvs
+
+
+def test_a_launched_steps_argmax_survives_the_next_launch_on_the_device(model, device):
+    """The overlapping scheduler's order: step t launched, then step t+1 of the same bucket
+    (on CUDA its graph replay rewrites step t's buffers), then both decided: each gives the
+    argmax the same step gives alone."""
+    engine = make(KINDS[1], model, new_pool(model, device))
+    kvs = prefilled(engine, prompts())
+    first = [Row(kv, [p[-1]], True) for kv, p in zip(kvs[:2], prompts()[:2])]
+    second = [Row(kv, [p[-1]], True) for kv, p in zip(kvs[2:], prompts()[2:])]
+    alone = [engine.forward(rows).targets() for rows in (first, second)]
+    launched = [engine.launch(rows, send_argmax=True) for rows in (first, second)]
+    assert [logits.targets() for logits in launched] == alone
