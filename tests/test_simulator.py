@@ -224,8 +224,8 @@ def test_the_landscape_puts_runs_side_by_side(tmp_path, capsys):
     assert main(["lab", "landscape", str(tmp_path / "a"), str(tmp_path / "b" / "results.json"),
                  "--out", str(tmp_path / "land.png")]) == 0
     said = capsys.readouterr().out
-    assert "**h200-llama8b-flex-graph, 64 tokens**: capacity sled 8+, centralized 8+" in said
-    assert "**h200-llama8b-flex-graph, 256 tokens**" in said
+    assert "**h200-llama8b-flex-graph, 64 tokens, 16 new**: capacity sled 8+, centralized 8+" in said
+    assert "**h200-llama8b-flex-graph, 256 tokens, 16 new**" in said
     assert (tmp_path / "land.png").stat().st_size > 10_000
     assert main(["lab", "landscape", str(scenario)]) == 2        # not a results file
 
@@ -272,3 +272,29 @@ def test_bench_serves_sweep_on_the_simulator_is_lossless_and_says_its_ratios():
         ("sled", 1), ("centralized", 1), ("sled", 4), ("centralized", 4)]
     assert all(r["mismatches"] == 0 and r["tokens"] == 12 * r["devices"] for r in rows)
     assert all("throughput_vs_centralized" in r for r in rows if r["mode"] == "sled")
+
+
+def test_the_landscape_sweeps_prompt_and_answer_lengths_into_one_map(tmp_path, capsys):
+    """`sled lab landscape --sweep`: a run per prompt x answer length, every mode's outputs its
+    scripts', each request its answer's length, the map and the heat map written; a flag that
+    is the sweep's own is refused in one line."""
+    scenario = write_scenario(tmp_path)
+    runs, out = tmp_path / "runs", tmp_path / "landscape.png"
+    code = main(["lab", "landscape", "--sweep", str(scenario), "--contexts", "64,128",
+                 "--answers", "8,16", "--runs", str(runs), "--out", str(out), "--simulate-args",
+                 "--fleet-sizes 1,2 --refine 0 --modes sled,centralized,centralized-spec"])
+    assert code == 0
+    for context in (64, 128):
+        for answer in (8, 16):
+            results = json.loads((runs / f"{context}-{answer}" / "results.json").read_text())
+            assert results["max_tokens"] == answer and results["context_tokens"] == context
+            rows = rows_of(results)
+            assert {r["mode"] for r in rows} == {"sled", "centralized", "centralized-spec"}
+            assert all(r["mismatches"] == 0 and r["tokens"] == answer * r["devices"]
+                       for r in rows)
+    assert out.stat().st_size > 0 and (tmp_path / "landscape-map.png").stat().st_size > 0
+    capsys.readouterr()
+    code = main(["lab", "landscape", "--sweep", str(scenario), "--runs", str(runs),
+                 "--simulate-args", "--context 64"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--context" in err

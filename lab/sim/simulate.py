@@ -46,7 +46,7 @@ from lab.traces.calibrated import MAX_K, SEED, is_calibrated, load_calibration
 from lab.traces.format import Trace, TraceSet
 from lab.traces.synthetic import SyntheticDrafter, synthetic_trace_set
 from sled import clock
-from sled.flags import one_line
+from sled.flags import one_line, positive_int
 from verify_server.flags import served_settings
 from verify_server.gpu_memory import describe as describe_memory
 from verify_server.gpu_memory import gpu_memory
@@ -71,6 +71,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--fleet-sizes", default=None, help="comma-separated fleet sizes up to "
                         f"{MAX_FLEET} (default: the scenario's); past the scenario's fleet its "
                         "devices repeat in order")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="TOKENS",
+                        help="every request's answer this many tokens (default: the scenario's "
+                        "max_tokens)")
     parser.add_argument("--context", type=int, default=None, metavar="TOKENS",
                         help="every prompt this many tokens (default: the workload's prompts, "
                         "as the target's tokenizer counts them)")
@@ -137,6 +140,8 @@ def _plan(args) -> tuple[Scenario, dict[str, StepProfile], list[int], list[str]]
     """The scenario, each mode's profile, the fleet sizes and the modes; ValueError (one line)
     for what the simulator cannot run."""
     scenario = load_scenario(args.scenario)
+    if args.max_new_tokens:
+        scenario = scenario.model_copy(update={"max_tokens": args.max_new_tokens})
     name = args.profile or scenario.server.emulate
     if not name:
         raise ValueError(f"scenario {scenario.name} names no step-cost profile (server.emulate): "
@@ -451,7 +456,8 @@ def _report(scenario: Scenario, profiles: dict[str, StepProfile], rows: list[dic
     lines.append(f"simulated in {wall:.1f} s (seed {args.seed})")
     return {"scenario": scenario.name, "setup": setup, "lines": lines, "seed": args.seed,
             "profiles": {mode: p.name for mode, p in profiles.items()},
-            "context_tokens": context, "capacity": {**found, "ratio": ratio},
+            "context_tokens": context, "max_tokens": scenario.max_tokens,
+            "capacity": {**found, "ratio": ratio},
             "host_cost": {"step_ms": args.host.step_ms, "row_ms": args.host.row_ms},
             "slo": scenario.slo.model_dump(), "wall_s": wall}
 
