@@ -227,6 +227,7 @@ def test_the_landscape_puts_runs_side_by_side(tmp_path, capsys):
     assert "**h200-llama8b-flex-graph, 64 tokens, 16 new**: capacity sled 8+, centralized 8+" in said
     assert "**h200-llama8b-flex-graph, 256 tokens, 16 new**" in said
     assert (tmp_path / "land.png").stat().st_size > 10_000
+    assert (tmp_path / "land-map.png").stat().st_size > 10_000    # the runs say their answer
     assert main(["lab", "landscape", str(scenario)]) == 2        # not a results file
 
 

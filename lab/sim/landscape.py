@@ -4,10 +4,10 @@ GPU-seconds per token over centralized serving's, per fleet size, with each run'
 the SLO beside it, and the same as Markdown tables for BENCHMARKS.md.
 
 `--sweep SCENARIO` runs the simulations itself, one per prompt length x answer length
-(lab.sim.sweep), and adds the map: for every mode that ran (sled, centralized,
-centralized-spec), its capacity at the SLO, the rate its slowest devices get at the sweep's
-lightest load, and its GPU-seconds per 1k tokens there, side by side for every prompt and
-answer length, in one figure (MAP.png beside the heat map).
+(lab.sim.sweep); the map comes with it, and with any runs that say their answer length: for every
+mode that ran (sled, centralized, centralized-spec), its capacity at the SLO, the rate its slowest
+devices get at the sweep's lightest load, and its GPU-seconds per 1k tokens there, side by side for
+every prompt and answer length, in one figure (NAME-map.png beside the heat map NAME.png).
 
     sled lab landscape lab-results/simulate-* --out landscape.png
     sled lab landscape --sweep fleet-sizing --contexts 512,2048,8192 --answers 64,512 \
@@ -55,7 +55,7 @@ def run(args) -> int:
     print(markdown(runs))
     plot(runs, Path(args.out))
     print(f"wrote {args.out}")
-    if args.sweep:
+    if args.sweep or any("max_tokens" in run for run in runs):   # runs that say their answer
         print(f"wrote {map_plot(runs, Path(args.out).with_name(Path(args.out).stem + '-map.png'))}")
     return 0
 
