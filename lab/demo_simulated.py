@@ -116,7 +116,8 @@ def simulated_notes(run: SimulatedRun) -> list[str]:
     lines.append(ALWAYS_ASKING)
     lines.append("with users who ask now and then instead (twice a minute), and centralized serving "
                  "held to vLLM's published cost: sled carries as many devices at the SLO as "
-                 "centralized serving (1.00x at 512 and 2k tokens, 0.83x at 8k) and spends "
+                 "centralized serving for 64-token answers (1.00x at 512 and 2k tokens of prompt, "
+                 "0.83x at 8k; not for 512-token ones, a device's own pace the limit) and spends "
                  "0.42-0.61x of its GPU per token at one device, but gives each device a fifth "
                  "to a quarter of its rate: BENCHMARKS.md, 'The buyer's answer against the engines "
                  "a buyer would run'")
