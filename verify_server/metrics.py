@@ -42,17 +42,7 @@ class Metrics:
         self.kv_blocks_total = Gauge("sled_kv_blocks_total", "KV pool blocks", registry=r)
         self.active_sessions = Gauge("sled_active_sessions", "Sessions open now", registry=r)
         self.kv_tokens = Gauge("sled_kv_tokens", "Tokens held in session KV caches", registry=r)
-        # sessions waiting for KV when the whole cache is full (verify_server.admission)
-        self.admission_waiting = Gauge("sled_admission_waiting", "Sessions waiting in the "
-                                       "admission queue for KV now", registry=r)
-        self.admission_wait = Histogram("sled_admission_wait_seconds", "Seconds a session "
-                                        "waited in the admission queue before its KV was "
-                                        "reserved (part of its time to first token)",
-                                        buckets=WAIT_BUCKETS, registry=r)
-        self.admission_refusals = Counter("sled_admission_refusals", "Sessions refused for KV "
-                                          "past a bound of the admission queue: queue (it was "
-                                          "full) or wait (they waited the longest allowed)",
-                                          ["bound"], registry=r)
+        self._admission(r)
         self.batch_size = Histogram("sled_batch_size", "Sessions per forward pass",
                                     buckets=BATCH_BUCKETS, registry=r)
         self.forward_seconds = Histogram("sled_forward_seconds", "Forward pass + acceptance "
@@ -75,6 +65,19 @@ class Metrics:
         self.auth_refusals = Counter("sled_auth_refusals", "Calls refused for their identity",
                                      ["reason"], registry=r)
         self._device_labels: set[str] = set()
+
+    def _admission(self, r: CollectorRegistry) -> None:
+        """Sessions waiting for KV when the whole cache is full (verify_server.admission)."""
+        self.admission_waiting = Gauge("sled_admission_waiting", "Sessions waiting in the "
+                                       "admission queue for KV now", registry=r)
+        self.admission_wait = Histogram("sled_admission_wait_seconds", "Seconds a session "
+                                        "waited in the admission queue before its KV was "
+                                        "reserved (part of its time to first token)",
+                                        buckets=WAIT_BUCKETS, registry=r)
+        self.admission_refusals = Counter("sled_admission_refusals", "Sessions refused for KV "
+                                          "past a bound of the admission queue: queue (it was "
+                                          "full) or wait (they waited the longest allowed)",
+                                          ["bound"], registry=r)
 
     def device_label(self, device: str) -> str:
         """The device's label: its own name for the first MAX_DEVICE_LABELS devices, so the
