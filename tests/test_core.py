@@ -35,17 +35,19 @@ MAX_NEW = 12
 
 @pytest.fixture
 async def make_core(models, tokenizer):
-    """make_core(kv_budget_bytes, **settings) -> a VerifierCore over a running scheduler of the
-    tiny Llama target (stopped after the test)."""
+    """make_core(kv_budget_bytes, kind, overlap, **settings) -> a VerifierCore over a running
+    scheduler of the tiny Llama target on the `kind` engine, its steps overlapped as `overlap`
+    says (stopped after the test)."""
     schedulers = []
 
-    async def make(kv_budget_bytes: int = 16 << 20, **settings) -> VerifierCore:
+    async def make(kv_budget_bytes: int = 16 << 20, kind: str = "paged",
+                   overlap: bool | None = None, **settings) -> VerifierCore:
         target = Target.from_model(models["llama"], tokenizer, "tiny")
-        engine = make_engine(target.model, kv_budget_bytes=kv_budget_bytes, kind="paged")
+        engine = make_engine(target.model, kv_budget_bytes=kv_budget_bytes, kind=kind)
         metrics = Metrics()
         server_settings = ServerSettings(**settings)
         scheduler = Scheduler(engine, metrics, server_settings.max_batch_sessions,
-                              server_settings.max_step_tokens)
+                              server_settings.max_step_tokens, overlap)
         scheduler.start()
         schedulers.append(scheduler)
         return VerifierCore(target, scheduler, server_settings, metrics)

@@ -72,8 +72,8 @@ def generated(model, prompt: list[int], device) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def greedy(engine, prompts_: list[list[int]]) -> tuple[list[list[int]], list]:
-    """Prefill every prompt, then decode all rows together: (tokens, each decode step's logits)."""
+def prefilled(engine, prompts_: list[list[int]]):
+    """A session for each prompt, all but its last token in its KV, room for NEW_TOKENS more."""
     kvs = []
     for prompt in prompts_:
         kv = engine.new_kv()
@@ -82,6 +82,12 @@ def greedy(engine, prompts_: list[list[int]]) -> tuple[list[list[int]], list]:
             engine.forward([Row(kv, prompt[:-1], False)])
             kv.commit(len(prompt) - 1)
         kvs.append(kv)
+    return kvs
+
+
+def greedy(engine, prompts_: list[list[int]]) -> tuple[list[list[int]], list]:
+    """Prefill every prompt, then decode all rows together: (tokens, each decode step's logits)."""
+    kvs = prefilled(engine, prompts_)
     outputs, steps = [[] for _ in prompts_], []
     for _ in range(NEW_TOKENS):
         last = [o[-1] if o else p[-1] for o, p in zip(outputs, prompts_)]
@@ -110,18 +116,6 @@ def test_the_flex_forwards_logits_are_the_paged_engines_on_the_device(model, dev
         for mine, theirs in zip(steps, reference):
             for a, b in zip(mine, theirs):
                 assert float((a - b).abs().max()) <= tolerance, kind
-
-
-def prefilled(engine, prompts_: list[list[int]]):
-    kvs = []
-    for prompt in prompts_:
-        kv = engine.new_kv()
-        kv.admit([], len(prompt) + NEW_TOKENS, b"")
-        if len(prompt) > 1:
-            engine.forward([Row(kv, prompt[:-1], False)])
-            kv.commit(len(prompt) - 1)
-        kvs.append(kv)
-    return kvs
 
 
 def test_a_launched_steps_argmax_survives_the_next_launch_on_the_device(model, device):

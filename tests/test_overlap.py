@@ -14,6 +14,7 @@ import torch
 from sled import clock
 from sled.v1 import verifier_pb2 as pb
 from tests.conftest import greedy_reference
+from tests.test_core import make_core  # noqa: F401  (the fixture)
 from verify_server import scheduler as scheduler_module
 from verify_server.auth import Identity
 from verify_server.core import VerifierCore
@@ -21,32 +22,11 @@ from verify_server.engines import make_engine
 from verify_server.engines.base import StepLogits
 from verify_server.metrics import Metrics
 from verify_server.scheduler import Scheduler, Verify
-from verify_server.settings import ServerSettings
-from verify_server.target import Target
 
 MAX_NEW = 10
 DEVICES = [Identity(device=f"dev-{i}", authenticated=True, key=f"dev-{i}") for i in range(4)]
 GREEDY = pb.SamplingParams(temperature=0.0)
 SAMPLED = pb.SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
-
-
-@pytest.fixture
-async def make_core(models, tokenizer):
-    schedulers = []
-
-    async def make(kind: str, overlap: bool) -> VerifierCore:
-        target = Target.from_model(models["llama"], tokenizer, "tiny")
-        engine = make_engine(target.model, kv_budget_bytes=16 << 20, kind=kind)
-        metrics, settings = Metrics(), ServerSettings()
-        scheduler = Scheduler(engine, metrics, settings.max_batch_sessions,
-                              settings.max_step_tokens, overlap=overlap)
-        scheduler.start()
-        schedulers.append(scheduler)
-        return VerifierCore(target, scheduler, settings, metrics)
-
-    yield make
-    for scheduler in schedulers:
-        await scheduler.stop()
 
 
 def open_request(core: VerifierCore, prompt: list[int], sampling: pb.SamplingParams,
@@ -108,7 +88,8 @@ def guesses_of(references: list[list[int]]) -> list[list[int]]:
 @pytest.mark.parametrize("kind", ["paged", "flex"])
 async def test_overlapped_steps_give_the_targets_greedy_output(make_core, prompts, references,
                                                                 kind):
-    serial, overlapped = await make_core(kind, False), await make_core(kind, True)
+    serial = await make_core(kind=kind, overlap=False)
+    overlapped = await make_core(kind=kind, overlap=True)
     alone = await fleet(serial, prompts, guesses_of(references), GREEDY)
     together = await fleet(overlapped, prompts, guesses_of(references), GREEDY)
     assert together == alone
@@ -125,7 +106,8 @@ async def test_overlapped_steps_give_the_targets_greedy_output(make_core, prompt
 @pytest.mark.parametrize("kind", ["paged", "flex"])
 async def test_overlapped_steps_draw_what_the_serial_steps_draw(make_core, prompts, references,
                                                                 kind):
-    serial, overlapped = await make_core(kind, False), await make_core(kind, True)
+    serial = await make_core(kind=kind, overlap=False)
+    overlapped = await make_core(kind=kind, overlap=True)
     alone = await fleet(serial, prompts, guesses_of(references), SAMPLED)
     together = await fleet(overlapped, prompts, guesses_of(references), SAMPLED)
     assert together == alone
@@ -151,7 +133,7 @@ async def test_a_sampled_step_is_decided_before_the_next_launch(make_core, promp
 
     monkeypatch.setattr(scheduler_module, "launch_step", logged_launch)
     monkeypatch.setattr(scheduler_module, "decide_step", logged_decide)
-    core = await make_core("paged", True)
+    core = await make_core(kind="paged", overlap=True)
     await asyncio.gather(
         device_session(core, prompts[0], DEVICES[0], guesses_of(references)[0], GREEDY, 0.001),
         device_session(core, prompts[1], DEVICES[1], guesses_of(references)[1], SAMPLED, 0.003),
