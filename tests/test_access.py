@@ -111,11 +111,11 @@ async def test_a_missing_or_wrong_token_is_unauthenticated_on_every_call(guarded
                 async for _ in stub.GetTokenizer(pb.GetTokenizerRequest()):
                     pass
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            call, reply = await open_session(stub, guarded.service.target.fingerprint)
+            call, reply = await open_session(stub, guarded.service.core.target.fingerprint)
             assert reply.error.reason == pb.ErrorDetail.REASON_UNAUTHENTICATED
             assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
     assert guarded.metrics.value("sled_auth_refusals_total", {"reason": "unauthenticated"}) == 6
-    assert not guarded.service.sessions
+    assert not guarded.service.core.sessions
 
 
 async def test_a_known_token_generates_losslessly_and_names_its_device(guarded, models):
@@ -130,7 +130,7 @@ async def test_a_known_token_generates_losslessly_and_names_its_device(guarded, 
 
 async def test_a_revoked_token_is_refused_after_the_reload_and_the_others_go_on(guarded, models):
     token_file(guarded.tokens_path, {d: t for d, t in TOKENS.items() if d != "dev-2"})
-    assert guarded.service.gate.reload()      # what SIGHUP runs (tests/test_tls.py sends one)
+    assert guarded.service.core.ledger.gate.reload()   # what SIGHUP runs (tests/test_tls.py sends one)
     channel, revoked = stub_of(guarded, TOKENS["dev-2"])
     async with channel:
         error = await refused(revoked.GetModelInfo(pb.GetModelInfoRequest()))
@@ -173,7 +173,7 @@ async def test_the_prefix_cache_is_shared_within_a_device_never_across(guarded):
             call = stub.Generate()
             await call.write(pb.DeviceMessage(open=pb.Open(
                 prompt_ids=prompt, max_new_tokens=2,
-                tokenizer_fingerprint=guarded.service.target.fingerprint)))
+                tokenizer_fingerprint=guarded.service.core.target.fingerprint)))
             opened = (await call.read()).opened
             call.cancel()
             return opened.cached_prompt_tokens
@@ -235,7 +235,7 @@ async def open_session(stub, fingerprint: str, prompt=PROMPT, max_new_tokens: in
 async def test_a_device_at_its_session_quota_is_refused_while_others_open(serve, models, tmp_path):
     path = token_file(tmp_path / "tokens", extra={"cam-3": "sessions=1"})
     server = await serve(models["llama"], auth_tokens=str(path), quota_sessions=2)
-    fingerprint = server.service.target.fingerprint
+    fingerprint = server.service.core.target.fingerprint
     channel, greedy = stub_of(server, TOKENS["dev-1"])
     async with channel:
         held = [await open_session(greedy, fingerprint) for _ in range(3)]
@@ -285,7 +285,7 @@ async def test_a_greedy_device_is_held_to_its_rate_while_two_others_stay_lossles
     path = token_file(tmp_path / "tokens", extra={"dev-1": f"tokens_per_s={rate:g}"})
     server = await serve(models["llama"], auth_tokens=str(path), max_draft_tokens=4,
                          quota_burst_s=burst_s, quota_wait_s=5.0)
-    fingerprint = server.service.target.fingerprint
+    fingerprint = server.service.core.target.fingerprint
     channels = [stub_of(server, TOKENS[d]) for d in ("dev-1", "dev-2", "cam-3")]
     started = time.monotonic()
     flood = asyncio.create_task(greedy_rounds(channels[0][1], fingerprint, seconds))
@@ -314,13 +314,13 @@ async def test_work_far_over_the_rate_is_refused_naming_the_quota(serve, models,
     path = token_file(tmp_path / "tokens", extra={"dev-1": "tokens_per_s=10"})
     server = await serve(models["llama"], auth_tokens=str(path), quota_burst_s=1.0,
                          quota_wait_s=0.5)
-    fingerprint = server.service.target.fingerprint
+    fingerprint = server.service.core.target.fingerprint
     channel, stub = stub_of(server, TOKENS["dev-1"])
     async with channel:
         huge, reply = await open_session(stub, fingerprint, prompt=list(range(5, 45)))
         assert reply.error.reason == pb.ErrorDetail.REASON_QUOTA
         assert "takes at most 15 tokens at once and this prompt has 40" in await huge.details()
-        assert server.service.pool.committed_blocks == 0 and not server.service.sessions
+        assert server.service.core.pool.committed_blocks == 0 and not server.service.core.sessions
         first, reply = await open_session(stub, fingerprint, prompt=list(range(5, 15)),
                                           max_new_tokens=3)
         assert reply.WhichOneof("kind") == "opened"
@@ -354,7 +354,7 @@ async def test_by_default_two_devices_cannot_hold_every_session(serve, models, t
     """max_sessions 8, no --quota-sessions: a device with a token holds 2; the others open."""
     server = await serve(models["llama"], auth_tokens=str(token_file(tmp_path / "tokens")),
                          max_sessions=8)
-    fingerprint = server.service.target.fingerprint
+    fingerprint = server.service.core.target.fingerprint
     held = []
     for device in ("dev-1", "dev-2"):
         channel, stub = stub_of(server, TOKENS[device])

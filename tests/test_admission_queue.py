@@ -77,8 +77,8 @@ async def generated(core: VerifierCore, session: Session, reference: list[int]) 
 
 
 def holds_nothing(core: VerifierCore, identity: Identity) -> bool:
-    usage = core.quotas.usage.get(identity.key)
-    return identity.key not in core.kv_reserved and (usage is None or usage.sessions == 0)
+    usage = core.ledger.quotas.usage.get(identity.key)
+    return identity.key not in core.ledger.kv_reserved and (usage is None or usage.sessions == 0)
 
 
 async def test_a_session_that_does_not_fit_waits_and_is_admitted_once_one_closes(
@@ -90,15 +90,15 @@ async def test_a_session_that_does_not_fit_waits_and_is_admitted_once_one_closes
     await until(lambda: core.admission.waiting == 1, "the session to wait")
     await asyncio.sleep(0.05)
     assert not waiting.done() and list(core.sessions) == [first.id]   # not refused: waiting
-    assert DEV_2.key not in core.kv_reserved
+    assert DEV_2.key not in core.ledger.kv_reserved
     core.close(first)
     session = await asyncio.wait_for(waiting, 10)
     assert core.admission.waiting == 0 and list(core.sessions) == [session.id]
-    assert core.kv_reserved == {DEV_2.key: charged(core, prompt)}
+    assert core.ledger.kv_reserved == {DEV_2.key: charged(core, prompt)}
     reference = greedy_reference(models["llama"], prompt, MAX_NEW)
     assert await generated(core, session, reference) == reference
     core.close(session)
-    assert kv_free(core) and core.kv_reserved == {}
+    assert kv_free(core) and core.ledger.kv_reserved == {}
 
 
 async def test_waiting_sessions_are_admitted_in_arrival_order_and_none_jumps_ahead(
@@ -117,7 +117,7 @@ async def test_waiting_sessions_are_admitted_in_arrival_order_and_none_jumps_ahe
     later.add_done_callback(lambda _: order.append("later"))
     await until(lambda: core.admission.waiting == 2, "the later session to wait")
     await asyncio.sleep(0.05)
-    assert not later.done() and DEV_3.key not in core.kv_reserved   # it did not jump ahead
+    assert not later.done() and DEV_3.key not in core.ledger.kv_reserved   # it did not jump ahead
     core.close(first)
     sessions = await asyncio.wait_for(asyncio.gather(earlier, later), 10)
     assert order == ["earlier", "later"]
@@ -196,7 +196,7 @@ async def test_a_device_past_its_share_is_refused_at_once_even_with_a_queue(make
     """The queue is for the server-wide wall: a device past its own share is refused at once,
     even while other sessions wait."""
     core = await make_core(kv_budget_bytes=POOL_BYTES, kv_share=0.5)
-    share = core.kv_share_tokens()
+    share = core.ledger.kv_share_tokens()
     halves = []
     for identity, prompt in ((DEV_1, prompts[0]), (DEV_2, prompts[1])):
         max_new = share - len(prompt) - core.target.sat_slots
@@ -231,7 +231,7 @@ async def test_a_session_cancelled_while_waiting_leaves_and_the_next_is_admitted
     assert set(core.sessions) == {first.id, session.id}
     for done in (first, session):
         core.close(done)
-    assert kv_free(core) and core.kv_reserved == {}
+    assert kv_free(core) and core.ledger.kv_reserved == {}
 
 
 async def test_the_wait_is_in_the_metrics(make_core, prompts):
@@ -283,7 +283,7 @@ async def test_a_device_waiting_over_grpc_gets_opened_once_the_holder_ends(serve
     the wait); a call cancelled while it waits leaves the queue."""
     per_token = KVShape.of(models["llama"]).bytes_per_token
     server = await serve(models["llama"], kv_budget=(1 + 15) * 16 * per_token, kv_block_tokens=16)
-    core, fingerprint = server.service.core, server.service.target.fingerprint
+    core, fingerprint = server.service.core, server.service.core.target.fingerprint
     capacity = core.pool.capacity_tokens
 
     def open_message(prompt: list[int], max_new: int) -> pb.DeviceMessage:

@@ -274,7 +274,7 @@ async def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 
 
 
 def clean(server) -> bool:
-    return (not server.service.sessions and server.metrics.value("sled_kv_tokens") == 0
+    return (not server.service.core.sessions and server.metrics.value("sled_kv_tokens") == 0
             and server.metrics.value("sled_active_sessions") == 0)
 
 
@@ -314,7 +314,7 @@ async def raw(serve, models):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 async def test_refusal(case: Case, raw, prompts, tokenizer):
     server, stub = await raw(**LIMITS)
-    V = server.service.target.vocab_size
+    V = server.service.core.target.vocab_size
     assert V == len(tokenizer)
     P = prompts[0]
     assert 1 < len(P) < CONTEXT // 4
@@ -334,7 +334,7 @@ async def test_limits_are_inclusive(raw, prompts):
     P = prompts[0]
     fits = CONTEXT - len(P)
     call, reply = await run_steps(stub, [
-        sampling_open(P, max_new_tokens=fits, fingerprint=server.service.target.fingerprint),
+        sampling_open(P, max_new_tokens=fits, fingerprint=server.service.core.target.fingerprint),
         draft_msg(0, [A] * MAX_DRAFT, [(list(range(A, A + MAX_Q)), [1 / MAX_Q] * MAX_Q)] * MAX_DRAFT),
     ])
     assert reply.WhichOneof("kind") == "verdict", reply
@@ -360,13 +360,13 @@ async def test_too_many_sessions(raw, prompts):
     second, reply = await run_steps(stub, [open_msg(P)])
     assert reply.WhichOneof("kind") == "opened"
     # refused opens do not take a place
-    await check_case(stub, CASES[0], server.service.target.vocab_size, P)
+    await check_case(stub, CASES[0], server.service.core.target.vocab_size, P)
 
     third, reply = await run_steps(stub, [open_msg(P)])
     await assert_refused(third, reply, grpc.StatusCode.RESOURCE_EXHAUSTED,
                          Reason.REASON_TOO_MANY_SESSIONS, ("limit of 2 sessions", "retry later"))
     assert errors_counted(server, Reason.REASON_TOO_MANY_SESSIONS) == 1
-    assert len(server.service.sessions) == 2
+    assert len(server.service.core.sessions) == 2
 
     # the open sessions are unaffected
     await first.write(draft_msg(0, [A]))
@@ -376,14 +376,14 @@ async def test_too_many_sessions(raw, prompts):
     await second.write(pb.DeviceMessage(close=pb.Close()))
     assert await second.read() is grpc.aio.EOF
     assert await second.code() == grpc.StatusCode.OK
-    await wait_until(lambda: len(server.service.sessions) == 1, "the closed session to go")
+    await wait_until(lambda: len(server.service.core.sessions) == 1, "the closed session to go")
     fourth, reply = await run_steps(stub, [open_msg(P)])
     assert reply.WhichOneof("kind") == "opened"
 
     # a session ended by an error frees its place too
     await fourth.write(draft_msg(5, [A]))
     await assert_refused(fourth, await fourth.read(), PRECONDITION, Reason.REASON_WRONG_ROUND)
-    await wait_until(lambda: len(server.service.sessions) == 1, "the refused session to go")
+    await wait_until(lambda: len(server.service.core.sessions) == 1, "the refused session to go")
     fifth, reply = await run_steps(stub, [open_msg(P), draft_msg(0, [A])])
     assert reply.WhichOneof("kind") == "verdict"
 
@@ -394,7 +394,7 @@ async def test_too_many_sessions(raw, prompts):
 
 async def test_oversized_messages(raw, prompts, models):
     server, stub = await raw(max_message_bytes=MAX_MESSAGE)
-    V = server.service.target.vocab_size
+    V = server.service.core.target.vocab_size
     P = prompts[0]
     healthy, reply = await run_steps(stub, [open_msg(P, max_new_tokens=6)])
     assert reply.WhichOneof("kind") == "opened"
@@ -409,7 +409,7 @@ async def test_oversized_messages(raw, prompts, models):
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         await victim.read()
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    await wait_until(lambda: len(server.service.sessions) == 1, "the oversized session to go")
+    await wait_until(lambda: len(server.service.core.sessions) == 1, "the oversized session to go")
 
     # the session opened before carries on, and its tokens are the target's
     expected = greedy_reference(models["llama"], P, 2)
@@ -425,7 +425,7 @@ async def test_shutting_down_refuses_open(raw, prompts, models):
     P = prompts[0]
     running, reply = await run_steps(stub, [open_msg(P)])
     assert reply.WhichOneof("kind") == "opened"
-    server.service.accepting = False
+    server.service.core.accepting = False
     call, reply = await run_steps(stub, [open_msg(P)])
     await assert_refused(call, reply, grpc.StatusCode.UNAVAILABLE, Reason.REASON_SHUTTING_DOWN,
                          ("shutting down", "retry on another server"))
@@ -461,7 +461,7 @@ def other_tokenizer():
 async def test_client_refuses_mismatched_drafter_before_sending(raw, prompts, models, tokenizer,
                                                                other_tokenizer):
     server, stub = await raw()
-    target_fp = server.service.target.fingerprint
+    target_fp = server.service.core.target.fingerprint
     drafter = HFDrafter(models["llama"], other_tokenizer, name="hf:other")
     assert drafter.tokenizer_fingerprint != target_fp
     spy = RecordingStub(stub)
@@ -499,7 +499,7 @@ async def test_bad_streams_do_not_disturb_good_sessions(raw, prompts, models):
     """Every refusal above, all at once, interleaved with healthy sessions on the same server."""
     server, stub = await raw(**LIMITS)
     model = models["llama"]
-    V = server.service.target.vocab_size
+    V = server.service.core.target.vocab_size
     n = 12
     good_prompts = prompts[:6]
     expected = [greedy_reference(model, p, n) for p in good_prompts]
@@ -549,7 +549,7 @@ async def test_disconnect_frees_session(when, raw, prompts):
     steps = [open_msg(P)] if when == "after_open" else [open_msg(P), draft_msg(0, [A, B])]
     call, reply = await run_steps(stub, steps)
     assert reply.WhichOneof("kind") in ("opened", "verdict")
-    assert len(server.service.sessions) == 1
+    assert len(server.service.core.sessions) == 1
     assert server.metrics.value("sled_active_sessions") == 1
     assert server.metrics.value("sled_kv_tokens") > 0
     if channel is not None:
@@ -593,7 +593,7 @@ async def test_cancel_while_in_flight(stage, raw, prompts, models):
     await victim.write(open_msg(P) if stage == "prefill" else draft_msg(0, [A, B, C]))
     await gate.wait_entered()            # the victim's prefill / verify is in the forward now
     victim.cancel()
-    await wait_until(lambda: not server.service.sessions, "the cancelled session to go")
+    await wait_until(lambda: not server.service.core.sessions, "the cancelled session to go")
     gate.release.set()
     await wait_clean(server)
     # the engine and the scheduler are fine afterwards
@@ -617,7 +617,7 @@ async def test_cancel_while_verify_queued(raw, prompts, models):
     await victim.write(draft_msg(0, [A, B]))
     await wait_until(lambda: len(server.scheduler._queue) == 1, "the victim's verify to queue")
     victim.cancel()                      # ... and the victim's waits behind it
-    await wait_until(lambda: len(server.service.sessions) == 1 and not server.scheduler._queue,
+    await wait_until(lambda: len(server.service.core.sessions) == 1 and not server.scheduler._queue,
                      "the queued session to go")
     gate.release.set()
     verdict = (await busy.read()).verdict

@@ -108,7 +108,7 @@ async def opened(stub, server, forwarded: str):
     call = stub.Generate(metadata=(("x-forwarded-for", forwarded),))
     await call.write(pb.DeviceMessage(open=pb.Open(
         prompt_ids=PROMPT, max_new_tokens=4, ignore_eos=True,
-        tokenizer_fingerprint=server.service.target.fingerprint)))
+        tokenizer_fingerprint=server.service.core.target.fingerprint)))
     return call, await call.read()
 
 

@@ -56,7 +56,7 @@ async def test_refused_streams_never_read_hold_at_most_the_connections_limit(
         async with grpc.aio.insecure_channel(server.address, options=OWN_CONNECTION) as other:
             info = await pb_grpc.VerifierStub(other).GetModelInfo(pb.GetModelInfoRequest(),
                                                                   timeout=10)
-        assert info.tokenizer_fingerprint == server.service.target.fingerprint
+        assert info.tokenizer_fingerprint == server.service.core.target.fingerprint
         for write, call in zip(writes, calls):
             write.cancel()
             call.cancel()

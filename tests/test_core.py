@@ -1,6 +1,6 @@
 """The server's core (verify_server.core) driven alone, with no gRPC server: a whole session from
-its Open to its close, admission against each device's share of the KV cache, eviction of an
-idle session, and that nothing of the core takes a gRPC object."""
+its Open to its close, admission against each device's share of the KV cache (its ledger's),
+eviction of an idle session, and that nothing of the core or its ledger takes a gRPC object."""
 from __future__ import annotations
 
 import ast
@@ -17,10 +17,12 @@ from sled import clock
 from sled.v1 import verifier_pb2 as pb
 from tests.conftest import greedy_reference
 from verify_server import core as core_module
+from verify_server import ledger as ledger_module
 from verify_server.auth import Gate, Identity
 from verify_server.core import VerifierCore
 from verify_server.engines import make_engine
 from verify_server.errors import Reason, SessionError
+from verify_server.ledger import DeviceLedger
 from verify_server.metrics import Metrics
 from verify_server.origin import TrustedProxies
 from verify_server.scheduler import Scheduler
@@ -90,8 +92,8 @@ async def test_a_session_through_the_core_emits_the_targets_own_greedy_output(
     assert reply.session_id == session.id and reply.prompt_tokens == len(prompt)
     assert core.sessions == {session.id: session}
     # charged in whole blocks of the pool, as the cache hands them out
-    assert core.kv_reserved == {DEV_1.key: in_blocks(core, len(prompt) + MAX_NEW)}
-    assert core.quotas.usage[DEV_1.key].sessions == 1
+    assert core.ledger.kv_reserved == {DEV_1.key: in_blocks(core, len(prompt) + MAX_NEW)}
+    assert core.ledger.quotas.usage[DEV_1.key].sessions == 1
     emitted: list[int] = []
     wrong = (reference[0] + 1) % core.target.vocab_size
     verdict = await core.verify(session, pb.Draft(round=0, token_ids=[wrong, wrong]), None)
@@ -106,10 +108,10 @@ async def test_a_session_through_the_core_emits_the_targets_own_greedy_output(
     assert emitted == reference == session.generated
     assert verdict.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS)
     # finished: its KV goes at once, its slot when the stream closes
-    assert kv_free(core) and core.kv_reserved == {} and session.id in core.sessions
+    assert kv_free(core) and core.ledger.kv_reserved == {} and session.id in core.sessions
     core.close(session)
-    assert core.sessions == {} and core.quotas.usage[DEV_1.key].sessions == 0
-    assert kv_free(core) and core.kv_reserved == {}
+    assert core.sessions == {} and core.ledger.quotas.usage[DEV_1.key].sessions == 0
+    assert kv_free(core) and core.ledger.kv_reserved == {}
 
 
 def shaped_draft(round: int, right: list[int], wrong: int) -> tuple[list[int], list[int], int]:
@@ -238,47 +240,47 @@ async def test_a_server_mode_session_decodes_the_targets_greedy_output(make_core
     assert [t for v in verdicts for t in v.emitted_ids] == greedy_reference(models["llama"],
                                                                             prompt, MAX_NEW)
     core.close(session)
-    assert core.sessions == {} and kv_free(core) and core.kv_reserved == {}
+    assert core.sessions == {} and kv_free(core) and core.ledger.kv_reserved == {}
 
 
 async def test_devices_a_proxy_names_by_certificate_share_the_kv_cache(make_core):
     """Certificates a trusted proxy verified name devices as mutual TLS does: each gets a part
     of the KV cache (a quarter), never all of it; hosts alone are one NAT's devices (all of it)."""
     named = await make_core()
-    named.gate = Gate(proxies=TrustedProxies(("10.0.0.5",), "x-sled-client-cert"))
+    named.ledger.gate = Gate(proxies=TrustedProxies(("10.0.0.5",), "x-sled-client-cert"))
     block = named.pool.block_tokens
-    assert named.kv_share_tokens() == named.pool.capacity_tokens // 4 // block * block
-    named.gate = Gate(proxies=TrustedProxies(("10.0.0.5",)))      # no header: hosts only
-    assert named.kv_share_tokens() == named.pool.capacity_tokens
+    assert named.ledger.kv_share_tokens() == named.pool.capacity_tokens // 4 // block * block
+    named.ledger.gate = Gate(proxies=TrustedProxies(("10.0.0.5",)))      # no header: hosts only
+    assert named.ledger.kv_share_tokens() == named.pool.capacity_tokens
 
 
 async def test_admission_refuses_past_a_devices_share_and_past_the_pool(make_core, prompts):
     core = await make_core(kv_budget_bytes=1 << 20, kv_share=0.5,   # 1008 tokens, 496 a device
                            admission_queue=0)                   # refused at once, no wait
     block = core.pool.block_tokens         # half the pool, in whole blocks
-    assert core.kv_share_tokens() == core.pool.capacity_tokens // 2 // block * block
+    assert core.ledger.kv_share_tokens() == core.pool.capacity_tokens // 2 // block * block
     first, _ = await opened(core, prompts[0], DEV_1, max_new_tokens=300)
     with pytest.raises(SessionError) as refused:
         await core.open(None, open_request(core, prompts[1], 300), DEV_1)
     assert refused.value.reason == Reason.REASON_KV_BUDGET
     assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert f"device dev-1's share of the KV cache is {core.kv_share_tokens()} tokens" \
+    assert f"device dev-1's share of the KV cache is {core.ledger.kv_share_tokens()} tokens" \
         in refused.value.message
     # the refused Open left nothing behind: no session, no quota count, no reservation
-    assert list(core.sessions) == [first.id] and core.quotas.usage[DEV_1.key].sessions == 1
-    assert core.kv_reserved == {DEV_1.key: in_blocks(core, len(prompts[0]) + 300)}
+    assert list(core.sessions) == [first.id] and core.ledger.quotas.usage[DEV_1.key].sessions == 1
+    assert core.ledger.kv_reserved == {DEV_1.key: in_blocks(core, len(prompts[0]) + 300)}
     second, _ = await opened(core, prompts[1], DEV_2, max_new_tokens=300)   # its own share
-    assert core.kv_reserved[DEV_2.key] == in_blocks(core, len(prompts[1]) + 300)
+    assert core.ledger.kv_reserved[DEV_2.key] == in_blocks(core, len(prompts[1]) + 300)
     with pytest.raises(SessionError) as full:          # within its share, not within the pool
         await core.open(None, open_request(core, prompts[2], 450), DEV_3)
     assert full.value.reason == Reason.REASON_KV_BUDGET
     assert "the KV cache is full" in full.value.message
     assert "device dev-3's sessions hold 0 of its share" in full.value.message
-    assert set(core.sessions) == {first.id, second.id} and DEV_3.key not in core.kv_reserved
-    assert core.quotas.usage[DEV_3.key].sessions == 0
+    assert set(core.sessions) == {first.id, second.id} and DEV_3.key not in core.ledger.kv_reserved
+    assert core.ledger.quotas.usage[DEV_3.key].sessions == 0
     for session in (first, second):
         core.close(session)
-    assert kv_free(core) and core.kv_reserved == {} and core.sessions == {}
+    assert kv_free(core) and core.ledger.kv_reserved == {} and core.sessions == {}
 
 
 async def test_an_idle_session_is_evicted_through_the_core(make_core, prompts):
@@ -289,29 +291,35 @@ async def test_an_idle_session_is_evicted_through_the_core(make_core, prompts):
     assert core.evict_idle(time.monotonic() + 1) == []
     assert core.evict_idle(time.monotonic() + 6) == [idle]
     assert idle.evicted.is_set() and idle.evicted_after > 5
-    assert list(core.sessions) == [busy.id] and core.kv_reserved == {DEV_2.key: busy.kv_reserved}
-    assert core.quotas.usage[DEV_1.key].sessions == 0
+    assert list(core.sessions) == [busy.id]
+    assert core.ledger.kv_reserved == {DEV_2.key: busy.kv_reserved}
+    assert core.ledger.quotas.usage[DEV_1.key].sessions == 0
     assert core.metrics.value("sled_evicted_sessions_total") == 1
     with pytest.raises(SessionError) as refused:      # the device comes back: too late
         await core.verify(idle, pb.Draft(round=0, token_ids=[prompts[0][0]]), None)
     assert refused.value.reason == Reason.REASON_EVICTED
     core.close(idle)                                  # its stream ends: nothing is freed twice
     core.close(busy)
-    assert core.sessions == {} and kv_free(core) and core.kv_reserved == {}
-    assert core.quotas.usage[DEV_2.key].sessions == 0
+    assert core.sessions == {} and kv_free(core) and core.ledger.kv_reserved == {}
+    assert core.ledger.quotas.usage[DEV_2.key].sessions == 0
 
 
 def test_the_core_takes_no_grpc_object():
-    """The core works from plain values: no gRPC import, no call context in any signature.
-    (verify_server.errors maps refusals to grpc.StatusCode, so grpc itself is loaded.)"""
-    tree = ast.parse(Path(core_module.__file__).read_text())
-    modules = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-               for alias in node.names]
-    modules += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    """The core and its device ledger work from plain values: no gRPC import, no call context
+    in any signature. (verify_server.errors maps refusals to grpc.StatusCode, so grpc itself is
+    loaded.)"""
+    modules = []
+    for module in (core_module, ledger_module):
+        tree = ast.parse(Path(module.__file__).read_text())
+        modules += [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names]
+        modules += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
     assert "verify_server.session" in modules          # the walk sees the core's imports
+    assert "verify_server.quotas" in modules           # ... and the ledger's
     assert not [module for module in modules if "grpc" in module], modules
-    functions = [core_module.round_deadline, core_module.hold, core_module.release,
-                 *(f for _, f in inspect.getmembers(VerifierCore, inspect.isfunction))]
+    functions = [core_module.round_deadline, ledger_module.hold, ledger_module.release,
+                 *(f for _, f in inspect.getmembers(VerifierCore, inspect.isfunction)),
+                 *(f for _, f in inspect.getmembers(DeviceLedger, inspect.isfunction))]
     assert len(functions) > 15
     for function in functions:
         for name, parameter in inspect.signature(function).parameters.items():

@@ -184,7 +184,7 @@ async def opened_or_refused(stub, server, metadata=()) -> tuple[object, object]:
     call = stub.Generate(metadata=tuple(metadata))
     await call.write(pb.DeviceMessage(open=pb.Open(
         prompt_ids=[5, 6, 7, 8], max_new_tokens=4, ignore_eos=True,
-        tokenizer_fingerprint=server.service.target.fingerprint)))
+        tokenizer_fingerprint=server.service.core.target.fingerprint)))
     reply = await call.read()
     if reply.WhichOneof("kind") == "opened":
         return call, "opened"

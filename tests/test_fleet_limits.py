@@ -64,7 +64,7 @@ async def test_streams_without_an_open_are_ended_and_counted_against_their_devic
             assert refusal.reason == pb.ErrorDetail.REASON_PROTOCOL
             assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert time.monotonic() - started < 5
-        assert server.service.streams == {}
+        assert server.service.core.ledger.streams == {}
     finally:
         await channel.close()
 
@@ -72,14 +72,14 @@ async def test_streams_without_an_open_are_ended_and_counted_against_their_devic
 async def stalled_replies(server, token: str | None, count: int, metadata=()):
     """COUNT GetTokenizer calls of one device that read one chunk each, then nothing (of a reply
     far longer than flow control sends ahead; later calls get the real one)."""
-    files = server.service.target.tokenizer_reply
+    files = server.service.core.target.tokenizer_reply
     lengthened(server)
     channel = grpc.aio.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)])
     stub = ChannelSecurity(token=token).stub(channel)
     calls = [stub.GetTokenizer(pb.GetTokenizerRequest(), metadata=metadata) for _ in range(count)]
     for call in calls:
         assert (await asyncio.wait_for(call.read(), 10)).offset == 0
-    server.service.target.tokenizer_reply = files
+    server.service.core.target.tokenizer_reply = files
     return channel, calls
 
 
@@ -101,7 +101,7 @@ async def test_one_device_holds_at_most_its_share_of_the_tokenizer_replies(
         assert await third.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "device dev-1 holds 2 GetTokenizer replies (limit 2 per device)" in await third.details()
         victim = await tokenizer_of(server, TOKENS["dev-2"])      # no slot is dev-1's to take
-        assert victim.fingerprint == server.service.target.fingerprint
+        assert victim.fingerprint == server.service.core.target.fingerprint
     finally:
         await channel.close()
 
@@ -143,8 +143,8 @@ async def test_a_reply_nobody_reads_ends_and_frees_its_slot(serve, models, tmp_p
     channel, calls = await stalled_replies(server, TOKENS["dev-1"], 2)   # every slot
     try:
         victim = await tokenizer_of(server, TOKENS["dev-2"])   # refused, asks again, served
-        assert victim.fingerprint == server.service.target.fingerprint
-        assert server.service.tokenizer_calls == 0
+        assert victim.fingerprint == server.service.core.target.fingerprint
+        assert server.service.core.ledger.tokenizer_calls == 0
         for call in calls:                                     # dev-1's replies were ended
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 while await asyncio.wait_for(call.read(), 10) is not grpc.aio.EOF:
@@ -167,10 +167,11 @@ async def test_one_device_reserves_at_most_its_share_of_the_kv(serve, models, tm
     """Idle sessions with a large max_new_tokens reserve KV: one device's may take its share (a
     third: three devices in the token file), never another's."""
     server = await secured(serve, models, tmp_path, kv_budget=3 << 20)
-    capacity, share = server.service.pool.capacity_tokens, server.service.kv_share_tokens()
-    block = server.service.pool.block_tokens
+    core = server.service.core
+    capacity, share = core.pool.capacity_tokens, core.ledger.kv_share_tokens()
+    block = core.pool.block_tokens
     assert share == capacity // 3 // block * block          # in whole blocks
-    fingerprint = server.service.target.fingerprint
+    fingerprint = core.target.fingerprint
     big = share // block // 2 * block - len(PROMPT)
     channel, stub = stub_of(server, TOKENS["dev-1"])
     try:
@@ -190,7 +191,7 @@ async def test_one_device_reserves_at_most_its_share_of_the_kv(serve, models, tm
         await victim_generates(server, models)
         for call, _ in idle:
             call.cancel()
-        await wait_for(lambda: server.service.kv_reserved == {}, "the reservations to go")
+        await wait_for(lambda: server.service.core.ledger.kv_reserved == {}, "the reservations to go")
     finally:
         await channel.close()
 
@@ -220,11 +221,11 @@ async def test_thousands_of_watch_streams_hold_at_most_the_callers_bound(serve, 
     refused at once, and what the server holds (its calls' tasks) stays flat however many
     more come. One connection carries them all: its own bound is lifted here."""
     server = await secured(serve, models, tmp_path, max_streams_per_connection=4000)
-    limit = server.service.settings.max_calls_per_device
+    limit = server.service.core.settings.max_calls_per_device
     async with grpc.aio.insecure_channel(server.address) as channel:
         first = await asyncio.gather(*(watching(channel) for _ in range(1000)))
         held = [call for call, error in first if error is None]
-        assert len(held) == limit and server.service.core.calls == {"host:loopback": limit}
+        assert len(held) == limit and server.service.core.ledger.calls == {"host:loopback": limit}
         refusal = next(error for _, error in first if error is not None)
         assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert f"holds {limit} calls (limit {limit}): end one first" in refusal.details()
@@ -236,11 +237,11 @@ async def test_thousands_of_watch_streams_hold_at_most_the_callers_bound(serve, 
         del more
         gc.collect()       # a held stream keeps a task and its call (~14 KiB each)
         assert len(asyncio.all_tasks()) <= tasks, "refused streams left tasks running"
-        assert server.service.core.watch_streams == limit
+        assert server.service.core.ledger.watch_streams == limit
         for call in held:
             call.cancel()
-        await wait_for(lambda: server.service.core.calls == {}, "the streams to be uncounted")
-        assert server.service.core.watch_streams == 0
+        await wait_for(lambda: server.service.core.ledger.calls == {}, "the streams to be uncounted")
+        assert server.service.core.ledger.watch_streams == 0
 
 
 async def test_watch_streams_are_bounded_for_the_whole_server(serve, models, tmp_path):
@@ -249,7 +250,7 @@ async def test_watch_streams_are_bounded_for_the_whole_server(serve, models, tmp
         taken = [await watching(channel, bearer_metadata(TOKENS[device]))
                  for device in ("dev-1", "dev-1", "dev-2")]          # a token counts its device
         assert [error for _, error in taken] == [None] * 3
-        assert server.service.core.calls == {"device:dev-1": 2, "device:dev-2": 1}
+        assert server.service.core.ledger.calls == {"device:dev-1": 2, "device:dev-2": 1}
         _, refusal = await watching(channel)
         assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "3 Health.Watch streams are open (limit 3)" in refusal.details()
@@ -267,7 +268,7 @@ async def test_calls_that_never_send_their_request_are_counted_and_ended(serve, 
         silent = [channel.stream_stream(method)() for method in (
             "/sled.v1.Verifier/GetModelInfo", "/sled.v1.Verifier/GetTokenizer",
             "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")]
-        await wait_for(lambda: server.service.core.calls.get("host:loopback") == 3,
+        await wait_for(lambda: server.service.core.ledger.calls.get("host:loopback") == 3,
                        "the silent calls to be counted")
         refusal = await refused(health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest()))
@@ -278,9 +279,9 @@ async def test_calls_that_never_send_their_request_are_counted_and_ended(serve, 
             assert await asyncio.wait_for(call.code(), 10) == grpc.StatusCode.DEADLINE_EXCEEDED
             assert "no request within 1 s of the call" in await call.details()
         assert time.monotonic() - started < 5
-        assert server.service.core.calls == {}
+        assert server.service.core.ledger.calls == {}
         info = await VerifierStub(channel).GetModelInfo(pb.GetModelInfoRequest())
-        assert info.vocab_size == server.service.target.vocab_size     # served once it is asked
+        assert info.vocab_size == server.service.core.target.vocab_size     # served once it is asked
 
 
 # --- a reader slower than the floor ---------------------------------------------------------------
@@ -307,18 +308,18 @@ async def test_trickle_readers_are_ended_and_another_device_is_served(
     server = await secured(serve, models, tmp_path, max_tokenizer_calls=4,
                            tokenizer_stall_timeout=3.0, tokenizer_min_rate="4MiB",
                            tokenizer_rate_grace=1.0)
-    files = server.service.target.tokenizer_reply
+    files = server.service.core.target.tokenizer_reply
     lengthened(server)
     channel = grpc.aio.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)])
     try:
         calls = [ChannelSecurity(token=TOKENS[device]).stub(channel).GetTokenizer(
             pb.GetTokenizerRequest()) for device in ("dev-1", "dev-1", "dev-2", "dev-2")]
         readers = [asyncio.create_task(trickle(call, 1.5)) for call in calls]
-        await wait_for(lambda: server.service.tokenizer_calls == 4, "the slots to be taken")
-        server.service.target.tokenizer_reply = files
+        await wait_for(lambda: server.service.core.ledger.tokenizer_calls == 4, "the slots to be taken")
+        server.service.core.target.tokenizer_reply = files
         started = time.monotonic()
         victim = await tokenizer_of(server, TOKENS["cam-3"])
-        assert victim.fingerprint == server.service.target.fingerprint
+        assert victim.fingerprint == server.service.core.target.fingerprint
         assert time.monotonic() - started < 15
         for error in await asyncio.wait_for(asyncio.gather(*readers), 30):
             assert error is not None and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -339,9 +340,9 @@ async def test_tiny_sessions_are_charged_whole_blocks_and_leave_the_other_share(
     path = token_file(tmp_path / "tokens", {d: TOKENS[d] for d in ("dev-1", "dev-2")})
     server = await serve(models["llama"], auth_tokens=str(path), kv_block_tokens=block,
                          kv_budget=(blocks + 1) * block * per_token, quota_sessions=0)
-    share = server.service.kv_share_tokens()
-    assert share == server.service.pool.capacity_tokens // 2 == blocks * block // 2
-    fingerprint = server.service.target.fingerprint
+    share = server.service.core.ledger.kv_share_tokens()
+    assert share == server.service.core.pool.capacity_tokens // 2 == blocks * block // 2
+    fingerprint = server.service.core.target.fingerprint
     channel, stub = stub_of(server, TOKENS["dev-1"])
     other_channel, other = stub_of(server, TOKENS["dev-2"])
     tiny = pb.Open(prompt_ids=[5], max_new_tokens=1, tokenizer_fingerprint=fingerprint)
@@ -357,7 +358,7 @@ async def test_tiny_sessions_are_charged_whole_blocks_and_leave_the_other_share(
         assert len(opened) == share // block                    # a block each, not 2 tokens
         assert held[-1][1].error.reason == pb.ErrorDetail.REASON_KV_BUDGET
         assert "this one needs 4 (whole blocks of 4)" in held[-1][1].error.message
-        assert server.service.kv_reserved == {"device:dev-1": share}
+        assert server.service.core.ledger.kv_reserved == {"device:dev-1": share}
         call, reply = await open_session(other, fingerprint, prompt=[5], max_new_tokens=share - 1)
         assert reply.WhichOneof("kind") == "opened", reply       # its whole share is there
         call.cancel()

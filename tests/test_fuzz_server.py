@@ -98,7 +98,7 @@ async def until_clean(server, timeout: float = 5.0, normal_beside: bool = False)
 def left_behind(server, normal_beside: bool) -> str | None:
     """Sessions, KV blocks or tokens, or queued work beyond what the normal session holds (all
     of it when not NORMAL_BESIDE); None when there is none."""
-    sessions, pool = server.service.sessions, server.service.pool
+    sessions, pool = server.service.core.sessions, server.service.core.pool
     kept = [s for s in sessions.values() if normal_beside and s.prompt_ids == NORMAL_PROMPT]
     blocks = sum(len(s.kv.table) + s.kv.reserved for s in kept)
     tokens = sum(s.kv.length for s in kept)

@@ -117,7 +117,7 @@ async def test_a_server_held_to_a_profile_admits_what_its_gpu_holds(serve, model
         call = stub.Generate()
         await call.write(pb.DeviceMessage(open=pb.Open(
             prompt_ids=[5, 6, 7], max_new_tokens=400,
-            tokenizer_fingerprint=server.service.target.fingerprint)))
+            tokenizer_fingerprint=server.service.core.target.fingerprint)))
         return await call.read(), call
 
     first, first_call = await opened()

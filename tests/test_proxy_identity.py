@@ -346,7 +346,7 @@ async def test_devices_behind_a_trusted_proxy_hold_their_own_quotas_and_caches(s
     the headers are ignored and all of them are the one host 127.0.0.1."""
     server = await serve(models["llama"], quota_sessions=1, proxy_cert_header=CERT_HEADER,
                          trusted_proxies=["127.0.0.1"] if trusted else ["10.255.0.0/16"])
-    fingerprint = server.service.target.fingerprint
+    fingerprint = server.service.core.target.fingerprint
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = VerifierStub(channel)
         first = await cached_tokens(stub, fingerprint, DEVICE_A)

@@ -234,7 +234,7 @@ async def test_earliest_deadline_goes_first(serve, models):
         for call in calls:
             await call.write(open_msg([41], 4))
             await call.read()
-        sessions = list(server.service.sessions.values())
+        sessions = list(server.service.core.sessions.values())
         await calls[0].write(draft_msg(0, [5]))           # occupies the engine
         await asyncio.sleep(0.03)
         await calls[1].write(draft_msg(0, [5]))           # no deadline, queued first

@@ -171,7 +171,7 @@ async def test_refused_drafts_free_their_session(wire, prompts, models):
         assert (await call.read()).WhichOneof("kind") == "opened"
         await call.write(draft_msg(round, [A]).SerializeToString())
         await refused(call, grpc.StatusCode.FAILED_PRECONDITION, Reason.REASON_WRONG_ROUND)
-    await wait_until(lambda: not server.service.sessions, "the refused sessions to go")
+    await wait_until(lambda: not server.service.core.sessions, "the refused sessions to go")
     assert pinned() == []
     await served_correctly(raw, models, prompts[0])
 
@@ -194,7 +194,7 @@ async def test_finished_sessions_with_open_streams_idle_out(wire, prompts, model
     await locked_out.write(open_msg(prompts[3], 4).SerializeToString())
     await refused(locked_out, grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.REASON_TOO_MANY_SESSIONS)
 
-    await wait_until(lambda: not server.service.sessions, "the finished sessions to idle out")
+    await wait_until(lambda: not server.service.core.sessions, "the finished sessions to idle out")
     assert server.metrics.value("sled_evicted_sessions_total") == 3
     await served_correctly(raw, models, prompts[3])
     for call in idle:           # the server ended each finished stream, cleanly, unasked
@@ -203,7 +203,7 @@ async def test_finished_sessions_with_open_streams_idle_out(wire, prompts, model
 
 
 def kv_free(server) -> bool:
-    pool = server.service.pool
+    pool = server.service.core.pool
     return pool.committed_blocks == 0 and pool.held_tokens == 0 and not server.scheduler._queue
 
 
@@ -219,7 +219,7 @@ async def test_an_idle_live_session_has_its_stream_ended(wire, prompts, models):
     assert reply.error.reason == Reason.REASON_EVICTED, reply
     assert "was idle" in reply.error.message
     assert await call.code() == grpc.StatusCode.ABORTED
-    assert not server.service.sessions and kv_free(server)
+    assert not server.service.core.sessions and kv_free(server)
     await wait_until(lambda: not pinned(), "the evicted session's handler to let it go")
     await served_correctly(raw, models, prompts[0])
 
@@ -238,7 +238,7 @@ async def test_a_server_mode_reader_that_stops_reading_idles_out(wire, prompts, 
     assert (await call.read()).WhichOneof("kind") == "opened"
     await wait_until(lambda: server.metrics.value("sled_evicted_sessions_total") == 1,
                      "the stalled session to be evicted", timeout=30)
-    await wait_until(lambda: not server.service.sessions and kv_free(server), "its KV to go")
+    await wait_until(lambda: not server.service.core.sessions and kv_free(server), "its KV to go")
     call.cancel()
     await channel.close()
     await served_correctly(raw, models, prompts[0])
@@ -254,7 +254,7 @@ async def test_get_tokenizer_does_no_work_per_call(serve, models, tokenizer, pro
 
     def no_disk(*args, **kwargs):
         raise AssertionError("GetTokenizer serialized the tokenizer")
-    monkeypatch.setattr(server.service.target.tokenizer, "save_pretrained", no_disk)
+    monkeypatch.setattr(server.service.core.target.tokenizer, "save_pretrained", no_disk)
     service = server.service
     held = HeldCall(), HeldCall()
     first = await written(service, held[0])
@@ -264,7 +264,7 @@ async def test_get_tokenizer_does_no_work_per_call(serve, models, tokenizer, pro
     assert len(wire) == len(first) and all(a is b for a, b in zip(wire, first))
     replies = [pb.TokenizerChunk.FromString(chunk) for chunk in wire]
     assert files_of(replies) == expected
-    assert {r.tokenizer_fingerprint for r in replies} == {service.target.fingerprint}
+    assert {r.tokenizer_fingerprint for r in replies} == {service.core.target.fingerprint}
 
     for call in held:       # over: they count against the host no more
         call.done()
@@ -274,12 +274,12 @@ async def test_get_tokenizer_does_no_work_per_call(serve, models, tokenizer, pro
                                    response_deserializer=pb.TokenizerChunk.FromString)
         # as many at once as the server sends one host without a token (more would be refused,
         # RESOURCE_EXHAUSTED, whenever the first ones are not yet over)
-        settings = server.service.settings
+        settings = server.service.core.settings
         calls = min(settings.max_tokenizer_calls, settings.max_tokenizer_calls_per_host)
         replies = await asyncio.gather(*[chunks_of(get(pb.GetTokenizerRequest()))
                                          for _ in range(calls)])
     assert all(files_of(r) == expected for r in replies)
-    await wait_until(lambda: service.tokenizer_calls == 0, "the calls to be counted done")
+    await wait_until(lambda: service.core.ledger.tokenizer_calls == 0, "the calls to be counted done")
 
 
 async def chunks_of(stream) -> list:
@@ -351,16 +351,17 @@ async def test_get_tokenizer_calls_in_flight_are_bounded(serve, models):
     held.release.set()
     await holding
     held.done()
-    assert tuple(await written(service, later)) == service.target.tokenizer_reply
+    assert tuple(await written(service, later)) == service.core.target.tokenizer_reply
     later.done()
-    assert service.tokenizer_calls == 0
+    assert service.core.ledger.tokenizer_calls == 0
     async with grpc.aio.insecure_channel(server.address) as channel:   # done over the wire too
         get = channel.unary_stream("/sled.v1.Verifier/GetTokenizer",
                                    request_serializer=pb.GetTokenizerRequest.SerializeToString,
                                    response_deserializer=pb.TokenizerChunk.FromString)
         for _ in range(3):
             assert files_of(await chunks_of(get(pb.GetTokenizerRequest())))
-    await wait_until(lambda: service.tokenizer_calls == 0, "the wire calls to be counted done")
+    await wait_until(lambda: service.core.ledger.tokenizer_calls == 0,
+                     "the wire calls to be counted done")
 
 
 WIDE = 1 << 31             # an id whose varint takes 5 bytes, as in a vocabulary of 2^31 ids
@@ -449,7 +450,7 @@ async def test_undecodable_messages_are_invalid_argument(wire, prompts, models):
             await unary(CORRUPT[0])
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "undecodable" in exc.value.details()
-    assert not server.service.sessions
+    assert not server.service.core.sessions
     await served_correctly(raw, models, prompts[0])
 
 

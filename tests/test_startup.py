@@ -160,7 +160,7 @@ async def test_the_startup_bench_times_the_devices_copy_of_the_targets_tokenizer
     for _ in range(2):                                    # fetched, then from the cache
         assert await asyncio.to_thread(_device_tokenizer, server.address) > 0
     fingerprint = fingerprint_tokenizer(tokenizer)
-    files = server.service.target.tokenizer_files_sha256
+    files = server.service.core.target.tokenizer_files_sha256
     assert manifest_fingerprint(tokenizer_dir(fingerprint, files)) == fingerprint
 
     class Args:

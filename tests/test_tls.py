@@ -309,9 +309,10 @@ async def test_certificates_without_a_token_file_name_devices_for_shares_and_quo
     quarter) and of the sessions (a quarter of max_sessions), never the whole server."""
     server = await serve(models["llama"], max_sessions=4, kv_budget=3 << 20,
                          **tls_settings(pki, mutual=True))
-    share, capacity = server.service.kv_share_tokens(), server.service.pool.capacity_tokens
+    core = server.service.core
+    share, capacity = core.ledger.kv_share_tokens(), core.pool.capacity_tokens
     assert share == capacity // 4 // 16 * 16
-    fingerprint = server.service.target.fingerprint
+    fingerprint = core.target.fingerprint
     hold = pb.Open(prompt_ids=PROMPT, max_new_tokens=8, tokenizer_fingerprint=fingerprint)
     async with Connection(server.address, device(pki, "dev-1")) as conn:
         big = conn.stub.Generate()

@@ -22,7 +22,7 @@ async def test_fetched_once_then_loaded_from_the_cache_while_it_matches(serve, m
     monkeypatch.setenv("SLED_CACHE", str(tmp_path))
     server = await serve(models["llama"])
     fingerprint = fingerprint_tokenizer(tokenizer)
-    files = server.service.target.tokenizer_files_sha256
+    files = server.service.core.target.tokenizer_files_sha256
     assert cached_tokenizer(fingerprint, files) is None       # nothing fetched yet
     async with Connection(server.address) as conn:
         assert fingerprint_tokenizer(await conn.tokenizer()) == fingerprint
@@ -56,8 +56,9 @@ async def test_a_server_with_the_same_vocabulary_and_other_files_poisons_no_othe
     monkeypatch.setenv("SLED_CACHE", str(tmp_path))
     honest = await serve(models["llama"])
     rogue = await serve(models["llama"], tokenizer=hostile(tokenizer))
-    assert rogue.service.target.fingerprint == honest.service.target.fingerprint
-    assert rogue.service.target.tokenizer_files_sha256 != honest.service.target.tokenizer_files_sha256
+    assert rogue.service.core.target.fingerprint == honest.service.core.target.fingerprint
+    assert (rogue.service.core.target.tokenizer_files_sha256
+            != honest.service.core.target.tokenizer_files_sha256)
     text = "hello eeee there"
     async with Connection(rogue.address) as conn:
         poisoned = await conn.tokenizer()
@@ -68,16 +69,16 @@ async def test_a_server_with_the_same_vocabulary_and_other_files_poisons_no_othe
             got = await conn.tokenizer()
         assert got.encode(text) == tokenizer.encode(text)
         assert got.chat_template == tokenizer.chat_template
-        assert got.files_sha256 == honest.service.target.tokenizer_files_sha256
+        assert got.files_sha256 == honest.service.core.target.tokenizer_files_sha256
 
 
 async def test_files_other_than_the_model_info_names_are_refused(serve, models, tokenizer, tmp_path,
                                                                 monkeypatch):
     monkeypatch.setenv("SLED_CACHE", str(tmp_path))
     server = await serve(models["llama"])
-    honest_files = server.service.target.tokenizer_files_sha256
-    server.service.target.tokenizer_reply = serve_files_of(hostile(tokenizer), server)
-    monkeypatch.setattr(type(server.service.target), "tokenizer_files_sha256", honest_files)
+    honest_files = server.service.core.target.tokenizer_files_sha256
+    server.service.core.target.tokenizer_reply = serve_files_of(hostile(tokenizer), server)
+    monkeypatch.setattr(type(server.service.core.target), "tokenizer_files_sha256", honest_files)
     async with Connection(server.address) as conn:
         with pytest.raises(TokenizerRefused, match="other tokenizer files than its model info names"):
             await conn.tokenizer()
@@ -85,7 +86,7 @@ async def test_files_other_than_the_model_info_names_are_refused(serve, models, 
 
 def serve_files_of(tokenizer, server):
     from verify_server.target import tokenizer_reply
-    return tokenizer_reply(tokenizer, server.service.target.fingerprint)
+    return tokenizer_reply(tokenizer, server.service.core.target.fingerprint)
 
 
 @pytest.mark.parametrize("name, plain", [
@@ -136,7 +137,7 @@ async def test_a_device_encodes_with_the_files_of_the_server_it_uses(serve, mode
     try:
         assert device.ready
         assert device.tokenizer.encode("hello eeee there") == tokenizer.encode("hello eeee there")
-        assert device.tokenizer.files_sha256 == honest.service.target.tokenizer_files_sha256
+        assert device.tokenizer.files_sha256 == honest.service.core.target.tokenizer_files_sha256
         await device.apply({"servers": [honest.address, rogue.address]})
         problem = device.directory.servers[rogue.address].problem
         assert "tokenizer files" in problem and "not the ones this device encodes with" in problem

@@ -89,7 +89,7 @@ async def test_a_client_with_default_limits_fetches_a_tokenizer_over_4_mib(serve
     monkeypatch.setenv("SLED_CACHE", str(tmp_path / "cache"))   # the device's own client too
     async with Connection(server.address) as conn:
         assert fingerprint_tokenizer(await conn.tokenizer()) == fingerprint
-    await until(lambda: server.service.tokenizer_calls == 0)
+    await until(lambda: server.service.core.ledger.tokenizer_calls == 0)
 
 
 def builtin_folder(alias: str) -> Path:
@@ -106,7 +106,8 @@ async def test_a_client_with_default_limits_fetches_gemma3_s_tokenizer(served, t
     server = await served(tokenizer)
     files = assemble(await fetch_with_default_limits(server.address), tmp_path)
     assert len(files["tokenizer.json"]) > 7 * DEFAULT_RECEIVE_LIMIT
-    assert fingerprint_tokenizer(AutoTokenizer.from_pretrained(tmp_path)) == server.service.target.fingerprint
+    assert (fingerprint_tokenizer(AutoTokenizer.from_pretrained(tmp_path))
+            == server.service.core.target.fingerprint)
 
 
 # --- a client that drops the stream -------------------------------------------------------------
@@ -136,11 +137,11 @@ def assert_one_line_each(caplog, dropped: int) -> None:
 def lengthened(server, chunks: int = 40) -> int:
     """Make the server's stream far longer than flow control lets it send ahead of a client
     that stops reading (1 MiB chunks of filler after the files); its length."""
-    filler = pb.TokenizerChunk(tokenizer_fingerprint=server.service.target.fingerprint,
+    filler = pb.TokenizerChunk(tokenizer_fingerprint=server.service.core.target.fingerprint,
                                name="filler", data=b"x" * MAX_TOKENIZER_CHUNK_BYTES,
                                size=chunks * MAX_TOKENIZER_CHUNK_BYTES).SerializeToString()
-    server.service.target.tokenizer_reply += (filler,) * chunks
-    return len(server.service.target.tokenizer_reply)
+    server.service.core.target.tokenizer_reply += (filler,) * chunks
+    return len(server.service.core.target.tokenizer_reply)
 
 
 async def test_a_client_refusing_a_chunk_costs_one_log_line(served, tokenizer, caplog):
@@ -155,7 +156,7 @@ async def test_a_client_refusing_a_chunk_costs_one_log_line(served, tokenizer, c
                 async for _ in call:
                     pass
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    await until(lambda: server.service.tokenizer_calls == 0)
+    await until(lambda: server.service.core.ledger.tokenizer_calls == 0)
     await asyncio.sleep(0.2)
     assert_one_line_each(caplog, dropped=3)
     assert len(await fetch_with_default_limits(server.address)) == total   # still serving
@@ -172,7 +173,7 @@ async def test_a_client_cancelling_mid_stream_costs_one_log_line(served, tokeniz
         if how == "cancel":
             call.cancel()
         await channel.close()
-        await until(lambda: server.service.tokenizer_calls == 0)   # the slot is free again
+        await until(lambda: server.service.core.ledger.tokenizer_calls == 0)   # the slot is free again
     await asyncio.sleep(0.2)
     assert_one_line_each(caplog, dropped=2)
     stopped = [r.getMessage() for r in server_lines(caplog) if "GetTokenizer to" in r.getMessage()]
@@ -294,7 +295,7 @@ async def test_a_device_asks_a_busy_server_again(served, tokenizer, tmp_path, mo
     monkeypatch.setenv("SLED_CACHE", str(tmp_path))
     monkeypatch.setattr(connection, "BUSY_PAUSE_S", 0.2)
     server = await served(tokenizer, max_tokenizer_calls=1)
-    files = server.service.target.tokenizer_reply
+    files = server.service.core.target.tokenizer_reply
     async with Connection(server.address) as conn:
         await conn.model_info()     # naming the files it will get (not the lengthened ones)
         lengthened(server)      # so that a client reading nothing holds its slot
@@ -304,11 +305,11 @@ async def test_a_device_asks_a_busy_server_again(served, tokenizer, tmp_path, mo
         fetch = asyncio.create_task(conn.tokenizer())
         await asyncio.sleep(1.0)
         assert not fetch.done()                              # refused, and asking again
-        server.service.target.tokenizer_reply = files
+        server.service.core.target.tokenizer_reply = files
         call.cancel()
         await holder.close()
         assert fingerprint_tokenizer(await asyncio.wait_for(fetch, 20)) == \
-            server.service.target.fingerprint
+            server.service.core.target.fingerprint
 
 
 async def test_a_server_busy_for_good_is_refused_after_the_retries(served, tokenizer, tmp_path,

@@ -59,17 +59,19 @@ class Announcer:
 
     def load(self) -> float:
         """How busy the server is, 0..1: sessions against the limit, or KV committed, the larger."""
-        sessions = len(self.service.sessions) / self.service.settings.max_sessions
-        pool = self.service.pool
+        core = self.service.core
+        sessions = len(core.sessions) / core.settings.max_sessions
+        pool = core.pool
         kv = pool.committed_blocks / pool.usable_blocks if pool.usable_blocks else 1.0
         return round(min(1.0, max(sessions, kv)), 4)
 
     def announcement(self) -> dict:
-        target = self.service.target
+        core = self.service.core
+        target = core.target
         return {"id": self.config.server_id, "endpoint": self.config.endpoint,
                 "model": target.model_id, "fingerprint": target.fingerprint,
                 "tokenizer_files": target.tokenizer_files_sha256, "load": self.load(),
-                "sessions": len(self.service.sessions), "online": self.service.accepting,
+                "sessions": len(core.sessions), "online": core.accepting,
                 **({"tls_name": self.config.tls_name} if self.config.tls_name else {})}
 
     def farewell(self) -> dict:

@@ -14,7 +14,7 @@ gRPC reads a unary request before it calls the handler, so a call that sends hea
 never reach one: every bounded handler is turned into its request-streaming twin, which is
 called at the call's first byte and reads the request itself (and writes a unary reply as the
 one message of its stream). The client sees the same method.
-Generate counts its own streams (VerifierCore.count_stream) and waits open_timeout for its Open.
+Generate counts its own streams (DeviceLedger.count_stream) and waits open_timeout for its Open.
 
     server = grpc.aio.server(interceptors=[CallBounds(service.core)])
 """
@@ -64,7 +64,7 @@ class CallBounds(grpc.aio.ServerInterceptor):
                 context.set_details(f"no request within {self.core.settings.open_timeout:g} s "
                                     f"of the call ({method}): send it at once")
             finally:
-                self.core.uncount_call(key, watch)
+                self.core.ledger.uncount_call(key, watch)
 
         return grpc.stream_stream_rpc_method_handler(
             call, request_deserializer=handler.request_deserializer,
@@ -72,10 +72,10 @@ class CallBounds(grpc.aio.ServerInterceptor):
 
     def counted(self, context, watch: bool) -> str | None:
         """The caller's key, counted; None (and the call's status set) when it is over a bound."""
-        caller = self.core.gate.caller(context.invocation_metadata(), context.auth_context(),
-                                       context.peer())
+        caller = self.core.ledger.gate.caller(context.invocation_metadata(),
+                                              context.auth_context(), context.peer())
         try:
-            return self.core.count_call(caller, watch)
+            return self.core.ledger.count_call(caller, watch)
         except SessionError as error:
             self.core.metrics.errors.labels(error.reason_name).inc()
             context.set_code(error.code)

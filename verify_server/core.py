@@ -1,5 +1,5 @@
-"""The server's core, apart from gRPC: the session table, every device's share of the KV cache
-and its quotas, and each session's rounds through the scheduler.
+"""The server's core, apart from gRPC: the session table, KV admission within each device's
+share (the ledger's: verify_server.ledger), and each session's rounds through the scheduler.
 
     session = await core.open(None, request, identity)       # checked, counted, KV admitted
     opened = await core.prefill(session, deadline)            # the prompt in: pb.Opened
@@ -30,8 +30,8 @@ from verify_server.auth import Gate, Identity
 from verify_server.draft_advice import suggest_draft_len
 from verify_server.engines.blocks import PoolExhausted
 from verify_server.errors import Reason, SessionError
+from verify_server.ledger import DeviceLedger
 from verify_server.metrics import Metrics
-from verify_server.quotas import Quotas
 from verify_server.rounds import finish_round, timings
 from verify_server.scheduler import Scheduler, Verify, sat_step_tokens
 from verify_server.sdsat import slots_under_load
@@ -41,7 +41,6 @@ from verify_server.target import Target
 from verify_server.tenant import tenant_key
 
 log = logging.getLogger("sled.server")
-UNLISTED_DEVICES = 4   # the KV share's parts when certificates name devices no token file lists
 
 
 def round_deadline(deadline: float | None, deadline_ms: int = 0) -> float | None:
@@ -53,8 +52,8 @@ def round_deadline(deadline: float | None, deadline_ms: int = 0) -> float | None
 
 
 class VerifierCore:
-    """Owns the sessions and what each device holds: Generate streams, GetTokenizer calls,
-    reserved KV tokens and its quota usage (each table keyed by auth.Identity.key)."""
+    """Owns the sessions and their rounds; what each device holds is its ledger's
+    (verify_server.ledger), which the core charges with a session's quota and KV."""
 
     def __init__(self, target: Target, scheduler: Scheduler, settings: ServerSettings,
                  metrics: Metrics, gate: Gate | None = None) -> None:
@@ -62,86 +61,12 @@ class VerifierCore:
         self.scheduler = scheduler
         self.settings = settings
         self.metrics = metrics
-        self.gate = gate or Gate()        # its grants: how many devices share the KV cache
         self.sessions: dict[str, Session] = {}
         self.accepting = True
         self.pool = scheduler.engine.pool
-        self.tokenizer_calls = 0          # GetTokenizer replies being written (the server's slots)
-        self.tokenizer_calls_of: dict[str, int] = {}   # GetTokenizer calls not over, by device key
-        self.streams: dict[str, int] = {}   # Generate streams held, by device key (Identity.key)
-        self.calls: dict[str, int] = {}     # other calls held (verify_server.call_bounds), by key
-        self.watch_streams = 0              # Health.Watch streams open, all callers together
-        self.kv_reserved: dict[str, int] = {}   # KV tokens reserved by open sessions, by device key
-        self.quotas = Quotas(settings.device_sessions(), settings.quota_tokens_per_s,
-                             settings.quota_burst_s, settings.quota_wait_s,
-                             host_sessions=settings.quota_sessions or 0)
+        self.ledger = DeviceLedger(settings, self.pool, gate)   # what each device holds
         self.admission = AdmissionQueue(settings.admission_queue, settings.admission_wait, metrics)
         metrics.active_sessions.set_function(lambda: len(self.sessions))
-
-    # --- what a device holds: streams and GetTokenizer calls ------------------------------------
-
-    def count_stream(self, identity: Identity) -> str:
-        """One more stream of this device, from its first byte; RESOURCE_EXHAUSTED (REASON_QUOTA)
-        past max_streams_per_device. Returns the key to uncount when the stream ends."""
-        held, limit = self.streams.get(identity.key, 0), self.settings.max_streams_per_device
-        if held >= limit:
-            raise errors.exhausted(Reason.REASON_QUOTA, f"device {identity.device} holds {held} "
-                                   f"Generate streams (limit {limit}): end one first")
-        hold(self.streams, identity.key, 1)
-        return identity.key
-
-    def uncount_stream(self, key: str) -> None:
-        release(self.streams, key, 1)
-
-    def count_call(self, identity: Identity, watch: bool = False) -> str:
-        """One more call other than Generate of this device (a Health.Watch stream: one more of
-        the server's too), from its first byte; RESOURCE_EXHAUSTED past max_calls_per_device or
-        max_watch_streams. Returns the key to uncount when the call ends."""
-        held, limit = self.calls.get(identity.key, 0), self.settings.max_calls_per_device
-        if held >= limit:
-            raise errors.exhausted(Reason.REASON_QUOTA, f"device {identity.device} holds {held} "
-                                   f"calls (limit {limit}): end one first")
-        if watch and self.watch_streams >= self.settings.max_watch_streams:
-            raise errors.exhausted(Reason.REASON_QUOTA, f"{self.watch_streams} Health.Watch "
-                                   f"streams are open (limit {self.settings.max_watch_streams}): "
-                                   "use Health.Check, or retry later")
-        hold(self.calls, identity.key, 1)
-        self.watch_streams += watch
-        return identity.key
-
-    def uncount_call(self, key: str, watch: bool = False) -> None:
-        release(self.calls, key, 1)
-        self.watch_streams -= watch
-
-    def tokenizer_busy(self, identity: Identity) -> str:
-        """Why a GetTokenizer call cannot be served now ("" when it can)."""
-        held = self.tokenizer_calls_of.get(identity.key, 0)
-        if identity.authenticated:
-            caller, per = f"device {identity.device}", "per device"
-            share = self.settings.max_tokenizer_calls_per_device
-        else:                   # a host's devices cannot be told apart: a NAT's are one
-            caller, per = identity.key, "per host without a token or certificate"
-            share = self.settings.max_tokenizer_calls_per_host
-        if held >= share:
-            return (f"{caller} holds {held} GetTokenizer replies (limit {share} {per}): read or "
-                    "end them first")
-        limit = self.settings.max_tokenizer_calls
-        if self.tokenizer_calls >= limit:
-            return (f"{self.tokenizer_calls} GetTokenizer replies are being sent (limit {limit}): "
-                    "retry in a moment")
-        return ""
-
-    def tokenizer_call_started(self, key: str) -> None:
-        """A reply takes one of the server's slots and counts against its device until over."""
-        self.tokenizer_calls += 1
-        hold(self.tokenizer_calls_of, key, 1)
-
-    def tokenizer_reply_written(self) -> None:
-        """Nothing more of a reply is written: its slot is free (the call may not be over)."""
-        self.tokenizer_calls -= 1
-
-    def tokenizer_call_over(self, key: str) -> None:
-        release(self.tokenizer_calls_of, key, 1)
 
     # --- a session's life ------------------------------------------------------------------------
 
@@ -155,14 +80,14 @@ class VerifierCore:
                                          len(self.sessions) + self.admission.waiting,
                                          self.accepting)
         loose = validation.check_loose(request, sampling)
-        self.quotas.open(identity, len(request.prompt_ids))
+        self.ledger.quotas.open(identity, len(request.prompt_ids))
         try:
             session = Session.from_open(request, sampling, self.target.eos_ids,
                                         self.scheduler.engine.new_kv(), loose)
             session.device = identity
             await self._admit(session, tenant_key(identity.tenant, request.cache_salt))
         except BaseException:
-            self.quotas.close(identity)
+            self.ledger.quotas.close(identity)
             raise
         self.sessions[session.id] = session
         self._count_open(session)
@@ -201,7 +126,11 @@ class VerifierCore:
         outcome, info = await self.scheduler.verify(
             session, tokens[:draft_len], q[:draft_len] if q is not None else None,
             round_deadline(deadline, draft.deadline_ms), draft.lookahead, parents or None)
-        verdict = finish_round(session, outcome, draft_len, info, self.metrics, self.advise)
+        verdict = finish_round(session, outcome, draft_len, info, self.metrics)
+        # the device drafts the next round: its length, and the SAT hints to start it with
+        verdict.suggested_draft_len = self.advise(session)
+        if not session.finished:
+            verdict.hint_ids.extend(outcome.hints)
         if session.finished:   # its KV goes now; its slot when the device closes or idles out
             self.end(session)
         session.wait_for_device()
@@ -278,7 +207,7 @@ class VerifierCore:
         quota, and count the tokens against the device."""
         if session.device is None:
             return
-        await self.quotas.pace(session.device, tokens)
+        await self.ledger.quotas.pace(session.device, tokens)
         self.metrics.device_tokens.labels(self.metrics.device_label(session.device.device)).inc(
             tokens)
 
@@ -299,7 +228,7 @@ class VerifierCore:
     def _forget(self, session: Session) -> None:
         """The session leaves the table, and its device's session quota, once."""
         if self.sessions.pop(session.id, None) is not None and session.device is not None:
-            self.quotas.close(session.device)
+            self.ledger.quotas.close(session.device)
 
     # --- KV admission ------------------------------------------------------------------------
 
@@ -329,7 +258,7 @@ class VerifierCore:
         except PoolExhausted:
             return False
         session.kv_reserved = self.kv_charged(session)
-        hold(self.kv_reserved, session.device.key, session.kv_reserved)
+        self.ledger.hold_kv(session.device.key, session.kv_reserved)
         self.metrics.prefix_hit_tokens.inc(session.cached_prompt_tokens)
         return True
 
@@ -346,7 +275,7 @@ class VerifierCore:
     def _check_share(self, session: Session) -> None:
         """Refused when the session would take its device past its share of the KV cache."""
         device, charged = session.device, self.kv_charged(session)
-        held, share = self.kv_reserved.get(device.key, 0), self.kv_share_tokens()
+        held, share = self.ledger.kv_held(device.key), self.ledger.kv_share_tokens()
         if share < self.pool.capacity_tokens and held + charged > share:
             raise errors.exhausted(
                 Reason.REASON_KV_BUDGET,
@@ -357,10 +286,10 @@ class VerifierCore:
     def _cache_full(self, session: Session) -> SessionError:
         """The refusal of a session the whole cache cannot take now, when none may wait: what
         its device holds, never the server's totals."""
-        device, share = session.device, self.kv_share_tokens()
+        device, share = session.device, self.ledger.kv_share_tokens()
         own = ""
         if share < self.pool.capacity_tokens:
-            held = self.kv_reserved.get(device.key, 0)
+            held = self.ledger.kv_held(device.key)
             own = f" (device {device.device}'s sessions hold {held} of its share of {share})"
         return errors.exhausted(
             Reason.REASON_KV_BUDGET,
@@ -379,26 +308,10 @@ class VerifierCore:
         to whole blocks, as the cache hands them out."""
         return self.pool.blocks_for(self.kv_needed(session)) * self.pool.block_tokens
 
-    def kv_share_tokens(self) -> int:
-        """KV tokens one device may reserve, in whole blocks: kv_share of the budget, by default
-        an equal part for each device of the token file, a part of UNLISTED_DEVICES for devices
-        told apart by client certificates without one, all of it when only hosts tell them apart
-        (a NAT's devices are one)."""
-        share = self.settings.kv_share
-        if share is None:
-            share = 1.0 / self._devices_sharing_kv()
-        block = self.pool.block_tokens
-        return max(int(self.pool.capacity_tokens * share) // block, 1) * block
-
-    def _devices_sharing_kv(self) -> int:
-        if self.gate.required:
-            return max(len(self.gate.grants), 1)
-        return UNLISTED_DEVICES if self.gate.certificates else 1
-
     def _unreserve(self, session: Session) -> None:
         """Its KV no longer counts against its device's share (once)."""
         if session.kv_reserved and session.device is not None:
-            release(self.kv_reserved, session.device.key, session.kv_reserved)
+            self.ledger.release_kv(session.device.key, session.kv_reserved)
         session.kv_reserved = 0
 
     # --- idle sessions -----------------------------------------------------------------------
@@ -430,16 +343,5 @@ class VerifierCore:
         while True:
             await asyncio.sleep(max(self.settings.idle_timeout / 4, 0.05))
             self.evict_idle()
-            self.quotas.sweep()
+            self.ledger.quotas.sweep()
 
-
-def hold(table: dict[str, int], key: str, amount: int) -> None:
-    """What a device holds (streams, tokenizer calls, KV tokens) grows by amount."""
-    table[key] = table.get(key, 0) + amount
-
-
-def release(table: dict[str, int], key: str, amount: int) -> None:
-    """... and shrinks; a device holding nothing leaves the table."""
-    left = table.pop(key, 0) - amount
-    if left > 0:
-        table[key] = left

@@ -256,7 +256,8 @@ async def serve_forever(target: Target, settings: ServerSettings,
     host = settings.host
     running = await start_server(target, settings, host, settings.port, ranks=ranks)
     if settings.auth_tokens:   # revoke or add devices without a restart
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, running.service.gate.reload)
+        gate = running.service.core.ledger.gate
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, gate.reload)
     if settings.metrics_port is not None:
         try:
             http, _ = running.metrics.serve_http(settings.metrics_port, addr=host)

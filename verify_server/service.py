@@ -35,31 +35,7 @@ REFUSAL_LINGER_S = 1.0    # how long a refused stream waits for its device to ha
 __all__ = ["EVICTED_GRACE", "Undecodable", "VerifierService"]
 
 
-def of_core(name: str) -> property:
-    """The core's attribute of that name, read (and set) through the service as well."""
-    return property(lambda service: getattr(service.core, name),
-                    lambda service, value: setattr(service.core, name, value),
-                    doc=f"VerifierCore.{name}")
-
-
 class VerifierService(pb_grpc.VerifierServicer):
-    sessions = of_core("sessions")
-    accepting = of_core("accepting")
-    pool = of_core("pool")
-    quotas = of_core("quotas")
-    streams = of_core("streams")
-    kv_reserved = of_core("kv_reserved")
-    tokenizer_calls = of_core("tokenizer_calls")
-    kv_share_tokens = of_core("kv_share_tokens")
-    evict_idle = of_core("evict_idle")
-    run_evictions = of_core("run_evictions")
-
-    target = of_core("target")
-    scheduler = of_core("scheduler")
-    settings = of_core("settings")
-    metrics = of_core("metrics")
-    gate = of_core("gate")                # who may call (auth): every Verifier call passes it
-
     def __init__(self, target: Target, scheduler: Scheduler, settings: ServerSettings,
                  metrics: Metrics, gate: Gate | None = None) -> None:
         self.core = VerifierCore(target, scheduler, settings, metrics, gate)
@@ -70,10 +46,10 @@ class VerifierService(pb_grpc.VerifierServicer):
     def identify(self, context) -> Identity:
         """The caller (auth.Gate); a refusal is counted and logged by reason."""
         try:
-            return self.gate.identify(context.invocation_metadata(), context.auth_context(),
-                                      context.peer())
+            return self.core.ledger.gate.identify(context.invocation_metadata(),
+                                                  context.auth_context(), context.peer())
         except SessionError as error:
-            self.metrics.auth_refusals.labels(error.reason_name).inc()
+            self.core.metrics.auth_refusals.labels(error.reason_name).inc()
             raise detached(error) from None
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
@@ -83,25 +59,27 @@ class VerifierService(pb_grpc.VerifierServicer):
             self.identify(context)
         except SessionError as error:
             return end_call(context, error, pb.ModelInfo())
+        core = self.core
+        target, settings = core.target, core.settings
         return pb.ModelInfo(
-            model_id=self.target.model_id,
-            vocab_size=self.target.vocab_size,
-            tokenizer_fingerprint=self.target.fingerprint,
-            tokenizer_files_sha256=self.target.tokenizer_files_sha256,
-            eos_token_ids=self.target.eos_ids,
-            context_length=self.target.context_length,
-            limits=pb.ServerLimits(max_draft_tokens=self.settings.max_draft_tokens,
-                                   max_sessions=self.settings.max_sessions,
-                                   max_q_support=self.settings.max_q_support,
-                                   kv_budget_tokens=self.pool.capacity_tokens,
-                                   kv_block_tokens=self.pool.block_tokens,
-                                   max_step_tokens=self.scheduler.max_step_tokens,
-                                   idle_timeout_s=self.settings.idle_timeout,
-                                   tree_drafts=self.scheduler.engine.branches),
-            sat_available=self.target.sat_slots > 0,
-            sat_slots=self.target.sat_slots,
-            dtype=self.target.dtype,
-            device=self.target.device,
+            model_id=target.model_id,
+            vocab_size=target.vocab_size,
+            tokenizer_fingerprint=target.fingerprint,
+            tokenizer_files_sha256=target.tokenizer_files_sha256,
+            eos_token_ids=target.eos_ids,
+            context_length=target.context_length,
+            limits=pb.ServerLimits(max_draft_tokens=settings.max_draft_tokens,
+                                   max_sessions=settings.max_sessions,
+                                   max_q_support=settings.max_q_support,
+                                   kv_budget_tokens=core.pool.capacity_tokens,
+                                   kv_block_tokens=core.pool.block_tokens,
+                                   max_step_tokens=core.scheduler.max_step_tokens,
+                                   idle_timeout_s=settings.idle_timeout,
+                                   tree_drafts=core.scheduler.engine.branches),
+            sat_available=target.sat_slots > 0,
+            sat_slots=target.sat_slots,
+            dtype=target.dtype,
+            device=target.device,
         )
 
     async def GetTokenizer(self, request, context) -> None:
@@ -112,7 +90,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         bounded twice: at most max_tokenizer_calls are being written at once (the server's slots),
         and one device (a token's or certificate's) holds at most max_tokenizer_calls_per_device
         calls until each is over, so it cannot take every slot, nor pile up stalled calls
-        (VerifierCore.tokenizer_busy). A write that waits on a client reading nothing for
+        (DeviceLedger.tokenizer_busy). A write that waits on a client reading nothing for
         tokenizer_stall_timeout, or one read slower than tokenizer_min_rate on average once
         tokenizer_rate_grace is over (ReadingPace), ends the reply (DEADLINE_EXCEEDED) and frees
         its slot: a slot is held for at most grace + reply size / min rate. A stream the client
@@ -125,27 +103,28 @@ class VerifierService(pb_grpc.VerifierServicer):
         except SessionError as error:
             end_call(context, error)
             return
-        busy = self.core.tokenizer_busy(identity)
+        busy = self.core.ledger.tokenizer_busy(identity)
         if busy:
             context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
             context.set_details(busy)
             return
-        chunks, sent, key = self.target.tokenizer_reply, [0], identity.key
-        self.core.tokenizer_call_started(key)
+        chunks, sent, key = self.core.target.tokenizer_reply, [0], identity.key
+        self.core.ledger.tokenizer_call_started(key)
         context.add_done_callback(lambda _: self._tokenizer_call_done(key, sent[0], len(chunks)))
-        pace = ReadingPace(self.settings.tokenizer_min_rate, self.settings.tokenizer_rate_grace)
+        settings = self.core.settings
+        pace = ReadingPace(settings.tokenizer_min_rate, settings.tokenizer_rate_grace)
         try:
             for chunk in chunks:
                 if not await self._written(context, chunk, pace):
                     return
                 sent[0] += 1
         finally:
-            self.core.tokenizer_reply_written()   # nothing more is written: the slot is free
+            self.core.ledger.tokenizer_reply_written()   # nothing more is written: slot free
 
     async def _written(self, context, chunk: bytes, pace: ReadingPace) -> bool:
         """The chunk handed to gRPC; False (and the call's status set) when the client read
         nothing for tokenizer_stall_timeout, or reads too slowly to take it in time (pace)."""
-        stall = self.settings.tokenizer_stall_timeout
+        stall = self.core.settings.tokenizer_stall_timeout
         floor_s = pace.seconds_left(len(chunk))
         try:
             await asyncio.wait_for(context.write(chunk), min(stall, floor_s))
@@ -159,7 +138,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         return True
 
     def _tokenizer_call_done(self, key: str, sent: int, total: int) -> None:
-        self.core.tokenizer_call_over(key)
+        self.core.ledger.tokenizer_call_over(key)
         tokenizer_stream_ended(key, sent, total)
 
     # --- the session stream ------------------------------------------------------------------
@@ -181,7 +160,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             await context.send_initial_metadata(())
             identity = self.identify(context)
             device = identity.device
-            counted = self.core.count_stream(identity)
+            counted = self.core.ledger.count_stream(identity)
             while (message := await self._next(session, context)) is not grpc.aio.EOF:
                 kind = kind_of(message)
                 if kind == "open":
@@ -203,7 +182,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         finally:
             self.core.close(session)
             if counted is not None:
-                self.core.uncount_stream(counted)
+                self.core.ledger.uncount_stream(counted)
         message = None          # the last request goes before a refusal is sent
         if refusal is not None:
             yield self._refuse(session, device, refusal)
@@ -214,12 +193,13 @@ class VerifierService(pb_grpc.VerifierServicer):
         """The device's next message, or the end of the stream once its session is evicted:
         EOF (the call ends OK) for a finished session, a REASON_EVICTED refusal for a live one.
         The first message must come within open_timeout (a stream with no Open is ended)."""
+        settings = self.core.settings
         if session is None:
             try:
-                return await asyncio.wait_for(context.read(), self.settings.open_timeout)
+                return await asyncio.wait_for(context.read(), settings.open_timeout)
             except asyncio.TimeoutError:
                 raise errors.deadline(Reason.REASON_PROTOCOL, f"no Open within "
-                                      f"{self.settings.open_timeout:g} s of the call: send the Open "
+                                      f"{settings.open_timeout:g} s of the call: send the Open "
                                       "first") from None
         read = asyncio.ensure_future(context.read())
         try:
@@ -232,7 +212,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             return read.result()
         if session.finished:
             return grpc.aio.EOF
-        raise validation.evicted(session, self.settings.idle_timeout)
+        raise validation.evicted(session, settings.idle_timeout)
 
     async def _read_or_evicted(self, session: Session, read: asyncio.Future) -> None:
         """Until the message is read or the session is evicted; a live one's stream stays open
@@ -244,7 +224,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         finally:
             evicted.cancel()
         if not read.done() and not session.finished:
-            await asyncio.wait((read,), timeout=EVICTED_GRACE * self.settings.idle_timeout)
+            await asyncio.wait((read,), timeout=EVICTED_GRACE * self.core.settings.idle_timeout)
 
     async def _until_half_closed(self, context) -> None:
         """Until the device, having read the refusal, half-closes its side (at most
@@ -261,7 +241,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             pass
 
     def _refuse(self, session: Session | None, device: str, error: SessionError) -> pb.ServerMessage:
-        self.metrics.errors.labels(error.reason_name).inc()
+        self.core.metrics.errors.labels(error.reason_name).inc()
         log.info("session %s of %s refused: %s", session.id if session else "-", device,
                  error.message)
         return pb.ServerMessage(error=error.detail())

@@ -55,7 +55,7 @@ class SimulatedServer:
     @property
     def fingerprint(self) -> str:
         """The served tokenizer's fingerprint, as a device's target knows it."""
-        return self.service.target.fingerprint
+        return self.service.core.target.fingerprint
 
     def stub(self, peer: str) -> LocalStub:
         return LocalStub(self.service, peer)
