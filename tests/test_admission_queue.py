@@ -29,7 +29,7 @@ POOL_BYTES = 1 << 18             # the tiny float64 target's KV: 1 KiB a token, 
 
 def holds_kv(session: Session) -> bool:
     """Whether the session still holds KV blocks or a reservation in the pool."""
-    return session.kv is not None and bool(session.kv.table or session.kv.reserved)
+    return session.kv is not None and bool(session.kv.table or session.kv.reserved_blocks)
 
 
 async def until(predicate, what: str, timeout: float = 10.0) -> None:

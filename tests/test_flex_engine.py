@@ -25,7 +25,7 @@ from verify_server.engines.blocks import BlockPool, KVShape
 from verify_server.engines.flex import (EAGER_POOL_TOKENS, FlexEngine, FlexStep, compiled_flex,
                                         flex_attention_forward, serving_flex)
 from verify_server.engines.flex_check import AttentionShape, CompiledFlexRefused, refuse_if_unsound
-from verify_server.engines.flex_plan import step_shape
+from verify_server.engines.flex_plan import group_suffix, step_shape
 from verify_server.engines.paged import paged_attention
 from verify_server.engines.rows import Row
 
@@ -77,8 +77,13 @@ def fragmented_sessions(engine, contexts, prompt):
     kvs[0].publish(prompt)
     sharer = engine.new_kv()
     bt = engine.pool.block_tokens
-    found = sharer.admit(prompt[:2 * bt] + [9, 8, 7], 60, b"t")
-    assert found == 2 * bt and sharer.table[:2] == kvs[0].table[:2]
+    # the prompt's full blocks: a windowed layer group (gemma3's, window 16) still holds those
+    # the sharer's next query reads, the last of them
+    n = len(prompt) // bt
+    found = sharer.admit(prompt[:n * bt] + [9, 8, 7], 60, b"t")
+    assert found == n * bt
+    for mine, theirs in zip(sharer.tables, kvs[0].tables):
+        assert all(m in (0, t) for m, t in zip(mine[:n], theirs[:n])) and mine[n - 1] == theirs[n - 1]
     prefill(engine, sharer, [9, 8, 7])
     return kvs + [sharer]
 
@@ -386,19 +391,24 @@ def test_after_warm_up_prefill_of_every_length_and_verify_rows_compile_nothing(m
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
 
 
-def test_the_planner_fills_what_the_paged_engine_plans(models):
-    """Write slots and positions of a mixed step, against PagedEngine._plan's."""
-    model = f32(models["llama"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_planner_fills_what_the_paged_engine_plans(models, arch):
+    """Write slots (each layer group's: gemma3's windowed pool has two) and positions of a
+    mixed step, against PagedEngine._plan's."""
+    model = f32(models[arch])
     pool, paged, flex = pools_for(model)
+    assert len(pool.groups) == (2 if arch == "gemma3" else 1)
     kvs = fragmented_sessions(paged, [37, 20, 45, 18], (list(range(3, 40))))
     rows = step_rows(kvs)
     step, ids, positions, _ = paged._plan(rows)
     plan = flex.step(rows)
     tokens = step.tokens
-    assert np.array_equal(plan.fields["write_slots"][:tokens].numpy(), step.write_slots.numpy())
+    for k, write_slots in enumerate(step.write_slots):
+        planned = plan.fields[f"write_slots{group_suffix(k)}"]
+        assert np.array_equal(planned[:tokens].numpy(), write_slots.numpy())
+        assert (planned[tokens:] == 0).all()      # padding: the trash slot
     assert np.array_equal(plan.fields["positions"][:tokens].numpy(), positions.numpy())
     assert np.array_equal(plan.fields["ids"][:tokens].numpy(), ids.numpy())
-    assert (plan.fields["write_slots"][tokens:] == 0).all()      # padding: the trash slot
 
 
 # --- the whole step, graphs, and engines sharing a model -------------------------------------
@@ -605,7 +615,7 @@ def test_a_rows_committed_context_blocks_are_full_blocks(models, full_blocks):
         kv.admit([], n + 20, b"t")
         prefill(engine, kv, list(range(3, 3 + n)))
     step = engine.step([Row(kvs[0], [5, 6, 7], True), Row(kvs[1], [8], True)])
-    mask = step.groups[0].block_mask(None, 2)
+    mask = step.groups[0].block_mask(0, None, 2)
     blocks = mask.kv_num_blocks.view(-1)[:2].tolist()
     if full_blocks:      # 21 committed: 2 whole blocks of 8, then the block the draft lands in
         assert mask.full_kv_num_blocks.view(-1)[:2].tolist() == [2, 1]

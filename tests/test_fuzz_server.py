@@ -100,7 +100,7 @@ def left_behind(server, normal_beside: bool) -> str | None:
     of it when not NORMAL_BESIDE); None when there is none."""
     sessions, pool = server.service.core.sessions, server.service.core.pool
     kept = [s for s in sessions.values() if normal_beside and s.prompt_ids == NORMAL_PROMPT]
-    blocks = sum(len(s.kv.table) + s.kv.reserved for s in kept)
+    blocks = sum(len(s.kv.table) + s.kv.reserved_blocks for s in kept)
     tokens = sum(s.kv.length for s in kept)
     queued = [work for work in server.scheduler._queue if work.session not in kept]
     if (len(sessions) == len(kept) and pool.committed_blocks == blocks

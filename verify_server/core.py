@@ -103,7 +103,9 @@ class VerifierCore:
     async def prefill(self, session: Session, deadline: float | None) -> pb.Opened:
         """The prompt into the session's KV (what its cached prefix lacks)."""
         await self._pace(session, len(session.prompt_ids) - session.cached_prompt_tokens)
-        info = await self.scheduler.prefill(session, deadline)
+        info = await self.scheduler.prefill(session, deadline, self.round_tokens(session))
+        if self.pool.windowed:      # the prompt in, its windowed groups gave back what it needed
+            self.admission.kv_freed()
         return pb.Opened(session_id=session.id, prompt_tokens=len(session.prompt_ids),
                          max_new_tokens=session.max_new_tokens, timings=timings(info),
                          cached_prompt_tokens=session.cached_prompt_tokens,
@@ -298,10 +300,18 @@ class VerifierCore:
 
     def kv_needed(self, session: Session) -> int:
         """KV tokens the session may fill: its prompt, max_new_tokens, and the SAT slots of a
-        pass (one block, or one after every cut of a SAT draft)."""
+        pass."""
+        return len(session.prompt_ids) + session.max_new_tokens + self._sat_entries(session)
+
+    def round_tokens(self, session: Session) -> int:
+        """The most entries a row of the session's rounds has: the last token, a full draft
+        and the SAT slots of a pass."""
+        return 1 + self.settings.max_draft_tokens + self._sat_entries(session)
+
+    def _sat_entries(self, session: Session) -> int:
+        """The SAT slots a pass may append: one block, or one after every cut of a SAT draft."""
         slots = self.target.sat_slots
-        extra = slots * (slots + 1) if session.mode == pb.GENERATION_MODE_SERVER_SAT else slots
-        return len(session.prompt_ids) + session.max_new_tokens + extra
+        return slots * (slots + 1) if session.mode == pb.GENERATION_MODE_SERVER_SAT else slots
 
     def kv_charged(self, session: Session) -> int:
         """KV tokens the session holds against its device's share: what it may fill, rounded up

@@ -78,7 +78,10 @@ class Work:
 
 @dataclass(slots=True, eq=False)
 class Prefill(Work):
-    """The prompt (all but its last token) into the session's KV, in chunks of the step budget."""
+    """The prompt (all but its last token) into the session's KV, in chunks of the step budget;
+    `round_tokens`: the most entries a row of the session's rounds has, which its KV then
+    narrows to (SessionKV.narrow; 0: not told)."""
+    round_tokens: int = 0
 
     @property
     def tokens_wanted(self) -> int:
@@ -89,9 +92,16 @@ class Prefill(Work):
         return Row(self.session.kv, self.session.prompt_ids[start:start + budget], want_logits=False)
 
     def keep(self, row: Row, outcome: Outcome | None) -> None:
-        self.session.kv.commit(len(row.tokens))
-        if self.done:
-            self.session.kv.publish(self.session.prompt_ids)
+        """The chunk committed; the prompt's full blocks published once it is in, or with every
+        chunk in a windowed pool: its windowed layer groups drop the blocks out of their window
+        before the next chunk, and a later prompt sharing only a prefix of this one needs those
+        before its end."""
+        kv = self.session.kv
+        kv.commit(len(row.tokens))
+        if self.done or kv.pool.windowed:
+            kv.publish(self.session.prompt_ids)
+        if self.done and self.round_tokens:
+            kv.narrow(self.round_tokens)
 
     @property
     def done(self) -> bool:
@@ -181,10 +191,16 @@ class Scheduler:
         self._queue.clear()
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    async def prefill(self, session: Session, deadline: float | None = None) -> StepInfo:
+    async def prefill(self, session: Session, deadline: float | None = None,
+                      round_tokens: int = 0) -> StepInfo:
+        """The session's prompt in; `round_tokens`: the widest row its rounds will have, which
+        its KV narrows to once the prompt is in (Prefill)."""
         if session.kv.length >= len(session.prompt_ids) - 1:   # nothing left, e.g. a prefix-cache hit
+            if round_tokens:
+                session.kv.narrow(round_tokens)
             return StepInfo(0.0, 0.0, 0)
-        _, info = await self._submit(Prefill(session, self._new_future(), deadline))
+        _, info = await self._submit(Prefill(session, self._new_future(), deadline,
+                                             round_tokens=round_tokens))
         return info
 
     async def verify(self, session: Session, draft: list[int], q: list[DraftQ] | None,

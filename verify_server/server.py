@@ -91,6 +91,16 @@ def _kv_budget(settings: ServerSettings, profile: StepProfile | None,
     return blocks * block * KVShape.of(target.model).bytes_per_token
 
 
+def windowed(pool) -> str:
+    """How a windowed pool keeps its layers' KV, for the start-up line ("" without windows)."""
+    if not pool.windowed:
+        return ""
+    windows = sorted({g.window for g in pool.groups if g.window is not None})
+    return (f"; {len(pool.groups)} layer groups of {pool.shape.group_layers} layers, sliding "
+            f"windows of {', '.join(map(str, windows))} tokens keep only their window (a pool "
+            "token is one slot of one group)")
+
+
 async def start_server(target: Target, settings: ServerSettings | None = None,
                        host: str = "127.0.0.1", port: int = 0,
                        metrics: Metrics | None = None, ranks: Ranks | None = None) -> RunningServer:
@@ -153,13 +163,15 @@ def _engine(target: Target, settings: ServerSettings, profile: StepProfile | Non
         budget = shared if budget is None else budget
     engine = make_engine(target.model, kv_budget_bytes=budget,
                          kv_fraction=settings.kv_fraction, block_tokens=settings.kv_block_tokens,
-                         kind=settings.engine, sat=target.sat, flex_splits=settings.flex_splits)
+                         kind=settings.engine, sat=target.sat, flex_splits=settings.flex_splits,
+                         windows=settings.kv_windows and profile is None,
+                         row_tokens=settings.max_step_tokens)
     if ranks is not None:
         engine = LeadingEngine(engine, Channel(ranks.group))
         log.info("split over %d ranks (tensor parallel): the KV pool below is theirs together",
                  ranks.size)
-    log.info("%s engine, KV pool %d tokens (%.0f MiB)", engine.kind, engine.pool.capacity_tokens,
-             engine.pool.nbytes / (1 << 20))
+    log.info("%s engine, KV pool %d tokens (%.0f MiB)%s", engine.kind,
+             engine.pool.capacity_tokens, engine.pool.nbytes / (1 << 20), windowed(engine.pool))
     return engine
 
 

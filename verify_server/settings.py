@@ -193,6 +193,10 @@ class ServerSettings(BaseSettings):
     kv_fraction: float = Field(0.25, gt=0.0, le=0.95, description="KV cache as a fraction of "
                                                                   "free device memory")
     kv_block_tokens: int = Field(16, ge=1, description="tokens per KV block")
+    kv_windows: bool = Field(True, description="a model's sliding-window layers (Gemma 3) keep "
+                             "only their window of KV, in blocks of their own; off: every layer "
+                             "keeps every token (the padded engine, a split server and --emulate "
+                             "always do)")
     kv_share: float | None = Field(None, gt=0.0, le=1.0, description="fraction of the KV cache one "
                                    "device's sessions may reserve (default: an equal part per "
                                    "device of --auth-tokens, all of it without tokens)")

@@ -42,26 +42,31 @@ def free_memory_bytes(device: torch.device) -> int:
 
 def make_engine(model: torch.nn.Module, *, kv_budget_bytes: int | None = None,
                 kv_fraction: float = 0.25, block_tokens: int = 16, kind: str = "auto",
-                sat: SatSpec | None = None, flex_splits: str = "torch") -> Engine:
+                sat: SatSpec | None = None, flex_splits: str = "torch", windows: bool = True,
+                row_tokens: int | None = None) -> Engine:
     """An engine over a pool of `kv_budget_bytes` (default: `kv_fraction` of free memory);
     `sat`: the target's SATs, for rows that append SAT slots; `flex_splits`: how the flex
     engine's decode kernel splits a row (engines.flex_kernels). For a model split over ranks (its
     tp_size) this is one rank's engine; the budget counts the whole server (every GPU gives
-    `kv_fraction` of its free memory) and each rank's pool holds its own KV heads of it."""
-    shape = KVShape.of(model)
+    `kv_fraction` of its free memory) and each rank's pool holds its own KV heads of it.
+
+    `windows`: a model's sliding-window layers keep only their window of KV (blocks.KVShape;
+    not in the padded engine, nor split over ranks); `row_tokens`: the most entries a step gives
+    one row (the scheduler's max_step_tokens), which bounds what a windowed layer group holds."""
     device = next(model.parameters()).device
+    if kind not in ENGINES:
+        raise ValueError(f"unknown engine kind {kind!r}: use {', '.join(ENGINES)}")
+    if kind == "auto":
+        kind = auto_kind(model, device)
+    shape = KVShape.of(model, windowed=windows and kind != "padded")
     budget = kv_budget_bytes if kv_budget_bytes is not None else int(
         free_memory_bytes(device) * kv_fraction * (shape.shards if device.type == "cuda" else 1))
     # Block 0 is the zero block that padding reads; it is never handed to a session.
-    blocks = budget // (block_tokens * shape.bytes_per_token)
+    blocks = budget // (block_tokens * shape.slot_bytes)
     if blocks < 2:
         raise ValueError(f"KV budget {budget} bytes holds less than one block of {block_tokens} tokens "
-                         f"({block_tokens * shape.bytes_per_token} bytes)")
-    if kind not in ENGINES:
-        raise ValueError(f"unknown engine kind {kind!r}: use {', '.join(ENGINES)}")
-    pool = BlockPool(shape, blocks, block_tokens, device)
-    if kind == "auto":
-        kind = auto_kind(model, device)
+                         f"({block_tokens * shape.slot_bytes} bytes)")
+    pool = BlockPool(shape, blocks, block_tokens, device, row_tokens)
     if kind == "padded" and shape.shards > 1:
         raise ValueError("the padded engine cannot serve a model split over ranks (--tp): use "
                          "--engine paged or flex, on a model with transformers' attention interface")

@@ -20,9 +20,23 @@ never finds them, and learns nothing from a hit about what others sent.
     block_tokens = 4, prompt "a b c d e f g" -> table [7, 2]: slots 28..31 hold a b c d,
     slots 8..10 hold e f g. A second prompt "a b c d x" finds block 7 by its prefix hash and
     gets table [7, 5].
+
+A model with sliding-window layers (Gemma 3: five of every six) needs only the last `window`
+tokens' KV in them. Its layers are cut into layer groups of equal size, one kind of layer each
+(`layer_groups`), and a block holds one group's keys and values of `block_tokens` tokens: a
+session keeps a block table per group, its full groups' tables growing with its context, a
+windowed group's dropping the blocks that fell out of every later query's window (to the zero
+block, 0). All groups draw blocks from the one allocator, so memory goes wherever the sessions
+need it. Per layer the pool keeps a tensor per place in a group; the layers at the same place of
+different groups share it, each reading and writing only its own group's blocks.
+
+    Gemma 3 270M: 18 layers, 3 full and 15 with a 512-token window -> 6 groups of 3 layers;
+    a session at 8,192 tokens holds 512 blocks of the full group and about 33 + a row's worth
+    in each windowed group, not 6 x 512
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import mmap
@@ -35,6 +49,28 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """Layers whose KV a session keeps alike, and how much of it: their sliding window (None:
+    every token)."""
+    window: int | None
+    layers: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=None)
+def layer_groups(windows: tuple[int | None, ...]) -> tuple[LayerGroup, ...]:
+    """Each layer's window -> groups of equal size, one kind of layer each, full layers first:
+    as many layers a group as the rarest kind has (a last group of a kind may have fewer)."""
+    kinds: dict[int | None, list[int]] = {}
+    for layer, window in sorted(enumerate(windows), key=lambda lw: lw[1] is not None):
+        kinds.setdefault(window, []).append(layer)
+    if not kinds:
+        return (LayerGroup(None, ()),)
+    size = min(len(layers) for layers in kinds.values())
+    return tuple(LayerGroup(window, tuple(layers[i:i + size]))
+                 for window, layers in kinds.items() for i in range(0, len(layers), size))
+
+
+@dataclass(frozen=True, slots=True)
 class KVShape:
     """The model's KV of one token. A model split over `shards` ranks (sled serve --tp N) keeps
     kv_heads / shards heads on each rank: a rank's pool holds `local_kv_heads`, while every
@@ -44,6 +80,7 @@ class KVShape:
     head_dim: int
     dtype: torch.dtype
     shards: int = 1
+    windows: tuple[int | None, ...] = ()   # each layer's sliding window kept; (): every token
 
     @property
     def local_kv_heads(self) -> int:
@@ -51,17 +88,49 @@ class KVShape:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        """One token's keys and values in every layer."""
+        return self.layers * self.layer_bytes
+
+    @property
+    def layer_bytes(self) -> int:
+        return 2 * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    @property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        return layer_groups(self.windows or (None,) * self.layers)
+
+    @property
+    def group_layers(self) -> int:
+        """Layers in a group: the tensors the pool keeps (one per place in a group)."""
+        return max(len(group.layers) for group in self.groups)
+
+    @property
+    def slot_bytes(self) -> int:
+        """One slot of the pool: a token's keys and values in one group's layers."""
+        return self.group_layers * self.layer_bytes
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> "KVShape":
-        """The shape of `model`'s KV; split as the model is (transformers' tp_size)."""
+    def of(cls, model: torch.nn.Module, windowed: bool = True) -> "KVShape":
+        """The shape of `model`'s KV; split as the model is (transformers' tp_size);
+        `windowed`: its sliding-window layers keep only their window (a split model keeps
+        every token: its ranks are told one block table a row)."""
         config = model.config.get_text_config(decoder=True)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        shards = getattr(model, "tp_size", None) or 1
+        windows = layer_windows(config) if windowed and shards == 1 else ()
         return cls(config.num_hidden_layers, kv_heads, head_dim, next(model.parameters()).dtype,
-                   getattr(model, "tp_size", None) or 1)
+                   shards, windows)
+
+
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention); () for a model without windows."""
+    types, window = getattr(config, "layer_types", None), getattr(config, "sliding_window", None)
+    if not types or not window or "sliding_attention" not in types:
+        return ()
+    return tuple(window if kind == "sliding_attention" else None
+                 for kind in types[:config.num_hidden_layers])
 
 
 class PoolExhausted(Exception):
@@ -99,20 +168,34 @@ def write_kv(pool_keys: torch.Tensor, pool_values: torch.Tensor, slots: torch.Te
 
 
 class BlockPool:
+    """`row_tokens`: the most entries a step gives one row (the server's max_step_tokens); it
+    bounds the blocks a windowed group's table holds at once. None: windowed groups are
+    reserved as full ones."""
+
     def __init__(self, shape: KVShape, num_blocks: int, block_tokens: int = 16,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", row_tokens: int | None = None) -> None:
         if num_blocks < 2 or block_tokens < 1:
             raise ValueError("the KV pool needs at least two blocks of at least one token")
         self.shape = shape
         self.block_tokens = block_tokens
         self.num_blocks = num_blocks
+        self.row_tokens = row_tokens
+        self.groups = shape.groups
+        self.group_of = [0] * shape.layers          # layer -> its group's index
+        place = [0] * shape.layers                  # layer -> its place in its group
+        for g, group in enumerate(self.groups):
+            for i, layer in enumerate(group.layers):
+                self.group_of[layer], place[layer] = g, i
         slots = num_blocks * block_tokens
-        # Per layer: keys and values [slots, kv_heads, head_dim], every slot zero (block 0 is
-        # the block padding reads, never given to a session; the flex engine reads a row's
-        # last block whole, its unwritten slots masked, and a masked 0 times a NaN is NaN)
-        self.keys = [zeros((slots, shape.local_kv_heads, shape.head_dim), shape.dtype, device)
-                     for _ in range(shape.layers)]
-        self.values = [zeros(k.shape, shape.dtype, device) for k in self.keys]
+        # Per place in a group: keys and values [slots, kv_heads, head_dim], every slot zero
+        # (block 0 is the block padding reads, never given to a session; the flex engine reads
+        # a row's last block whole, its unwritten slots masked, and a masked 0 times a NaN is
+        # NaN). Per layer, its place's tensors (without windows: a tensor per layer).
+        keys = [zeros((slots, shape.local_kv_heads, shape.head_dim), shape.dtype, device)
+                for _ in range(shape.group_layers if shape.layers else 0)]
+        values = [zeros(k.shape, shape.dtype, device) for k in keys]
+        self.keys = [keys[place[layer]] for layer in range(shape.layers)]
+        self.values = [values[place[layer]] for layer in range(shape.layers)]
         self.refs = [0] * num_blocks
         # Free blocks without a published prefix, popped from the end: the last freed first
         # (its pages are resident), never used ones (untouched pages) only after them.
@@ -135,7 +218,11 @@ class BlockPool:
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.block_tokens * self.shape.bytes_per_token
+        return self.num_blocks * self.block_tokens * self.shape.slot_bytes
+
+    @property
+    def windowed(self) -> bool:
+        return any(group.window is not None for group in self.groups)
 
     @property
     def used_blocks(self) -> int:
@@ -147,7 +234,21 @@ class BlockPool:
         return self.used_blocks + self.outstanding
 
     def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_tokens)
+        """Blocks a session of up to `tokens` tokens holds at most, its groups' together."""
+        return sum(self.group_blocks(g, tokens) for g in range(len(self.groups)))
+
+    def group_blocks(self, g: int, tokens: int) -> int:
+        """Blocks group g of a session of up to `tokens` tokens holds at once: all of them, or
+        a windowed group's window and the widest row after it (with a block at either end)."""
+        blocks, window = -(-tokens // self.block_tokens), self.groups[g].window
+        if window is None or self.row_tokens is None:
+            return blocks
+        return min(blocks, self.blocks_for_window(window, self.row_tokens))
+
+    def blocks_for_window(self, window: int, row_tokens: int) -> int:
+        """The most blocks a windowed group holds at once for rows of up to `row_tokens`: its
+        window before the row, the row, and a partial block at either end."""
+        return -(-(window + row_tokens) // self.block_tokens) + 2
 
     # --- reservations --------------------------------------------------------------------------
 
@@ -187,16 +288,29 @@ class BlockPool:
 
     def lookup(self, digests: Sequence[bytes]) -> list[int]:
         """The longest run of published blocks matching `digests`; each gains a reference."""
-        found = []
+        return self.take(digests[:self.found(digests)])
+
+    def found(self, digests: Sequence[bytes]) -> int:
+        """How many of `digests`, from the first, are published (no reference taken)."""
+        for count, digest in enumerate(digests):
+            if digest not in self._cached:
+                return count
+        return len(digests)
+
+    def published(self, digests: Sequence[bytes]) -> list[bool]:
+        """Whether each of `digests` is published (no reference taken)."""
+        return [digest in self._cached for digest in digests]
+
+    def take(self, digests: Sequence[bytes]) -> list[int]:
+        """The published blocks of `digests` (each one published); each gains a reference."""
+        blocks = []
         for digest in digests:
-            block = self._cached.get(digest)
-            if block is None:
-                break
+            block = self._cached[digest]
             if self.refs[block] == 0:
                 del self._free[block]
             self.refs[block] += 1
-            found.append(block)
-        return found
+            blocks.append(block)
+        return blocks
 
     def publish(self, block: int, digest: bytes) -> None:
         """Make a full block findable by the prefix digest it ends (first publisher wins)."""
@@ -220,13 +334,14 @@ class BlockPool:
         if not torch.compiler.is_compiling():   # a compiled step would guard on the count
             self.bytes_written += 2 * tokens * self.keys[0][0].nbytes
 
-    def copy(self, source: torch.Tensor, dest: torch.Tensor) -> None:
-        """Every layer's keys and values at slots `source` [n] written to slots `dest` [n]
-        (read whole before any is written, so the two may overlap)."""
+    def copy(self, source: torch.Tensor, dest: torch.Tensor, group: int = 0) -> None:
+        """Group `group`'s layers' keys and values at slots `source` [n] written to slots
+        `dest` [n] (read whole before any is written, so the two may overlap). Without windows
+        the one group is every layer."""
         if self.followers is not None:
             self.followers.copy(source, dest)
         source, dest = source.to(self.keys[0].device), dest.to(self.keys[0].device)
-        for layer in range(self.shape.layers):
+        for layer in self.groups[group].layers:
             self.write(layer, dest, *self.read(layer, source))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

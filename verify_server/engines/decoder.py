@@ -168,8 +168,13 @@ class AroundAttention:
     outputs back, all inside the layer functions; `attend` is the attention between."""
 
     pool: BlockPool
-    write_slots: torch.Tensor               # [T]: the slot of each new token's keys and values
+    write_slots: tuple[torch.Tensor, ...]   # per layer group of the pool [T]: the slot of each
+                                            # new token's keys and values
     q_index: tuple[torch.Tensor, ...]       # per group [B, W]: each query's packed index, T: padding
+
+    def slots_of(self, layer: int) -> torch.Tensor:
+        """Where `layer` writes the new tokens' keys and values: its layer group's slots."""
+        return self.write_slots[self.pool.group_of[layer]]
 
     def attend(self, layer: int, queries: tuple[torch.Tensor, ...], window: int | None,
                scaling: float | None, softcap: float | None = None) -> list[torch.Tensor]:
@@ -357,12 +362,13 @@ class Decoder:
         before, after = self._functions(compiled, True)
         index = layer.attention.layer_idx
         pool = step.pool
+        write_slots = step.slots_of(index)
         if compiled:
-            _dynamic_tokens(step.write_slots)
+            _dynamic_tokens(write_slots)
             _dynamic_groups(*step.q_index)
         queries = before(hidden, layer.norm_w, layer.qkv_w, layer.qkv_b, layer.q_norm_w,
                          layer.k_norm_w, cos, sin, pool.keys[index], pool.values[index],
-                         step.write_slots, step.q_index, self.dims)
+                         write_slots, step.q_index, self.dims)
         pool.count_written(hidden.shape[0])
         outputs = step.attend(index, queries, layer.window, layer.scaling)
         if compiled:

@@ -46,7 +46,8 @@ from verify_server.engines.flex_check import AttentionShape, refuse_if_unsound, 
 from verify_server.engines.flex_graphs import GraphMemory
 from verify_server.engines.flex_kernels import SPLITS, group_kernel
 from verify_server.engines.flex_plan import (SHORT_WIDTHS, StepLayout, StepShape, common_shapes,
-                                             next_pow2, plan_step, prefill_shapes, step_shape)
+                                             group_suffix, next_pow2, plan_step, prefill_shapes,
+                                             step_shape)
 from verify_server.engines.kv import SessionKV
 from verify_server.engines.rows import Row, sat_inputs
 from verify_server.sdsat import SatSpec
@@ -72,7 +73,7 @@ class FlexStep(AroundAttention):
         self.splits = splits              # how the decode kernel splits a row (flex_kernels)
         self.sms = (torch.cuda.get_device_properties(device).multi_processor_count
                     if device.type == "cuda" else 0)
-        self.layout = StepLayout(shape, kv_width, pool.num_blocks)
+        self.layout = StepLayout(shape, kv_width, pool.num_blocks, len(pool.groups))
         pinned = device.type == "cuda"
         self.host_buffer = torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=pinned)
         self.host = self.layout.views(self.host_buffer.numpy())
@@ -81,7 +82,8 @@ class FlexStep(AroundAttention):
         self.fields = self.layout.views(self.device_buffer)
         self.tokens = shape.tokens
         self.uploaded = None          # the event of an upload still in flight (CUDA)
-        self.write_slots = self.fields["write_slots"]
+        self.write_slots = tuple(self.fields[f"write_slots{group_suffix(k)}"]
+                                 for k in range(len(pool.groups)))
         self.groups = [FlexGroup(self, g, group.width, long=g > 0 or not shape.short)
                        for g, group in enumerate(shape.groups)]
         self.q_index = tuple(group.q_index for group in self.groups)
@@ -92,12 +94,13 @@ class FlexStep(AroundAttention):
         keys = self.pool.keys[layer].permute(1, 0, 2).unsqueeze(0)      # [1, KVH, S, D], a view
         values = self.pool.values[layer].permute(1, 0, 2).unsqueeze(0)
         score_mod = _softcap(softcap) if softcap is not None else None
-        outputs = []
+        outputs, kv_group = [], self.pool.group_of[layer]
         for group, q in zip(self.groups, queries):   # a fixed list per bucket
             heads = q.shape[1]
             outputs.append(group.flex(
                 q, keys.to(q.dtype), values.to(q.dtype), score_mod=score_mod,
-                block_mask=group.block_mask(window, heads // keys.shape[1]), scale=scaling,
+                block_mask=group.block_mask(kv_group, window, heads // keys.shape[1]),
+                scale=scaling,
                 enable_gqa=keys.shape[1] != heads, kernel_options=group.kernel.options))
         return outputs
 
@@ -107,7 +110,8 @@ class FlexStep(AroundAttention):
             view[...] = -1 if name.startswith("table") else 0
             if name.startswith("q_index"):
                 view[...] = self.tokens
-        self.host["write_slots"][...] = trash_slot
+            if name.startswith("write_slots"):
+                view[...] = trash_slot
 
     def upload(self) -> None:
         if self.device_buffer is not self.host_buffer:
@@ -123,8 +127,9 @@ class FlexStep(AroundAttention):
 
 
 class FlexGroup:
-    """One group's views, and its BlockMask per sliding window (built once per bucket: the
-    mask_mod reads the buffers, which each step rewrites in place)."""
+    """One group's views, and its BlockMask per layer group of the pool and sliding window
+    (built once per bucket: the mask_mod reads the buffers, which each step rewrites in
+    place)."""
 
     def __init__(self, step: FlexStep, g: int, width: int, long: bool = False) -> None:
         f = step.fields
@@ -137,11 +142,12 @@ class FlexGroup:
         self.long = long
         self.q_blocks = max(2, -(-width // LONG_Q_BLOCK)) if long else 1
         self.q_index = f[f"q_index{g}"]
-        self.table, self.blocks = f[f"table{g}"], f[f"blocks{g}"]
+        self.tables = [f[f"table{g}{group_suffix(k)}"] for k in range(len(step.pool.groups))]
+        self.table, self.blocks = self.tables[0], f[f"blocks{g}"]
         self.starts, self.widths = f[f"starts{g}"], f[f"widths{g}"]
         self.qpos, self.seen = f[f"qpos{g}"], f[f"seen{g}"]
         self.block_pos = f["block_pos"]
-        self.masks: dict[int | None, BlockMask] = {}
+        self.masks: dict[tuple[int, int | None], BlockMask] = {}
         # Full blocks pay only where the kernel walks a row's blocks unsplit (flex_kernels): with
         # fewer rows x KV heads than the GPU has multiprocessors flex splits them by pool length,
         # and the full-block lists then cost more than the mask they save (H200, llama-8b: 16
@@ -151,30 +157,31 @@ class FlexGroup:
                                    full_blocks=step.full_blocks, splits=step.splits)
         self.full = self.kernel.full_blocks
 
-    def block_mask(self, window: int | None, heads_per_kv: int) -> BlockMask:
-        if window not in self.masks:
+    def block_mask(self, kv_group: int, window: int | None, heads_per_kv: int) -> BlockMask:
+        """The BlockMask of the pool's layer group `kv_group` (its table) at `window`."""
+        if (kv_group, window) not in self.masks:
             pool = self.step.pool
             rows = self.table.shape[0]
             # copies of the block lists (the table's -1 padding clamped: entries past a count are
             # never read): a mask_mod must not capture the BlockMask's own tensors
-            partial, indices, full, full_indices = (self.per_q_block(t)
-                                                    for t in self.block_lists(window))
+            partial, indices, full, full_indices = (
+                self.per_q_block(t) for t in self.block_lists(kv_group, window))
             q_block = (LONG_Q_BLOCK if self.long
                        else max(LONG_Q_BLOCK, next_pow2(self.width * heads_per_kv)))
-            self.masks[window] = BlockMask.from_kv_blocks(
+            self.masks[kv_group, window] = BlockMask.from_kv_blocks(
                 partial, indices, *((full, full_indices) if full is not None else ()),
                 BLOCK_SIZE=(q_block, pool.block_tokens),
-                mask_mod=self.mask_mod(window),
+                mask_mod=self.mask_mod(kv_group, window),
                 seq_lengths=(self.width, pool.num_blocks * pool.block_tokens),
                 compute_q_blocks=False)
-        return self.masks[window]
+        return self.masks[kv_group, window]
 
-    def block_lists(self, window: int | None):
+    def block_lists(self, kv_group: int, window: int | None):
         """(blocks whose every key the mask_mod decides, their pool indices, blocks every query
         of the row sees whole, theirs) per row. Full blocks are the row's committed context
         before its new entries' block (with no sliding window): flex skips the mask there. With
         full blocks off (or a window), every block is decided by the mask_mod: (.., None, None)."""
-        table = self.table.clamp(min=0)
+        table = self.tables[kv_group].clamp(min=0)
         if window is not None or not self.full:
             return self.blocks.clone(), table, None, None
         full = torch.minimum(self.starts // self.step.pool.block_tokens, self.blocks)
@@ -193,16 +200,16 @@ class FlexGroup:
 
     def refresh(self) -> None:
         """After a new plan: the BlockMasks hold copies of the block lists."""
-        for window, mask in self.masks.items():
-            partial, indices, full, full_indices = self.block_lists(window)
+        for (kv_group, window), mask in self.masks.items():
+            partial, indices, full, full_indices = self.block_lists(kv_group, window)
             mask.kv_num_blocks.copy_(partial[:, None, None])       # broadcast over q blocks
             mask.kv_indices.copy_(indices[:, None, None])
             if full is not None:
                 mask.full_kv_num_blocks.copy_(full[:, None, None])
                 mask.full_kv_indices.copy_(full_indices[:, None, None])
 
-    def mask_mod(self, window: int | None):
-        table, block_pos, blocks = self.table, self.block_pos, self.blocks
+    def mask_mod(self, kv_group: int, window: int | None):
+        table, block_pos, blocks = self.tables[kv_group], self.block_pos, self.blocks
         starts, widths, qpos, seen = self.starts, self.widths, self.qpos, self.seen
         bt, width, last = self.step.pool.block_tokens, self.width, self.table.shape[1] - 1
 
@@ -231,7 +238,7 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling=No
                                       scaling=scaling, sliding_window=sliding_window,
                                       softcap=softcap, **kwargs)
     step, layer = sled_flex, module.layer_idx
-    step.pool.write(layer, step.write_slots.long(), key[0].transpose(0, 1),
+    step.pool.write(layer, step.slots_of(layer).long(), key[0].transpose(0, 1),
                     value[0].transpose(0, 1))
     queries = gather_queries(query[0].transpose(0, 1), step.q_index)
     outputs = step.attend(layer, queries, sliding_window, scaling, softcap)
@@ -418,7 +425,8 @@ class FlexEngine(Engine):
         """The step graphs captured so far and about the memory they hold (flex_graphs); none
         off CUDA, where a step is compiled, never captured."""
         shapes = list(self.captured) if self.device.type == "cuda" else []
-        return flex_graphs.estimate(self.model, shapes, self.kv_width, self.pool.num_blocks)
+        return flex_graphs.estimate(self.model, shapes, self.kv_width, self.pool.num_blocks,
+                                    len(self.pool.groups))
 
     def graph_bound(self, max_rows: int, max_step_tokens: int) -> GraphMemory:
         """The most step graphs steps of up to `max_rows` rows and `max_step_tokens` tokens
@@ -426,7 +434,7 @@ class FlexEngine(Engine):
         if not (self.graphs and self.device.type == "cuda"):
             return GraphMemory(0, 0)
         return flex_graphs.bound(self.model, max_rows, max_step_tokens, self.kv_width,
-                                 self.pool.num_blocks)
+                                 self.pool.num_blocks, len(self.pool.groups))
 
     def replayable(self, rows: Sequence[Row]) -> bool:
         """Whether a step of these rows replays a captured graph: graphs on, no SAT slot, no

@@ -34,23 +34,25 @@ class GraphMemory:
 
 
 def estimate(model: torch.nn.Module, shapes: Iterable[StepShape], kv_width: int,
-             num_blocks: int) -> GraphMemory:
-    """The memory the step graphs of these buckets hold: each one's outputs and plan buffer,
-    and one layer's activations of the largest (the shared pool)."""
+             num_blocks: int, kv_groups: int = 1) -> GraphMemory:
+    """The memory the step graphs of these buckets hold: each one's outputs and plan buffer
+    (a table per layer group of the pool), and one layer's activations of the largest (the
+    shared pool)."""
     shapes = list(shapes)
     if not shapes:
         return GraphMemory(0, 0)
     kept, layer = _per_token(model)
-    plans = sum(StepLayout(shape, kv_width, num_blocks).size * 4 for shape in shapes)
+    plans = sum(StepLayout(shape, kv_width, num_blocks, kv_groups).size * 4 for shape in shapes)
     tokens = [shape.tokens for shape in shapes]
     return GraphMemory(len(shapes), sum(tokens) * kept + plans + max(tokens) * layer)
 
 
 def bound(model: torch.nn.Module, max_rows: int, max_step_tokens: int, kv_width: int,
-          num_blocks: int) -> GraphMemory:
+          num_blocks: int, kv_groups: int = 1) -> GraphMemory:
     """The most graphs steps of up to `max_rows` rows and `max_step_tokens` tokens capture, and
     their memory (`estimate`)."""
-    return estimate(model, graphable_shapes(max_rows, max_step_tokens), kv_width, num_blocks)
+    return estimate(model, graphable_shapes(max_rows, max_step_tokens), kv_width, num_blocks,
+                    kv_groups)
 
 
 def _per_token(model: torch.nn.Module) -> tuple[int, int]:

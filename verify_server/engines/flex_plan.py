@@ -21,13 +21,17 @@ field's place), so a step is one host-to-device copy into the bucket's static de
 
     ids, positions, write_slots      [T]      the packed input and where its KV goes
     per group: q_index [B, W]        packed index of each query (T: padding, a zero query)
-               table   [B, kv_width] logical block -> physical block (-1 past the row's blocks)
+               table   [B, kv_width] logical block -> physical block (-1 past the row's blocks,
+                                     and where a windowed layer group dropped one)
                blocks  [B]           blocks the row reads (context and its new entries)
                starts  [B]           committed length (the new entries' first place)
                widths  [B]           new entries (0: a padding row)
                qpos    [B, W]        position id of each new entry
                seen    [B, W, W]     new entry i sees new entry j (1/0)
     block_pos                [blocks] logical index of each physical block in its row's table
+
+A pool with layer groups (`BlockPool.groups`: sliding windows) has a write_slots and a table
+per layer group: those of group k > 0 are named with the suffix `_k{k}` (`group_suffix`).
 
 Rows are planned with numpy and their Python lists, no torch call per row; their positions and
 visibility come from `visibility.plan` (chains for all rows at once, branched rows one by one).
@@ -125,8 +129,10 @@ def prefill_shapes(max_step_tokens: int) -> list[StepShape]:
 class StepLayout:
     """Where each field of a bucket's steps sits in the flat int32 buffer."""
 
-    def __init__(self, shape: StepShape, kv_width: int, num_blocks: int) -> None:
+    def __init__(self, shape: StepShape, kv_width: int, num_blocks: int,
+                 kv_groups: int = 1) -> None:
         self.shape, self.kv_width, self.num_blocks = shape, kv_width, num_blocks
+        self.kv_groups = kv_groups
         self.fields: dict[str, tuple[int, tuple[int, ...]]] = {}
         size = 0
 
@@ -136,13 +142,16 @@ class StepLayout:
             size += int(np.prod(dims))
 
         T = shape.tokens
-        for name in ("ids", "positions", "write_slots"):
+        for name in ("ids", "positions"):
             add(name, (T,))
+        for k in range(kv_groups):
+            add(f"write_slots{group_suffix(k)}", (T,))
         add("block_pos", (num_blocks,))
         for g, group in enumerate(shape.groups):
             B, W = group.rows, group.width
             add(f"q_index{g}", (B, W))
-            add(f"table{g}", (B, kv_width))
+            for k in range(kv_groups):
+                add(f"table{g}{group_suffix(k)}", (B, kv_width))
             for name in ("blocks", "starts", "widths"):
                 add(f"{name}{g}", (B,))
             add(f"qpos{g}", (B, W))
@@ -153,6 +162,11 @@ class StepLayout:
         """Each field as a view of `flat` (a numpy array or a torch tensor of self.size)."""
         return {name: flat[start:start + int(np.prod(dims))].reshape(dims)
                 for name, (start, dims) in self.fields.items()}
+
+
+def group_suffix(k: int) -> str:
+    """The suffix of layer group k's write_slots and tables in a StepLayout."""
+    return f"_k{k}" if k else ""
 
 
 def plan_step(rows, layout: StepLayout, host: dict[str, np.ndarray], block_tokens: int,
@@ -169,10 +183,12 @@ def plan_step(rows, layout: StepLayout, host: dict[str, np.ndarray], block_token
     if total > T:
         raise ValueError(f"{total} tokens do not fit the bucket's {T}")
 
-    ids, positions, write_slots = host["ids"], host["positions"], host["write_slots"]
+    ids, positions = host["ids"], host["positions"]
     ids[:] = 0
     positions[:] = 0
-    write_slots[:] = trash_slot
+    suffixes = [group_suffix(k) for k in range(layout.kv_groups)]
+    for sfx in suffixes:
+        host[f"write_slots{sfx}"][:] = trash_slot
     block_pos = host["block_pos"]
 
     short = widths <= SHORT_WIDTHS[-1]
@@ -184,16 +200,18 @@ def plan_step(rows, layout: StepLayout, host: dict[str, np.ndarray], block_token
     for row, offset in zip(rows, offsets):
         ids[offset:offset + len(row.tokens)] = row.tokens    # SAT slots stay 0: embeddings later
     for g in range(len(members)):
-        table = host[f"table{g}"]
-        listed = table >= 0
-        block_pos[table[listed]] = np.broadcast_to(np.arange(table.shape[1]), table.shape)[listed]
         q = host[f"q_index{g}"]
         live = q < T
         rows_of = np.broadcast_to(np.arange(q.shape[0])[:, None], q.shape)[live]
         entry = np.broadcast_to(np.arange(q.shape[1])[None, :], q.shape)[live]
         logical = host[f"starts{g}"][rows_of] + entry            # where the entry's KV goes
         positions[q[live]] = host[f"qpos{g}"][live]
-        write_slots[q[live]] = host[f"table{g}"][rows_of, logical // bt] * bt + logical % bt
+        for sfx in suffixes:
+            table = host[f"table{g}{sfx}"]
+            listed = table >= 0
+            block_pos[table[listed]] = np.broadcast_to(np.arange(table.shape[1]),
+                                                       table.shape)[listed]
+            host[f"write_slots{sfx}"][q[live]] = table[rows_of, logical // bt] * bt + logical % bt
 
 
 def _plan_group(layout: StepLayout, g: int, rows, starts, widths, offsets, bt: int,
@@ -203,19 +221,23 @@ def _plan_group(layout: StepLayout, g: int, rows, starts, widths, offsets, bt: i
     kv_width, T = layout.kv_width, layout.shape.tokens
     W = layout.shape.groups[g].width
     n = len(rows)
-    q_index, table = host[f"q_index{g}"], host[f"table{g}"]
+    q_index = host[f"q_index{g}"]
     blocks, starts_out, widths_out = host[f"blocks{g}"], host[f"starts{g}"], host[f"widths{g}"]
     qpos, seen = host[f"qpos{g}"], host[f"seen{g}"]
     cols = np.arange(W)
     inside = cols[None, :] < widths[:, None]                              # [n, W]
     q_index[:] = T
     q_index[:n] = np.where(inside, offsets[:, None] + cols[None, :], T)
-    table[:] = -1
-    for b, row in enumerate(rows):
-        if len(row.kv.table) > kv_width:
-            raise ValueError(f"a row of {len(row.kv.table)} blocks passes the step's "
-                             f"{kv_width} (the engine's kv_width)")
-        table[b, :len(row.kv.table)] = row.kv.table
+    for k in range(layout.kv_groups):
+        table = host[f"table{g}{group_suffix(k)}"]
+        table[:] = -1
+        for b, row in enumerate(rows):
+            blocks_k = row.kv.tables[k]
+            if len(blocks_k) > kv_width:
+                raise ValueError(f"a row of {len(blocks_k)} blocks passes the step's "
+                                 f"{kv_width} (the engine's kv_width)")
+            table[b, :len(blocks_k)] = blocks_k
+        table[table == 0] = -1        # a block a windowed group dropped (kv.DROPPED): none read
     blocks[:] = 0
     blocks[:n] = -(-(starts + widths) // bt)
     starts_out[:] = 0

@@ -35,7 +35,8 @@ class _Group:
     """Rows attended together: their queries padded to one width and their slots to one length."""
     q_index: torch.Tensor     # [B, W] packed position of each query (padding -> T, a zero query)
     q_valid: torch.Tensor     # [B, W]
-    read_slots: torch.Tensor  # [B, L] pool slots of each row's context (padding -> the zero slot)
+    read_slots: tuple[torch.Tensor, ...]  # per layer group [B, L]: pool slots of each row's
+                                          # context (padding, a dropped block -> the zero block)
     query_pos: torch.Tensor   # [B, W] position id of each query
     starts: torch.Tensor      # [B] committed length: where the row's new entries begin
     widths: torch.Tensor      # [B] new entries
@@ -51,7 +52,7 @@ class _Group:
         """visibility.attends at every (query, key) of the group: keys by their place in the
         row, new entries by their position id."""
         rows, width = self.q_index.shape
-        keys = torch.arange(self.read_slots.shape[1], device=self.read_slots.device)
+        keys = torch.arange(self.read_slots[0].shape[1], device=self.q_index.device)
         new = keys[None, None, :] - self.starts[:, None, None]               # [B, 1, L]
         entry = new.clamp(0, width - 1)
         seen = torch.gather(self.seen, 2, entry.expand(rows, width, -1))     # [B, W, L]
@@ -68,7 +69,7 @@ class _Step(AroundAttention):
     """sled's forward writes the KV, gathers the queries and scatters the outputs inside its
     layer functions (`AroundAttention`); `attend` reads each group's slots out of the pool."""
     pool: BlockPool
-    write_slots: torch.Tensor   # [T]
+    write_slots: tuple[torch.Tensor, ...]   # per layer group [T]
     groups: list[_Group]
     tokens: int
     q_index: tuple[torch.Tensor, ...] = ()
@@ -79,9 +80,9 @@ class _Step(AroundAttention):
     def attend(self, layer: int, queries, window: int | None, scaling: float | None,
                softcap: float | None = None) -> list[torch.Tensor]:
         """Each group's queries [B, H, W, D] over its rows' slots, gathered, with its mask."""
-        outputs = []
+        outputs, kv_group = [], self.pool.group_of[layer]
         for group, q in zip(self.groups, queries):
-            k, v = self.pool.read(layer, group.read_slots)                # [B, L, KVH, D]
+            k, v = self.pool.read(layer, group.read_slots[kv_group])      # [B, L, KVH, D]
             k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
             mask = group.mask(window)
             if softcap is None:
@@ -104,7 +105,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                                       **kwargs)
     step, layer = sled_step, module.layer_idx
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)   # [T, KVH, D]
-    step.pool.write(layer, step.write_slots, new_k, new_v)
+    step.pool.write(layer, step.slots_of(layer), new_k, new_v)
     queries = gather_queries(query[0].transpose(0, 1), step.q_index)
     outputs = step.attend(layer, queries, sliding_window, scaling, softcap)
     return scatter_outputs(outputs, step.q_index, step.tokens)[None], None
@@ -155,13 +156,16 @@ class PagedEngine(Engine):
         return StepLogits(logits[0], spans)
 
     def _plan(self, rows: Sequence[Row]):
-        ids, writes, offsets = [], [], []
+        ids, offsets = [], []
+        kv_groups = range(len(self.pool.groups))
+        writes = [[] for _ in kv_groups]
         offset = 0
         for row in rows:
             start, n = row.kv.length, row.width
             ids.extend(row.tokens)
             ids.extend([0] * (n - len(row.tokens)))  # placeholders: their embeddings are the SATs'
-            writes.append(row.kv.slots(start, start + n))
+            for g in kv_groups:
+                writes[g].append(row.kv.slots(start, start + n, g))
             offsets.append(offset)
             offset += n
         short = [b for b, row in enumerate(rows) if row.width <= SHORT_ROW]
@@ -170,7 +174,8 @@ class PagedEngine(Engine):
         groups = [self._group([rows[b] for b in members], [offsets[b] for b in members], positions,
                               offset)
                   for members in ([short] if short else []) + long]
-        step = _Step(self.pool, torch.cat(writes).to(self.device), groups, offset)
+        step = _Step(self.pool, tuple(torch.cat(w).to(self.device) for w in writes), groups,
+                     offset)
         return step, torch.tensor(ids, dtype=torch.long), positions, sat_inputs(rows)
 
     def _group(self, rows: Sequence[Row], offsets: Sequence[int],
@@ -183,13 +188,16 @@ class PagedEngine(Engine):
         query_pos, seen = visibility.plan(rows, starts, widths, width)
         q_index = torch.full((len(rows), width), tokens, dtype=torch.long)
         q_valid = torch.zeros(len(rows), width, dtype=torch.bool)
-        read_slots = torch.zeros(len(rows), length, dtype=torch.long)  # slot 0: the zero block
+        kv_groups = range(len(self.pool.groups))
+        # slot 0: the zero block
+        read_slots = [torch.zeros(len(rows), length, dtype=torch.long) for _ in kv_groups]
         for b, (row, offset, start, n) in enumerate(zip(rows, offsets, starts, widths)):
             q_index[b, :n] = torch.arange(offset, offset + n)
             q_valid[b, :n] = True
             positions[offset:offset + n] = torch.from_numpy(query_pos[b, :n])
-            read_slots[b, :start + n] = row.kv.slots(0, start + n)
+            for g in kv_groups:
+                read_slots[g][b, :start + n] = row.kv.slots(0, start + n, g)
         dev = self.device
-        return _Group(q_index.to(dev), q_valid.to(dev), read_slots.to(dev),
+        return _Group(q_index.to(dev), q_valid.to(dev), tuple(r.to(dev) for r in read_slots),
                       torch.from_numpy(query_pos).to(dev), torch.from_numpy(starts).to(dev),
                       torch.from_numpy(widths).to(dev), torch.from_numpy(seen).to(dev))
