@@ -185,3 +185,33 @@ async def test_a_windowed_server_matches_generate_for_sessions_past_the_window(
     for result, prompt in zip(results, prompts):
         assert result.token_ids == greedy_reference(model, prompt, 16)
 
+
+def test_the_simulator_charges_a_windowed_pool_as_the_server_keeps_it():
+    """A Gemma 3 4B profile's simulated pool keeps only the windows (of the same memory), so
+    more 8k sessions fit it than with --no-kv-windows; a Llama profile's has no windows."""
+    from lab.sim.engine import bookkeeping_pool
+    from lab.sim.server import kv_windows
+    from verify_server.settings import ServerSettings
+    from verify_server.step_costs import load_profile
+
+    gemma, llama = load_profile("h200-gemma3-4b-sled-forward"), load_profile("h200-llama8b-flex-graph")
+    on, off = ServerSettings(), ServerSettings(kv_windows=False)
+    windows = kv_windows(gemma, on)
+    assert len(windows) == 34 and windows.count(None) == 5 and set(windows) == {None, 1024}
+    assert kv_windows(gemma, off) == () == kv_windows(llama, on)
+
+    def sessions(windows):
+        pool = bookkeeping_pool(100_000, 16, windows, 2048)
+        count = 0
+        while True:
+            kv = SessionKV(pool)
+            try:
+                kv.admit([], 8192, b"")
+            except PoolExhausted:
+                return count
+            kv.narrow(40)            # its prompt in: what the server gives back
+            count += 1
+
+    assert sessions(()) == 12           # 100,000 tokens of every layer's KV, 8,192 a session
+    assert sessions(windows) >= 2.5 * sessions(())
+

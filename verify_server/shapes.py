@@ -41,6 +41,26 @@ TIED = {"gemma3_text"}
 NORMS = {"llama": (2, 0), "gemma3_text": (4, 2)}
 
 
+SLIDING_PER_GLOBAL = 5      # Gemma 3: five sliding-window layers, then one global layer
+
+
+def layer_types(layers: int) -> list[str]:
+    """Gemma 3's pattern: layer_types(6) == 5 x "sliding_attention" + ["full_attention"]."""
+    period = SLIDING_PER_GLOBAL + 1
+    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
+
+
+def windows(name: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window in the shape (None: full attention); () for a shape without
+    windows. What a windowed KV pool keeps of each layer (verify_server.engines.blocks)."""
+    _, f = SHAPES[name]
+    window = f.get("sliding_window")
+    if not window:
+        return ()
+    types = f.get("layer_types") or layer_types(f["num_hidden_layers"])
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
 def shape_of(model: str) -> str | None:
     """The shape a profile's model names ("llama-8b (the shape of ...)" -> "llama-8b"), if any."""
     name = model.split(" ", 1)[0] if model else ""

@@ -19,9 +19,9 @@ import torch
 from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
 from sled.models import hf_checkpoint
+from verify_server.shapes import layer_types
 
 PREFIX = "synthetic:"
-SLIDING_PER_GLOBAL = 5      # Gemma 3: five sliding-window layers, then one global layer
 SEED = 0
 
 # name -> Gemma3TextConfig fields that differ from the 270M's
@@ -55,12 +55,6 @@ def shape_of(model_id: str) -> dict:
         raise ValueError(f"unknown synthetic target {model_id!r}: use synthetic:NAME with NAME "
                          f"one of {', '.join(SHAPES)}")
     return SHAPES[name]
-
-
-def layer_types(layers: int) -> list[str]:
-    """Gemma 3's pattern: layer_types(6) == 5 x "sliding_attention" + ["full_attention"]."""
-    period = SLIDING_PER_GLOBAL + 1
-    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
 
 
 def synthetic_config(model_id: str):

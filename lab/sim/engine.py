@@ -95,11 +95,17 @@ class ScriptMissing(LookupError):
     """A session opened with a prompt the simulation has no script for."""
 
 
-def bookkeeping_pool(tokens: int, block_tokens: int) -> BlockPool:
-    """A pool of `tokens` (rounded up to whole blocks) that holds no keys or values: the
-    server's admission and block accounting without the memory."""
-    blocks = -(-tokens // block_tokens) + 1       # and the zero block no session gets
-    return BlockPool(KVShape(0, 1, 1, torch.bfloat16), blocks, block_tokens)
+def bookkeeping_pool(tokens: int, block_tokens: int, windows: tuple[int | None, ...] = (),
+                     row_tokens: int | None = None) -> BlockPool:
+    """A pool of the memory `tokens` of every layer's KV take (rounded up to whole blocks) that
+    holds no keys or values: the server's admission and block accounting without the memory.
+    With `windows` (each layer's sliding window, verify_server.shapes.windows) its windowed
+    layers keep only their window, as a server's pool of those bytes does (rows of up to
+    `row_tokens` entries): the same memory is then more slots, each one group's layers'."""
+    shape = KVShape(len(windows), 1, 0, torch.bfloat16, windows=windows)
+    slots = tokens * max(shape.layers, 1) // max(shape.group_layers, 1)
+    blocks = -(-slots // block_tokens) + 1       # and the zero block no session gets
+    return BlockPool(shape, blocks, block_tokens, row_tokens=row_tokens)
 
 
 class ScriptedKV(SessionKV):

@@ -25,6 +25,7 @@ from verify_server.scheduler import Outcome, Scheduler, Work, run_step
 from verify_server.sdsat import SatSpec
 from verify_server.service import VerifierService
 from verify_server.settings import ServerSettings
+from verify_server.shapes import shape_of, windows
 from verify_server.step_costs import StepProfile
 from verify_server.target import Target
 
@@ -86,6 +87,13 @@ def kv_tokens(profile: StepProfile, settings: ServerSettings) -> int:
                      "(memory_bytes, weight_bytes, kv_bytes_per_token)")
 
 
+def kv_windows(profile: StepProfile, settings: ServerSettings) -> tuple[int | None, ...]:
+    """Each layer's sliding window of the profile's model, where its pool keeps only the
+    window (--kv-windows, a model of a known shape with windows); () otherwise."""
+    shape = shape_of(str(profile.provenance.get("model", "")))
+    return windows(shape) if settings.kv_windows and shape is not None else ()
+
+
 def head_slots(drafts: SelfDraft | None) -> SatSpec | None:
     """The SAT slots a self-drafting simulated target carries: one per guess of its head (their
     ids are never read: the engine answers them from the scripts)."""
@@ -105,7 +113,8 @@ def simulated_server(profile: StepProfile, settings: ServerSettings,
     traces carry one; calibrated ones none); `drafts`: a target that drafts for itself
     (GENERATION_MODE_SERVER_SAT sessions), with the draft head `drafts` simulates."""
     metrics = Metrics()
-    pool = bookkeeping_pool(kv_tokens(profile, settings), settings.kv_block_tokens)
+    pool = bookkeeping_pool(kv_tokens(profile, settings), settings.kv_block_tokens,
+                            kv_windows(profile, settings), settings.max_step_tokens)
     engine = ScriptedEngine(profile, pool, scripts, host, drafts=drafts, vocab_size=vocab_size)
     target = Target(model=None, tokenizer=None, model_id=f"simulated:{profile.name}",
                     vocab_size=vocab_size, eos_ids=(), context_length=context_length,
