@@ -69,6 +69,9 @@ COMMANDS = {
         "publish-profile": Command("lab.bench.publish", "a PUBLISHED step-cost profile of vLLM "
                                    "or SGLang: their published figures for Llama 3.1 8B, on "
                                    "an H100 or moved to an H200 by its roofline"),
+        "kv-windows": Command("lab.bench.kv_windows", "sessions a GPU's KV memory holds per "
+                              "context, sliding-window layers keeping their window or every "
+                              "token"),
         "engine": Command("lab.bench.engine",
                           "paged engine vs the padded fallback as contexts grow", needs=SERVER_LAB),
         "drafting": Command("lab.bench.drafting", "the drafters side by side, chains and trees "

@@ -29,6 +29,8 @@ BAD_VALUES = [
     ("derive-profile", "--shape", "llama-405b"), ("derive-profile", "--gpu", "B200"),
     ("derive-profile", "--weight-dtype", "int3"),
     ("publish-profile", "--engine", "trt-llm"), ("publish-profile", "--gpu", "A100"),
+    ("kv-windows", "--contexts", "512,0"), ("kv-windows", "--answer", "0"),
+    ("kv-windows", "--max-step-tokens", "x"),
     ("drafter", "--reps", "0"), ("drafter", "--tokens", "0"), ("drafter", "--draft-len", "0"),
     ("drafter", "--threads", "0"), ("drafter", "--accept", "-1"),
     ("drafting", "--draft-len", "0"), ("drafting", "--tree", "0"), ("drafting", "--max-new-tokens", "0"),

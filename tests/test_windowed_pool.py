@@ -215,3 +215,16 @@ def test_the_simulator_charges_a_windowed_pool_as_the_server_keeps_it():
     assert sessions(()) == 12           # 100,000 tokens of every layer's KV, 8,192 a session
     assert sessions(windows) >= 2.5 * sessions(())
 
+
+
+def test_the_bench_counts_sessions_with_and_without_windows(capsys):
+    """`sled bench kv-windows` on an H200's memory with Gemma 3 4B: at 8k more than three times
+    the sessions; a model without windows is one line and exit 2."""
+    from conftest import run_main
+
+    code, out, _ = run_main(capsys, "bench", "kv-windows", "--contexts", "8192")
+    row = next(line for line in out.splitlines() if "8192" in line)
+    before, after = (int(cell) for cell in row.replace("│", " ").split()[1:3])
+    assert code == 0 and (before, after) == (111, 418)
+    code, _, err = run_main(capsys, "bench", "kv-windows", "--profile", "h200-llama8b-flex-graph")
+    assert code == 2 and "no sliding-window layers" in err and len(err.strip().splitlines()) == 1
