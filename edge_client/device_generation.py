@@ -116,6 +116,7 @@ class RequestRunner:
                 return
             raise _failure(exc, current["server"]) from None
         metrics.resumes.inc(result.resumes)
+        metrics.count_placements(result.placements, result.moves)
         queue.put_nowait(Chunk([], result.finish_reason))
 
     async def drafted(self, server: Server, generation: Generation, reopen: Callable[[], object]):

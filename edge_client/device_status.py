@@ -53,6 +53,13 @@ class DeviceMetrics:
         self.resumes = Counter("sled_device_resumes", "Sessions reopened after a lost server",
                                registry=r)
         self.active = Gauge("sled_device_active_sessions", "Requests being generated", registry=r)
+        # where the server placed this device's sessions (Verdict.placement): tokens by where
+        # they came from, and the moves
+        self.placed_tokens = Counter("sled_device_placed_tokens", "Tokens by where they came "
+                                     "from: device (its drafts), server or server_sat",
+                                     ["placement"], registry=r)
+        self.moves = Counter("sled_device_placement_moves", "Times the server moved one of this "
+                             "device's sessions between its drafting and its own", registry=r)
         self.round_trip = Histogram("sled_device_round_trip_seconds", "Draft sent -> verdict",
                                     registry=r)
         self.draft_seconds = Histogram("sled_device_draft_seconds", "Drafting time per round",
@@ -80,6 +87,12 @@ class DeviceMetrics:
             self.position_accepted.labels(str(position)).inc()
         self.round_trip.observe(stat.round_trip_ms / 1e3)
         self.draft_seconds.observe(stat.draft_ms / 1e3)
+
+    def count_placements(self, placements: dict[str, int], moves: int) -> None:
+        """A finished session's tokens by placement, and its moves (GenerationResult)."""
+        for placement, tokens in placements.items():
+            self.placed_tokens.labels(placement).inc(tokens)
+        self.moves.inc(moves)
 
     def count_paced(self, late: bool) -> None:
         """One draft paced to the emulated board's speed; late: this machine made it late."""

@@ -13,6 +13,9 @@ INTERRUPTED = "interrupted"      # the user stopped it (Ctrl-C)
 SERVER_LOST = "server_lost"      # the server went away and none came back in time
 SERVER_SILENT = "server_silent"  # the server went silent past its retries (ServerSilent)
 SERVER_FAILED = "server_failed"  # ... or dropped the session without a verdict (ServerGivenUp)
+# Where a verdict's tokens came from (Verdict.placement moves a movable session between them).
+PLACEMENT_NAMES = {pb.GENERATION_MODE_DEVICE_DRAFTS: "device", pb.GENERATION_MODE_SERVER: "server",
+                   pb.GENERATION_MODE_SERVER_SAT: "server_sat"}
 # What a session tells about its server mid-session (ServerEvent.kind).
 LOST = "lost"          # the server went away: the session waits for it or another
 RESUMED = "resumed"    # a server took the session back where its committed tokens end
@@ -56,6 +59,10 @@ class GenerationResult:
     text: str = ""
     loose: bool = False            # opened with loose verification: NOT the target's own output
     loose_accepted: int = 0        # draft tokens the server kept against the target's own token
+    # tokens by where they came from ("device": its drafts verified; "server", "server_sat": the
+    # server's own passes), and the times the server moved the session
+    placements: dict[str, int] = field(default_factory=dict)
+    moves: int = 0
     round_stats: list[RoundStat] = field(default_factory=list)
     # (verified, accepted) of every verdict, device drafts or the server's SAT guesses alike
     judged: list[tuple[int, int]] = field(default_factory=list)
@@ -63,10 +70,14 @@ class GenerationResult:
     # token; the tokens of one verdict share it)
     token_times: list[float] = field(default_factory=list)
 
-    def add(self, verdict: pb.Verdict, started: float) -> bool:
+    def add(self, verdict: pb.Verdict, started: float,
+            placement: int = pb.GENERATION_MODE_DEVICE_DRAFTS) -> bool:
         """Count one verdict's tokens and stats (arrival stamped against `started`, a
-        clock.now() time); True when the verdict ends the session."""
+        clock.now() time; `placement`: where they came from); True when the verdict ends the
+        session."""
         self.rounds += 1
+        name = PLACEMENT_NAMES[placement]
+        self.placements[name] = self.placements.get(name, 0) + len(verdict.emitted_ids)
         self.server_forward_ms += verdict.timings.forward_ms
         self.draft_tokens += verdict.verified        # device drafts, or the server's SAT guesses
         self.accepted_tokens += verdict.accepted

@@ -87,7 +87,7 @@ class ServerSideSession:
         check_verdict(verdict, Asked(self.step, self.request.left(self.result.token_ids),
                                      self.vocab_size))
         self.step += 1
-        finished = self.result.add(verdict, started)
+        finished = self.result.add(verdict, started, self.request.mode)
         if self.on_tokens is not None:
             self.on_tokens(list(verdict.emitted_ids))
         return finished

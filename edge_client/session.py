@@ -203,6 +203,9 @@ class DeviceSession:
         # verdict came (None after an open: the next turn begins when drafting does)
         self.started = self.turn_at = self.sent_at = 0.0
         self.verdict_at: float | None = None
+        self.placement = pb.GENERATION_MODE_DEVICE_DRAFTS   # where the tokens come from now
+        # the server may move it (Open.movable; never a loose session)
+        self.movable = bool(request.movable and request.loose is None)
 
     @property
     def context(self) -> list[int]:
@@ -215,6 +218,10 @@ class DeviceSession:
         try:
             await self.open(resuming=self.hooks.reopen_on is not None)
             while True:
+                if self.placement != pb.GENERATION_MODE_DEVICE_DRAFTS:   # the server serves it
+                    if await self.served():
+                        break
+                    continue
                 draft = await self.next_draft()
                 verdict = await self.exchange(draft)
                 if verdict is not None and await self.commit(draft, verdict):
@@ -254,11 +261,16 @@ class DeviceSession:
             self.request = replace(self.request, fingerprint=fingerprint)
         opening = self.request.open_message(self.result.token_ids)
         try:
-            return await open_stream(self.transport, self.stub, opening, self.settings.timeout,
-                                     connect_s, self.settings.open_timeout_s)
+            stream = await open_stream(self.transport, self.stub, opening, self.settings.timeout,
+                                       connect_s, self.settings.open_timeout_s)
         except Silence as silence:
             self.reconnect.strikes.add(self.stub, silence)
             raise
+        self.placement = pb.GENERATION_MODE_DEVICE_DRAFTS      # a new open drafts, unless
+        opened = stream.opened                                  # the server serves it at once
+        if self.movable and opened.HasField("placement"):
+            self.moved(opened.placement)
+        return stream
 
     async def reopen(self, lost: bool) -> Stream:
         """Attempts with backoff until reconnect_s has passed (Reconnect.reopen)."""
@@ -321,7 +333,7 @@ class DeviceSession:
         self.verdict_at = clock.now()   # the device's next turn starts here
         check_verdict(verdict, Asked(self.round, self.request.left(self.result.token_ids),
                                      self.vocab_size, draft.proposal, lookahead,
-                                     self.request.loose is not None))
+                                     self.request.loose is not None, self.movable))
         return verdict
 
     async def commit(self, draft: Draft, verdict: pb.Verdict) -> bool:
@@ -337,7 +349,44 @@ class DeviceSession:
         finished = self.result.add(verdict, self.started)
         if self.hooks.on_tokens is not None:
             self.hooks.on_tokens(list(verdict.emitted_ids))
+        if not finished and verdict.HasField("placement"):
+            self.moved(verdict.placement)
         return finished
+
+    def moved(self, placement: int) -> None:
+        """The server moved the session (Verdict.placement). To the server: what was drafted
+        ahead is dropped, and the drafter rolled back to the committed context."""
+        self.placement = placement
+        self.result.moves += 1
+        if placement != pb.GENERATION_MODE_DEVICE_DRAFTS:
+            self.head = None
+            self.proposer.rollback(len(self.context))
+
+    async def served(self) -> bool:
+        """The server serves the session: one verdict per server pass, each checked and
+        committed, until one finishes the session (True) or moves it back to the device's
+        drafting (False). A lost server reopens the session, which drafts again."""
+        while True:
+            try:
+                verdict = (await receive_within(self.stream, self.settings.verdict_timeout_s,
+                                                f"verdict for round {self.round}")).verdict
+            except (VerifyError, grpc.aio.AioRpcError) as error:
+                await self.resume(error)
+                self.placement = pb.GENERATION_MODE_DEVICE_DRAFTS
+                return False
+            check_verdict(verdict, Asked(self.round, self.request.left(self.result.token_ids),
+                                         self.vocab_size, movable=True))
+            self.round += 1
+            finished = self.result.add(verdict, self.started, self.placement)
+            if self.hooks.on_tokens is not None:
+                self.hooks.on_tokens(list(verdict.emitted_ids))
+            if finished:
+                return True
+            if verdict.HasField("placement"):
+                self.moved(verdict.placement)
+                if self.placement == pb.GENERATION_MODE_DEVICE_DRAFTS:
+                    self.verdict_at = clock.now()
+                    return False
 
     # -- the round's steps ------------------------------------------------------------------
     def speculate(self, proposal: Proposal) -> Speculation | None:
@@ -505,7 +554,7 @@ async def open_stream(transport: Transport, stub, opening: pb.DeviceMessage, tim
             raise VerifyError(grpc.StatusCode.UNAVAILABLE,
                               f"the server took no Generate call within {ACCEPT_S:g} s (it is "
                               "stopping, or stuck)") from None
-        await receive_within(stream, open_timeout_s, "Opened")
+        stream.opened = (await receive_within(stream, open_timeout_s, "Opened")).opened
     except BaseException:
         stream.cancel()
         raise

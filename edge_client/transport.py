@@ -31,6 +31,7 @@ class Stream:
 
     def __init__(self, call) -> None:
         self.call = call
+        self.opened = pb.Opened()     # what the server said at the open (open_stream)
 
     @classmethod
     def open(cls, stub, *, timeout: float | None = None, wait_for_ready: bool = False) -> "Stream":

@@ -38,6 +38,7 @@ from sled.v1 import verifier_pb2 as pb
 from sled.wire.tree import children
 
 FINISH_REASONS = frozenset(pb.FinishReason.values())
+PLACEMENTS = frozenset(pb.GenerationMode.values())
 
 
 class BrokenVerdict(VerifyError):
@@ -61,6 +62,7 @@ class Asked:
     proposal: Proposal | None = None   # the draft sent; None in a server mode (no draft)
     lookahead: int = 0         # SAT hint tokens asked for
     loose: bool = False        # the session was opened loose (Open.loose)
+    movable: bool = False      # the session was opened movable (Open.movable)
 
 
 def check_verdict(verdict: pb.Verdict, asked: Asked) -> None:
@@ -83,6 +85,11 @@ def _round_problem(verdict: pb.Verdict, asked: Asked) -> str | None:
         return f"it answers round {verdict.round}, the device waits for round {asked.round}"
     if verdict.finish_reason not in FINISH_REASONS:
         return f"its finish reason {verdict.finish_reason} is none the protocol has"
+    if verdict.HasField("placement"):
+        if not asked.movable:
+            return "it moves a session that was not opened movable"
+        if verdict.placement not in PLACEMENTS:
+            return f"it moves the session to placement {verdict.placement}, none the protocol has"
     return None
 
 

@@ -31,7 +31,8 @@ def open_message(request: SessionRequest, committed: Sequence[int] = ()) -> pb.D
         prompt_ids=list(request.prompt_ids) + list(committed),
         max_new_tokens=request.left(committed), stop_ids=list(request.stop_ids),
         tokenizer_fingerprint=request.fingerprint, drafter=drafter_label(request.drafter),
-        ignore_eos=request.ignore_eos, mode=request.mode, cache_salt=request.cache_salt))
+        ignore_eos=request.ignore_eos, mode=request.mode, cache_salt=request.cache_salt,
+        movable=request.movable and request.mode == pb.GENERATION_MODE_DEVICE_DRAFTS))
     request.sampling.to_proto(msg.open.sampling)
     if request.loose is not None:
         request.loose.to_proto(msg.open.loose)
@@ -59,6 +60,9 @@ class SessionRequest:
     cache_salt: str = ""           # prefix cache scope: shared with the same salt from this host
     mode: int = pb.GENERATION_MODE_DEVICE_DRAFTS   # who drafts: the device, or the server alone
     loose: Loose | None = None     # opt-in loose verification: the output is NOT the target's
+    # the server may serve the session itself while it has room, and hand drafting back
+    # (Open.movable): a device whose drafter keeps pace says so
+    movable: bool = True
 
     def open_message(self, committed: Sequence[int]) -> pb.DeviceMessage:
         """Open (or reopen) the session for what is left after the committed tokens."""

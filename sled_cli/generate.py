@@ -261,6 +261,11 @@ class Shown:
             if result.loose:
                 print(f"loose verification, NOT lossless: {counted(result.loose_accepted, 'draft token')} "
                       "kept where the target's own token was another", file=sys.stderr)
+            if result.moves:
+                where = ", ".join(f"{tokens} {placement}" for placement, tokens
+                                  in result.placements.items())
+                print(f"the server moved the session {counted(result.moves, 'time')}: tokens "
+                      f"by where they came from: {where}", file=sys.stderr)
         return self.code
 
     def fail(self, line: str, code: int) -> int:

@@ -32,6 +32,7 @@ from verify_server.engines.blocks import PoolExhausted
 from verify_server.errors import Reason, SessionError
 from verify_server.ledger import DeviceLedger
 from verify_server.metrics import Metrics
+from verify_server.placement import DEVICE, PlacementPolicy, Standing
 from verify_server.rounds import finish_round, timings
 from verify_server.scheduler import Scheduler, Verify, sat_step_tokens
 from verify_server.sdsat import slots_under_load
@@ -41,6 +42,8 @@ from verify_server.target import Target
 from verify_server.tenant import tenant_key
 
 log = logging.getLogger("sled.server")
+PLACEMENT_LABELS = {pb.GENERATION_MODE_DEVICE_DRAFTS: "device", pb.GENERATION_MODE_SERVER: "server",
+                    pb.GENERATION_MODE_SERVER_SAT: "server_sat"}
 
 
 def round_deadline(deadline: float | None, deadline_ms: int = 0) -> float | None:
@@ -66,7 +69,13 @@ class VerifierCore:
         self.pool = scheduler.engine.pool
         self.ledger = DeviceLedger(settings, self.pool, gate)   # what each device holds
         self.admission = AdmissionQueue(settings.admission_queue, settings.admission_wait, metrics)
+        self.placement = PlacementPolicy(
+            settings.placement, settings.placement_slo_rate,
+            pb.GENERATION_MODE_SERVER_SAT if target.sat_slots else pb.GENERATION_MODE_SERVER)
         metrics.active_sessions.set_function(lambda: len(self.sessions))
+        for mode, label in PLACEMENT_LABELS.items():
+            metrics.placed_sessions.labels(label).set_function(
+                lambda mode=mode: sum(s.placement == mode for s in self.sessions.values()))
 
     # --- a session's life ------------------------------------------------------------------------
 
@@ -106,15 +115,22 @@ class VerifierCore:
         info = await self.scheduler.prefill(session, deadline, self.round_tokens(session))
         if self.pool.windowed:      # the prompt in, its windowed groups gave back what it needed
             self.admission.kv_freed()
-        return pb.Opened(session_id=session.id, prompt_tokens=len(session.prompt_ids),
-                         max_new_tokens=session.max_new_tokens, timings=timings(info),
-                         cached_prompt_tokens=session.cached_prompt_tokens,
-                         loose=session.loose is not None)
+        opened = pb.Opened(session_id=session.id, prompt_tokens=len(session.prompt_ids),
+                           max_new_tokens=session.max_new_tokens, timings=timings(info),
+                           cached_prompt_tokens=session.cached_prompt_tokens,
+                           loose=session.loose is not None)
+        self._place(session, opened)
+        return opened
 
     async def verify(self, session: Session | None, draft: pb.Draft,
-                     deadline: float | None) -> pb.Verdict:
+                     deadline: float | None) -> pb.Verdict | None:
         """A device's draft: checked, verified in the next batched forward, the round finished.
-        deadline: the call's; the draft's deadline_ms counts from when its work is queued."""
+        deadline: the call's; the draft's deadline_ms counts from when its work is queued.
+        None for a moved session's draft of a round already past (the device wrote it before
+        it read the move): dropped unanswered."""
+        if self._stale(session, draft):
+            self.metrics.stale_drafts.inc()
+            return None
         tokens = validation.check_draft(draft, session, self.target, self.settings)
         parents = validation.check_tree(draft, session, self.scheduler.engine.branches)
         session.heard_from_device()
@@ -133,10 +149,32 @@ class VerifierCore:
         verdict.suggested_draft_len = self.advise(session)
         if not session.finished:
             verdict.hint_ids.extend(outcome.hints)
+            session.observe_pace(len(verdict.emitted_ids), clock.now())
+            self._place(session, verdict)
         if session.finished:   # its KV goes now; its slot when the device closes or idles out
             self.end(session)
         session.wait_for_device()
         return verdict
+
+    def _stale(self, session: Session | None, draft: pb.Draft) -> bool:
+        """A draft for a round already past, of a session that has moved: its device wrote it
+        ahead, before it read the verdict that moved it."""
+        return session is not None and session.moved_at is not None and draft.round < session.round
+
+    def _place(self, session: Session, said: pb.Verdict | pb.Opened) -> None:
+        """At a movable session's round boundary (or its open): where its next tokens come
+        from, said in the verdict (or Opened) when that changes (the device reads it before its
+        next round)."""
+        if not session.movable:
+            return
+        now = clock.now()
+        since = float("inf") if session.moved_at is None else now - session.moved_at
+        standing = Standing(session.placement, session.acceptance, session.device_rate, since)
+        placement = self.placement.place(standing, self.scheduler.busy.share(now))
+        if placement != session.placement:
+            session.move(placement, now)
+            said.placement = placement
+            self.metrics.placement_moves.labels(PLACEMENT_LABELS[placement]).inc()
 
     async def decode(self, session: Session, deadline: float | None) -> AsyncIterator[pb.Verdict]:
         """Server modes: the server produces the tokens, batched with every other session's work.
@@ -157,7 +195,10 @@ class VerifierCore:
 
         The next pass is queued before this one's verdict goes out, so a slow reader never makes
         its session miss a batch. While more sessions are live than settings.sat_off_above, a
-        SERVER_SAT pass carries no SAT slots and no draft (a plain decode), until the load falls."""
+        SERVER_SAT pass carries no SAT slots and no draft (a plain decode), until the load falls.
+
+        A movable session the server serves (verify_server.placement) is decoded this way until
+        the policy moves it back to its device: that verdict says so and ends the iteration."""
         def every_cut(lookahead: int) -> bool:
             return bool(lookahead) and self.scheduler.engine.branches
 
@@ -173,6 +214,12 @@ class VerifierCore:
         while True:
             outcome, info = await step
             verdict = finish_round(session, outcome, draft_len, info, self.metrics)
+            if not session.finished:
+                self._place(session, verdict)
+            if session.placement == DEVICE:         # moved back: its device drafts the next round
+                session.wait_for_device()
+                yield verdict
+                return
             if not session.finished:
                 lookahead = self.sat_lookahead(session)
                 guesses = outcome.hints if lookahead else []
@@ -194,7 +241,7 @@ class VerifierCore:
     def sat_lookahead(self, session: Session) -> int:
         """SAT slots the session's next server pass carries: the target's in SERVER_SAT mode,
         none while the server is past settings.sat_off_above live sessions (or in SERVER mode)."""
-        if session.mode != pb.GENERATION_MODE_SERVER_SAT:
+        if session.placement != pb.GENERATION_MODE_SERVER_SAT:
             return 0
         return slots_under_load(self.target.sat_slots, len(self.sessions),
                                 self.settings.sat_off_above)
@@ -309,9 +356,11 @@ class VerifierCore:
         return 1 + self.settings.max_draft_tokens + self._sat_entries(session)
 
     def _sat_entries(self, session: Session) -> int:
-        """The SAT slots a pass may append: one block, or one after every cut of a SAT draft."""
+        """The SAT slots a pass may append: one block, or one after every cut of a SAT draft
+        (in SERVER_SAT mode, or in a session the server may move there)."""
         slots = self.target.sat_slots
-        return slots * (slots + 1) if session.mode == pb.GENERATION_MODE_SERVER_SAT else slots
+        drafts = session.mode == pb.GENERATION_MODE_SERVER_SAT or session.movable
+        return slots * (slots + 1) if drafts else slots
 
     def kv_charged(self, session: Session) -> int:
         """KV tokens the session holds against its device's share: what it may fill, rounded up

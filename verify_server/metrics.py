@@ -43,6 +43,7 @@ class Metrics:
         self.active_sessions = Gauge("sled_active_sessions", "Sessions open now", registry=r)
         self.kv_tokens = Gauge("sled_kv_tokens", "Tokens held in session KV caches", registry=r)
         self._admission(r)
+        self._placement(r)
         self.batch_size = Histogram("sled_batch_size", "Sessions per forward pass",
                                     buckets=BATCH_BUCKETS, registry=r)
         self.forward_seconds = Histogram("sled_forward_seconds", "Forward pass + acceptance "
@@ -78,6 +79,16 @@ class Metrics:
                                           "past a bound of the admission queue: queue (it was "
                                           "full) or wait (they waited the longest allowed)",
                                           ["bound"], registry=r)
+
+    def _placement(self, r: CollectorRegistry) -> None:
+        """Where sessions' tokens come from (verify_server.placement)."""
+        self.placed_sessions = Gauge("sled_placed_sessions", "Sessions open now by where their "
+                                     "tokens come from: device, server or server_sat",
+                                     ["placement"], registry=r)
+        self.placement_moves = Counter("sled_placement_moves", "Sessions moved by the placement "
+                                       "policy, by where they went", ["to"], registry=r)
+        self.stale_drafts = Counter("sled_stale_drafts", "Drafts of a moved session for a round "
+                                    "already past, dropped unanswered", registry=r)
 
     def device_label(self, device: str) -> str:
         """The device's label: its own name for the first MAX_DEVICE_LABELS devices, so the

@@ -39,6 +39,7 @@ from verify_server.engines.base import Engine, StepLogits
 from verify_server.engines.rows import Row
 from verify_server.errors import Reason
 from verify_server.metrics import Metrics
+from verify_server.placement import BusyShare
 from verify_server.session import Fed, Session
 
 # --- the work a session queues ----------------------------------------------------------------------
@@ -168,6 +169,7 @@ class Scheduler:
         self.max_batch_sessions = max_batch_sessions
         self.max_step_tokens = max_step_tokens
         self.min_prefill_chunk = max(1, max_step_tokens // 8)
+        self.busy = BusyShare()      # the GPU's recent busy share (the placement policy's load)
         self._queue: list[Work] = []
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sled-engine")
@@ -343,7 +345,9 @@ class Scheduler:
         """After a step is decided: its metrics, the KV of sessions released meanwhile, and
         each work's reply (a prefill with chunks to go queued again)."""
         self._leave(plan)
-        forward_ms = (clock.now() - started) * 1e3
+        ended = clock.now()
+        self.busy.step(started, ended)
+        forward_ms = (ended - started) * 1e3
         self.metrics.forward_passes.inc()
         self.metrics.forward_tokens.inc(sum(n for _, n in plan))
         self.metrics.batch_size.observe(len(plan))

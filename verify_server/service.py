@@ -5,6 +5,7 @@ refusal (a SessionError) into the stream's Error message and the call's status.
     open   -> core.open (may wait for KV), core.prefill     -> Opened
     draft  -> core.verify                                   -> Verdict
     server modes: core.decode, a Verdict per forward         -> Verdict ...
+    a movable session the server moved to itself: core.decode until a verdict moves it back
 """
 from __future__ import annotations
 
@@ -171,10 +172,18 @@ class VerifierService(pb_grpc.VerifierServicer):
                         async for verdict in self.core.decode(session, deadline_of(context)):
                             yield pb.ServerMessage(verdict=verdict)
                         break
+                    if session.placement != pb.GENERATION_MODE_DEVICE_DRAFTS:   # served at once
+                        async for verdict in self.core.decode(session, deadline_of(context)):
+                            yield pb.ServerMessage(verdict=verdict)
                     session.wait_for_device()
                 elif kind == "draft":
                     verdict = await self.core.verify(session, message.draft, deadline_of(context))
+                    if verdict is None:       # a moved session's draft of a past round
+                        continue
                     yield pb.ServerMessage(verdict=verdict)
+                    if session.placement != pb.GENERATION_MODE_DEVICE_DRAFTS:   # moved to the server
+                        async for verdict in self.core.decode(session, deadline_of(context)):
+                            yield pb.ServerMessage(verdict=verdict)
                 elif kind == "close":
                     break
         except SessionError as error:

@@ -57,6 +57,11 @@ class Session:
     kv_reserved: int = 0                    # KV tokens it holds against its device's share
     loose: Loose | None = None              # opt-in loose verification: NOT lossless
     fed: Fed | None = None                  # the round's row as its forward wrote it (scheduler)
+    movable: bool = False                   # the device reads Verdict.placement (Open.movable)
+    placement: int = pb.GENERATION_MODE_DEVICE_DRAFTS   # where its tokens come from now
+    moved_at: float | None = None           # when it last moved (sled.clock)
+    device_rate: float | None = None        # tokens/s while its device drafted (moving average)
+    round_at: float | None = None           # when its last round ended (or it opened)
 
     @classmethod
     def from_open(cls, request: pb.Open, sampling: Sampling, eos_ids: tuple[int, ...],
@@ -64,9 +69,12 @@ class Session:
         """The session a checked Open asks for (see validation.check_open)."""
         stop = frozenset(request.stop_ids)
         end = stop if request.ignore_eos else stop | frozenset(eos_ids)
+        movable = request.movable and request.mode == pb.GENERATION_MODE_DEVICE_DRAFTS \
+            and loose is None
         return cls(prompt_ids=list(request.prompt_ids), sampling=sampling,
                    max_new_tokens=request.max_new_tokens, end_ids=end, stop_ids=stop,
-                   drafter=request.drafter, mode=request.mode, kv=kv, loose=loose)
+                   drafter=request.drafter, mode=request.mode, kv=kv, loose=loose,
+                   movable=movable, placement=request.mode)
 
     def wait_for_device(self) -> None:
         self.waiting_since = clock.now()
@@ -99,6 +107,17 @@ class Session:
     def verifiable(self, draft_len: int) -> int:
         """Draft tokens worth verifying: with the extra token they must fit max_new_tokens."""
         return max(0, min(draft_len, self.remaining - 1))
+
+    def observe_pace(self, tokens: int, now: float) -> None:
+        """A round of its device's drafting ended at `now` with `tokens`: its device's rate."""
+        if self.round_at is not None and now > self.round_at:
+            rate = tokens / (now - self.round_at)
+            self.device_rate = rate if self.device_rate is None else \
+                self.device_rate + 0.3 * (rate - self.device_rate)
+        self.round_at = now
+
+    def move(self, placement: int, now: float) -> None:
+        self.placement, self.moved_at, self.round_at = placement, now, now
 
     def observe(self, verified: int, accepted: int) -> None:
         """Track how much of this session's drafts the target keeps."""

@@ -85,6 +85,12 @@ class ServerSettings(BaseSettings):
                                "decode plainly, without SAT slots, while more than this many "
                                "sessions are open; their drafting resumes when the load falls "
                                "(0 = never switched off)")
+    placement: Literal["fixed", "latency", "gpu"] = Field(
+        "fixed", description="where a movable session's next tokens come from as the load "
+        "changes (verify_server.placement): fixed, the mode it opened with; latency, the server "
+        "serves it while the GPU has room; gpu, its device drafts unless it falls under the SLO")
+    placement_slo_rate: float = Field(5.0, gt=0, description="tokens/s a device should get: "
+                                      "the placement policy's SLO")
     # --- where it listens ---
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port")

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sled/v1/verifier.proto\x12\x07sled.v1\"\x15\n\x13GetModelInfoRequest\"\xce\x01\n\x0cServerLimits\x12\x18\n\x10max_draft_tokens\x18\x01 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x02 \x01(\r\x12\x15\n\rmax_q_support\x18\x03 \x01(\r\x12\x18\n\x10kv_budget_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fkv_block_tokens\x18\x05 \x01(\r\x12\x17\n\x0fmax_step_tokens\x18\x06 \x01(\r\x12\x16\n\x0eidle_timeout_s\x18\x07 \x01(\x02\x12\x13\n\x0btree_drafts\x18\x08 \x01(\x08\"\x8f\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x05 \x01(\r\x12%\n\x06limits\x18\x06 \x01(\x0b\x32\x15.sled.v1.ServerLimits\x12\x15\n\rsat_available\x18\x07 \x01(\x08\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x11\n\tsat_slots\x18\n \x01(\r\x12\x1e\n\x16tokenizer_files_sha256\x18\x0b \x01(\t\"\x15\n\x13GetTokenizerRequest\"y\n\x0eTokenizerChunk\x12\x1d\n\x15tokenizer_fingerprint\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x99\x02\n\x04Open\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12)\n\x08sampling\x18\x02 \x01(\x0b\x32\x17.sled.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x10\n\x08stop_ids\x18\x04 \x03(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12%\n\x04mode\x18\x08 \x01(\x0e\x32\x17.sled.v1.GenerationMode\x12\x12\n\ncache_salt\x18\t \x01(\t\x12)\n\x05loose\x18\n \x01(\x0b\x32\x1a.sled.v1.LooseVerification\"4\n\x11LooseVerification\x12\x0e\n\x06window\x18\x01 \x01(\r\x12\x0f\n\x07\x65ntropy\x18\x02 \x01(\x02\"0\n\x12SparseDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x8a\x01\n\x05\x44raft\x12\r\n\x05round\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12&\n\x01q\x18\x03 \x03(\x0b\x32\x1b.sled.v1.SparseDistribution\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\r\x12\x11\n\tlookahead\x18\x05 \x01(\r\x12\x0f\n\x07parents\x18\x06 \x03(\r\"\x07\n\x05\x43lose\"x\n\rDeviceMessage\x12\x1d\n\x04open\x18\x01 \x01(\x0b\x32\r.sled.v1.OpenH\x00\x12\x1f\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x0e.sled.v1.DraftH\x00\x12\x1f\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x0e.sled.v1.CloseH\x00\x42\x06\n\x04kind\"I\n\rServerTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"\xa1\x01\n\x06Opened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.sled.v1.ServerTimings\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\x12\r\n\x05loose\x18\x06 \x01(\x08\"\xef\x01\n\x07Verdict\x12\r\n\x05round\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x13\n\x0b\x65mitted_ids\x18\x03 \x03(\r\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.sled.v1.FinishReason\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.sled.v1.ServerTimings\x12\x10\n\x08verified\x18\x06 \x01(\r\x12\x1b\n\x13suggested_draft_len\x18\x07 \x01(\r\x12\x10\n\x08hint_ids\x18\x08 \x03(\r\x12\x16\n\x0eloose_accepted\x18\t \x01(\r\"\xc7\x05\n\x0b\x45rrorDetail\x12+\n\x06reason\x18\x01 \x01(\x0e\x32\x1b.sled.v1.ErrorDetail.Reason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\"\xea\x04\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x1d\n\x19REASON_TOKEN_OUT_OF_RANGE\x10\x01\x12\x16\n\x12REASON_EMPTY_DRAFT\x10\x02\x12\x19\n\x15REASON_DRAFT_TOO_LONG\x10\x03\x12\x16\n\x12REASON_WRONG_ROUND\x10\x04\x12\x15\n\x11REASON_NO_SESSION\x10\x05\x12\x1b\n\x17REASON_SESSION_FINISHED\x10\x06\x12\x1b\n\x17REASON_CONTEXT_OVERFLOW\x10\x07\x12\x1d\n\x19REASON_TOKENIZER_MISMATCH\x10\x08\x12\x17\n\x13REASON_BAD_SAMPLING\x10\t\x12!\n\x1dREASON_BAD_DRAFT_DISTRIBUTION\x10\n\x12\x1c\n\x18REASON_TOO_MANY_SESSIONS\x10\x0b\x12\x13\n\x0fREASON_PROTOCOL\x10\x0c\x12\x18\n\x14REASON_SHUTTING_DOWN\x10\r\x12\x14\n\x10REASON_KV_BUDGET\x10\x0e\x12\x12\n\x0eREASON_EVICTED\x10\x0f\x12\x1c\n\x18REASON_DEADLINE_EXCEEDED\x10\x10\x12\x11\n\rREASON_NO_SAT\x10\x11\x12\x1a\n\x16REASON_UNAUTHENTICATED\x10\x12\x12\x1c\n\x18REASON_PERMISSION_DENIED\x10\x13\x12\x10\n\x0cREASON_QUOTA\x10\x14\x12\x13\n\x0fREASON_BAD_TREE\x10\x15\x12\x14\n\x10REASON_BAD_LOOSE\x10\x16\x12\x13\n\x0fREASON_INTERNAL\x10\x17\"\x86\x01\n\rServerMessage\x12!\n\x06opened\x18\x01 \x01(\x0b\x32\x0f.sled.v1.OpenedH\x00\x12#\n\x07verdict\x18\x02 \x01(\x0b\x32\x10.sled.v1.VerdictH\x00\x12%\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.sled.v1.ErrorDetailH\x00\x42\x06\n\x04kind*o\n\x0eGenerationMode\x12!\n\x1dGENERATION_MODE_DEVICE_DRAFTS\x10\x00\x12\x1a\n\x16GENERATION_MODE_SERVER\x10\x01\x12\x1e\n\x1aGENERATION_MODE_SERVER_SAT\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\xd5\x01\n\x08Verifier\x12@\n\x0cGetModelInfo\x12\x1c.sled.v1.GetModelInfoRequest\x1a\x12.sled.v1.ModelInfo\x12G\n\x0cGetTokenizer\x12\x1c.sled.v1.GetTokenizerRequest\x1a\x17.sled.v1.TokenizerChunk0\x01\x12>\n\x08Generate\x12\x16.sled.v1.DeviceMessage\x1a\x16.sled.v1.ServerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sled/v1/verifier.proto\x12\x07sled.v1\"\x15\n\x13GetModelInfoRequest\"\xce\x01\n\x0cServerLimits\x12\x18\n\x10max_draft_tokens\x18\x01 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x02 \x01(\r\x12\x15\n\rmax_q_support\x18\x03 \x01(\r\x12\x18\n\x10kv_budget_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fkv_block_tokens\x18\x05 \x01(\r\x12\x17\n\x0fmax_step_tokens\x18\x06 \x01(\r\x12\x16\n\x0eidle_timeout_s\x18\x07 \x01(\x02\x12\x13\n\x0btree_drafts\x18\x08 \x01(\x08\"\x8f\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x05 \x01(\r\x12%\n\x06limits\x18\x06 \x01(\x0b\x32\x15.sled.v1.ServerLimits\x12\x15\n\rsat_available\x18\x07 \x01(\x08\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x11\n\tsat_slots\x18\n \x01(\r\x12\x1e\n\x16tokenizer_files_sha256\x18\x0b \x01(\t\"\x15\n\x13GetTokenizerRequest\"y\n\x0eTokenizerChunk\x12\x1d\n\x15tokenizer_fingerprint\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xaa\x02\n\x04Open\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12)\n\x08sampling\x18\x02 \x01(\x0b\x32\x17.sled.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x10\n\x08stop_ids\x18\x04 \x03(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12%\n\x04mode\x18\x08 \x01(\x0e\x32\x17.sled.v1.GenerationMode\x12\x12\n\ncache_salt\x18\t \x01(\t\x12)\n\x05loose\x18\n \x01(\x0b\x32\x1a.sled.v1.LooseVerification\x12\x0f\n\x07movable\x18\x0b \x01(\x08\"4\n\x11LooseVerification\x12\x0e\n\x06window\x18\x01 \x01(\r\x12\x0f\n\x07\x65ntropy\x18\x02 \x01(\x02\"0\n\x12SparseDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x8a\x01\n\x05\x44raft\x12\r\n\x05round\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12&\n\x01q\x18\x03 \x03(\x0b\x32\x1b.sled.v1.SparseDistribution\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\r\x12\x11\n\tlookahead\x18\x05 \x01(\r\x12\x0f\n\x07parents\x18\x06 \x03(\r\"\x07\n\x05\x43lose\"x\n\rDeviceMessage\x12\x1d\n\x04open\x18\x01 \x01(\x0b\x32\r.sled.v1.OpenH\x00\x12\x1f\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x0e.sled.v1.DraftH\x00\x12\x1f\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x0e.sled.v1.CloseH\x00\x42\x06\n\x04kind\"I\n\rServerTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"\xe0\x01\n\x06Opened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.sled.v1.ServerTimings\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\x12\r\n\x05loose\x18\x06 \x01(\x08\x12/\n\tplacement\x18\x07 \x01(\x0e\x32\x17.sled.v1.GenerationModeH\x00\x88\x01\x01\x42\x0c\n\n_placement\"\xae\x02\n\x07Verdict\x12\r\n\x05round\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x13\n\x0b\x65mitted_ids\x18\x03 \x03(\r\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.sled.v1.FinishReason\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.sled.v1.ServerTimings\x12\x10\n\x08verified\x18\x06 \x01(\r\x12\x1b\n\x13suggested_draft_len\x18\x07 \x01(\r\x12\x10\n\x08hint_ids\x18\x08 \x03(\r\x12\x16\n\x0eloose_accepted\x18\t \x01(\r\x12/\n\tplacement\x18\n \x01(\x0e\x32\x17.sled.v1.GenerationModeH\x00\x88\x01\x01\x42\x0c\n\n_placement\"\xc7\x05\n\x0b\x45rrorDetail\x12+\n\x06reason\x18\x01 \x01(\x0e\x32\x1b.sled.v1.ErrorDetail.Reason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\"\xea\x04\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x1d\n\x19REASON_TOKEN_OUT_OF_RANGE\x10\x01\x12\x16\n\x12REASON_EMPTY_DRAFT\x10\x02\x12\x19\n\x15REASON_DRAFT_TOO_LONG\x10\x03\x12\x16\n\x12REASON_WRONG_ROUND\x10\x04\x12\x15\n\x11REASON_NO_SESSION\x10\x05\x12\x1b\n\x17REASON_SESSION_FINISHED\x10\x06\x12\x1b\n\x17REASON_CONTEXT_OVERFLOW\x10\x07\x12\x1d\n\x19REASON_TOKENIZER_MISMATCH\x10\x08\x12\x17\n\x13REASON_BAD_SAMPLING\x10\t\x12!\n\x1dREASON_BAD_DRAFT_DISTRIBUTION\x10\n\x12\x1c\n\x18REASON_TOO_MANY_SESSIONS\x10\x0b\x12\x13\n\x0fREASON_PROTOCOL\x10\x0c\x12\x18\n\x14REASON_SHUTTING_DOWN\x10\r\x12\x14\n\x10REASON_KV_BUDGET\x10\x0e\x12\x12\n\x0eREASON_EVICTED\x10\x0f\x12\x1c\n\x18REASON_DEADLINE_EXCEEDED\x10\x10\x12\x11\n\rREASON_NO_SAT\x10\x11\x12\x1a\n\x16REASON_UNAUTHENTICATED\x10\x12\x12\x1c\n\x18REASON_PERMISSION_DENIED\x10\x13\x12\x10\n\x0cREASON_QUOTA\x10\x14\x12\x13\n\x0fREASON_BAD_TREE\x10\x15\x12\x14\n\x10REASON_BAD_LOOSE\x10\x16\x12\x13\n\x0fREASON_INTERNAL\x10\x17\"\x86\x01\n\rServerMessage\x12!\n\x06opened\x18\x01 \x01(\x0b\x32\x0f.sled.v1.OpenedH\x00\x12#\n\x07verdict\x18\x02 \x01(\x0b\x32\x10.sled.v1.VerdictH\x00\x12%\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.sled.v1.ErrorDetailH\x00\x42\x06\n\x04kind*o\n\x0eGenerationMode\x12!\n\x1dGENERATION_MODE_DEVICE_DRAFTS\x10\x00\x12\x1a\n\x16GENERATION_MODE_SERVER\x10\x01\x12\x1e\n\x1aGENERATION_MODE_SERVER_SAT\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\xd5\x01\n\x08Verifier\x12@\n\x0cGetModelInfo\x12\x1c.sled.v1.GetModelInfoRequest\x1a\x12.sled.v1.ModelInfo\x12G\n\x0cGetTokenizer\x12\x1c.sled.v1.GetTokenizerRequest\x1a\x17.sled.v1.TokenizerChunk0\x01\x12>\n\x08Generate\x12\x16.sled.v1.DeviceMessage\x1a\x16.sled.v1.ServerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sled.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATIONMODE']._serialized_start=2776
-  _globals['_GENERATIONMODE']._serialized_end=2887
-  _globals['_FINISHREASON']._serialized_start=2889
-  _globals['_FINISHREASON']._serialized_end=3007
+  _globals['_GENERATIONMODE']._serialized_start=2919
+  _globals['_GENERATIONMODE']._serialized_end=3030
+  _globals['_FINISHREASON']._serialized_start=3032
+  _globals['_FINISHREASON']._serialized_end=3150
   _globals['_GETMODELINFOREQUEST']._serialized_start=35
   _globals['_GETMODELINFOREQUEST']._serialized_end=56
   _globals['_SERVERLIMITS']._serialized_start=59
@@ -48,29 +48,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=687
   _globals['_SAMPLINGPARAMS']._serialized_end=782
   _globals['_OPEN']._serialized_start=785
-  _globals['_OPEN']._serialized_end=1066
-  _globals['_LOOSEVERIFICATION']._serialized_start=1068
-  _globals['_LOOSEVERIFICATION']._serialized_end=1120
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=1122
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=1170
-  _globals['_DRAFT']._serialized_start=1173
-  _globals['_DRAFT']._serialized_end=1311
-  _globals['_CLOSE']._serialized_start=1313
-  _globals['_CLOSE']._serialized_end=1320
-  _globals['_DEVICEMESSAGE']._serialized_start=1322
-  _globals['_DEVICEMESSAGE']._serialized_end=1442
-  _globals['_SERVERTIMINGS']._serialized_start=1444
-  _globals['_SERVERTIMINGS']._serialized_end=1517
-  _globals['_OPENED']._serialized_start=1520
-  _globals['_OPENED']._serialized_end=1681
-  _globals['_VERDICT']._serialized_start=1684
-  _globals['_VERDICT']._serialized_end=1923
-  _globals['_ERRORDETAIL']._serialized_start=1926
-  _globals['_ERRORDETAIL']._serialized_end=2637
-  _globals['_ERRORDETAIL_REASON']._serialized_start=2019
-  _globals['_ERRORDETAIL_REASON']._serialized_end=2637
-  _globals['_SERVERMESSAGE']._serialized_start=2640
-  _globals['_SERVERMESSAGE']._serialized_end=2774
-  _globals['_VERIFIER']._serialized_start=3010
-  _globals['_VERIFIER']._serialized_end=3223
+  _globals['_OPEN']._serialized_end=1083
+  _globals['_LOOSEVERIFICATION']._serialized_start=1085
+  _globals['_LOOSEVERIFICATION']._serialized_end=1137
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=1139
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=1187
+  _globals['_DRAFT']._serialized_start=1190
+  _globals['_DRAFT']._serialized_end=1328
+  _globals['_CLOSE']._serialized_start=1330
+  _globals['_CLOSE']._serialized_end=1337
+  _globals['_DEVICEMESSAGE']._serialized_start=1339
+  _globals['_DEVICEMESSAGE']._serialized_end=1459
+  _globals['_SERVERTIMINGS']._serialized_start=1461
+  _globals['_SERVERTIMINGS']._serialized_end=1534
+  _globals['_OPENED']._serialized_start=1537
+  _globals['_OPENED']._serialized_end=1761
+  _globals['_VERDICT']._serialized_start=1764
+  _globals['_VERDICT']._serialized_end=2066
+  _globals['_ERRORDETAIL']._serialized_start=2069
+  _globals['_ERRORDETAIL']._serialized_end=2780
+  _globals['_ERRORDETAIL_REASON']._serialized_start=2162
+  _globals['_ERRORDETAIL_REASON']._serialized_end=2780
+  _globals['_SERVERMESSAGE']._serialized_start=2783
+  _globals['_SERVERMESSAGE']._serialized_end=2917
+  _globals['_VERIFIER']._serialized_start=3153
+  _globals['_VERIFIER']._serialized_end=3366
 # @@protoc_insertion_point(module_scope)

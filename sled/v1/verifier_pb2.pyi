@@ -110,7 +110,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "max_new_tokens", "stop_ids", "tokenizer_fingerprint", "drafter", "ignore_eos", "mode", "cache_salt", "loose")
+    __slots__ = ("prompt_ids", "sampling", "max_new_tokens", "stop_ids", "tokenizer_fingerprint", "drafter", "ignore_eos", "mode", "cache_salt", "loose", "movable")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class Open(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LOOSE_FIELD_NUMBER: _ClassVar[int]
+    MOVABLE_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     max_new_tokens: int
@@ -131,7 +132,8 @@ class Open(_message.Message):
     mode: GenerationMode
     cache_salt: str
     loose: LooseVerification
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[_Union[GenerationMode, str]] = ..., cache_salt: _Optional[str] = ..., loose: _Optional[_Union[LooseVerification, _Mapping]] = ...) -> None: ...
+    movable: bool
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[_Union[GenerationMode, str]] = ..., cache_salt: _Optional[str] = ..., loose: _Optional[_Union[LooseVerification, _Mapping]] = ..., movable: _Optional[bool] = ...) -> None: ...
 
 class LooseVerification(_message.Message):
     __slots__ = ("window", "entropy")
@@ -190,23 +192,25 @@ class ServerTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("session_id", "prompt_tokens", "max_new_tokens", "timings", "cached_prompt_tokens", "loose")
+    __slots__ = ("session_id", "prompt_tokens", "max_new_tokens", "timings", "cached_prompt_tokens", "loose", "placement")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOOSE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_tokens: int
     max_new_tokens: int
     timings: ServerTimings
     cached_prompt_tokens: int
     loose: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., loose: _Optional[bool] = ...) -> None: ...
+    placement: GenerationMode
+    def __init__(self, session_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., loose: _Optional[bool] = ..., placement: _Optional[_Union[GenerationMode, str]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("round", "accepted", "emitted_ids", "finish_reason", "timings", "verified", "suggested_draft_len", "hint_ids", "loose_accepted")
+    __slots__ = ("round", "accepted", "emitted_ids", "finish_reason", "timings", "verified", "suggested_draft_len", "hint_ids", "loose_accepted", "placement")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     EMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +220,7 @@ class Verdict(_message.Message):
     SUGGESTED_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
     HINT_IDS_FIELD_NUMBER: _ClassVar[int]
     LOOSE_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     round: int
     accepted: int
     emitted_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -225,7 +230,8 @@ class Verdict(_message.Message):
     suggested_draft_len: int
     hint_ids: _containers.RepeatedScalarFieldContainer[int]
     loose_accepted: int
-    def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., emitted_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., verified: _Optional[int] = ..., suggested_draft_len: _Optional[int] = ..., hint_ids: _Optional[_Iterable[int]] = ..., loose_accepted: _Optional[int] = ...) -> None: ...
+    placement: GenerationMode
+    def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., emitted_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., verified: _Optional[int] = ..., suggested_draft_len: _Optional[int] = ..., hint_ids: _Optional[_Iterable[int]] = ..., loose_accepted: _Optional[int] = ..., placement: _Optional[_Union[GenerationMode, str]] = ...) -> None: ...
 
 class ErrorDetail(_message.Message):
     __slots__ = ("reason", "message", "round")

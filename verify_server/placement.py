@@ -1,0 +1,113 @@
+"""Where each session's next tokens come from: the device's drafts, the target's own SAT slots, or
+a plain decode step (`sled serve --placement latency|gpu|fixed`). The server is the one place
+that knows its load, so it moves a session between them as the load changes; the protocol
+carries the move (Open.movable, Verdict.placement) and the output stays the target's.
+
+The policy is asked at each of a movable session's round boundaries, from plain values: the
+GPU's recent busy share (`BusyShare`), and the session's own placement, acceptance and pace.
+
+    fixed    nobody moves (a session keeps the mode it opened with)
+    latency  the fastest tokens for each device: while the GPU is busy less than LOW of the
+             time, every movable session is served by the server (its SAT slots where the
+             target has them, else plain decoding), at the GPU's rate. Past HIGH, sessions go
+             back to drafting on their devices, those whose drafts the target accepts most
+             first: one goes back when its acceptance is at least (1 - busy) / (1 - HIGH), so
+             the busier the GPU the more go back, and at a full GPU all of them
+    gpu      the least GPU time per token that keeps each device at its SLO: a session drafts
+             on its device, and moves to the server only while its device's own rate is under
+             the SLO and the GPU is busy less than HIGH; back to its device past HIGH
+
+Under every preference a session moves again at most SETTLE_S seconds after a move (its first
+move may come at its first round boundary), and a device whose
+own drafting was measured slower than the SLO is never moved back to drafting (the server keeps
+it while it can; past HIGH it stays too: moving it back would miss its SLO for sure).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sled.v1 import verifier_pb2 as pb
+
+PREFERENCES = ("fixed", "latency", "gpu")
+LOW, HIGH = 0.5, 0.8          # the GPU's busy share under which it serves, past which it hands back
+SETTLE_S = 2.0                # a session moves at most once in this many seconds
+DEVICE = pb.GENERATION_MODE_DEVICE_DRAFTS
+
+
+class BusyShare:
+    """The share of the recent past the GPU spent in steps: exponentially weighted over
+    `window` seconds, each step counted from its start to its end (sled.clock times)."""
+
+    def __init__(self, window: float = 2.0) -> None:
+        self.window = window
+        self.value = 0.0
+        self.at: float | None = None
+
+    def step(self, started: float, ended: float) -> None:
+        self._advance(started, busy=False)
+        self._advance(ended, busy=True)
+
+    def share(self, now: float) -> float:
+        """The busy share as of `now` (idle since the last step)."""
+        if self.at is None:
+            return 0.0
+        return self.value * math.exp(-max(now - self.at, 0.0) / self.window)
+
+    def _advance(self, t: float, busy: bool) -> None:
+        if self.at is None:
+            self.at = t
+            return
+        kept = math.exp(-max(t - self.at, 0.0) / self.window)
+        self.value = self.value * kept + (1.0 - kept) * busy
+        self.at = max(self.at, t)
+
+
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """What the policy knows of one session at its round boundary."""
+    placement: int               # where its tokens come from now (a GenerationMode)
+    acceptance: float            # the share of its device's drafts the target keeps (0..1)
+    device_rate: float | None    # tokens/s it got while its device drafted (None: not measured)
+    since_move: float            # seconds since it last moved (inf: it never did)
+
+
+class PlacementPolicy:
+    """`preference`: one of PREFERENCES; `slo_rate`: the tokens/s a device should get;
+    `server_mode`: the server's own placement (GENERATION_MODE_SERVER_SAT where the target has
+    SATs, else GENERATION_MODE_SERVER)."""
+
+    def __init__(self, preference: str, slo_rate: float, server_mode: int) -> None:
+        if preference not in PREFERENCES:
+            raise ValueError(f"unknown placement {preference!r}: use {' or '.join(PREFERENCES)}")
+        self.preference, self.slo_rate, self.server_mode = preference, slo_rate, server_mode
+
+    @property
+    def moves(self) -> bool:
+        return self.preference != "fixed"
+
+    def place(self, session: Standing, busy: float) -> int:
+        """Where the session's next tokens come from, the GPU `busy` this share of the time."""
+        if not self.moves or session.since_move < SETTLE_S:
+            return session.placement
+        drafting = session.placement == DEVICE
+        slow = session.device_rate is not None and session.device_rate < self.slo_rate
+        if self.preference == "latency":
+            wanted = self._for_latency(drafting, session.acceptance, busy)
+        else:
+            wanted = self._for_gpu(slow, busy)
+        if wanted == DEVICE and not drafting and slow:
+            return session.placement        # a slow drafter is never moved back to drafting
+        return wanted
+
+    def _for_latency(self, drafting: bool, acceptance: float, busy: float) -> int:
+        if busy < LOW:
+            return self.server_mode
+        if busy > HIGH and acceptance >= (1.0 - busy) / (1.0 - HIGH):
+            return DEVICE
+        return DEVICE if drafting else self.server_mode
+
+    def _for_gpu(self, slow: bool, busy: float) -> int:
+        if busy > HIGH:
+            return DEVICE
+        return self.server_mode if slow else DEVICE
