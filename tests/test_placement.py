@@ -210,3 +210,15 @@ async def test_a_session_served_from_its_open_never_drafts(serve, models, drafte
     assert result.placements == {"server": 16} and result.moves == 1
     assert result.draft_tokens == 0
 
+
+def test_the_simulator_runs_the_policy_as_the_server_does(tmp_path):
+    """`adaptive` on the simulator: sled's server with --placement latency. At one device its
+    sessions are served by the GPU, so a device gets several times sled's rate; every output is
+    its script's."""
+    from tests.test_simulator import rows_of, simulate, write_scenario
+
+    rows = rows_of(simulate(tmp_path, write_scenario(tmp_path), "--modes", "sled,adaptive",
+                            "--fleet-sizes", "1"))
+    by_mode = {r["mode"]: r for r in rows}
+    assert all(r["mismatches"] == 0 for r in rows)
+    assert by_mode["adaptive"]["device_tps_p5"] > 2 * by_mode["sled"]["device_tps_p5"]

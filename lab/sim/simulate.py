@@ -52,7 +52,8 @@ from verify_server.gpu_memory import describe as describe_memory
 from verify_server.gpu_memory import gpu_memory
 from verify_server.step_costs import StepProfile, load_profile
 
-MODES = ("sled", "centralized", "centralized-spec")
+MODES = ("sled", "centralized", "centralized-spec", "adaptive")
+SELF_DRAFTING = ("centralized-spec", "adaptive")    # servers with a draft head of their own
 SPEC_OFF_ABOVE = 32      # TensorRT-LLM's example schedule switches speculation off at batch 33+
 VOCAB = 32000            # the scripts' token ids: any vocabulary does, nothing is decoded
 MAX_FLEET = 4096
@@ -79,7 +80,9 @@ def add_arguments(parser) -> None:
                         "as the target's tokenizer counts them)")
     parser.add_argument("--modes", default="sled,centralized", help="which of " + ",".join(MODES)
                         + " (centralized-spec: the server drafts for itself with an EAGLE-class "
-                        "head, on centralized's profile)")
+                        "head, on centralized's profile; adaptive: sled's server with that head "
+                        "and --placement latency, moving sessions between the devices' drafts "
+                        "and its own as its load changes)")
     parser.add_argument("--spec-acceptance", type=float, default=ACCEPTANCE, metavar="A",
                         help="centralized-spec: the chance each of the head's guesses is the "
                         f"target's token (default {ACCEPTANCE}: EAGLE-3's published 1.65x at "
@@ -172,6 +175,9 @@ def _plan(args) -> tuple[Scenario, dict[str, StepProfile], list[int], list[str]]
         raise ValueError("--draft-len needs at least 1 token")
     if "centralized-spec" in modes:
         profiles["centralized-spec"] = profiles["centralized"]
+    if "adaptive" in modes:       # sled's server, moving sessions as its load changes
+        profiles["adaptive"] = profiles["sled"]
+    if set(SELF_DRAFTING) & set(modes):
         args.drafts = self_draft(args)
     args.host = host_cost(args.host_cost)
     served_settings("simulated", scenario.server.args)   # flags sled serve would refuse stop here
@@ -189,9 +195,12 @@ def self_draft(args) -> SelfDraft:
 
 
 def mode_settings(server_args: Sequence[str], mode: str, args):
-    """The server's settings in a mode: the scenario's flags, and centralized-spec's
-    --sat-off-above."""
-    extra = ["--sat-off-above", str(args.spec_off_above)] if mode == "centralized-spec" else []
+    """The server's settings in a mode: the scenario's flags, centralized-spec's and adaptive's
+    --sat-off-above, and adaptive's --placement latency."""
+    extra = ["--sat-off-above", str(args.spec_off_above)] \
+        if mode in SELF_DRAFTING else []
+    if mode == "adaptive":
+        extra += ["--placement", "latency"]
     return served_settings("simulated", [*server_args, *extra])
 
 
@@ -283,7 +292,7 @@ def sweep(scenario: Scenario, profiles: dict[str, StepProfile], sizes: list[int]
     async def fleet(mode: str, n: int, on_tokens) -> dict:
         """One fleet in one mode on a fresh simulated server: its row."""
         server = simulated_server(profiles[mode], settings[mode], scripts, vocab, host=args.host,
-                                  drafts=args.drafts if mode == "centralized-spec" else None)
+                                  drafts=args.drafts if mode in SELF_DRAFTING else None)
         devices = [_device(slots[j % len(slots)], j) for j in range(n)]
         row = await measured(server, scenario, profiles[mode], mode, devices, requests_of,
                              RoundSettings(draft_len=args.draft_len), scenario.max_tokens,
@@ -452,6 +461,8 @@ def _report(scenario: Scenario, profiles: dict[str, StepProfile], rows: list[dic
         + (f"; sled/centralized {said}" if ratio else ""))
     if "centralized-spec" in profiles:
         lines.append(f"centralized-spec: {_spec_said(args)}")
+    if "adaptive" in profiles:
+        lines.append(f"adaptive: sled's server with --placement latency and {_spec_said(args)}")
     lines.append(f"the server host's own time: {args.host}")
     lines.append(f"simulated in {wall:.1f} s (seed {args.seed})")
     return {"scenario": scenario.name, "setup": setup, "lines": lines, "seed": args.seed,
