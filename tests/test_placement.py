@@ -222,3 +222,41 @@ def test_the_simulator_runs_the_policy_as_the_server_does(tmp_path):
     by_mode = {r["mode"]: r for r in rows}
     assert all(r["mismatches"] == 0 for r in rows)
     assert by_mode["adaptive"]["device_tps_p5"] > 2 * by_mode["sled"]["device_tps_p5"]
+
+
+async def test_sampled_sessions_moved_mid_stream_keep_the_targets_distribution(
+        serve, models, drafter_models, tokenizer, prompts):
+    """Seeded sampling sessions of two tokens, moved between their device's drafts and the
+    server's passes at every other round boundary: each position's tokens converge to the
+    target's exact distribution."""
+    from drafters.hf import HFDrafter
+    from edge_client.session import RoundSettings, generate
+    from edge_client.wire import SessionRequest
+    from sled.wire.sampling import Sampling
+    from test_sampling_e2e import COUNTS, SAMPLING, exact_distributions, total_variation
+    from tests.test_lossless import server_stub
+
+    model = models["llama"]
+    prompt = prompts[0]
+    p1, p2 = exact_distributions(model, prompt, SAMPLING)
+    server = await serve(model, max_batch_sessions=64)
+    policy = server.service.core.placement = Scripted(
+        {i: SERVER if i % 3 == 1 else DEVICE for i in range(20 * COUNTS[-1])})
+    gate = asyncio.Semaphore(64)
+
+    async def one(seed: int):
+        async with gate:
+            result = await generate(
+                server_stub(server), HFDrafter(drafter_models["llama"], tokenizer),
+                SessionRequest(prompt, max_new_tokens=2, ignore_eos=True,
+                               sampling=Sampling(SAMPLING.temperature, SAMPLING.top_k, seed=seed)),
+                settings=RoundSettings(draft_len=1))
+            return result
+
+    results = await asyncio.gather(*(one(seed) for seed in range(COUNTS[-1])))
+    assert policy.boundary > COUNTS[-1] and sum(r.moves for r in results) > COUNTS[-1] // 4
+    pairs = [r.token_ids for r in results]
+    for position, p in ((0, p1), (1, p2)):
+        distances = [total_variation([pair[position] for pair in pairs[:n]], p) for n in COUNTS]
+        bound = 0.8 * math.sqrt(int((p > 1e-4).sum()) / COUNTS[-1])
+        assert distances[-1] < bound and distances[-1] < distances[0], (position, distances, bound)
