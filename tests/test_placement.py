@@ -11,7 +11,7 @@ import pytest
 
 from conftest import greedy_reference
 from sled.v1 import verifier_pb2 as pb
-from verify_server.placement import (DEVICE, HIGH, LOW, SETTLE_S, BusyShare, PlacementPolicy,
+from verify_server.placement import (DEVICE, HIGH, LOW, SETTLE_S, StepLoad, PlacementPolicy,
                                      Standing)
 
 SERVER, SAT = pb.GENERATION_MODE_SERVER, pb.GENERATION_MODE_SERVER_SAT
@@ -62,14 +62,19 @@ def test_a_move_settles_and_a_slow_drafter_is_never_moved_back_to_drafting():
         PlacementPolicy("fastest", 5.0, SAT)
 
 
-def test_the_busy_share_follows_the_steps():
-    busy = BusyShare(window=1.0)
-    t = 0.0
-    for _ in range(500):                 # busy 90% of every 10 ms, for five windows
-        busy.step(t + 0.001, t + 0.01)
-        t += 0.01
-    assert 0.8 < busy.share(t) <= 0.9
-    assert busy.share(t + 3.0) < LOW / 10        # idle for three windows
+def test_the_load_counts_step_time_past_the_lightest_step():
+    """One session decoded back to back (every step the lightest) loads the GPU nothing; steps
+    three times the lightest, back to back, load it 2/3; idle time unloads it."""
+    load, t = StepLoad(window=1.0), 0.0
+    for _ in range(500):                 # 7 ms steps back to back, for three windows and more
+        load.step(t, t + 0.007)
+        t += 0.007
+    assert load.share(t) < 0.01
+    for _ in range(250):                 # 21 ms steps, the lightest still 7 ms
+        load.step(t, t + 0.021)
+        t += 0.021
+    assert 0.6 < load.share(t) < 2 / 3 + 1e-9
+    assert load.share(t + 3.0) < LOW / 10        # idle for three windows
 
 
 class Scripted(PlacementPolicy):

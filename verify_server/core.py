@@ -170,7 +170,7 @@ class VerifierCore:
         now = clock.now()
         since = float("inf") if session.moved_at is None else now - session.moved_at
         standing = Standing(session.placement, session.acceptance, session.device_rate, since)
-        placement = self.placement.place(standing, self.scheduler.busy.share(now))
+        placement = self.placement.place(standing, self.scheduler.load.share(now))
         if placement != session.placement:
             session.move(placement, now)
             said.placement = placement

@@ -4,15 +4,16 @@ that knows its load, so it moves a session between them as the load changes; the
 carries the move (Open.movable, Verdict.placement) and the output stays the target's.
 
 The policy is asked at each of a movable session's round boundaries, from plain values: the
-GPU's recent busy share (`BusyShare`), and the session's own placement, acceptance and pace.
+GPU's recent load (`StepLoad`: the share of its time in steps past what its lightest step
+takes), and the session's own placement, acceptance and pace.
 
     fixed    nobody moves (a session keeps the mode it opened with)
-    latency  the fastest tokens for each device: while the GPU is busy less than LOW of the
-             time, every movable session is served by the server (its SAT slots where the
+    latency  the fastest tokens for each device: while the GPU's load is under LOW, every
+             movable session is served by the server (its SAT slots where the
              target has them, else plain decoding), at the GPU's rate. Past HIGH, sessions go
              back to drafting on their devices, those whose drafts the target accepts most
-             first: one goes back when its acceptance is at least (1 - busy) / (1 - HIGH), so
-             the busier the GPU the more go back, and at a full GPU all of them
+             first: one goes back when its acceptance is at least (1 - load) / (1 - HIGH), so
+             the more loaded the GPU the more go back, and at a full GPU all of them
     gpu      the least GPU time per token that keeps each device at its SLO: a session drafts
              on its device, and moves to the server only while its device's own rate is under
              the SLO and the GPU is busy less than HIGH; back to its device past HIGH
@@ -25,41 +26,66 @@ it while it can; past HIGH it stays too: moving it back would miss its SLO for s
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from sled.v1 import verifier_pb2 as pb
 
 PREFERENCES = ("fixed", "latency", "gpu")
-LOW, HIGH = 0.5, 0.8          # the GPU's busy share under which it serves, past which it hands back
+LOW, HIGH = 0.5, 0.8          # the GPU's load under which it serves, past which it hands back
 SETTLE_S = 2.0                # a session moves at most once in this many seconds
 DEVICE = pb.GENERATION_MODE_DEVICE_DRAFTS
 
 
-class BusyShare:
-    """The share of the recent past the GPU spent in steps: exponentially weighted over
-    `window` seconds, each step counted from its start to its end (sled.clock times)."""
+class StepLoad:
+    """How loaded the GPU has been lately: the share of the recent past it spent in steps
+    beyond what its lightest recent step takes, exponentially weighted over `window` seconds
+    (sled.clock times, each step from its start to its end).
 
-    def __init__(self, window: float = 2.0) -> None:
+    A GPU decoding one session back to back is in steps all the time, yet has room for many
+    more rows in each: only the time a step takes past the lightest one counts. So one session
+    decoded back to back loads it about 0; steps three times the lightest, back to back, load
+    it 2/3; idle time loads it nothing.
+
+        lightest step 7 ms; steps of 21 ms back to back -> share about 0.67
+    """
+
+    def __init__(self, window: float = 2.0, floor_steps: int = 512) -> None:
         self.window = window
         self.value = 0.0
         self.at: float | None = None
+        self.floor_steps = floor_steps
+        self._steps = 0
+        self._floor: deque[tuple[int, float]] = deque()   # (step, duration), rising: the min first
 
     def step(self, started: float, ended: float) -> None:
-        self._advance(started, busy=False)
-        self._advance(ended, busy=True)
+        duration = max(ended - started, 0.0)
+        floor = self._lightest(duration)
+        self._advance(started, 0.0)
+        self._advance(ended, 1.0 - floor / duration if duration > 0 else 0.0)
 
     def share(self, now: float) -> float:
-        """The busy share as of `now` (idle since the last step)."""
+        """The load as of `now` (idle since the last step)."""
         if self.at is None:
             return 0.0
         return self.value * math.exp(-max(now - self.at, 0.0) / self.window)
 
-    def _advance(self, t: float, busy: bool) -> None:
+    def _lightest(self, duration: float) -> float:
+        """The lightest of the last floor_steps steps, this one's included."""
+        self._steps += 1
+        while self._floor and self._floor[-1][1] >= duration:
+            self._floor.pop()
+        self._floor.append((self._steps, duration))
+        while self._floor[0][0] <= self._steps - self.floor_steps:
+            self._floor.popleft()
+        return self._floor[0][1]
+
+    def _advance(self, t: float, loaded: float) -> None:
         if self.at is None:
             self.at = t
             return
         kept = math.exp(-max(t - self.at, 0.0) / self.window)
-        self.value = self.value * kept + (1.0 - kept) * busy
+        self.value = self.value * kept + (1.0 - kept) * loaded
         self.at = max(self.at, t)
 
 
@@ -87,7 +113,7 @@ class PlacementPolicy:
         return self.preference != "fixed"
 
     def place(self, session: Standing, busy: float) -> int:
-        """Where the session's next tokens come from, the GPU `busy` this share of the time."""
+        """Where the session's next tokens come from, the GPU's load `busy` (StepLoad)."""
         if not self.moves or session.since_move < SETTLE_S:
             return session.placement
         drafting = session.placement == DEVICE

@@ -39,7 +39,7 @@ from verify_server.engines.base import Engine, StepLogits
 from verify_server.engines.rows import Row
 from verify_server.errors import Reason
 from verify_server.metrics import Metrics
-from verify_server.placement import BusyShare
+from verify_server.placement import StepLoad
 from verify_server.session import Fed, Session
 
 # --- the work a session queues ----------------------------------------------------------------------
@@ -169,7 +169,7 @@ class Scheduler:
         self.max_batch_sessions = max_batch_sessions
         self.max_step_tokens = max_step_tokens
         self.min_prefill_chunk = max(1, max_step_tokens // 8)
-        self.busy = BusyShare()      # the GPU's recent busy share (the placement policy's load)
+        self.load = StepLoad()      # the GPU's recent load (the placement policy's)
         self._queue: list[Work] = []
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sled-engine")
@@ -346,7 +346,7 @@ class Scheduler:
         each work's reply (a prefill with chunks to go queued again)."""
         self._leave(plan)
         ended = clock.now()
-        self.busy.step(started, ended)
+        self.load.step(started, ended)
         forward_ms = (ended - started) * 1e3
         self.metrics.forward_passes.inc()
         self.metrics.forward_tokens.inc(sum(n for _, n in plan))
