@@ -69,6 +69,9 @@ COMMANDS = {
         "publish-profile": Command("lab.bench.publish", "a PUBLISHED step-cost profile of vLLM "
                                    "or SGLang: their published figures for Llama 3.1 8B, on "
                                    "an H100 or moved to an H200 by its roofline"),
+        "placement": Command("lab.bench.placement", "a server moving sessions between the "
+                             "devices' drafts and its own as devices join and leave, every "
+                             "output held to generate()", needs=SERVER_LAB),
         "kv-windows": Command("lab.bench.kv_windows", "sessions a GPU's KV memory holds per "
                               "context, sliding-window layers keeping their window or every "
                               "token"),

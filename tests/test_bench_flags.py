@@ -29,6 +29,8 @@ BAD_VALUES = [
     ("derive-profile", "--shape", "llama-405b"), ("derive-profile", "--gpu", "B200"),
     ("derive-profile", "--weight-dtype", "int3"),
     ("publish-profile", "--engine", "trt-llm"), ("publish-profile", "--gpu", "A100"),
+    ("placement", "--devices", "0"), ("placement", "--phase-s", "0"),
+    ("placement", "--placement", "fixed"),
     ("kv-windows", "--contexts", "512,0"), ("kv-windows", "--answer", "0"),
     ("kv-windows", "--max-step-tokens", "x"),
     ("drafter", "--reps", "0"), ("drafter", "--tokens", "0"), ("drafter", "--draft-len", "0"),

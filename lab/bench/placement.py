@@ -1,0 +1,135 @@
+"""`sled bench placement`: a server that moves sessions as its load changes, with real processes.
+
+`sled serve --placement latency` runs as a process of its own; the devices run here, on loopback,
+each drafting with the tiny pair's drafter. They join and leave in waves, so that the server's
+load goes up and down during the run:
+
+    0 .. T      --base devices, each starting one session after another
+    T .. 2T     every one of --devices
+    2T .. 3T    --base devices again (the others finish the session they are in, then leave)
+
+Every output is held to the target's own generate(), and each session's moves (Opened and
+Verdict.placement) and tokens by placement are counted. Exit 1 when an output differs.
+
+    sled bench placement --devices 16 --base 2 --phase-s 6
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from rich.table import Table
+
+from drafters import bind_target_tokenizer, load_drafter
+from edge_client.session import RoundSettings, Target, generate
+from edge_client.wire import SessionRequest
+from lab.bench import harness
+from lab.oracle import greedy_ids, load_target
+from lab.tiny import CORPUS, cached_pair
+from sled import clock
+from sled.flags import positive_float, positive_int
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--devices", type=positive_int, default=16, help="devices at the peak")
+    parser.add_argument("--base", type=positive_int, default=2,
+                        help="devices before and after the peak")
+    parser.add_argument("--phase-s", type=positive_float, default=6.0,
+                        help="seconds of each phase (light, peak, light)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=160,
+                        help="tokens of each session")
+    parser.add_argument("--placement", default="latency", choices=("latency", "gpu"),
+                        help="the server's --placement")
+    harness.add_out_flag(parser, "placement")
+
+
+def run(args) -> int:
+    return harness.run_bench("placement", bench, args)
+
+
+async def bench(args) -> int:
+    console = harness.bench_console()
+    target, drafter_dir = cached_pair()
+    served_target = load_target(target)
+    server_args = ["--placement", args.placement]
+    async with harness.serving(target, server_args, console=console) as served:
+        tokenizer = await served.conn.tokenizer()
+        prompts = [tokenizer(text).input_ids for text in CORPUS]
+        sessions = await _waves(served, args, prompts, drafter_dir, tokenizer, console)
+        moves = sum(_labelled(served.server, "sled_placement_moves_total", f'to="{to}"')
+                    for to in ("device", "server", "server_sat"))
+    wrong = [s for s in sessions
+             if s["tokens"] != greedy_ids(served_target, s["prompt"], args.max_new_tokens)]
+    _table(console, sessions, args)
+    moved = sum(1 for s in sessions if s["moves"])
+    console.print(f"{len(sessions)} sessions, {moved} moved at least once, "
+                  f"{sum(s['moves'] for s in sessions)} moves ({moves:.0f} by the server's "
+                  f"count); outputs equal to generate(): {len(sessions) - len(wrong)} of "
+                  f"{len(sessions)}")
+    harness.write_results(console, args.out, {
+        "devices": args.devices, "base": args.base, "phase_s": args.phase_s,
+        "placement": args.placement, "max_new_tokens": args.max_new_tokens,
+        "sessions": [{k: v for k, v in s.items() if k not in ("prompt", "tokens")}
+                     for s in sessions],
+        "moved": moved, "identical": len(sessions) - len(wrong)})
+    return harness.DONE if not wrong else 1
+
+
+async def _waves(served, args, prompts, drafter_dir, tokenizer, console) -> list[dict]:
+    """Every device's sessions: the base devices for the three phases, the others for the
+    peak (a session they are in when it ends runs to its end)."""
+    started = clock.now()
+    info = Target(fingerprint=served.fingerprint)
+    sessions: list[dict] = []
+
+    async def device(index: int, joins: float, leaves: float) -> None:
+        drafter = load_drafter(f"hf:{drafter_dir}")
+        bind_target_tokenizer(drafter, tokenizer)
+        await asyncio.sleep(joins)
+        n = 0
+        while clock.now() - started < leaves:
+            prompt = prompts[(index * 3 + n) % len(prompts)]
+            opened = clock.now() - started
+            result = await generate(served.stub, drafter,
+                                    SessionRequest(prompt, max_new_tokens=args.max_new_tokens),
+                                    settings=RoundSettings(draft_len=4), target=info)
+            sessions.append({"device": index, "opened_s": round(opened, 2),
+                             "seconds": round(result.elapsed_s, 2), "moves": result.moves,
+                             "placements": dict(result.placements), "prompt": prompt,
+                             "tokens": result.token_ids})
+            n += 1
+
+    phase = args.phase_s
+    with console.status(f"{args.base} devices, then {args.devices}, then {args.base} again "
+                        f"({phase:g} s each)"):
+        await asyncio.gather(*(
+            device(i, 0.0, 3 * phase) if i < args.base else device(i, phase, 2 * phase)
+            for i in range(args.devices)))
+    return sessions
+
+
+def _labelled(server, name: str, label: str) -> float:
+    """One labelled sample of the server's /metrics (0 when it has none yet)."""
+    try:
+        return server.metric(f"{name}{{{label}}}")
+    except KeyError:
+        return 0.0
+
+
+def _table(console, sessions: list[dict], args) -> None:
+    """Sessions by the phase they opened in: how many, how many moved, tokens by placement."""
+    table = Table(title=f"sled serve --placement {args.placement}: sessions by the phase they "
+                        "opened in")
+    for column in ("phase", "sessions", "moved", "moves", "device tokens", "server tokens"):
+        table.add_column(column, justify="right" if column != "phase" else "left")
+    names = ("light", "peak", "light again")
+    for k, name in enumerate(names):
+        mine = [s for s in sessions if k * args.phase_s <= s["opened_s"] < (k + 1) * args.phase_s
+                or (k == 2 and s["opened_s"] >= 3 * args.phase_s)]
+        placed = Counter()
+        for s in mine:
+            placed.update(s["placements"])
+        table.add_row(name, str(len(mine)), str(sum(1 for s in mine if s["moves"])),
+                      str(sum(s["moves"] for s in mine)), str(placed["device"]),
+                      str(placed["server"] + placed["server_sat"]))
+    console.print(table)
