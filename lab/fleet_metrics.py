@@ -57,6 +57,9 @@ def summarize(run: FleetRun) -> dict:
         "forward_passes": run.forward_passes, "passes_per_token": run.forward_passes / tokens if tokens else math.inf,
         "acceptance_rate": sum(r.accepted_tokens for r in results) / verified if verified else None,
         "mismatches": sum(r.token_ids != want for r, want in zip(results, run.expected)),
+        # the share of tokens the server produced itself (its own modes, or a moved session's)
+        "served_share": (sum(n for r in results for where, n in r.placements.items()
+                             if where != "device") / tokens) if tokens else 0.0,
     }
 
 

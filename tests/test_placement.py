@@ -227,6 +227,7 @@ def test_the_simulator_runs_the_policy_as_the_server_does(tmp_path):
     by_mode = {r["mode"]: r for r in rows}
     assert all(r["mismatches"] == 0 for r in rows)
     assert by_mode["adaptive"]["device_tps_p5"] > 2 * by_mode["sled"]["device_tps_p5"]
+    assert by_mode["sled"]["served_share"] == 0 and by_mode["adaptive"]["served_share"] > 0.8
 
 
 async def test_sampled_sessions_moved_mid_stream_keep_the_targets_distribution(

@@ -492,9 +492,10 @@ def _table(rows: list[dict], setup: str) -> Table:
     table = Table(title=setup, caption=(
         "sys: tokens/s of all devices; dev p5: tokens/s 95% of devices beat; TTFT p95 includes "
         "waits for KV; busy: the GPU's share of the time in steps; GPU s/1k: GPU-seconds in "
-        "steps per 1k tokens; refused: sessions the KV cache turned away for a while"))
+        "steps per 1k tokens; served: the share of tokens the server produced itself; refused: "
+        "sessions the KV cache turned away for a while"))
     for column in ("mode", "N", "sys", "vs central", "dev p5", "TPOT p95", "TTFT p95", "busy",
-                   "GPU s/1k", "J/1k", "refused", "SLO"):
+                   "GPU s/1k", "J/1k", "served", "refused", "SLO"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for r in rows:
         ratio = r.get("throughput_vs_centralized")
@@ -503,7 +504,8 @@ def _table(rows: list[dict], setup: str) -> Table:
                       f"{ratio:.2f}x" if ratio else "", f"{r['device_tps_p5']:.1f}",
                       f"{r['tpot_ms_p95']:.0f}", f"{r['ttft_ms_p95']:.0f}",
                       f"{r['gpu_busy_share']:.0%}", f"{r['gpu_s_per_1k']:.2f}",
-                      f"{energy:.0f}" if energy is not None else "-", str(r["refused"]),
+                      f"{energy:.0f}" if energy is not None else "-",
+                      f"{r.get('served_share', 0.0):.0%}", str(r["refused"]),
                       "yes" if r["meets_slo"] else "no")
     return table
 
