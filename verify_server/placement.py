@@ -26,7 +26,6 @@ it while it can; past HIGH it stays too: moving it back would miss its SLO for s
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
 from sled.v1 import verifier_pb2 as pb
@@ -39,46 +38,36 @@ DEVICE = pb.GENERATION_MODE_DEVICE_DRAFTS
 
 class StepLoad:
     """How loaded the GPU has been lately: the share of the recent past it spent in steps
-    beyond what its lightest recent step takes, exponentially weighted over `window` seconds
+    beyond what its lightest step takes, exponentially weighted over `window` seconds
     (sled.clock times, each step from its start to its end).
 
     A GPU decoding one session back to back is in steps all the time, yet has room for many
     more rows in each: only the time a step takes past the lightest one counts. So one session
     decoded back to back loads it about 0; steps three times the lightest, back to back, load
-    it 2/3; idle time loads it nothing.
+    it 2/3; idle time loads it nothing. The lightest step is the lightest the server has run
+    (a step of one short row: what the GPU's weights cost to read), so a load that stays high
+    stays counted.
 
-        lightest step 7 ms; steps of 21 ms back to back -> share about 0.67
+        lightest step 7 ms; steps of 21 ms back to back -> load about 0.67
     """
 
-    def __init__(self, window: float = 2.0, floor_steps: int = 512) -> None:
+    def __init__(self, window: float = 2.0) -> None:
         self.window = window
         self.value = 0.0
         self.at: float | None = None
-        self.floor_steps = floor_steps
-        self._steps = 0
-        self._floor: deque[tuple[int, float]] = deque()   # (step, duration), rising: the min first
+        self.lightest = math.inf
 
     def step(self, started: float, ended: float) -> None:
         duration = max(ended - started, 0.0)
-        floor = self._lightest(duration)
+        self.lightest = min(self.lightest, duration)
         self._advance(started, 0.0)
-        self._advance(ended, 1.0 - floor / duration if duration > 0 else 0.0)
+        self._advance(ended, 1.0 - self.lightest / duration if duration > 0 else 0.0)
 
     def share(self, now: float) -> float:
         """The load as of `now` (idle since the last step)."""
         if self.at is None:
             return 0.0
         return self.value * math.exp(-max(now - self.at, 0.0) / self.window)
-
-    def _lightest(self, duration: float) -> float:
-        """The lightest of the last floor_steps steps, this one's included."""
-        self._steps += 1
-        while self._floor and self._floor[-1][1] >= duration:
-            self._floor.pop()
-        self._floor.append((self._steps, duration))
-        while self._floor[0][0] <= self._steps - self.floor_steps:
-            self._floor.popleft()
-        return self._floor[0][1]
 
     def _advance(self, t: float, loaded: float) -> None:
         if self.at is None:
