@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # Every extra: the tests and the demo run both sides, every drafter and the benchmarks.
 EXTRAS := server,gguf,onnx,hf,export,lab,models,dev
 
-.PHONY: demo test install models mosquitto haproxy docker protos clean
+.PHONY: demo test install models mosquitto haproxy docker protos clean arm-root
 
 install: $(STAMP)
 
@@ -41,6 +41,11 @@ test: $(STAMP) mosquitto haproxy docker models
 # checkpoints, export the int4 ONNX drafters.
 models: $(STAMP)
 	$(BIN)/sled models prepare --onnx
+
+# An aarch64 Debian Bookworm root (debootstrap, run by qemu-user) built once into the sled cache,
+# then its python3 run through chroot. As root; it names the Debian packages it lacks.
+arm-root: $(STAMP)
+	$(BIN)/sled lab arm-root --check
 
 # apt-get waits for another apt-get to finish (two `make test` side by side both install) instead
 # of failing at once on the dpkg lock.

@@ -63,6 +63,9 @@ X86_PORTABLE = ("GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", 
 X86_NEVER = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 # aarch64: -march extensions by the cpuinfo Features that report them (SVE is left out).
 ARM_EXTENSIONS = {"dotprod": ("asimddp",), "fp16": ("fphp", "asimdhp"), "i8mm": ("i8mm",)}
+# Arm Ltd. cores (CPU implementer 0x41) by cpuinfo's "CPU part", for boards that print no name.
+ARM_CORES = {"0xd03": "Cortex-A53", "0xd08": "Cortex-A72", "0xd0b": "Cortex-A76",
+             "0xd42": "Cortex-A78AE"}
 
 
 class LlamaBuildError(RuntimeError):
@@ -102,9 +105,17 @@ def cpu_features(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset((cpuinfo_field(("flags", "Features"), cpuinfo) or "").split())
 
 
-def cpu_name() -> str:
-    """The processor's name as /proc/cpuinfo gives it (x86 "model name", a Pi's "Model")."""
-    return cpuinfo_field(("model name", "Model")) or "unknown processor"
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The processor's name as /proc/cpuinfo gives it (x86 "model name", a Pi's "Model"), else
+    an Arm core's by its part number (a Jetson prints no board name there)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    arm_core = (ARM_CORES.get(cpuinfo_field(("CPU part",), cpuinfo) or "")
+                if cpuinfo_field(("CPU implementer",), cpuinfo) == "0x41" else None)
+    return cpuinfo_field(("model name", "Model"), cpuinfo) or arm_core or "unknown processor"
 
 
 def build_flags(features: frozenset[str], arch: str | None = None,

@@ -113,6 +113,8 @@ COMMANDS = {
         "landscape": Command("lab.sim.landscape", "where sled wins and where it does not: one "
                              "plot and tables from several `sled lab simulate` runs",
                              needs=SERVER_LAB),
+        "arm-root": Command("lab.arm_root", "an aarch64 Debian Bookworm root (debootstrap, "
+                            "qemu-user), built once into the cache; --check runs its python3"),
         "device": Command("lab.device_entry", "a device container's entrypoint: take a place in "
                           "the scenario's fleet, set up its link, run sled device"),
     }),
