@@ -84,6 +84,14 @@ def active_sessions(snapshot: Snapshot) -> float:
     return value(snapshot, "sled_active_sessions")
 
 
+PLACEMENTS = ("device", "server", "server_sat")    # sled_placed_sessions' labels
+
+
+def placed_sessions(snapshot: Snapshot, placement: str) -> float:
+    """Open sessions whose tokens come from `placement` (the server's placement policy)."""
+    return value(snapshot, "sled_placed_sessions", placement=placement)
+
+
 def batch_buckets(snapshot: Snapshot) -> dict[str, float]:
     """sled_batch_size as cumulative counts by upper bound ("1", "2", ..., "+Inf")."""
     return {_bound(labels["le"]): v for labels, v in snapshot.get("sled_batch_size_bucket", [])}
@@ -164,6 +172,7 @@ class Sampler:
         self.device_totals = {handle.slot.id: Totals() for handle in self.handles}
         self.kv_used: list[list[float]] = []
         self.sessions: list[list[float]] = []
+        self.placed: list[list[float]] = []   # [at, device, server, server_sat] sessions open
         self.kv_total = 0
         self.started = 0.0
         self.polls = {name: {"ok": 0, "failed": 0}               # by component: server, device ids
@@ -236,6 +245,8 @@ class Sampler:
         total = sum(kv_blocks(page)[1] for page in read)
         self.kv_used.append([at, int(used)])
         self.sessions.append([at, int(sum(active_sessions(page) for page in read))])
+        self.placed.append([at, *(int(sum(placed_sessions(page, where) for page in read))
+                                  for where in PLACEMENTS)])
         self.kv_total = max(self.kv_total, int(total))
 
     @property
@@ -259,6 +270,7 @@ class Sampler:
                 "forward_seconds": totals.get("sled_forward_seconds_sum", 0.0) if known else None,
                 "batch_sizes": per_bucket(batches), "kv_blocks_used": self.kv_used,
                 "kv_blocks_total": self.kv_total if known else None, "active_sessions": self.sessions,
+                "placed_sessions": self.placed,
                 "polls": dict(self.polls["server"])}
 
     def replicas(self) -> list[dict]:

@@ -47,7 +47,10 @@ def phase(system: str, n: int) -> dict:
             "server": {"forward_passes": 21 * n if drafting else 42 * n, "forward_seconds": 2.5,
                        "batch_sizes": {"1": 4, "2": 6, "4": 0, "+Inf": 0},
                        "kv_blocks_used": [[0.0, 0], [1.0, 12], [2.0, 20]], "kv_blocks_total": 256,
-                       "active_sessions": [[0.0, 0], [1.0, n]]},
+                       "active_sessions": [[0.0, 0], [1.0, n]],
+                       # a placing server's sled phase: sessions move to it, then back
+                       "placed_sessions": ([[0.0, n, 0, 0], [1.0, 0, n, 0], [2.0, n, 0, 0]]
+                                           if drafting else [[0.0, 0, 0, 0], [1.0, 0, 0, 0]])},
             "devices": devices}
 
 
@@ -187,7 +190,8 @@ def test_every_listed_png_exists_and_is_a_png(built):
     out, page, report = built
     assert page == out / "report.html"
     files = {p["file"] for p in report["plots"]}
-    assert {"throughput.png", "faults.png", "costs.png", "kv_blocks.png", "acceptance.png"} <= files
+    assert {"throughput.png", "faults.png", "costs.png", "kv_blocks.png", "acceptance.png",
+            "placement.png"} <= files
     for name in files:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     assert report["lossless"] is True and report["link_emulation"]["kinds"] == ["netem", "user-space"]

@@ -211,6 +211,24 @@ def kv_blocks(plt, report: dict, results: dict):
     return fig
 
 
+def placement(plt, report: dict, results: dict):
+    """Open sessions by where their tokens come from, over each phase whose server moved any."""
+    series = [(p, (p.get("server") or {}).get("placed_sessions") or []) for p in results["phases"]]
+    series = [(p, s) for p, s in series if any(server or sat for _, _, server, sat in s)]
+    if not series:
+        raise Skip("no server placed a session itself (sled serve --placement fixed, or none "
+                   "scraped)")
+    fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4), squeeze=False)
+    for ax, (phase, points) in zip(axes[0], series):
+        at = [t for t, *_ in points]
+        ax.stackplot(at, [d for _, d, _, _ in points], [s + sat for _, _, s, sat in points],
+                     labels=["the device drafts", "the server"])
+        ax.set(xlabel="seconds from phase start", ylabel="open sessions",
+               title=f"{phase['system']} x{phase['fleet_size']}: where tokens come from")
+        ax.legend(loc="upper left")
+    return fig
+
+
 # (file, caption, function) in the page's order
 PLOTS = (
     ("throughput.png", "System tokens/s against fleet size, sled and centralized.", throughput),
@@ -226,6 +244,8 @@ PLOTS = (
     ("costs.png", "Cost per million tokens and energy per token per device profile (assumed figures).", costs),
     ("faults.png", "Tokens lost and duplicated in requests open during each fault step.", faults),
     ("kv_blocks.png", "KV blocks used over each phase.", kv_blocks),
+    ("placement.png", "Open sessions by where their tokens come from, over each phase of a "
+     "server that places sessions (sled serve --placement).", placement),
 )
 
 
