@@ -274,20 +274,31 @@ print(json.dumps({"tokens": got, "info": llama_cpp.llama_print_system_info().dec
 def check_decode(gguf: Path, python: str = sys.executable, timeout: float = 180,
                  code: str = CHECK_CODE) -> Verdict:
     """A decode of a few tokens of GGUF in a child process: did the build run, or how it died."""
+    failed, last = run_child(code, [str(gguf)], python, timeout)
+    if failed is not None:
+        return failed
+    answer = json.loads(last)
+    return Verdict(True, f"decoded {len(answer['tokens'])} tokens", system_info=answer["info"])
+
+
+def run_child(code: str, args: list[str] = (), python: str = sys.executable,
+              timeout: float = 180) -> tuple[Verdict | None, str]:
+    """CODE run by a child Python: (None, the last line it printed), or (how it failed, "") -
+    a signal (a build selecting an instruction this CPU lacks dies of SIGILL), an exit code
+    with its last message, or no answer in `timeout` seconds."""
     try:
-        done = subprocess.run([python, "-c", code, str(gguf)], capture_output=True, text=True,
+        done = subprocess.run([python, "-c", code, *args], capture_output=True, text=True,
                               timeout=timeout, cwd=tempfile.gettempdir())
     except subprocess.TimeoutExpired:
-        return Verdict(False, f"no answer in {timeout:.0f} s")
+        return Verdict(False, f"no answer in {timeout:.0f} s"), ""
     if done.returncode < 0:
         name = signal.Signals(-done.returncode).name
-        return Verdict(False, f"died of {name}", signal=-done.returncode)
+        return Verdict(False, f"died of {name}", signal=-done.returncode), ""
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        return Verdict(False, f"exit {done.returncode}: {last}")
-    answer = json.loads(lines[-1])
-    return Verdict(True, f"decoded {len(answer['tokens'])} tokens", system_info=answer["info"])
+        return Verdict(False, f"exit {done.returncode}: {last}"), ""
+    return None, lines[-1]
 
 
 def verify(gguf: Path, rebuild=None, check=None, say=print) -> Verdict:

@@ -1,7 +1,8 @@
 """`sled doctor`: can this machine run its GGUF drafter? The processor's vector extensions, the
 flags llama.cpp was built with, what the built runtime says it uses, and a decode of a few tokens
 of a GGUF in a child process (a build that selects an instruction the CPU cannot run dies there,
-not in the daemon). --repair rebuilds a crashing build once with the portable baseline.
+not in the daemon). --repair rebuilds a crashing build once with the portable baseline. A device
+with the [onnx] extra and no llama.cpp has the ONNX drafter's runtime loaded in a child instead.
 
     $ sled doctor
     cpu: AMD EPYC (x86_64): avx avx2 avx512bw ... (llama.cpp: no AMX, whatever the CPU reports)
@@ -83,7 +84,10 @@ def run_device(args) -> int:
           else "not built by sled (pip's own build: -march=native may select instructions this "
                "CPU cannot run); python -m sled.llama_build install builds it for this CPU"))
     if not installed("llama_cpp"):
-        print('check: llama-cpp-python is not installed: pip install "sled[gguf]"')
+        if installed("onnxruntime_genai"):
+            return check_onnx()
+        print('check: neither llama-cpp-python nor onnxruntime-genai is installed: pip install '
+              '"sled[gguf]" or "sled[onnx]"')
         return 1
     try:
         gguf = Path(args.gguf) if args.gguf else llama_build.builtin_gguf()
@@ -100,5 +104,23 @@ def run_device(args) -> int:
                  if verdict.signal else ""))
         return 1
     print(f"check: {verdict.detail} of {gguf.name}")
+    return 0
+
+
+# What the ONNX drafter's runtime says of itself, loaded in a child (a wheel built for another
+# CPU dies there, not in the daemon)
+ONNX_CHECK = ("import onnxruntime as ort, onnxruntime_genai as og; "
+              "print(f'onnxruntime-genai {og.__version__}, onnxruntime {ort.__version__} "
+              "({\", \".join(ort.get_available_providers())})')")
+
+
+def check_onnx() -> int:
+    """A device with the [onnx] extra and no llama.cpp: its runtime loaded in a child."""
+    failed, said = llama_build.run_child(ONNX_CHECK)
+    if failed is not None:
+        print(f"check: onnxruntime-genai {failed.detail} loading")
+        return 1
+    print(f"check: {said} loads on this CPU (the onnx: drafter); llama-cpp-python, the gguf: "
+          "drafter's, is not installed")
     return 0
 

@@ -195,11 +195,24 @@ def test_the_cpu_is_named_by_its_model_name_not_its_model_number():
     assert cpu_features(pi5) == {"fp", "asimd", "asimddp"}
 
 
-def test_sled_doctor_without_llama_cpp_names_the_extra(tmp_path):
-    done = run_without(["llama_cpp"], "doctor", tmp_path=tmp_path)
+def test_sled_doctor_without_a_drafter_runtime_names_the_extras(tmp_path):
+    done = run_without(["llama_cpp", "onnxruntime_genai"], "doctor", tmp_path=tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert done.stdout.splitlines()[-1] == 'check: llama-cpp-python is not installed: pip install "sled[gguf]"'
+    assert done.stdout.splitlines()[-1] == ('check: neither llama-cpp-python nor onnxruntime-genai '
+                                            'is installed: pip install "sled[gguf]" or "sled[onnx]"')
     assert "Traceback" not in done.stderr
+
+
+def test_sled_doctor_on_an_onnx_device_loads_its_runtime(tmp_path):
+    """[onnx] without llama.cpp: the ONNX runtime loaded in a child, exit 0; one that dies
+    there is named, exit 1."""
+    pytest.importorskip("onnxruntime_genai")
+    done = run_without(["llama_cpp"], "doctor", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = done.stdout.splitlines()[-1]
+    assert last.startswith("check: onnxruntime-genai ") and "loads on this CPU" in last
+    verdict, _ = llama_build.run_child("import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    assert verdict.detail == "died of SIGILL"
 
 
 def test_sled_doctor_says_when_the_build_is_not_sleds(capsys, monkeypatch, tmp_path):
