@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         # e.g. a device torch lacks, a model neither here nor on the hub, one that does not
         # split over --tp N ranks
         except ValueError as exc:
-            print(f"sled serve: {one_line(exc)}", file=sys.stderr)
+            if ranks is None or ranks.leads:   # every rank refuses alike: one line, rank 0's
+                print(f"sled serve: {one_line(exc)}", file=sys.stderr)
             if ranks is not None:
                 ranks.end()
             return 2
