@@ -365,14 +365,13 @@ class DeviceSession:
     async def served(self) -> bool:
         """The server serves the session: one verdict per server pass, each checked and
         committed, until one finishes the session (True) or moves it back to the device's
-        drafting (False). A lost server reopens the session, which drafts again."""
+        drafting (False). A lost server reopens the session, placed as its new Opened says."""
         while True:
             try:
                 verdict = (await receive_within(self.stream, self.settings.verdict_timeout_s,
                                                 f"verdict for round {self.round}")).verdict
             except (VerifyError, grpc.aio.AioRpcError) as error:
-                await self.resume(error)
-                self.placement = pb.GENERATION_MODE_DEVICE_DRAFTS
+                await self.resume(error)        # its Opened says where it goes on (open_once)
                 return False
             check_verdict(verdict, Asked(self.round, self.request.left(self.result.token_ids),
                                          self.vocab_size, movable=True))

@@ -295,3 +295,37 @@ async def test_a_link_stream_delays_both_ways_and_keeps_the_rate_of_a_stream():
         await stream.receive()
     assert time.perf_counter() - waiting < 0.400                   # one latency (0.2 s), not three
     stream.cancel()
+
+
+class ServedFromTheOpen(ScriptedServer):
+    """Serves every session itself from its Opened (Opened.placement), a token a verdict; the
+    first stream is evicted after two verdicts."""
+
+    def transport(self, stub, *, timeout=None, wait_for_ready=False) -> "ScriptedStream":
+        return ServingStream(self)
+
+
+class ServingStream(ScriptedStream):
+    async def send(self, msg: pb.DeviceMessage) -> None:
+        if msg.WhichOneof("kind") != "open":
+            self.server.drafts.append(list(msg.draft.token_ids))
+            return
+        self.server.opens.append(msg.open)
+        self.context, self.left = list(msg.open.prompt_ids), msg.open.max_new_tokens
+        self.replies.put_nowait(pb.ServerMessage(opened=pb.Opened(
+            placement=pb.GENERATION_MODE_SERVER)))
+        first = len(self.server.opens) == 1
+        for step in range(2 if first else self.left):
+            self.replies.put_nowait(pb.ServerMessage(verdict=self._verdict(step, [])))
+        if first:
+            self.replies.put_nowait(VerifyError(grpc.StatusCode.ABORTED, "idle", "REASON_EVICTED"))
+
+
+async def test_a_served_session_reopened_goes_on_where_its_new_opened_places_it():
+    """Evicted while the server served it, the session reopens and its new Opened places it on
+    the server again: it never drafts, and its tokens are the target's."""
+    server = ServedFromTheOpen()
+    result = await session(server, CountingDrafter(), max_new=6, draft_len=3).run()
+    assert result.token_ids == list(range(2, 8)) and result.resumes == 1
+    assert server.drafts == [] and len(server.opens) == 2
+    assert result.placements == {"server": 6} and result.moves == 2
