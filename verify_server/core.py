@@ -216,11 +216,8 @@ class VerifierCore:
             verdict = finish_round(session, outcome, draft_len, info, self.metrics)
             if not session.finished:
                 self._place(session, verdict)
-            if session.placement == DEVICE:         # moved back: its device drafts the next round
-                session.wait_for_device()
-                yield verdict
-                return
-            if not session.finished:
+            moved_back = not session.finished and session.placement == DEVICE
+            if not (session.finished or moved_back):
                 lookahead = self.sat_lookahead(session)
                 guesses = outcome.hints if lookahead else []
                 try:
@@ -232,6 +229,8 @@ class VerifierCore:
                 step, draft_len = next_pass(guesses, lookahead)
             session.wait_for_device()       # a device that stops reading idles out too
             yield verdict
+            if moved_back:                  # its device drafts the next round
+                return
             session.heard_from_device()
             if session.finished:
                 return
