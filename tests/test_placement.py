@@ -8,11 +8,14 @@ import math
 
 import grpc
 import pytest
+from pydantic import ValidationError
 
 from conftest import greedy_reference
+from sled import clock
 from sled.v1 import verifier_pb2 as pb
 from verify_server.placement import (DEVICE, HIGH, LOW, SETTLE_S, StepLoad, PlacementPolicy,
                                      Standing)
+from verify_server.settings import ServerSettings
 
 SERVER, SAT = pb.GENERATION_MODE_SERVER, pb.GENERATION_MODE_SERVER_SAT
 NEVER = math.inf
@@ -60,6 +63,21 @@ def test_a_move_settles_and_a_slow_drafter_is_never_moved_back_to_drafting():
     assert PlacementPolicy("gpu", 5.0, SAT).place(slow, 1.0) == SAT
     with pytest.raises(ValueError, match="unknown placement"):
         PlacementPolicy("fastest", 5.0, SAT)
+
+
+def test_the_operator_moves_the_band_where_the_server_serves_and_hands_back():
+    """--placement-low/-high: a lower band hands sessions back at a load the default keeps."""
+    default, lowered = PlacementPolicy("latency", 5.0, SAT), PlacementPolicy(
+        "latency", 5.0, SAT, low=0.3, high=0.6)
+    assert default.place(standing(SAT, 0.8), 0.7) == SAT
+    assert lowered.place(standing(SAT, 0.8), 0.7) == DEVICE      # 0.8 >= (1 - 0.7) / (1 - 0.6)
+    assert lowered.place(standing(SAT, 0.6), 0.7) == SAT         # its drafts pay less: it stays
+    assert default.place(standing(DEVICE), 0.4) == SAT
+    assert lowered.place(standing(DEVICE), 0.4) == DEVICE        # between its low and high
+    with pytest.raises(ValueError, match="0 < low < high < 1"):
+        PlacementPolicy("latency", 5.0, SAT, low=0.8, high=0.5)
+    with pytest.raises(ValidationError, match="placement_low .* must be under placement_high"):
+        ServerSettings(model="m", placement_low=0.9, placement_high=0.6)
 
 
 def test_the_load_counts_step_time_past_the_lightest_step():
@@ -136,6 +154,10 @@ async def test_concurrent_sessions_moved_by_the_latency_policy_match_generate(
     assert any(r.moves for r in results)
     assert all(r.placements.get("server", 0) + r.placements.get("device", 0) == len(r.token_ids)
                for r in results)
+    core = server.service.core          # the load the policy read is on /metrics as well
+    assert core.metrics.value("sled_step_load") == pytest.approx(
+        core.scheduler.load.share(clock.now()), abs=0.02)
+    assert core.scheduler.load.value > 0
 
 
 async def test_a_device_that_is_not_movable_keeps_its_mode(serve, models, drafter_models,

@@ -71,8 +71,10 @@ class VerifierCore:
         self.admission = AdmissionQueue(settings.admission_queue, settings.admission_wait, metrics)
         self.placement = PlacementPolicy(
             settings.placement, settings.placement_slo_rate,
-            pb.GENERATION_MODE_SERVER_SAT if target.sat_slots else pb.GENERATION_MODE_SERVER)
+            pb.GENERATION_MODE_SERVER_SAT if target.sat_slots else pb.GENERATION_MODE_SERVER,
+            settings.placement_low, settings.placement_high)
         metrics.active_sessions.set_function(lambda: len(self.sessions))
+        metrics.step_load.set_function(lambda: self.scheduler.load.share(clock.now()))
         for mode, label in PLACEMENT_LABELS.items():
             metrics.placed_sessions.labels(label).set_function(
                 lambda mode=mode: sum(s.placement == mode for s in self.sessions.values()))

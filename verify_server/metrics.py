@@ -87,6 +87,9 @@ class Metrics:
                                      ["placement"], registry=r)
         self.placement_moves = Counter("sled_placement_moves", "Sessions moved by the placement "
                                        "policy, by where they went", ["to"], registry=r)
+        self.step_load = Gauge("sled_step_load", "The GPU's recent load as the placement "
+                               "policy reads it: the share of the last seconds spent in steps "
+                               "past what its lightest step takes (0..1)", registry=r)
         self.stale_drafts = Counter("sled_stale_drafts", "Drafts of a moved session for a round "
                                     "already past, dropped unanswered", registry=r)
 

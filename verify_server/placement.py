@@ -8,20 +8,22 @@ GPU's recent load (`StepLoad`: the share of its time in steps past what its ligh
 takes), and the session's own placement, acceptance and pace.
 
     fixed    nobody moves (a session keeps the mode it opened with)
-    latency  the fastest tokens for each device: while the GPU's load is under LOW, every
+    latency  the fastest tokens for each device: while the GPU's load is under low, every
              movable session is served by the server (its SAT slots where the
-             target has them, else plain decoding), at the GPU's rate. Past HIGH, sessions go
+             target has them, else plain decoding), at the GPU's rate. Past high, sessions go
              back to drafting on their devices, those whose drafts the target accepts most
-             first: one goes back when its acceptance is at least (1 - load) / (1 - HIGH), so
+             first: one goes back when its acceptance is at least (1 - load) / (1 - high), so
              the more loaded the GPU the more go back, and at a full GPU all of them
     gpu      the least GPU time per token that keeps each device at its SLO: a session drafts
              on its device, and moves to the server only while its device's own rate is under
-             the SLO and the GPU is busy less than HIGH; back to its device past HIGH
+             the SLO and the GPU is busy less than high; back to its device past high
+
+low and high are LOW and HIGH unless the operator sets them (--placement-low, --placement-high).
 
 Under every preference a session moves again at most SETTLE_S seconds after a move (its first
 move may come at its first round boundary), and a device whose
 own drafting was measured slower than the SLO is never moved back to drafting (the server keeps
-it while it can; past HIGH it stays too: moving it back would miss its SLO for sure).
+it while it can; past high it stays too: moving it back would miss its SLO for sure).
 """
 from __future__ import annotations
 
@@ -90,12 +92,17 @@ class Standing:
 class PlacementPolicy:
     """`preference`: one of PREFERENCES; `slo_rate`: the tokens/s a device should get;
     `server_mode`: the server's own placement (GENERATION_MODE_SERVER_SAT where the target has
-    SATs, else GENERATION_MODE_SERVER)."""
+    SATs, else GENERATION_MODE_SERVER); `low` and `high`: the loads under which the server
+    serves and past which it hands back."""
 
-    def __init__(self, preference: str, slo_rate: float, server_mode: int) -> None:
+    def __init__(self, preference: str, slo_rate: float, server_mode: int,
+                 low: float = LOW, high: float = HIGH) -> None:
         if preference not in PREFERENCES:
             raise ValueError(f"unknown placement {preference!r}: use {' or '.join(PREFERENCES)}")
+        if not 0 < low < high < 1:
+            raise ValueError(f"placement loads must be 0 < low < high < 1 (got {low}, {high})")
         self.preference, self.slo_rate, self.server_mode = preference, slo_rate, server_mode
+        self.low, self.high = low, high
 
     @property
     def moves(self) -> bool:
@@ -116,13 +123,13 @@ class PlacementPolicy:
         return wanted
 
     def _for_latency(self, drafting: bool, acceptance: float, busy: float) -> int:
-        if busy < LOW:
+        if busy < self.low:
             return self.server_mode
-        if busy > HIGH and acceptance >= (1.0 - busy) / (1.0 - HIGH):
+        if busy > self.high and acceptance >= (1.0 - busy) / (1.0 - self.high):
             return DEVICE
         return DEVICE if drafting else self.server_mode
 
     def _for_gpu(self, slow: bool, busy: float) -> int:
-        if busy > HIGH:
+        if busy > self.high:
             return DEVICE
         return self.server_mode if slow else DEVICE

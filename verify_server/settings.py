@@ -91,6 +91,10 @@ class ServerSettings(BaseSettings):
         "serves it while the GPU has room; gpu, its device drafts unless it falls under the SLO")
     placement_slo_rate: float = Field(5.0, gt=0, description="tokens/s a device should get: "
                                       "the placement policy's SLO")
+    placement_low: float = Field(0.5, gt=0, lt=1, description="the GPU's load (sled_step_load) "
+                                 "under which the server serves movable sessions itself")
+    placement_high: float = Field(0.8, gt=0, lt=1, description="the GPU's load past which the "
+                                  "server hands movable sessions back to their devices")
     # --- where it listens ---
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port")
@@ -329,6 +333,14 @@ class ServerSettings(BaseSettings):
             if tokens is not None and self.kv_budget is not None:
                 raise ValueError(f"kv_budget and emulate both size the KV cache: the profile's "
                                  f"GPU holds {tokens} tokens of KV; leave out --kv-budget")
+        return self
+
+    @model_validator(mode="after")
+    def _placement_band(self) -> "ServerSettings":
+        if self.placement_low >= self.placement_high:
+            raise ValueError(f"placement_low ({self.placement_low:g}) must be under "
+                             f"placement_high ({self.placement_high:g}): the server serves "
+                             "sessions under the one and hands them back past the other")
         return self
 
     @model_validator(mode="after")
