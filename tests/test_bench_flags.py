@@ -3,6 +3,7 @@ a bench whose server's tokenizer is refused stops with one line and exit 3, and 
 interrupted (Ctrl-C) while its server starts leaves no server behind."""
 from __future__ import annotations
 
+import argparse
 import importlib
 
 import pytest
@@ -342,3 +343,13 @@ def test_the_footprint_bench_runs_an_ngram_daemon_on_the_tiny_target(capsys, tmp
     env = results["envs"]["full"]
     assert env["modules"]["torch"] and 0 < env["without_llama_cpp_mb"] <= env["site_packages_mb"]
     assert re.search(r"\b\d+\.\d\dx\b", out) and second.with_suffix(".png").exists()   # a ratio
+
+
+def test_placement_with_a_target_of_its_own_needs_a_drafter_of_its_own():
+    from lab.bench import harness
+    from lab.bench.placement import _pair
+
+    with pytest.raises(harness.Stop, match="--model needs --drafter") as stop:
+        _pair(argparse.Namespace(model="gemma3-270m", drafter=None))
+    assert stop.value.code == harness.BAD_FLAGS
+    assert _pair(argparse.Namespace(model="gemma3-270m", drafter="ngram"))[1] == "ngram"

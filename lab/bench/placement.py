@@ -12,6 +12,11 @@ Every output is held to the target's own generate(), and each session's moves (O
 Verdict.placement) and tokens by placement are counted. Exit 1 when an output differs.
 
     sled bench placement --devices 16 --base 2 --phase-s 6
+    sled bench placement --model gemma3-270m --drafter ngram    # steps that grow with rows
+
+The tiny target's steps on a CPU are mostly the host's own work, so its load hardly moves; a
+target whose steps grow with their rows (Gemma 3 270M on this CPU, any target on a GPU) takes
+the server past HIGH at the peak, and sessions go back to their devices.
 """
 from __future__ import annotations
 
@@ -28,9 +33,16 @@ from lab.oracle import greedy_ids, load_target
 from lab.tiny import CORPUS, cached_pair
 from sled import clock
 from sled.flags import positive_float, positive_int
+from sled.models import resolve_model
+from verify_server.flags import served_settings
 
 
 def add_arguments(parser) -> None:
+    harness.add_server_flags(parser, model_help="target alias or path (default: the tiny pair's "
+                                                "target)")
+    parser.add_argument("--drafter", default=None,
+                        help="each device's drafter (default: the tiny pair's drafter; with "
+                             "--model, e.g. ngram or a GGUF alias)")
     parser.add_argument("--devices", type=positive_int, default=16, help="devices at the peak")
     parser.add_argument("--base", type=positive_int, default=2,
                         help="devices before and after the peak")
@@ -49,33 +61,54 @@ def run(args) -> int:
 
 async def bench(args) -> int:
     console = harness.bench_console()
-    target, drafter_dir = cached_pair()
-    served_target = load_target(target)
-    server_args = ["--placement", args.placement]
+    target, drafter = _pair(args)
+    server_args = ["--placement", args.placement, *harness.server_flags(args)]
+    served_target = load_target(target, settings=served_settings(target, server_args))
     async with harness.serving(target, server_args, console=console) as served:
         tokenizer = await served.conn.tokenizer()
         prompts = [tokenizer(text).input_ids for text in CORPUS]
-        sessions = await _waves(served, args, prompts, drafter_dir, tokenizer, console)
+        loads: list[tuple[float, float]] = []
+        sampler = asyncio.create_task(_sample_load(served.server, loads))
+        try:
+            sessions = await _waves(served, args, prompts, drafter, tokenizer, console)
+        finally:
+            sampler.cancel()
         moves = sum(_labelled(served.server, "sled_placement_moves_total", f'to="{to}"')
                     for to in ("device", "server", "server_sat"))
-    wrong = [s for s in sessions
-             if s["tokens"] != greedy_ids(served_target, s["prompt"], args.max_new_tokens)]
-    _table(console, sessions, args)
+    with console.status("the target's own generate() for every prompt"):
+        references = {tuple(s["prompt"]): None for s in sessions}
+        for prompt in references:
+            references[prompt] = greedy_ids(served_target, list(prompt), args.max_new_tokens)
+    wrong = [s for s in sessions if s["tokens"] != references[tuple(s["prompt"])]]
+    _table(console, sessions, loads, args)
     moved = sum(1 for s in sessions if s["moves"])
     console.print(f"{len(sessions)} sessions, {moved} moved at least once, "
                   f"{sum(s['moves'] for s in sessions)} moves ({moves:.0f} by the server's "
                   f"count); outputs equal to generate(): {len(sessions) - len(wrong)} of "
                   f"{len(sessions)}")
     harness.write_results(console, args.out, {
+        "target": target, "drafter": drafter,
         "devices": args.devices, "base": args.base, "phase_s": args.phase_s,
         "placement": args.placement, "max_new_tokens": args.max_new_tokens,
         "sessions": [{k: v for k, v in s.items() if k not in ("prompt", "tokens")}
                      for s in sessions],
+        "loads": [[round(t, 2), round(v, 3)] for t, v in loads],
         "moved": moved, "identical": len(sessions) - len(wrong)})
     return harness.DONE if not wrong else 1
 
 
-async def _waves(served, args, prompts, drafter_dir, tokenizer, console) -> list[dict]:
+def _pair(args) -> tuple[str, str]:
+    """The server's target and the devices' drafter spec: the tiny pair unless --model."""
+    if args.model is None:
+        target, drafter_dir = cached_pair()
+        return target, args.drafter or f"hf:{drafter_dir}"
+    if args.drafter is None:
+        raise harness.Stop("--model needs --drafter (e.g. ngram): the tiny pair's drafter "
+                           "speaks the tiny target's vocabulary only", harness.BAD_FLAGS)
+    return resolve_model(args.model), args.drafter
+
+
+async def _waves(served, args, prompts, drafter_spec, tokenizer, console) -> list[dict]:
     """Every device's sessions: the base devices for the three phases, the others for the
     peak (a session they are in when it ends runs to its end)."""
     started = clock.now()
@@ -83,7 +116,7 @@ async def _waves(served, args, prompts, drafter_dir, tokenizer, console) -> list
     sessions: list[dict] = []
 
     async def device(index: int, joins: float, leaves: float) -> None:
-        drafter = load_drafter(f"hf:{drafter_dir}")
+        drafter = load_drafter(drafter_spec)
         bind_target_tokenizer(drafter, tokenizer)
         await asyncio.sleep(joins)
         n = 0
@@ -108,6 +141,16 @@ async def _waves(served, args, prompts, drafter_dir, tokenizer, console) -> list
     return sessions
 
 
+async def _sample_load(server, loads: list, every: float = 0.25) -> None:
+    """The server's load (sled_step_load) every EVERY seconds, as (seconds from the start,
+    load), until cancelled."""
+    started = clock.now()
+    while True:
+        load = await asyncio.to_thread(server.metric, "sled_step_load")
+        loads.append((clock.now() - started, load))
+        await asyncio.sleep(every)
+
+
 def _labelled(server, name: str, label: str) -> float:
     """One labelled sample of the server's /metrics (0 when it has none yet)."""
     try:
@@ -116,20 +159,26 @@ def _labelled(server, name: str, label: str) -> float:
         return 0.0
 
 
-def _table(console, sessions: list[dict], args) -> None:
-    """Sessions by the phase they opened in: how many, how many moved, tokens by placement."""
+def _table(console, sessions: list[dict], loads: list, args) -> None:
+    """Sessions by the phase they opened in: how many, how many moved, tokens by placement,
+    and the server's load in the phase (its mean and its most)."""
     table = Table(title=f"sled serve --placement {args.placement}: sessions by the phase they "
                         "opened in")
-    for column in ("phase", "sessions", "moved", "moves", "device tokens", "server tokens"):
+    for column in ("phase", "sessions", "moved", "moves", "device tokens", "server tokens",
+                   "load: mean, most"):
         table.add_column(column, justify="right" if column != "phase" else "left")
     names = ("light", "peak", "light again")
     for k, name in enumerate(names):
-        mine = [s for s in sessions if k * args.phase_s <= s["opened_s"] < (k + 1) * args.phase_s
-                or (k == 2 and s["opened_s"] >= 3 * args.phase_s)]
+        def within(t: float) -> bool:
+            return k * args.phase_s <= t < (k + 1) * args.phase_s or (k == 2 and t >= 3 * args.phase_s)
+
+        mine = [s for s in sessions if within(s["opened_s"])]
+        load = [v for t, v in loads if within(t)] or [0.0]
         placed = Counter()
         for s in mine:
             placed.update(s["placements"])
         table.add_row(name, str(len(mine)), str(sum(1 for s in mine if s["moves"])),
                       str(sum(s["moves"] for s in mine)), str(placed["device"]),
-                      str(placed["server"] + placed["server_sat"]))
+                      str(placed["server"] + placed["server_sat"]),
+                      f"{sum(load) / len(load):.2f}, {max(load):.2f}")
     console.print(table)
