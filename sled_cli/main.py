@@ -115,6 +115,8 @@ COMMANDS = {
                              needs=SERVER_LAB),
         "arm-root": Command("lab.arm_root", "an aarch64 Debian Bookworm root (debootstrap, "
                             "qemu-user), built once into the cache; --check runs its python3"),
+        "arm-wheel": Command("lab.arm_wheel", "llama-cpp-python cross-compiled for aarch64 with "
+                             "a board's flags (pi5, pi4, orin), built once per set of flags"),
         "device": Command("lab.device_entry", "a device container's entrypoint: take a place in "
                           "the scenario's fleet, set up its link, run sled device"),
     }),

@@ -3,14 +3,11 @@
 rule in sled.llama_build gives each board the -march its cores support, and no more."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from lab.arm_wheel import CPUINFO_DIR as CPUINFO   # lab/cpuinfo/, the boards arm-wheel builds for
 from sled import llama_build
 from sled.llama_build import build_flags, cpu_features, cpu_name
-
-CPUINFO = Path(__file__).resolve().parent / "fixtures" / "cpuinfo"
 
 # board file -> (cores, its name as sled doctor prints it, the -march it gets)
 BOARDS = {
