@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer
 
+from sled.chat_templates import turn_end_ids
 from sled.models import resolve_model
 from verify_server.flags import served_settings
 from verify_server.settings import ServerSettings
@@ -73,6 +74,17 @@ def greedy_ids(served, prompt_ids: list[int], max_tokens: int) -> list[int]:
     generated = out[0, len(prompt_ids):].tolist()
     ends = [i for i, token in enumerate(generated) if eos and token in eos]
     return generated[:ends[0] + 1] if ends else generated
+
+
+def chat_reply(served, messages: list[dict], max_tokens: int) -> str:
+    """The text a device's /v1/chat/completions answers greedily: generate() on the target's
+    chat template (with the generation prompt), up to the end of its turn or its EOS."""
+    tokenizer = served.tokenizer
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    new = greedy_ids(served, prompt, max_tokens)
+    ends = set(turn_end_ids(tokenizer)) | set(served.eos_ids)
+    cut = next((i for i, token in enumerate(new) if token in ends), None)
+    return decode_text(tokenizer, new[:cut])
 
 
 def decode_text(tokenizer, ids: list[int]) -> str:

@@ -117,6 +117,9 @@ COMMANDS = {
                             "qemu-user), built once into the cache; --check runs its python3"),
         "arm-wheel": Command("lab.arm_wheel", "llama-cpp-python cross-compiled for aarch64 with "
                              "a board's flags (pi5, pi4, orin), built once per set of flags"),
+        "arm-device": Command("lab.arm_device", "the device side in the aarch64 root, drafting "
+                              "for a server on this host: install, doctor, three drafters, RSS",
+                              needs=SERVER_LAB),
         "device": Command("lab.device_entry", "a device container's entrypoint: take a place in "
                           "the scenario's fleet, set up its link, run sled device"),
     }),
