@@ -16,6 +16,7 @@ import tokenizers
 from drafters.capabilities import Capabilities, capabilities_of
 from sled.cache import write_atomically
 from sled.wire.fingerprint import fingerprint_vocab
+from sled.wire.keyed import keyed_pick
 from sled.wire.sampling import Sampling, warp
 from sled.wire.tree import chain_parents, is_chain
 
@@ -105,13 +106,18 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def choose_token(logits: np.ndarray, sampling: Sampling, q_support: int,
-                 generator: np.random.Generator | None = None) -> tuple[int, SparseQ | None]:
-    """One draft token from logits [vocab]: the argmax, or a draw with its q."""
+                 generator: np.random.Generator | None = None,
+                 position: int | None = None) -> tuple[int, SparseQ | None]:
+    """One draft token from logits [vocab]: the argmax, or a draw with its q. A seeded request's
+    draw at sequence position POSITION is the keyed rule's (sled.wire.keyed), the one the target
+    makes by the same rule from p: the closer q is to p, the likelier they agree."""
     if sampling.greedy:
         return int(np.argmax(logits)), None
     # Sample from the warped distribution truncated to q_support ids: that truncated q is
     # exactly what was sampled from, so the server's rejection sampling stays exact.
     ids, q = truncated_q(warp(logits, sampling), q_support)
+    if sampling.seed is not None and position is not None:
+        return keyed_pick(ids, q, sampling.seed, position), SparseQ(ids.tolist(), q.tolist())
     rng = generator if generator is not None else np.random.default_rng()
     cumulative = np.cumsum(q)                                   # [support]
     pick = min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")),
@@ -199,7 +205,8 @@ class KVDrafter:
         confidence: list[float] = []
         siblings: list[tuple[int, int]] = []     # (token, parent node) of each leaf beside the chain
         for j in range(draft_len):
-            token, q = choose_token(logits, sampling, self.q_support, generator)
+            token, q = choose_token(logits, sampling, self.q_support, generator,
+                                    position=len(context) + j)
             if branch:
                 siblings += [(s, j) for s in unsure_alternatives(logits, tree - 1)]
             draft.append(token)

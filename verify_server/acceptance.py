@@ -43,8 +43,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
+from sled.wire.keyed import keyed_pick
 from sled.wire.loose import Loose
 from sled.wire.sampling import Sampling
 from sled.wire.tree import children
@@ -221,6 +223,28 @@ def verify_sampling(
     return Outcome(len(draft), list(draft) + [bonus])
 
 
+def keyed_targets(p: torch.Tensor, seed: int, positions: Sequence[int]) -> list[int]:
+    """The token the keyed rule (sled.wire.keyed) picks at each row of p [rows, vocab] (warped
+    target probabilities), row i being sequence position positions[i]: a seeded request's
+    tokens, fixed by its seed and their positions. Verifying a draft against them is greedy
+    verification (greedy_chain, greedy_tree), and each is an exact draw from its row of p."""
+    rows = p.to(torch.float64).cpu().numpy()
+    picked = []
+    for row, position in zip(rows, positions):
+        ids = np.flatnonzero(row > 0)
+        picked.append(keyed_pick(ids, row[ids], seed, position))
+    return picked
+
+
+def tree_positions(parents: Sequence[int], first: int) -> list[int]:
+    """The sequence position each node of a tree predicts (node 0, the root, predicts FIRST; a
+    node one deeper than its parent predicts one further)."""
+    depth = [0]
+    for parent in parents:
+        depth.append(depth[parent] + 1)
+    return [first + d for d in depth]
+
+
 # --- a whole step ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +258,7 @@ class Proposal:
     loose: Loose | None = None          # opt-in loose verification (greedy chains)
     lookahead: int = 0                  # m SAT slots per block after the draft
     every_cut: bool = False             # a SAT block after every place the draft may be cut
+    position: int = 0                   # the sequence position the row's first logits predict
 
 
 def decide(proposals: Sequence[Proposal | None], logits: StepLogits) -> list[Outcome | None]:
@@ -261,13 +286,23 @@ def _decide_row(proposal: Proposal, targets: list[int], logits: torch.Tensor) ->
     """One row: its path and token, then its SAT hints (from the block that follows the accepted
     tokens with every_cut, else from the one block when the whole draft survived)."""
     draft, sampling, draft_len = proposal.draft, proposal.sampling, len(proposal.draft)
+    keyed = not sampling.greedy and sampling.seed is not None     # sled.wire.keyed
     if proposal.parents:        # deterministic candidates only (validation.check_tree)
         if sampling.greedy:
             return greedy_tree(targets, draft, proposal.parents)
+        if keyed:
+            picked = keyed_targets(warp(logits.float(), sampling), sampling.seed,
+                                   tree_positions(proposal.parents, proposal.position))
+            return greedy_tree(picked, draft, proposal.parents)
         return verify_sampling_tree(warp(logits.float(), sampling), draft, proposal.parents,
                                     proposal.generator)
     if sampling.greedy:
         outcome = greedy_chain(targets[:draft_len + 1], draft, proposal.loose, logits)
+    elif keyed:
+        p = warp(logits[:draft_len + 1].float(), sampling)      # [draft_len + 1, vocab]
+        first = proposal.position
+        outcome = greedy_chain(keyed_targets(p, sampling.seed, range(first, first + len(p))),
+                               draft)
     else:
         p = warp(logits[:draft_len + 1].float(), sampling)      # [draft_len + 1, vocab]
         outcome = verify_sampling(p, draft, proposal.q, proposal.generator)

@@ -129,7 +129,8 @@ class Verify(Work):
     def proposal(self) -> Proposal:
         session = self.session
         return Proposal(self.draft, session.sampling, session.generator, self.q,
-                        tuple(self.parents or ()), session.loose, self.lookahead, self.every_cut)
+                        tuple(self.parents or ()), session.loose, self.lookahead, self.every_cut,
+                        len(session.prompt_ids) + len(session.generated))
 
     def keep(self, row: Row, outcome: Outcome | None) -> None:
         if self.parents and outcome is not None:
