@@ -8,10 +8,14 @@ tail of its log) and exit status 3:
   project      the project's wheel, built from this tree
   images       each image's dependencies image (cached by wheelhouse + base), then the server and
                device images (that plus the project's wheel: seconds) and the broker image
+  arm64 image  a scenario with `arch: arm64` devices on an amd64 host: the arm64 base, wheelhouse
+               and device image (lab.images_arm64), run as linux/arm64 containers by qemu-user
+               through binfmt_misc (a machine without it: one line, exit status 2)
   run folder   broker files (lab.broker), the scenario (a prompt file copied beside it), the
                compose environment and override
-  up           broker, server and one device replica per slot (--scale device=N); with
-               server.replicas 2 (profile replicas) also server-1 and the HAProxy the devices dial
+  up           broker, server and one device replica per slot (--scale device=N, and
+               device-arm64=M, profile arm64, for arm64 slots); with server.replicas 2 (profile
+               replicas) also server-1 and the HAProxy the devices dial
   limits       each device container's CPU quota and memory limit from its device profile
   passwords    each device container gets its own broker password, and only its own: devices
                mount state/ and scenario.yaml, never broker/ (credentials.json holds them all)
@@ -37,11 +41,13 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
+from lab.arch import ARCHES, ArchUnavailable, emulation_ready, machine_arch, service, slot_arch
 from lab.broker import BrokerFiles, Listener, replica_login
 from sled.pki import write_secret
 from lab.device_entry import GGUF_FILES, PASSWORD_FILE, wait_slot_files
 from lab.images import (DOCKER, ROOT, TORCH, BuildError, base_image, build_images, project_wheel,
                         remove_images, run_step, wheelhouse)
+from lab.images_arm64 import arm64_images
 from lab.profiles import device_profile
 from lab.proxy import haproxy_config
 from lab.scenario import TINY_TARGET, ScenarioError, load_scenario, scenario_path
@@ -92,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         scenario = load_scenario(args.scenario)
-    except ScenarioError as exc:
+        emulation_ready(scenario.slots())
+    except (ScenarioError, ArchUnavailable) as exc:
         print(f"sled lab compose: {exc}", file=sys.stderr)
         return 2
     run_name = args.run or f"{scenario.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
@@ -198,8 +205,9 @@ class ComposeLab:
                                     "--env-file", str(self.run_dir / ".env")]
         for file in files:
             argv += ["-f", str(file)]
-        profiles = ["lab"] + (["replicas"] if self.replicas > 1 else []) + (["observe"] if
-                                                                               self.observe else [])
+        profiles = (["lab"] + (["replicas"] if self.replicas > 1 else [])
+                    + [name.removeprefix("device-") for name in self.device_services
+                       if name != "device"] + (["observe"] if self.observe else []))
         for profile in profiles:
             argv += ["--profile", profile]
         return argv + list(words)
@@ -207,6 +215,16 @@ class ComposeLab:
     @property
     def replicas(self) -> int:
         return self.scenario.server.replicas
+
+    @property
+    def device_services(self) -> dict[str, int]:
+        """Each device service of this run and its replicas: `device` for the host's
+        architecture, `device-arm64` (profile arm64) for arm64 slots on an amd64 host."""
+        host, counts = machine_arch(), {}
+        for slot in self.scenario.slots():
+            name = service(slot_arch(slot, host), host)
+            counts[name] = counts.get(name, 0) + 1
+        return counts
 
     @property
     def servers(self) -> list[str]:
@@ -223,6 +241,8 @@ class ComposeLab:
         house = progress.step("wheelhouse", wheelhouse, None, args.torch)
         wheel = progress.step("project", project_wheel)
         self.tags = progress.step("images", build_images, base, house, wheel)
+        if "device-arm64" in self.device_services:
+            self.tags |= progress.step("arm64 image", arm64_images, wheel)
         if self.gpu:
             progress.step("cuda torch", cuda_torch_ready, self.tags["server"])
         progress.step("run folder", self.write_run_folder)
@@ -246,11 +266,11 @@ class ComposeLab:
         write_run_folder(self)
 
     def up(self) -> None:
-        n = len(self.scenario.slots())
+        devices = self.device_services
+        scales = [word for name, n in devices.items() for word in ("--scale", f"{name}={n}")]
         services = (["broker", *self.servers] + (["proxy"] if self.replicas > 1 else [])
-                    + ["device"] + (["prometheus", "grafana"] if self.observe else []))
-        run_step("up", self.compose("up", "-d", "--no-build", "--scale", f"device={n}",
-                                    *services))
+                    + list(devices) + (["prometheus", "grafana"] if self.observe else []))
+        run_step("up", self.compose("up", "-d", "--no-build", *scales, *services))
 
     def apply_limits(self) -> None:
         apply_limits(self.run_dir / "state" / "slots", len(self.scenario.slots()))
@@ -272,7 +292,7 @@ class ComposeLab:
         with (folder / "compose.log").open("w") as sink:
             proxy = ["proxy"] if self.replicas > 1 else []
             subprocess.run(self.compose("logs", "--no-color", "broker", *self.servers, *proxy,
-                                        "device"),
+                                        *self.device_services),
                            stdout=sink, stderr=subprocess.STDOUT)
 
     def down(self) -> None:
@@ -326,8 +346,9 @@ def write_run_folder(lab: ComposeLab) -> None:
 
 
 def write_scenario(lab: ComposeLab, run_dir: Path) -> None:
-    """scenario.yaml for the containers; a prompt-file workload is copied to workload/ beside it
-    and the copy's workload.source names it as the containers see it (/lab/workload/...)."""
+    """scenario.yaml for the containers, each fleet group's arch given (the host's where the
+    scenario gives none); a prompt-file workload is copied to workload/ beside it and the copy's
+    workload.source names it as the containers see it (/lab/workload/...)."""
     data = yaml.safe_load(lab.scenario_file.read_text())
     (run_dir / "workload").mkdir()
     source = lab.scenario.workload.source
@@ -340,6 +361,9 @@ def write_scenario(lab: ComposeLab, run_dir: Path) -> None:
                              f"(looked at {prompts})")
         shutil.copyfile(prompts, run_dir / "workload" / prompts.name)
         data["workload"]["source"] = f"/lab/workload/{prompts.name}"
+    if machine_arch() in ARCHES:    # each replica takes the slots of its own architecture
+        for group in data["fleet"]:
+            group["arch"] = group.get("arch") or machine_arch()
     (run_dir / "scenario.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
 
 
@@ -348,6 +372,7 @@ def compose_env(lab: ComposeLab, server_password: str) -> dict[str, str]:
         "COMPOSE_PROJECT_NAME": lab.project,
         "SLED_SERVER_IMAGE": lab.tags.get("server", "sled-lab-server:latest"),
         "SLED_DEVICE_IMAGE": lab.tags.get("device", "sled-lab-device:latest"),
+        "SLED_DEVICE_ARM64_IMAGE": lab.tags.get("device-arm64", "sled-lab-device-arm64:latest"),
         "SLED_BROKER_IMAGE": lab.tags.get("broker", "sled-lab-broker:latest"),
         "SLED_PROXY_IMAGE": lab.tags.get("proxy", "sled-lab-proxy:latest"),
         "SLED_TARGET": lab.scenario.target,
@@ -363,7 +388,8 @@ def override_text(lab: ComposeLab) -> str:
     """The scenario's part of the compose model: each server's extra flags (as a list, so no
     shell splits them) and labels naming the run. JSON is YAML, and needs no quoting rules."""
     labels = {"sled.lab.run": lab.run_name, "sled.lab.scenario": lab.scenario.name}
-    services = {name: {"labels": labels} for name in ("broker", "device", "lab", *lab.servers)}
+    services = {name: {"labels": labels} for name in ("broker", *lab.device_services, "lab",
+                                                      *lab.servers)}
     if lab.replicas > 1:
         services["proxy"] = {"labels": labels}
     for index, service in enumerate(lab.servers):

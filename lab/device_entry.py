@@ -1,13 +1,15 @@
 """`sled lab device`: a device container's entrypoint in the compose lab.
 
-Every replica of the compose service `device` runs this. It
-  1. takes a slot of the scenario's fleet: the first index whose claim file it can create
-     (os.open O_CREAT|O_EXCL on the shared state folder, so two replicas never get the same one;
-     a restarted container finds its own claim again by its host name);
+Every replica of the compose services `device` and `device-arm64` runs this. It
+  1. takes a slot of the scenario's fleet of its own architecture (platform.machine(): an arm64
+     replica takes only the slots of `arch: arm64` groups): the first index whose claim file it
+     can create (os.open O_CREAT|O_EXCL on the shared state folder, so two replicas never get the
+     same one; a restarted container finds its own claim again by its host name);
   2. applies the slot's link profile: `tc qdisc ... netem` on eth0 when the kernel has netem,
      else the daemon's user-space emulation (SLED_DEVICE_EMULATION__LINK), and says which in
      its slot file;
-  3. writes the slot file (id, address, API port, which link emulation ran) for the lab runner;
+  3. writes the slot file (id, address, API port, which link emulation ran, its machine) for
+     the lab runner;
   4. waits for its own broker password: `sled lab compose` reads the slot file and writes that
      slot's password into PASSWORD_FILE inside this container (docker exec); the container
      mounts only state/ and scenario.yaml, never the broker's credentials.json;
@@ -22,11 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from lab.arch import machine_arch
 from lab.profiles import link_profile
 from lab.scenario import ScenarioError, load_scenario
 from lab.traces.calibrated import is_calibrated, trace_file, trace_spec
@@ -68,10 +72,12 @@ def run(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"sled lab device: {exc}", file=sys.stderr)
         return 2
-    slot = claim_slot(Path(args.state) / "slots", slots, socket.gethostname())
+    arch = machine_arch()
+    slot = claim_slot(Path(args.state) / "slots", slots, socket.gethostname(), arch)
     if slot is None:
-        print(f"sled lab device: every one of the scenario's {len(slots)} slots is taken; "
-              "scale the device service to the fleet's size", file=sys.stderr)
+        print(f"sled lab device: every one of the scenario's {len(slots)} slots this {arch} "
+              "container could take is taken; scale each device service to its slots",
+              file=sys.stderr)
         return 2
     emulation = apply_link(slot.link, args.interface)
     write_slot_file(Path(args.state) / "slots", slot, emulation)
@@ -94,9 +100,12 @@ def run(args: argparse.Namespace) -> int:
     os.execvpe("sled", ["sled", "device"], {**os.environ, **env})
 
 
-def claim_slot(folder: Path, slots: list, host: str):
-    """This container's slot: its earlier claim (a restart), else the first free one."""
+def claim_slot(folder: Path, slots: list, host: str, arch: str | None = None):
+    """This container's slot: its earlier claim (a restart), else the first free one; with
+    ARCH, only a slot whose arch is ARCH or unset."""
     folder.mkdir(parents=True, exist_ok=True)
+    if arch is not None:
+        slots = [slot for slot in slots if getattr(slot, "arch", None) in (None, arch)]
     for slot in slots:
         claim = folder / str(slot.index)
         if claim.exists() and claim.read_text().strip() == host:
@@ -141,7 +150,7 @@ def write_slot_file(folder: Path, slot, emulation: str) -> Path:
     """<index>.json, written whole (rename) so the runner never reads half of it."""
     info = {"index": slot.index, "id": slot.id, "device": slot.device, "link": slot.link,
             "drafter": slot.drafter, "host": host_address(), "container": socket.gethostname(),
-            "port": API_PORT, "link_emulation": emulation}
+            "port": API_PORT, "link_emulation": emulation, "machine": platform.machine()}
     path = folder / f"{slot.index}.json"
     partial = folder / f".{slot.index}.json.partial"
     partial.write_text(json.dumps(info, indent=2) + "\n")

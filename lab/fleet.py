@@ -61,6 +61,9 @@ class Fleet(Protocol):
     def link_emulation(self) -> dict[str, str]:
         """Device id -> "netem" | "user-space": how each device's link profile is applied."""
 
+    def device_machines(self) -> dict[str, str]:
+        """Device id -> platform.machine() where its daemon runs (x86_64, aarch64)."""
+
 
 class FleetStartError(RuntimeError):
     """A component of the fleet did not start (the runner exits 3 with this message)."""

@@ -91,6 +91,11 @@ class ComposeFleet:
     def link_emulation(self) -> dict[str, str]:
         return {device_id: info["link_emulation"] for device_id, info in self._slot_files.items()}
 
+    def device_machines(self) -> dict[str, str]:
+        """What each device container's platform.machine() said in its slot file."""
+        return {device_id: info.get("machine", "unknown")
+                for device_id, info in self._slot_files.items()}
+
     async def _wait_slot_files(self, count: int) -> list[dict]:
         try:
             return await asyncio.to_thread(wait_slot_files, self.state / "slots", count, READY_S)

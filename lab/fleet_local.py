@@ -13,6 +13,7 @@ import asyncio
 import getpass
 import json
 import os
+import platform
 import shutil
 import signal
 import sys
@@ -124,6 +125,9 @@ class LocalFleet:
 
     def link_emulation(self) -> dict[str, str]:
         return {handle.id: "user-space" for handle in self.devices}
+
+    def device_machines(self) -> dict[str, str]:
+        return {handle.id: platform.machine() for handle in self.devices}
 
     # -- the server ---------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """The lab's container images, built without a registry: a base image, a wheelhouse, the images.
 
     base_image(build=True)  -> "sled-base:bookworm-<packages>"  (debootstrap + docker import, cached by tag)
+    base_image(True, tag, arch="arm64")                      (debootstrap --arch, a linux/arm64 image)
     wheelhouse()            -> ~/.cache/sled/wheelhouse/<key>/  (every dependency of the images)
     project_wheel(out)      -> the project's own wheel, built from this tree
     build_images(base, house, wheel) -> {"server": "sled-lab-server:<key>", "device": ...,
@@ -76,8 +77,9 @@ def image_exists(tag: str) -> bool:
     return subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode == 0
 
 
-def base_image(build: bool, tag: str = BASE_TAG) -> str:
-    """The local Debian base (built once with debootstrap, then reused by its tag)."""
+def base_image(build: bool, tag: str = BASE_TAG, arch: str | None = None) -> str:
+    """The local Debian base (built once with debootstrap, then reused by its tag); ARCH
+    ("arm64") builds a foreign one, which needs binfmt_misc to run its packages' scripts."""
     if image_exists(tag):
         return tag
     if not build:
@@ -88,8 +90,12 @@ def base_image(build: bool, tag: str = BASE_TAG) -> str:
         root = Path(tmp) / "root"
         # no mirror argument: debootstrap's own default
         run_step("base image (debootstrap)", ["debootstrap", "--variant=minbase",
+                 *([f"--arch={arch}"] if arch else []),
                  "--include=" + ",".join(BASE_PACKAGES), "bookworm", str(root)])
         shutil.rmtree(root / "var/cache/apt/archives", ignore_errors=True)
+        if arch:
+            import_foreign(root, tag, arch)
+            return tag
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
         try:
             run_step("base image (docker import)", ["docker", "import", "-c", "ENV LANG=C.UTF-8",
@@ -98,6 +104,17 @@ def base_image(build: bool, tag: str = BASE_TAG) -> str:
             tar.stdout.close()
             tar.wait()
     return tag
+
+
+def import_foreign(root: Path, tag: str, arch: str) -> None:
+    """ROOT as an image of linux/ARCH: `docker import --platform` of Docker 20.10 still marks the
+    image with the host's architecture, a FROM scratch build for a platform with that one."""
+    context = root.parent / "context"
+    context.mkdir()
+    run_step("base image (tar)", ["tar", "-C", str(root), "-cf", str(context / "root.tar"), "."])
+    (context / "Dockerfile").write_text("FROM scratch\nADD root.tar /\nENV LANG=C.UTF-8\n")
+    run_step("base image (docker build)", ["docker", "build", "--quiet", f"--platform=linux/{arch}",
+                                           "-t", tag, str(context)], env=_build_env())
 
 
 def project_wheel(out: Path | None = None) -> Path:
@@ -222,22 +239,24 @@ def build_images(base: str, house: Path, wheel: Path) -> dict[str, str]:
     with tempfile.TemporaryDirectory(prefix="sled-project-") as context:
         shutil.copy2(wheel, Path(context) / wheel.name)
         for name in PROJECT_IMAGES:
-            _build(tags[f"{name}-deps"], "deps", house, BASE_IMAGE=base,
-                   REQUIREMENTS=f"{name}.txt")
-            _build(tags[name], name, Path(context), DEPS_IMAGE=tags[f"{name}-deps"])
+            build_image(tags[f"{name}-deps"], "deps", house, BASE_IMAGE=base,
+                        REQUIREMENTS=f"{name}.txt")
+            build_image(tags[name], name, Path(context), DEPS_IMAGE=tags[f"{name}-deps"])
         for name in PACKAGE_IMAGES:
-            _build(tags[name], name, Path(context), BASE_IMAGE=base)
+            build_image(tags[name], name, Path(context), BASE_IMAGE=base)
     prune_build_stages()
     prune_stale_images(tags)
     return tags
 
 
-def _build(tag: str, dockerfile: str, context: Path, **build_args: str) -> None:
-    """One docker build, skipped when the tag exists."""
+def build_image(tag: str, dockerfile: str, context: Path, platform: str | None = None,
+                **build_args: str) -> None:
+    """One docker build (for PLATFORM, e.g. linux/arm64, when given), skipped when the tag
+    exists."""
     if image_exists(tag):
         return
     argv = ["docker", "build", "--quiet", "-f", str(DOCKER / f"{dockerfile}.Dockerfile"),
-            "-t", tag]
+            "-t", tag, *([f"--platform={platform}"] if platform else [])]
     for name, value in build_args.items():
         argv += ["--build-arg", f"{name}={value}"]
     run_step(f"{tag.split(':')[0].removeprefix(IMAGE_PREFIX + '-')} image", argv + [str(context)],

@@ -1,6 +1,6 @@
 """The results document a lab run writes (results.json) and the report reads.
 
-    {"run", "mode", "scenario", "started_at", "machine", "link_emulation",
+    {"run", "mode", "scenario", "started_at", "machine", "link_emulation", "device_machines",
      "phases": [{"system", "fleet_size", "wall_s", "requests", "server", "devices",
                  "replicas" (several servers behind a proxy: each one's load)}],
      "faults": [...], "server_power": {"source", "watts"}}
@@ -60,6 +60,7 @@ class Results:
         default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     machine: dict = dataclasses.field(default_factory=machine)
     link_emulation: dict = dataclasses.field(default_factory=dict)
+    device_machines: dict = dataclasses.field(default_factory=dict)   # id -> x86_64, aarch64
     phases: list[dict] = dataclasses.field(default_factory=list)
     faults: list[dict] = dataclasses.field(default_factory=list)
     server_power: dict = dataclasses.field(default_factory=lambda: {"source": "assumed", "watts": None})
@@ -78,6 +79,7 @@ class Results:
         return {"run": self.run, "mode": self.mode,
                 "scenario": self.scenario.model_dump(mode="json"), "started_at": self.started_at,
                 "machine": self.machine, "link_emulation": self.link_emulation,
+                "device_machines": self.device_machines,
                 "phases": self.phases, "faults": self.faults, "server_power": self.server_power}
 
     def write(self, folder: Path) -> Path:

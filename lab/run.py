@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.live import Live
 
 from lab import drive, scrape
+from lab.arch import ArchUnavailable, emulation_ready, foreign_slots, slot_arch
 from lab.faults import publish_configs, run_faults
 from lab.health import wait_health
 from lab.fleet import Fleet, FleetStartError
@@ -104,9 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         scenario = load_scenario(args.scenario)
+        if args.fleet == "local":
+            local_arch_ready(scenario, args.scenario)
         prompts = scenario_prompts(scenario)
         beside = load_report(Path(args.beside)) if args.beside else None
-    except (ScenarioError, ValueError, OSError) as exc:
+    except (ScenarioError, ArchUnavailable, ValueError, OSError) as exc:
         return _fail(str(exc), 2)
     name = args.run or f"{scenario.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     folder = Path(args.out) / name
@@ -118,6 +121,27 @@ def run(args: argparse.Namespace) -> int:
 def _fail(message: str, code: int) -> int:
     print(f"sled lab run: {message}", file=sys.stderr, flush=True)
     return code
+
+
+def local_arch_ready(scenario: Scenario, spec: str) -> None:
+    """Devices of another architecture than this machine's run in containers of theirs (once
+    this machine can run them at all): ArchUnavailable saying so."""
+    foreign = foreign_slots(scenario.slots())
+    if foreign:
+        emulation_ready(foreign)
+        arches = ", ".join(sorted({slot_arch(slot) for slot in foreign}))
+        raise ArchUnavailable(f"the {arches} devices ({', '.join(s.id for s in foreign)}) run in "
+                              f"containers of their platform, not as processes here: "
+                              f"sled lab compose {spec}")
+
+
+def machines_line(machines: dict[str, str]) -> None:
+    """Which machine each device's daemon runs on: x86_64 (dev-00, dev-01), aarch64 (...)."""
+    kinds: dict[str, list[str]] = {}
+    for device_id, machine in sorted(machines.items()):
+        kinds.setdefault(machine, []).append(device_id)
+    phase_line("device machines: " + ", ".join(f"{machine} ({', '.join(ids)})"
+                                               for machine, ids in kinds.items()))
 
 
 def scenario_prompts(scenario: Scenario) -> list[str]:
@@ -169,6 +193,8 @@ async def run_scenario(scenario: Scenario, prompts: list[str], folder: Path, kin
                    f"{scenario.target}{_behind_proxy(scenario)}")
         await fleet.start(scenario.slots())
         results.link_emulation = fleet.link_emulation()
+        results.device_machines = fleet.device_machines()
+        machines_line(results.device_machines)
         await run_phases(fleet, scenario, prompts, outputs(references), results)
     except (FleetStartError, TimeoutError, asyncio.TimeoutError, aiomqtt.MqttError) as exc:
         return _fail(f"{exc} (logs in {folder / 'logs'})", 3)

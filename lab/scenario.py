@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lab.arch import check_arch
 from lab.costs import assumptions
 from lab.profiles import device_profile, link_profile
 from lab.traces.calibrated import is_calibrated, load_calibration
@@ -39,6 +40,7 @@ class DeviceSlot:
     link: str       # link profile spec, e.g. "wifi:rtt_ms=20"
     drafter: str    # drafter spec, e.g. "gguf:gemma3-270m"
     group: int      # which fleet entry it came from
+    arch: str | None = None     # "amd64" or "arm64" (lab.arch); None: the lab machine's own
 
 
 class _Strict(BaseModel):
@@ -50,6 +52,14 @@ class FleetGroup(_Strict):
     device: str
     link: str
     drafter: str
+    # the device containers' architecture, amd64 or arm64 (compose: platform linux/ARCH, run
+    # under qemu-user when it is not the host's); none: the host's own
+    arch: str | None = None
+
+    @field_validator("arch")
+    @classmethod
+    def _arch(cls, value: str | None) -> str | None:
+        return check_arch(value)
 
     @field_validator("device")
     @classmethod
@@ -205,7 +215,7 @@ class Scenario(_Strict):
         for group_index in self._slot_groups():
             group, i = self.fleet[group_index], len(slots)
             slots.append(DeviceSlot(i, f"dev-{i:02d}", group.device, group.link,
-                                    group.drafter, group_index))
+                                    group.drafter, group_index, group.arch))
         return slots
 
     def _slot_groups(self) -> list[int]:
