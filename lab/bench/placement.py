@@ -8,8 +8,10 @@ load goes up and down during the run:
     T .. 2T     every one of --devices
     2T .. 3T    --base devices again (the others finish the session they are in, then leave)
 
-Every output is held to the target's own generate(), and each session's moves (Opened and
-Verdict.placement) and tokens by placement are counted. Exit 1 when an output differs.
+Every output is held to the target's own generate() (with --seeded: sampled, each session with a
+seed of its own, and held to what a --placement fixed server gives the same prompt and seed),
+and each session's moves (Opened and Verdict.placement) and tokens by placement are counted.
+Exit 1 when an output differs.
 
     sled bench placement --devices 16 --base 2 --phase-s 6
     sled bench placement --model gemma3-270m --drafter ngram    # steps that grow with rows
@@ -34,6 +36,7 @@ from lab.tiny import CORPUS, cached_pair
 from sled import clock
 from sled.flags import positive_float, positive_int
 from sled.models import resolve_model
+from sled.wire.sampling import Sampling
 from verify_server.flags import served_settings
 
 
@@ -52,6 +55,10 @@ def add_arguments(parser) -> None:
                         help="tokens of each session")
     parser.add_argument("--placement", default="latency", choices=("latency", "gpu"),
                         help="the server's --placement")
+    parser.add_argument("--seeded", action="store_true",
+                        help="sample (temperature 0.8, top-k 20) with a seed per session, and "
+                             "hold each output to a --placement fixed server's for the same "
+                             "prompt and seed (default: greedy, held to generate())")
     harness.add_out_flag(parser, "placement")
 
 
@@ -63,7 +70,6 @@ async def bench(args) -> int:
     console = harness.bench_console()
     target, drafter = _pair(args)
     server_args = ["--placement", args.placement, *harness.server_flags(args)]
-    served_target = load_target(target, settings=served_settings(target, server_args))
     async with harness.serving(target, server_args, console=console) as served:
         tokenizer = await served.conn.tokenizer()
         prompts = [tokenizer(text).input_ids for text in CORPUS]
@@ -75,26 +81,63 @@ async def bench(args) -> int:
             sampler.cancel()
         moves = sum(_labelled(served.server, "sled_placement_moves_total", f'to="{to}"')
                     for to in ("device", "server", "server_sat"))
-    with console.status("the target's own generate() for every prompt"):
-        references = {tuple(s["prompt"]): None for s in sessions}
-        for prompt in references:
-            references[prompt] = greedy_ids(served_target, list(prompt), args.max_new_tokens)
-    wrong = [s for s in sessions if s["tokens"] != references[tuple(s["prompt"])]]
+    references = await _references(args, sessions, target, drafter, server_args, console)
+    wrong = [s for s in sessions if s["tokens"] != references[_key(s)]]
     _table(console, sessions, loads, args)
     moved = sum(1 for s in sessions if s["moves"])
+    oracle = "a fixed-placement server's" if args.seeded else "generate()"
     console.print(f"{len(sessions)} sessions, {moved} moved at least once, "
                   f"{sum(s['moves'] for s in sessions)} moves ({moves:.0f} by the server's "
-                  f"count); outputs equal to generate(): {len(sessions) - len(wrong)} of "
+                  f"count); outputs equal to {oracle}: {len(sessions) - len(wrong)} of "
                   f"{len(sessions)}")
     harness.write_results(console, args.out, {
         "target": target, "drafter": drafter,
         "devices": args.devices, "base": args.base, "phase_s": args.phase_s,
         "placement": args.placement, "max_new_tokens": args.max_new_tokens,
+        "seeded": args.seeded,
         "sessions": [{k: v for k, v in s.items() if k not in ("prompt", "tokens")}
                      for s in sessions],
         "loads": [[round(t, 2), round(v, 3)] for t, v in loads],
         "moved": moved, "identical": len(sessions) - len(wrong)})
     return harness.DONE if not wrong else 1
+
+
+def _key(session: dict) -> tuple:
+    return tuple(session["prompt"]), session["seed"]
+
+
+async def _references(args, sessions: list[dict], target: str, drafter: str,
+                      server_args: list[str], console) -> dict:
+    """Each session's expected output, by (prompt, seed): greedy, the target's generate();
+    seeded, what a --placement fixed server gives the same prompt and seed (one session at a
+    time, the same drafter)."""
+    keys = list(dict.fromkeys(_key(s) for s in sessions))
+    if not args.seeded:
+        served_target = load_target(target, settings=served_settings(target, server_args))
+        with console.status("the target's own generate() for every prompt"):
+            return {key: greedy_ids(served_target, list(key[0]), args.max_new_tokens)
+                    for key in keys}
+    fixed_args = ["--placement", "fixed", *harness.server_flags(args)]
+    async with harness.serving(target, fixed_args, console=console,
+                               status="starting a --placement fixed server") as fixed:
+        tokenizer = await fixed.conn.tokenizer()
+        drafter_model = load_drafter(drafter)
+        bind_target_tokenizer(drafter_model, tokenizer)
+        info = Target(fingerprint=fixed.fingerprint)
+        references = {}
+        with console.status(f"{len(keys)} sessions again on the fixed-placement server"):
+            for prompt, seed in keys:
+                result = await generate(fixed.stub, drafter_model,
+                                        _request(list(prompt), seed, args),
+                                        settings=RoundSettings(draft_len=4), target=info)
+                references[(prompt, seed)] = result.token_ids
+    return references
+
+
+def _request(prompt: list[int], seed: int | None, args) -> SessionRequest:
+    """One session's request: greedy, or sampled with its own seed."""
+    sampling = Sampling(temperature=0.8, top_k=20, seed=seed) if seed is not None else Sampling()
+    return SessionRequest(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling)
 
 
 def _pair(args) -> tuple[str, str]:
@@ -122,11 +165,11 @@ async def _waves(served, args, prompts, drafter_spec, tokenizer, console) -> lis
         n = 0
         while clock.now() - started < leaves:
             prompt = prompts[(index * 3 + n) % len(prompts)]
+            seed = index * 1000 + n if args.seeded else None
             opened = clock.now() - started
-            result = await generate(served.stub, drafter,
-                                    SessionRequest(prompt, max_new_tokens=args.max_new_tokens),
+            result = await generate(served.stub, drafter, _request(prompt, seed, args),
                                     settings=RoundSettings(draft_len=4), target=info)
-            sessions.append({"device": index, "opened_s": round(opened, 2),
+            sessions.append({"device": index, "seed": seed, "opened_s": round(opened, 2),
                              "seconds": round(result.elapsed_s, 2), "moves": result.moves,
                              "placements": dict(result.placements), "prompt": prompt,
                              "tokens": result.token_ids})
