@@ -4,6 +4,7 @@ this host, as a person with a Pi would install and run it (docs/devices.md).
     sled lab arm-root              # the root, once (lab.arm_root)
     sled lab arm-wheel             # llama-cpp-python for a Pi 5, cross-compiled, once
     sled lab arm-device --fresh    # minutes: every step below, timed
+    sled lab arm-device --board pi4 --drafters gguf    # a Pi 4's build on a Pi 4's core
 
 1. sled's wheel, built from this tree, installed in the root's venv /root/sled-venv with the
    [onnx] extra (--fresh: the venv made anew first), then the cross-compiled llama-cpp-python
@@ -19,8 +20,12 @@ this host, as a person with a Pi would install and run it (docs/devices.md).
    (VmRSS and VmHWM; the process is qemu running Python, so qemu's translator counts too)
    against the budget: the model's files plus 120 MB, 120 MB for ngram.
 
-The root's programs run on one core (taskset), through chroot with a bare environment. Exit 0
-when every output is the target's, 1 when one differs, 2 when the root or the wheel is missing.
+The root's programs run on one core (taskset), through chroot with a bare environment, on the
+board's core as qemu models it (QEMU_CPU: cortex-a76 for a Pi 5 and for an Orin, whose A78AE
+qemu 7.2 lacks but whose -march is the A76's; cortex-a72 for a Pi 4). For a Pi 5 the doctor
+also runs on a Pi 4's core, where the build must fail: its dot-product instructions are not
+there, which shows the flags are the board's own. Exit 0 when every output is the target's
+(and that check fails as it must), 1 otherwise, 2 when the root or the wheel is missing.
 """
 from __future__ import annotations
 
@@ -52,12 +57,16 @@ DRAFTERS = {"ngram": "ngram", "onnx": f"onnx:{TARGET}", "gguf": f"gguf:{TARGET}"
 PROMPT = "def add(a, b):"
 CHAT = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
 CORE = "1"                                   # the root's programs run on this core alone
+QEMU_CPUS = {"pi5": "cortex-a76", "pi4": "cortex-a72", "orin": "cortex-a76"}   # qemu's models
 VERSIONS = ("sled", "numpy", "grpcio", "protobuf", "tokenizers", "onnxruntime",
             "onnxruntime-genai", "llama_cpp_python", "openai")
 MB = 1e6
 
 
 def add_arguments(parser) -> None:
+    parser.add_argument("--board", default="pi5", choices=tuple(QEMU_CPUS),
+                        help="whose llama.cpp build (sled lab arm-wheel --board) and whose core "
+                             "(qemu's model of it) the root runs")
     parser.add_argument("--fresh", action="store_true",
                         help="make the root's venv anew before installing (the install's time "
                              "as a Pi's first install takes it)")
@@ -80,7 +89,8 @@ def run(args) -> int:
 async def main(args) -> int:
     console = harness.bench_console(140)
     root = _ready_root()
-    wheel, flags = _llama_wheel()
+    wheel, flags = _llama_wheel(args.board)
+    cpu = QEMU_CPUS[args.board]
     kinds = [kind.strip() for kind in args.drafters.split(",") if kind.strip()]
     steps: dict[str, float] = {}
     log = root.with_name(root.name + "-device.log")
@@ -89,26 +99,33 @@ async def main(args) -> int:
         _timed(steps, "install sled[onnx]", lambda: install_sled(root, args.fresh, log))
         _timed(steps, "install llama.cpp", lambda: install_llama(root, wheel, flags, log))
         specs = _timed(steps, "copy the models", lambda: copy_models(root, [*kinds, "gguf"]))
-    with console.status("sled doctor in the root"):
-        doctor = _timed(steps, "sled doctor", lambda: run_doctor(root, specs["gguf"]))
+    with console.status(f"sled doctor in the root ({cpu})"):
+        doctor = _timed(steps, "sled doctor", lambda: run_doctor(root, specs["gguf"], cpu))
+        foreign = run_doctor(root, specs["gguf"], QEMU_CPUS["pi4"]) if args.board == "pi5" else None
         baseline = bare_python_mb(root)
-    console.print(f"sled doctor (exit {doctor['exit']}):\n  " + "\n  ".join(doctor["lines"]))
+    console.print(f"sled doctor on {cpu} (exit {doctor['exit']}):\n  "
+                  + "\n  ".join(doctor["lines"]))
+    if foreign is not None:
+        console.print(f"the same build on a Pi 4's core ({QEMU_CPUS['pi4']}): exit "
+                      f"{foreign['exit']} ({'fails, as it must' if foreign['exit'] else 'ran'})")
     versions = installed_versions(root)
     served_target = load_target(resolve_model(TARGET))
     runs = []
     async with harness.serving(resolve_model(TARGET), console=console,
                                status=f"starting the verify server ({TARGET})") as served:
-        with proc_mounted(root), shared_folder(root) as shared:
+        with proc_mounted(root), shared_folder(root, cpu) as shared:
             for kind in kinds:
                 runs.append(await _one_drafter(root, shared, kind, specs[kind], served,
                                                served_target, args, console))
-    data = {"target": TARGET, "steps_s": steps, "doctor": doctor, "versions": versions,
+    data = {"target": TARGET, "board": args.board, "qemu_cpu": cpu, "steps_s": steps,
+            "doctor": doctor, "doctor_on_a_pi4_core": foreign, "versions": versions,
             "bare_python_mb": baseline,
             "llama_flags": flags, "llama_wheel": wheel.name, "runs": runs,
             "root": str(root), "date": time.strftime("%Y-%m-%d")}
     _print(console, data)
     harness.write_results(console, args.out, data)
-    same = all(r["generate_same"] and r["chat_same"] for r in runs) and doctor["exit"] == 0
+    same = (all(r["generate_same"] and r["chat_same"] for r in runs) and doctor["exit"] == 0
+            and (foreign is None or foreign["exit"] != 0))
     return harness.DONE if same else 1
 
 
@@ -126,14 +143,14 @@ def _ready_root() -> Path:
     return root
 
 
-def _llama_wheel() -> tuple[Path, list[str]]:
-    """The cross-compiled llama-cpp-python for a Pi 5 and its flags (lab.arm_wheel's cache)."""
+def _llama_wheel(board: str) -> tuple[Path, list[str]]:
+    """The cross-compiled llama-cpp-python for BOARD and its flags (lab.arm_wheel's cache)."""
     from lab import arm_wheel
 
-    found = arm_wheel.cached_wheel(arm_wheel.DEFAULT_BOARD)
+    found = arm_wheel.cached_wheel(board)
     if found is None:
-        raise harness.Stop("no cross-compiled llama-cpp-python for a Pi 5: build it with "
-                           "`sled lab arm-wheel` (about 7 minutes)")
+        raise harness.Stop(f"no cross-compiled llama-cpp-python for {board}: build it with "
+                           f"`sled lab arm-wheel --board {board}` (about 7 minutes)")
     return found
 
 
@@ -146,11 +163,18 @@ def _timed(steps: dict, name: str, step):
 
 # --- in the root --------------------------------------------------------------------------------
 
-def in_root(root: Path, argv: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
-    """ARGV run in the root on one core, with the root's bare environment; output captured."""
-    env = [f"{key}={value}" for key, value in arm_root.CHROOT_ENV.items()]
+def root_env(cpu: str) -> list[str]:
+    """The bare environment of the root's programs, with qemu's model of the board's core."""
+    return [f"{key}={value}" for key, value in {**arm_root.CHROOT_ENV, "QEMU_CPU": cpu}.items()]
+
+
+def in_root(root: Path, argv: list[str], cpu: str,
+            timeout: float = 900) -> subprocess.CompletedProcess:
+    """ARGV run in the root on one core, as qemu's CPU, with the root's bare environment;
+    output captured."""
     return subprocess.run(["taskset", "-c", CORE, "chroot", str(root), "/usr/bin/env", "-i",
-                           *env, *argv], capture_output=True, text=True, timeout=timeout)
+                           *root_env(cpu), *argv], capture_output=True, text=True,
+                          timeout=timeout, env={"QEMU_CPU": cpu})
 
 
 def install_sled(root: Path, fresh: bool, log: Path) -> None:
@@ -200,21 +224,21 @@ def copy_models(root: Path, kinds: list[str]) -> dict[str, str]:
     return specs
 
 
-def run_doctor(root: Path, gguf_spec: str) -> dict:
-    """`sled doctor --gguf FILE` in the root (a Pi without the models extra names its GGUF):
-    exit and lines."""
-    done = in_root(root, [SLED, "doctor", "--gguf", gguf_spec.partition(":")[2]])
+def run_doctor(root: Path, gguf_spec: str, cpu: str) -> dict:
+    """`sled doctor --gguf FILE` in the root (a Pi without the models extra names its GGUF) on
+    qemu's CPU: exit and lines."""
+    done = in_root(root, [SLED, "doctor", "--gguf", gguf_spec.partition(":")[2]], cpu)
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     return {"exit": done.returncode, "lines": lines}
 
 
 def installed_versions(root: Path) -> dict[str, str]:
     """The root's Python and the versions of the packages that matter, as its pip lists them."""
-    done = in_root(root, [PYTHON, "-m", "pip", "list", "--format", "json"])
+    done = in_root(root, [PYTHON, "-m", "pip", "list", "--format", "json"], "max")
     listed = {item["name"].lower().replace("-", "_"): item["version"]
               for item in json.loads(done.stdout or "[]")}
     python = in_root(root, [PYTHON, "-c", "import platform; print(platform.python_version(), "
-                                          "platform.machine())"]).stdout.strip()
+                                          "platform.machine())"], "max").stdout.strip()
     qemu = subprocess.run(["qemu-aarch64-static", "--version"], capture_output=True, text=True)
     return {"python": python, "qemu (this host)": (qemu.stdout.split("\n")[0].split(" version ")
                                                    + ["-"])[1].split()[0],
@@ -248,7 +272,7 @@ def proc_mounted(root: Path):
 
 
 @contextmanager
-def shared_folder(root: Path):
+def shared_folder(root: Path, cpu: str):
     """A folder with one path inside the root and out: a folder in the root's /tmp, and a link
     to it at the same path here (the daemon's config and the python that enters the root)."""
     inner = Path(f"/tmp/sled-arm-device-{id(root):x}")
@@ -257,10 +281,9 @@ def shared_folder(root: Path):
     if inner.is_symlink() or inner.exists():
         inner.unlink()
     inner.symlink_to(real)
-    env = " ".join(f"{key}={value}" for key, value in arm_root.CHROOT_ENV.items())
     python = real / "python"
-    python.write_text(f"#!/bin/sh\nexec taskset -c {CORE} chroot {root} /usr/bin/env -i {env} "
-                      f"{PYTHON} \"$@\"\n")
+    python.write_text(f"#!/bin/sh\nexport QEMU_CPU={cpu}\nexec taskset -c {CORE} chroot {root} "
+                      f"/usr/bin/env -i {' '.join(root_env(cpu))} {PYTHON} \"$@\"\n")
     python.chmod(0o755)
     try:
         yield inner
@@ -278,7 +301,7 @@ async def _one_drafter(root: Path, shared: Path, kind: str, spec: str, served, s
         start = time.monotonic()
         done = await asyncio.to_thread(in_root, root, [
             SLED, "generate", "--server", address, "--drafter", spec, "--max-new-tokens",
-            str(args.max_new_tokens), "--json", "--prompt", PROMPT])
+            str(args.max_new_tokens), "--json", "--prompt", PROMPT], QEMU_CPUS[args.board])
         generate_s = time.monotonic() - start
     if done.returncode != 0:
         raise harness.Stop(f"sled generate --drafter {spec} in the root: "

@@ -32,3 +32,12 @@ def test_a_machine_without_qemu_is_told_what_to_install(monkeypatch):
     monkeypatch.setattr(arm_root, "check_tools", missing)
     with pytest.raises(harness.Stop, match="apt-get install debootstrap qemu-user-static"):
         arm_device._ready_root()
+
+
+def test_every_board_the_wheel_is_built_for_runs_on_a_core_qemu_models():
+    from lab import arm_wheel
+
+    assert set(arm_device.QEMU_CPUS) == set(arm_wheel.BOARDS)
+    assert arm_device.QEMU_CPUS["pi4"] == "cortex-a72" and arm_device.QEMU_CPUS["pi5"] == "cortex-a76"
+    env = arm_device.root_env("cortex-a72")
+    assert "QEMU_CPU=cortex-a72" in env and "HOME=/root" in env
