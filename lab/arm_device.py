@@ -83,7 +83,7 @@ def _no_drafter(text: str) -> None:
 
 
 def run(args) -> int:
-    return harness.run_bench("arm-device", main, args)
+    return harness.run_bench("arm-device", main, args, group="lab")
 
 
 async def main(args) -> int:
@@ -174,7 +174,7 @@ def in_root(root: Path, argv: list[str], cpu: str,
     output captured."""
     return subprocess.run(["taskset", "-c", CORE, "chroot", str(root), "/usr/bin/env", "-i",
                            *root_env(cpu), *argv], capture_output=True, text=True,
-                          timeout=timeout, env={"QEMU_CPU": cpu})
+                          timeout=timeout, env={**arm_root.CHROOT_ENV, "QEMU_CPU": cpu})
 
 
 def install_sled(root: Path, fresh: bool, log: Path) -> None:
@@ -195,15 +195,14 @@ def install_sled(root: Path, fresh: bool, log: Path) -> None:
 def install_llama(root: Path, wheel: Path, flags: list[str], log: Path) -> None:
     """The cross-compiled wheel installed by sled.llama_build.install, which records its flags
     (what `sled doctor` reports)."""
-    folder = root / "opt" / "llama-wheel"
-    folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / wheel.name).exists():
-        shutil.copy2(wheel, folder / wheel.name)
+    inner = f"/opt/llama-wheel/{wheel.parent.name}/{wheel.name}"    # one folder per build:
+    target = root / inner.lstrip("/")                                  # every board's wheel has
+    target.parent.mkdir(parents=True, exist_ok=True)                   # the same file name
+    shutil.copy2(wheel, target)
     code = ("import json, sys; from pathlib import Path; from sled.llama_build import install; "
             "install(Path(sys.argv[1]), json.loads(sys.argv[2]))")
-    arm_root._chroot("llama-cpp-python", root, [PYTHON, "-c", code,
-                                                 f"/opt/llama-wheel/{wheel.name}",
-                                                 json.dumps(flags)], log)
+    arm_root._chroot("llama-cpp-python", root, [PYTHON, "-c", code, inner, json.dumps(flags)],
+                     log)
 
 
 def copy_models(root: Path, kinds: list[str]) -> dict[str, str]:

@@ -49,20 +49,20 @@ class Stop(Exception):
         self.code = code
 
 
-def run_bench(name: str, bench, args) -> int:
-    """`sled bench NAME`: bench(args), a coroutine function or a plain one, to its exit code.
-    A call the server ends with an error status the benchmark did not expect is one line and
-    exit 3 (its traceback goes to the debug log)."""
+def run_bench(name: str, bench, args, group: str = "bench") -> int:
+    """`sled GROUP NAME` (`sled bench NAME` by default): bench(args), a coroutine function or a
+    plain one, to its exit code. A call the server ends with an error status the benchmark did
+    not expect is one line and exit 3 (its traceback goes to the debug log)."""
+    command = f"sled {group} {name}"
     try:
         result = bench(args)
         return asyncio.run(result) if inspect.iscoroutine(result) else result
     except Stop as exc:
-        print(f"sled bench {name}: {exc}", file=sys.stderr)
+        print(f"{command}: {exc}", file=sys.stderr)
         return exc.code
     except grpc.aio.AioRpcError as exc:
-        logging.getLogger(__name__).debug("sled bench %s: unexpected gRPC error", name,
-                                          exc_info=True)
-        print(f"sled bench {name}: the server answered {exc.code().name}: "
+        logging.getLogger(__name__).debug("%s: unexpected gRPC error", command, exc_info=True)
+        print(f"{command}: the server answered {exc.code().name}: "
               f"{printable(exc.details() or 'no details', 1000)}", file=sys.stderr)
         return SERVER_FAILED
 
