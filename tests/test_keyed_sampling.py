@@ -78,6 +78,22 @@ def test_decide_verifies_a_seeded_row_greedily_on_the_keyed_picks():
     assert tree_positions(parents, 20) == [20, 21, 22, 21, 22]
 
 
+def test_a_seeded_rows_sat_hints_are_the_keyed_picks_at_the_positions_they_guess():
+    """The block of SAT slots after the accepted tokens guesses the positions after the
+    emitted ones: a seeded row's hints are the keyed rule's picks there, not the argmax."""
+    gen = torch.Generator().manual_seed(2)
+    m, draft_len = 2, 2
+    logits = torch.randn(draft_len + 1 + (draft_len + 1) * m, 16, generator=gen)
+    picks = keyed_targets(warp(logits[:draft_len + 1], SEEDED), SEEDED.seed, range(40, 43))
+    draft = [picks[0], (picks[1] + 1) % 16]                     # one accepted, then a correction
+    step = StepLogits(logits, [slice(0, len(logits))])
+    outcome = decide([Proposal(draft, SEEDED, lookahead=m, every_cut=True, position=40)], step)[0]
+    assert outcome.emitted == picks[:2]
+    first = draft_len + 1 + outcome.accepted * m                # the block after the accepted one
+    want = keyed_targets(warp(logits[first:first + m], SEEDED), SEEDED.seed, range(42, 44))
+    assert outcome.hints == want
+
+
 async def seeded_run(server, drafter, prompt, draft_len: int, seed: int = 5,
                      movable: bool = False):
     """One seeded session of 32 tokens: drafted by DRAFTER, or decoded by the server alone

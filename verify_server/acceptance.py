@@ -311,5 +311,10 @@ def _decide_row(proposal: Proposal, targets: list[int], logits: torch.Tensor) ->
         # SAT slot 1 stands for the correction or bonus token; each slot guesses the token
         # after its own.
         first = draft_len + 1 + (outcome.accepted if proposal.every_cut else 0) * m
-        outcome = replace(outcome, hints=targets[first:first + m])
+        hints = targets[first:first + m]
+        if keyed:       # a seeded session's guesses by its own rule, at the positions they guess
+            after = proposal.position + len(outcome.emitted)
+            hints = keyed_targets(warp(logits[first:first + m].float(), sampling),
+                                  sampling.seed, range(after, after + m))
+        outcome = replace(outcome, hints=hints)
     return outcome
