@@ -67,8 +67,8 @@ class RoundSettings:
     accepted whole, the next draft may start with the hints, the drafter continuing after them,
     but only while the session's own rounds show the hints beating its drafter (HintPolicy);
     hints="always" uses every hint, unmeasured.
-    A seeded sampling session drafts AUTO_FIRST_DRAFT_LEN under "auto" and "adaptive" and never
-    pipelines, so that it repeats (both would make the round split depend on timing).
+    A seeded sampling session pipelines and picks its lengths like any other: its tokens are
+    fixed by its seed and their positions (sled.wire.keyed), however its rounds are split.
     tree=N > 1 lets the drafter (one that drafts trees: cacheback; the model drafters in greedy
     sessions) send up to N candidates per draft position as one tree of at most
     max_draft_tokens tokens (the server's ServerLimits.max_draft_tokens: its limit on the
@@ -179,14 +179,8 @@ class DeviceSession:
         self.reconnect = Reconnect(settings.reconnect_s, hooks.on_server, settings.silent_retries)
         self.proposer = Proposer(drafter, request.sampling, settings.min_confidence, settings.tree,
                                  settings.max_draft_tokens)
-        # Seeded sampling never pipelines: how many tokens get drafted ahead depends on timing,
-        # and every draw moves the drafter's random stream, so a seeded run would not repeat.
-        seeded = not request.sampling.greedy and request.sampling.seed is not None
-        self.pipelining = settings.pipeline and not seeded
-        # For the same reason a seeded session drafts a fixed length: "auto" and "adaptive" follow
-        # the server's load and the measured timings, and the round split moves both streams.
-        self.draft_mode = AUTO_FIRST_DRAFT_LEN if seeded and isinstance(settings.draft_len, str) \
-            else settings.draft_len
+        self.pipelining = settings.pipeline
+        self.draft_mode = settings.draft_len
         adaptive = self.draft_mode == "adaptive"
         if policy is None and (adaptive or self.pipelining):
             policy = DraftPolicy(max_draft_len=settings.max_draft_len)

@@ -150,7 +150,8 @@ async def test_the_server_says_what_carries_its_sats(serve, models, caplog):
 
 
 async def test_lora_self_drafting_samples_the_target_distribution(serve, models, tokenizer, prompts):
-    """Three tokens per request: the second is a verified SAT guess (or its residual resample).
+    """Three tokens per request: the second is a verified SAT guess, or the keyed pick that
+    replaces it (seeded: keyed sampling).
     The slot's embedding is the target's likeliest first token's and the deltas are small, so
     the guess is often right and both the accept and the reject branch are exercised."""
     model = copy.deepcopy(models["llama"])

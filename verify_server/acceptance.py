@@ -43,7 +43,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import torch
 
 from sled.wire.keyed import keyed_pick
@@ -228,11 +227,11 @@ def keyed_targets(p: torch.Tensor, seed: int, positions: Sequence[int]) -> list[
     target probabilities), row i being sequence position positions[i]: a seeded request's
     tokens, fixed by its seed and their positions. Verifying a draft against them is greedy
     verification (greedy_chain, greedy_tree), and each is an exact draw from its row of p."""
-    rows = p.to(torch.float64).cpu().numpy()
     picked = []
-    for row, position in zip(rows, positions):
-        ids = np.flatnonzero(row > 0)
-        picked.append(keyed_pick(ids, row[ids], seed, position))
+    for row, position in zip(p, positions):     # only the support leaves the device
+        ids = torch.nonzero(row > 0).flatten()
+        probs = row[ids].to(torch.float64)
+        picked.append(keyed_pick(ids.cpu().numpy(), probs.cpu().numpy(), seed, position))
     return picked
 
 
@@ -258,7 +257,8 @@ class Proposal:
     loose: Loose | None = None          # opt-in loose verification (greedy chains)
     lookahead: int = 0                  # m SAT slots per block after the draft
     every_cut: bool = False             # a SAT block after every place the draft may be cut
-    position: int = 0                   # the sequence position the row's first logits predict
+    position: int | None = None         # the sequence position the row's first logits predict
+                                        # (a seeded sampling row needs it: sled.wire.keyed)
 
 
 def decide(proposals: Sequence[Proposal | None], logits: StepLogits) -> list[Outcome | None]:
@@ -287,6 +287,9 @@ def _decide_row(proposal: Proposal, targets: list[int], logits: torch.Tensor) ->
     tokens with every_cut, else from the one block when the whole draft survived)."""
     draft, sampling, draft_len = proposal.draft, proposal.sampling, len(proposal.draft)
     keyed = not sampling.greedy and sampling.seed is not None     # sled.wire.keyed
+    if keyed and proposal.position is None:
+        raise ValueError("a seeded sampling row is decided by its positions: give "
+                         "Proposal.position")
     if proposal.parents:        # deterministic candidates only (validation.check_tree)
         if sampling.greedy:
             return greedy_tree(targets, draft, proposal.parents)

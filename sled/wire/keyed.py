@@ -18,7 +18,8 @@ So a seeded request gives the same tokens on the device's drafts, the server's S
 decoding, any draft length and any sequence of moves between them (verify_server.placement).
 
 The hash is splitmix64's finalizer over 64-bit words: a key from (seed, n), then one word per
-token id; its top 53 bits make a uniform u in (0, 1), and g = -log(-log u). This module is the one
+token id; its top 52 bits k make u = (k + 1/2) / 2^52, strictly inside (0, 1) and exact in
+float64, and g = -log(-log u). This module is the one
 home of it: numpy here, and the server reads the same numbers through it.
 """
 from __future__ import annotations
@@ -55,7 +56,7 @@ def gumbel(seed: int, position: int, ids: np.ndarray) -> np.ndarray:
     words = np.asarray(ids, dtype=np.uint64) + np.uint64(1)
     with np.errstate(over="ignore"):
         z = _mix_words(np.uint64(position_key(seed, position)) + words * np.uint64(GOLDEN))
-    u = ((z >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
+    u = ((z >> np.uint64(12)).astype(np.float64) + 0.5) * 2.0 ** -52     # exact, inside (0, 1)
     return -np.log(-np.log(u))
 
 

@@ -54,7 +54,8 @@ class Sampling:
             msg.seed = self.seed
 
 
-# A device's drafter draws from a stream that must differ from the server's for one request seed.
+# A device's drafter that samples by its own draws takes a stream apart from the request's seed
+# (the model drafters pick a seeded session's tokens by sled.wire.keyed instead).
 DRAFTER_SEED_OFFSET = 0x5EED
 
 
