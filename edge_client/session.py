@@ -179,15 +179,13 @@ class DeviceSession:
         self.reconnect = Reconnect(settings.reconnect_s, hooks.on_server, settings.silent_retries)
         self.proposer = Proposer(drafter, request.sampling, settings.min_confidence, settings.tree,
                                  settings.max_draft_tokens)
-        self.pipelining = settings.pipeline
-        self.draft_mode = settings.draft_len
-        adaptive = self.draft_mode == "adaptive"
-        if policy is None and (adaptive or self.pipelining):
+        adaptive = settings.draft_len == "adaptive"
+        if policy is None and (adaptive or settings.pipeline):
             policy = DraftPolicy(max_draft_len=settings.max_draft_len)
         self.policy = policy
         self.hints = HintPolicy(settings.lookahead, always=settings.hints == "always")
         self.draft_len = policy.choose() if adaptive else \
-            AUTO_FIRST_DRAFT_LEN if self.draft_mode == "auto" else self.draft_mode
+            AUTO_FIRST_DRAFT_LEN if settings.draft_len == "auto" else settings.draft_len
         self.result = GenerationResult(loose=request.loose is not None)
         self.stream: Stream | None = None
         self.round = 0
@@ -387,7 +385,7 @@ class DeviceSession:
         of draft_len and no further than max_new_tokens allows."""
         left = self.request.left(self.result.token_ids) - len(proposal.token_ids) - 1
         cap = min(self.draft_len, left)
-        if not self.pipelining or cap < 1 or proposal.parents is not None or \
+        if not self.settings.pipeline or cap < 1 or proposal.parents is not None or \
                 not self.policy.pipelining_pays(len(proposal.token_ids)):
             return None
         return self.proposer.speculate(self.context + proposal.token_ids, len(proposal.token_ids), cap)
@@ -419,11 +417,11 @@ class DeviceSession:
         self.result.round_stats.append(stat)
         if self.hooks.on_round is not None:
             self.hooks.on_round(stat)
-        if self.draft_mode == "auto" and stat.suggested_draft_len:
+        if self.settings.draft_len == "auto" and stat.suggested_draft_len:
             self.draft_len = stat.suggested_draft_len
         if self.policy is not None:
             self.policy.observe(stat.verified, stat.accepted, stat.draft_ms, stat.round_trip_ms)
-        if self.draft_mode == "adaptive":
+        if self.settings.draft_len == "adaptive":
             self.draft_len = self.policy.choose(stat.suggested_draft_len)
 
 
