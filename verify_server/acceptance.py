@@ -293,22 +293,20 @@ def _decide_row(proposal: Proposal, targets: list[int], logits: torch.Tensor) ->
     if proposal.parents:        # deterministic candidates only (validation.check_tree)
         if sampling.greedy:
             return greedy_tree(targets, draft, proposal.parents)
+        p = warp(logits.float(), sampling)
         if keyed:
-            picked = keyed_targets(warp(logits.float(), sampling), sampling.seed,
+            picked = keyed_targets(p, sampling.seed,
                                    tree_positions(proposal.parents, proposal.position))
             return greedy_tree(picked, draft, proposal.parents)
-        return verify_sampling_tree(warp(logits.float(), sampling), draft, proposal.parents,
-                                    proposal.generator)
+        return verify_sampling_tree(p, draft, proposal.parents, proposal.generator)
     if sampling.greedy:
         outcome = greedy_chain(targets[:draft_len + 1], draft, proposal.loose, logits)
-    elif keyed:
-        p = warp(logits[:draft_len + 1].float(), sampling)      # [draft_len + 1, vocab]
-        first = proposal.position
-        outcome = greedy_chain(keyed_targets(p, sampling.seed, range(first, first + len(p))),
-                               draft)
     else:
         p = warp(logits[:draft_len + 1].float(), sampling)      # [draft_len + 1, vocab]
-        outcome = verify_sampling(p, draft, proposal.q, proposal.generator)
+        first = proposal.position
+        outcome = (greedy_chain(keyed_targets(p, sampling.seed, range(first, first + len(p))),
+                                draft) if keyed
+                   else verify_sampling(p, draft, proposal.q, proposal.generator))
     m = proposal.lookahead
     if m and (proposal.every_cut or outcome.accepted == draft_len):
         # SAT slot 1 stands for the correction or bonus token; each slot guesses the token
