@@ -54,10 +54,11 @@ def stamp_path(root: Path) -> Path:
     return root.with_name(root.name + ".json")
 
 
-def check_tools() -> None:
-    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+def check_tools(tools: tuple[str, ...] = TOOLS, install: str = INSTALL) -> None:
+    """Unavailable naming every one of TOOLS not on PATH and the line that installs them."""
+    missing = [tool for tool in tools if shutil.which(tool) is None]
     if missing:
-        raise Unavailable(f"{', '.join(missing)} not found: {INSTALL}")
+        raise Unavailable(f"{', '.join(missing)} not found: {install}")
 
 
 def ensure_binfmt(binfmt: Path = BINFMT) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from lab.arm_root import StepFailed, Unavailable, _run, _text
+from lab.arm_root import StepFailed, Unavailable, _run, _text, check_tools
 from sled import progress
 from sled.cache import cache_dir
 from sled.llama_build import PACKAGE, build_flags, cpu_features, cpu_name, describe, spec
@@ -62,12 +62,6 @@ def board_cpuinfo(board: str) -> str:
 def board_flags(cpuinfo: str) -> list[str]:
     """llama.cpp's flags for the board whose /proc/cpuinfo is CPUINFO, as it would pick them."""
     return build_flags(cpu_features(cpuinfo), arch="aarch64")
-
-
-def check_tools() -> None:
-    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
-    if missing:
-        raise Unavailable(f"{', '.join(missing)} not found: {INSTALL}")
 
 
 def wheels_dir() -> Path:
@@ -324,7 +318,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     say = lambda line: print(f"arm-wheel: {line}", flush=True)     # noqa: E731
     try:
-        check_tools()
+        check_tools(TOOLS, INSTALL)
         cpuinfo = args.cpuinfo.read_text() if args.cpuinfo else board_cpuinfo(args.board)
         label = "cpuinfo" if args.cpuinfo else args.board
         flags = board_flags(cpuinfo)
