@@ -8,8 +8,8 @@ binfmt_misc: the devices of a fleet group with `arch: arm64` run it as linux/arm
 The base is the amd64 base's packages, debootstrapped for arm64 and built FROM scratch as a
 linux/arm64 image. The wheelhouse (<cache>/wheelhouse-arm64/KEY) holds the device's dependencies as aarch64
 wheels for CPython 3.11, downloaded on the host (pip download --platform, binary only), and
-llama-cpp-python, which publishes no aarch64 wheel, from the cross-built one in the aarch64 root
-(<cache>/arm-root/bookworm-arm64/opt/llama-wheel). deps.Dockerfile and device.Dockerfile then
+llama-cpp-python, which publishes no aarch64 wheel, from the one `sled lab arm-wheel` cross-built
+for a Pi 5 (lab.arm_wheel.cached_wheel). deps.Dockerfile and device.Dockerfile then
 build the dependencies image and the device image for linux/arm64, as for the host's images,
 each cached by its tag.
 """
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lab import arm_root
+from lab import arm_wheel
 from lab.images import (BASE_PYTHON, BASE_TAG, IMAGE_PREFIX, BuildError, _base_id, _dockerfile,
                         _hash, base_image, build_image, image_requirements, prune_build_stages,
                         prune_stale_images, prune_wheelhouses, run_step, wheel_content_hash)
@@ -34,15 +34,14 @@ BASE_ARM64_TAG = BASE_TAG.replace(":bookworm-", ":bookworm-arm64-")
 GLIBC = (2, 36)         # bookworm's: manylinux wheels up to manylinux_2_36 run on it
 
 
-def llama_wheel(root: Path | None = None) -> Path:
-    """The cross-built aarch64 llama-cpp-python wheel in the aarch64 root."""
-    folder = (root or arm_root.root_dir()) / "opt" / "llama-wheel"
-    found = sorted(folder.glob("llama_cpp_python-*-linux_aarch64.whl"))
-    if not found:
-        raise BuildError("arm64 wheelhouse", f"no aarch64 llama-cpp-python wheel in {folder} "
-                         "(llama-cpp-python publishes none for aarch64; the arm64 device image "
-                         "takes the one cross-built into the aarch64 root)")
-    return found[-1]
+def llama_wheel(board: str = arm_wheel.DEFAULT_BOARD) -> Path:
+    """The aarch64 llama-cpp-python wheel `sled lab arm-wheel` cross-built for BOARD."""
+    found = arm_wheel.cached_wheel(board)
+    if found is None:
+        raise BuildError("arm64 wheelhouse", f"no aarch64 llama-cpp-python wheel for {board} "
+                         "(llama-cpp-python publishes none for aarch64): build it with `sled lab "
+                         f"arm-wheel --board {board}`")
+    return found[0]
 
 
 def platform_tags(glibc: tuple[int, int] = GLIBC) -> list[str]:

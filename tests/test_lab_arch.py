@@ -171,11 +171,17 @@ def test_the_arm64_wheelhouse_takes_every_manylinux_of_bookworm():
     assert not any("x86_64" in tag or "manylinux_2_37" in tag for tag in tags)
 
 
-def test_without_the_cross_built_llama_wheel_the_arm64_image_says_where(tmp_path):
-    with pytest.raises(BuildError, match="no aarch64 llama-cpp-python wheel in .*opt/llama-wheel"):
-        images_arm64.llama_wheel(tmp_path)
-    (tmp_path / "opt" / "llama-wheel").mkdir(parents=True)
-    wheel = tmp_path / "opt" / "llama-wheel" / "llama_cpp_python-0.3.36-py3-none-linux_aarch64.whl"
+def test_without_the_cross_built_llama_wheel_the_arm64_image_says_how_to_build_it(
+        tmp_path, monkeypatch):
+    from lab import arm_wheel
+
+    monkeypatch.setattr(arm_wheel, "cached_wheel", lambda board: None)
+    with pytest.raises(BuildError, match="no aarch64 llama-cpp-python wheel for pi5 .*"
+                                         "sled lab arm-wheel --board pi5"):
+        images_arm64.llama_wheel()
+    wheel = tmp_path / "llama_cpp_python-0.3.36-py3-none-linux_aarch64.whl"
     wheel.write_bytes(b"wheel")
-    assert images_arm64.llama_wheel(tmp_path) == wheel
+    monkeypatch.setattr(arm_wheel, "cached_wheel",
+                        lambda board: (wheel, ["-DGGML_NATIVE=OFF"]) if board == "pi5" else None)
+    assert images_arm64.llama_wheel() == wheel
     assert len(images_arm64.wheelhouse_key(wheel)) == 16
