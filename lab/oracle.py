@@ -79,12 +79,22 @@ def greedy_ids(served, prompt_ids: list[int], max_tokens: int) -> list[int]:
 def chat_reply(served, messages: list[dict], max_tokens: int) -> str:
     """The text a device's /v1/chat/completions answers greedily: generate() on the target's
     chat template (with the generation prompt), up to the end of its turn or its EOS."""
-    tokenizer = served.tokenizer
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    prompt = chat_prompt(served, messages)
     new = greedy_ids(served, prompt, max_tokens)
-    ends = set(turn_end_ids(tokenizer)) | set(served.eos_ids)
-    cut = next((i for i, token in enumerate(new) if token in ends), None)
-    return decode_text(tokenizer, new[:cut])
+    return decode_text(served.tokenizer, new[:turn_end(served, new)])
+
+
+def chat_prompt(served, messages: list[dict]) -> list[int]:
+    """The ids a device's chat completion sends for MESSAGES: the target's chat template with
+    the generation prompt."""
+    return served.tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+
+
+def turn_end(served, new: list[int]) -> int | None:
+    """Where the assistant's turn ends in generated ids NEW: the index of the first turn-end or
+    EOS id, None when it runs to the length limit."""
+    ends = set(turn_end_ids(served.tokenizer)) | set(served.eos_ids)
+    return next((i for i, token in enumerate(new) if token in ends), None)
 
 
 def decode_text(tokenizer, ids: list[int]) -> str:

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from conftest import SLED, cached_reference
+from lab.oracle import chat_prompt, turn_end
 from lab.server_process import free_port
 from sled.chat_templates import GEMMA3, builtin_chat_template, turn_end_ids, with_chat_template
 from sled.wire.fingerprint import fingerprint_tokenizer
@@ -94,11 +95,10 @@ def reference_reply(target: Target, messages: list[dict]) -> tuple[str, str, dic
     """(text, finish reason, usage) of the target's generate(do_sample=False) on the templated
     prompt, up to the end of its turn (or its EOS), which counts as a completion token."""
     tokenizer = target.tokenizer
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    prompt = chat_prompt(target, messages)
     assert prompt[0] == tokenizer.bos_token_id and prompt[1] != tokenizer.bos_token_id  # one BOS
     new = cached_reference(target.model, prompt, MAX_TOKENS)
-    ends = set(turn_end_ids(tokenizer)) | set(target.eos_ids)
-    cut = next((i for i, token in enumerate(new) if token in ends), None)
+    cut = turn_end(target, new)
     finish = "length" if cut is None else "stop"
     usage = {"prompt_tokens": len(prompt), "completion_tokens": len(new) if cut is None else cut + 1}
     return tokenizer.decode(new[:cut], skip_special_tokens=True), finish, usage
