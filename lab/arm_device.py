@@ -238,11 +238,10 @@ def installed_versions(root: Path) -> dict[str, str]:
               for item in json.loads(done.stdout or "[]")}
     python = in_root(root, [PYTHON, "-c", "import platform; print(platform.python_version(), "
                                           "platform.machine())"], "max").stdout.strip()
-    qemu = subprocess.run(["qemu-aarch64-static", "--version"], capture_output=True, text=True)
-    return {"python": python, "qemu (this host)": (qemu.stdout.split("\n")[0].split(" version ")
-                                                   + ["-"])[1].split()[0],
-            **{name: listed.get(name.lower().replace("-", "_"), "-")
-                                 for name in VERSIONS}}
+    qemu = subprocess.run(["qemu-aarch64-static", "--version"], capture_output=True,
+                          text=True).stdout.split()        # qemu-aarch64 version 7.2.22 (...)
+    return {"python": python, "qemu (this host)": qemu[2] if len(qemu) > 2 else "-",
+            **{name: listed.get(name.lower().replace("-", "_"), "-") for name in VERSIONS}}
 
 
 def bare_python_mb(root: Path) -> dict[str, float]:
