@@ -40,7 +40,7 @@ def check_arch(value: str | None) -> str | None:
 
 def slot_arch(slot, host: str | None = None) -> str:
     """The architecture a slot's device runs on: its group's, else this machine's."""
-    return getattr(slot, "arch", None) or host or machine_arch()
+    return slot.arch or host or machine_arch()
 
 
 def foreign_slots(slots, host: str | None = None) -> list:

@@ -105,7 +105,7 @@ def claim_slot(folder: Path, slots: list, host: str, arch: str | None = None):
     ARCH, only a slot whose arch is ARCH or unset."""
     folder.mkdir(parents=True, exist_ok=True)
     if arch is not None:
-        slots = [slot for slot in slots if getattr(slot, "arch", None) in (None, arch)]
+        slots = [slot for slot in slots if slot.arch in (None, arch)]
     for slot in slots:
         claim = folder / str(slot.index)
         if claim.exists() and claim.read_text().strip() == host:
