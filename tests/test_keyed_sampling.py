@@ -141,3 +141,13 @@ async def test_a_drafter_that_is_the_target_has_every_seeded_draft_accepted(serv
     assert result.acceptance_rate == pytest.approx(1.0)
     assert server.metrics.value("sled_accepted_tokens_total") == \
         server.metrics.value("sled_draft_tokens_total") > 0
+
+
+def test_a_seeded_row_without_its_position_is_refused():
+    """The keyed rule needs each row's sequence position: a caller that forgets it would reuse
+    one position's numbers every round, which is no longer a draw from p."""
+    logits = StepLogits(torch.zeros(2, 8), [slice(0, 2)])
+    with pytest.raises(ValueError, match="give Proposal.position"):
+        decide([Proposal([1], SEEDED)], logits)
+    unseeded = Sampling(SEEDED.temperature, SEEDED.top_k)
+    assert decide([Proposal([1], unseeded, torch.Generator().manual_seed(0))], logits)[0] is not None
